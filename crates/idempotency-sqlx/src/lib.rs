@@ -1,0 +1,1 @@
+//! SQLite and PostgreSQL stores for idempotency records

@@ -1,0 +1,1 @@
+//! A tower/axum layer that makes mutating endpoints safe to retry with Idempotency-Key

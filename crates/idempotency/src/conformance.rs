@@ -1,0 +1,426 @@
+//! The store conformance suite: written once, run against every [`Store`].
+//!
+//! A store crate runs it with [`store_conformance_suite!`](crate::store_conformance_suite), naming
+//! a module and an async expression that makes a fresh [`Fixture`]:
+//!
+//! ```ignore
+//! idempotency::store_conformance_suite!(memory, async {
+//!     let store = std::sync::Arc::new(idempotency::MemoryStore::new());
+//!     idempotency::conformance::Fixture { peer: store.clone(), store }
+//! });
+//! ```
+//!
+//! Each case becomes a `#[tokio::test]` named `<module>::<case>`, so a test run shows which
+//! backend passed what. Cases pass explicit timestamps instead of sleeping, so expiry and
+//! staleness are tested exactly and quickly.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::Duration as Span;
+
+use crate::{
+    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Principal, RecordState, Scope, Store,
+    StoreError, StoredBody, StoredResponse, Timestamp, now,
+};
+
+/// Two handles on one backing store: `peer` must be a separate connection pool to the same
+/// database where the backend has pools (two replicas of a service), or the same store.
+#[derive(Clone)]
+pub struct Fixture {
+    /// The store under test.
+    pub store: Arc<dyn Store>,
+    /// A second, independent handle on the same data.
+    pub peer: Arc<dyn Store>,
+}
+
+impl std::fmt::Debug for Fixture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fixture")
+    }
+}
+
+const TTL: Duration = Duration::from_secs(300);
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", crate::RecordId::random().to_hex())
+}
+
+fn scope_with(principal: &str, endpoint: &str, key: &str) -> Scope {
+    Scope::new(
+        Principal::new(principal),
+        Endpoint::new("POST", endpoint),
+        IdempotencyKey::try_from(key).expect("test keys are valid"),
+    )
+}
+
+fn fresh_scope() -> Scope {
+    scope_with(&unique("principal"), "/v1/workers", &unique("key"))
+}
+
+fn fp(s: &str) -> Fingerprint {
+    Fingerprint::from_stored(format!("sha256:{s}"))
+}
+
+fn request(scope: &Scope, fingerprint: &Fingerprint, at: Timestamp) -> ClaimRequest {
+    ClaimRequest { scope: scope.clone(), fingerprint: fingerprint.clone(), now: at, expires_at: at + Span::hours(24) }
+}
+
+fn response(status: u16, body: &[u8]) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![
+            ("content-type".into(), "application/json".into()),
+            ("location".into(), "/v1/workers/wkr-1".into()),
+            ("x-multi".into(), "one".into()),
+            ("x-multi".into(), "two".into()),
+        ],
+        body: StoredBody::encode(Bytes::copy_from_slice(body), 1024),
+    }
+}
+
+async fn owned(store: &dyn Store, req: ClaimRequest) -> crate::Claim {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Owned(c) => c,
+        ClaimOutcome::Existing(r) => panic!("expected to own the key, found {r:?}"),
+    }
+}
+
+async fn existing(store: &dyn Store, req: ClaimRequest) -> crate::Record {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Existing(r) => r,
+        ClaimOutcome::Owned(c) => panic!("expected an existing record, owned {c:?}"),
+    }
+}
+
+/// The first claim of a new key owns it: in flight, generation 1, the request's fingerprint.
+pub async fn first_claim_owns(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let claim = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let r = claim.record();
+    assert_eq!(r.state, RecordState::InFlight);
+    assert_eq!(r.generation, 1);
+    assert_eq!(r.fingerprint, fp("a"));
+    assert_eq!(r.created_at, t);
+    assert_eq!(r.started_at, t);
+    assert_eq!(fx.store.get(&scope).await.expect("get").as_ref(), Some(r));
+}
+
+/// A second claim does not own the key; it sees the first claim's record, unchanged.
+pub async fn second_claim_sees_the_record(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let claim = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let seen = existing(&*fx.peer, request(&scope, &fp("a"), t + Span::seconds(1))).await;
+    assert_eq!(&seen, claim.record());
+    assert_eq!(
+        seen.decide(&fp("a"), t + Span::seconds(1), TTL),
+        Decision::InProgress { retry_after: TTL - Duration::from_secs(1) }
+    );
+}
+
+/// The same key with a different fingerprint is a mismatch in every state.
+pub async fn mismatch_is_detected_in_every_state(fx: Fixture) {
+    let t = now();
+    let (s1, s2, s3) = (fresh_scope(), fresh_scope(), fresh_scope());
+    owned(&*fx.store, request(&s1, &fp("a"), t)).await;
+    let c2 = owned(&*fx.store, request(&s2, &fp("a"), t)).await;
+    fx.store.complete(&c2, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    let c3 = owned(&*fx.store, request(&s3, &fp("a"), t)).await;
+    fx.store.fail(&c3).await.expect("fail");
+    for s in [s1, s2, s3] {
+        let r = existing(&*fx.store, request(&s, &fp("b"), t)).await;
+        assert_eq!(r.decide(&fp("b"), t, TTL), Decision::Mismatch, "{:?}", r.state);
+        assert_eq!(r.fingerprint, fp("a"), "a mismatched claim must not change the record");
+    }
+}
+
+/// A completed record replays its status, headers (order and repeats kept) and body byte for byte.
+pub async fn completed_record_replays_byte_for_byte(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let claim = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let resp = response(201, br#"{"id":"wkr-1","state":"booting"}"#);
+    fx.store.complete(&claim, &resp, t + Span::hours(24)).await.expect("complete");
+    let r = existing(&*fx.peer, request(&scope, &fp("a"), t + Span::seconds(5))).await;
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(r.expires_at, t + Span::hours(24));
+    match r.decide(&fp("a"), t + Span::seconds(5), TTL) {
+        Decision::Replay(got) => {
+            assert_eq!(got, resp);
+            assert_eq!(got.body.decode().expect("decode"), Bytes::from_static(br#"{"id":"wkr-1","state":"booting"}"#));
+        }
+        d => panic!("expected a replay, got {d:?}"),
+    }
+}
+
+/// A failed record is re-claimed by the next attempt (same record id, next generation) and can
+/// then complete.
+pub async fn failed_record_is_reclaimed(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let first = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    fx.store.fail(&first).await.expect("fail");
+    let r = existing(&*fx.store, request(&scope, &fp("a"), t + Span::seconds(1))).await;
+    assert_eq!(r.state, RecordState::Failed);
+    assert_eq!(r.decide(&fp("a"), t, TTL), Decision::Reclaim);
+    let again = fx.store.reclaim(&r, t + Span::seconds(1), TTL).await.expect("reclaim").expect("reclaimed");
+    assert_eq!(again.generation(), 2);
+    assert_eq!(again.record().record_id, first.record().record_id);
+    assert_eq!(again.record().started_at, t + Span::seconds(1));
+    assert_eq!(again.record().created_at, t);
+    assert_eq!(crate::derive(again.record(), "alloc"), crate::derive(first.record(), "alloc"));
+    fx.store.complete(&again, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").state, RecordState::Completed);
+}
+
+/// 64 tasks race to claim one new key through two handles: exactly one owns it.
+pub async fn racing_claims_have_exactly_one_owner(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let store = if i % 2 == 0 { fx.store.clone() } else { fx.peer.clone() };
+            let req = request(&scope, &fp("a"), t);
+            tokio::spawn(async move { store.claim(req).await })
+        })
+        .collect();
+    let mut owners = 0;
+    let mut ids = std::collections::HashSet::new();
+    for outcome in futures::future::join_all(tasks).await {
+        match outcome.expect("task").expect("claim") {
+            ClaimOutcome::Owned(c) => {
+                owners += 1;
+                ids.insert(c.record().record_id);
+            }
+            ClaimOutcome::Existing(r) => {
+                ids.insert(r.record_id);
+            }
+        }
+    }
+    assert_eq!(owners, 1, "exactly one of 64 concurrent claims must own the key");
+    assert_eq!(ids.len(), 1, "every claimer must see the same record");
+}
+
+/// Many tasks race to re-claim one stale record: exactly one wins. A fresh record is not
+/// reclaimable at all.
+pub async fn stale_reclaim_has_exactly_one_winner(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let first = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let record = first.record().clone();
+    let early = t + Span::seconds(299);
+    assert!(fx.store.reclaim(&record, early, TTL).await.expect("reclaim").is_none(), "not stale yet");
+    let late = t + Span::seconds(300);
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let store = if i % 2 == 0 { fx.store.clone() } else { fx.peer.clone() };
+            let record = record.clone();
+            tokio::spawn(async move { store.reclaim(&record, late, TTL).await })
+        })
+        .collect();
+    let winners: Vec<_> =
+        futures::future::join_all(tasks).await.into_iter().filter_map(|r| r.expect("task").expect("reclaim")).collect();
+    assert_eq!(winners.len(), 1, "exactly one concurrent re-claim must win");
+    assert_eq!(winners[0].generation(), 2);
+    assert_eq!(winners[0].record().started_at, late);
+}
+
+/// A superseded claim can neither complete nor fail, and does not overwrite the newer attempt.
+pub async fn superseded_claim_is_fenced(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let slow = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let newer = fx
+        .peer
+        .reclaim(slow.record(), t + Span::seconds(301), TTL)
+        .await
+        .expect("reclaim")
+        .expect("stale claim is reclaimable");
+    let late = fx.store.complete(&slow, &response(201, b"slow"), t + Span::hours(1)).await;
+    assert!(matches!(late, Err(StoreError::Fenced { generation: 1 })), "{late:?}");
+    assert!(matches!(fx.store.fail(&slow).await, Err(StoreError::Fenced { .. })));
+    let r = fx.store.get(&scope).await.expect("get").expect("row");
+    assert_eq!((r.state, r.generation, r.response.is_none()), (RecordState::InFlight, 2, true));
+
+    fx.peer.complete(&newer, &response(201, b"newer"), t + Span::hours(1)).await.expect("complete");
+    assert!(matches!(fx.store.complete(&slow, &response(201, b"slow"), t).await, Err(StoreError::Fenced { .. })));
+    let r = fx.store.get(&scope).await.expect("get").expect("row");
+    assert_eq!(r.response.expect("stored").body.decode().expect("decode"), Bytes::from_static(b"newer"));
+    // Completing twice is refused too: a completed record is final.
+    assert!(matches!(fx.store.complete(&newer, &response(200, b"x"), t).await, Err(StoreError::Fenced { .. })));
+    assert!(
+        fx.store
+            .reclaim(&fx.store.get(&scope).await.expect("get").expect("row"), t + Span::days(1), TTL)
+            .await
+            .expect("reclaim")
+            .is_none()
+    );
+}
+
+/// Expired records are swept; the key is then free and a new claim gets a new record id.
+/// An expired record that was not swept yet counts as absent too.
+pub async fn expiry_frees_the_key(fx: Fixture) {
+    let t = now();
+    let (swept, unswept) = (fresh_scope(), fresh_scope());
+    let mut first_ids = vec![];
+    for scope in [&swept, &unswept] {
+        let c = owned(&*fx.store, request(scope, &fp("a"), t)).await;
+        fx.store.complete(&c, &response(201, b"old"), t + Span::seconds(60)).await.expect("complete");
+        first_ids.push(c.record().record_id);
+    }
+    // Not yet expired: still replayed.
+    existing(&*fx.store, request(&swept, &fp("a"), t + Span::seconds(59))).await;
+
+    // An expired record is absent to claim even before the sweeper ran.
+    let again = owned(&*fx.store, request(&unswept, &fp("b"), t + Span::seconds(61))).await;
+    assert_ne!(again.record().record_id, first_ids[1]);
+    assert_eq!(again.generation(), 1);
+    assert_ne!(
+        crate::derive(again.record(), "alloc"),
+        crate::derive(
+            &{
+                let mut old = again.record().clone();
+                old.record_id = first_ids[1];
+                old
+            },
+            "alloc"
+        )
+    );
+
+    // Sweep everything that expired by a time far in the future for this test's records only
+    // would touch other tests' rows; sweep up to t+61s and check our row went.
+    let mut n = 0;
+    loop {
+        let k = fx.store.sweep_expired(t + Span::seconds(61), 1000).await.expect("sweep");
+        n += k;
+        if k < 1000 {
+            break;
+        }
+    }
+    assert!(n >= 1, "the expired record must be swept");
+    assert!(fx.store.get(&swept).await.expect("get").is_none());
+    assert!(fx.store.get(&unswept).await.expect("get").is_some(), "the re-claimed record is live");
+    let fresh = owned(&*fx.store, request(&swept, &fp("c"), t + Span::seconds(62))).await;
+    assert_ne!(fresh.record().record_id, first_ids[0]);
+}
+
+/// Sweeping deletes at most `batch` records per call and never a live one.
+pub async fn sweep_is_bounded_and_spares_live_records(fx: Fixture) {
+    // Far in the past, so this test's expired rows do not collide with other tests' timing.
+    let t = now() - Span::days(3650);
+    let live = fresh_scope();
+    let c = owned(&*fx.store, request(&live, &fp("a"), t)).await;
+    fx.store.complete(&c, &response(201, b"{}"), t + Span::days(36500)).await.expect("complete");
+    let mut expired = vec![];
+    for _ in 0..25 {
+        let s = fresh_scope();
+        let c = owned(&*fx.store, request(&s, &fp("a"), t)).await;
+        fx.store.complete(&c, &response(201, b"{}"), t + Span::seconds(1)).await.expect("complete");
+        expired.push(s);
+    }
+    let at = t + Span::seconds(2);
+    let first = fx.store.sweep_expired(at, 10).await.expect("sweep");
+    assert_eq!(first, 10, "one call deletes at most the batch");
+    let mut total = first;
+    loop {
+        let k = fx.store.sweep_expired(at, 10).await.expect("sweep");
+        assert!(k <= 10);
+        total += k;
+        if k == 0 {
+            break;
+        }
+    }
+    assert!(total >= 25);
+    for s in &expired {
+        assert!(fx.store.get(s).await.expect("get").is_none());
+    }
+    assert!(fx.store.get(&live).await.expect("get").is_some());
+}
+
+/// Two principals, or two endpoints, with the same key never share a record.
+pub async fn scopes_never_share_a_record(fx: Fixture) {
+    let t = now();
+    let key = unique("shared-key");
+    let a = scope_with("alice", "/v1/workers", &key);
+    let b = scope_with("bob", "/v1/workers", &key);
+    let c = scope_with("alice", "/v1/workers/wkr-1/reboot", &key);
+    let ca = owned(&*fx.store, request(&a, &fp("a"), t)).await;
+    let cb = owned(&*fx.store, request(&b, &fp("a"), t)).await;
+    let cc = owned(&*fx.store, request(&c, &fp("a"), t)).await;
+    assert_ne!(ca.record().record_id, cb.record().record_id);
+    assert_ne!(crate::derive(ca.record(), "alloc"), crate::derive(cb.record(), "alloc"));
+    fx.store.complete(&ca, &response(201, b"alice"), t + Span::hours(1)).await.expect("complete");
+    for s in [&b, &c] {
+        let r = fx.store.get(s).await.expect("get").expect("row");
+        assert_eq!(r.state, RecordState::InFlight, "completing alice's record must not touch {s:?}");
+    }
+    fx.store.complete(&cb, &response(201, b"bob"), t + Span::hours(1)).await.expect("complete");
+    drop(cc);
+    let ra = fx.store.get(&a).await.expect("get").expect("row");
+    let rb = fx.store.get(&b).await.expect("get").expect("row");
+    assert_eq!(ra.response.expect("a").body.decode().expect("decode"), Bytes::from_static(b"alice"));
+    assert_eq!(rb.response.expect("b").body.decode().expect("decode"), Bytes::from_static(b"bob"));
+}
+
+/// A body above the threshold is stored compressed and read back byte for byte; so is a binary
+/// body that is not UTF-8.
+pub async fn compressed_and_binary_bodies_round_trip(fx: Fixture) {
+    let t = now();
+    let big: Vec<u8> = br#"{"node":"n-1","labels":{"team":"ml-eval"}},"#.repeat(6000);
+    let binary: Vec<u8> = (0..=255u8).cycle().take(5000).collect();
+    for body in [big, binary] {
+        let scope = fresh_scope();
+        let c = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+        let resp =
+            StoredResponse { status: 200, headers: vec![], body: StoredBody::encode(Bytes::from(body.clone()), 1024) };
+        fx.store.complete(&c, &resp, t + Span::hours(1)).await.expect("complete");
+        let got = fx.peer.get(&scope).await.expect("get").expect("row").response.expect("stored");
+        assert_eq!(got.body.encoding(), resp.body.encoding());
+        assert_eq!(got.body.decode().expect("decode"), Bytes::from(body));
+    }
+}
+
+/// `get` of an unknown scope is `None`; `ping` answers.
+pub async fn unknown_scope_is_absent(fx: Fixture) {
+    assert!(fx.store.get(&fresh_scope()).await.expect("get").is_none());
+    fx.store.ping().await.expect("ping");
+}
+
+/// Generates one `#[tokio::test]` per conformance case in a module named `$name`.
+/// `$fixture` is an async expression evaluating to a fresh [`Fixture`].
+#[macro_export]
+macro_rules! store_conformance_suite {
+    ($name:ident, $fixture:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::store_conformance_suite!(@cases $fixture;
+                first_claim_owns,
+                second_claim_sees_the_record,
+                mismatch_is_detected_in_every_state,
+                completed_record_replays_byte_for_byte,
+                failed_record_is_reclaimed,
+                racing_claims_have_exactly_one_owner,
+                stale_reclaim_has_exactly_one_winner,
+                superseded_claim_is_fenced,
+                expiry_frees_the_key,
+                sweep_is_bounded_and_spares_live_records,
+                scopes_never_share_a_record,
+                compressed_and_binary_bodies_round_trip,
+                unknown_scope_is_absent,
+            );
+        }
+    };
+    (@cases $fixture:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let fixture = $fixture.await;
+                $crate::conformance::$case(fixture).await;
+            }
+        )*
+    };
+}

@@ -1,0 +1,226 @@
+//! The request fingerprint: what makes "the same request" the same.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// The default largest body the fingerprint reads (1 MiB).
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// A SHA-256 request fingerprint, shown and stored as `sha256:<hex>`.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Fingerprint(String);
+
+/// How the body enters the fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FingerprintMode {
+    /// The raw body bytes, as sent. The safe default: two requests that differ by one byte differ.
+    #[default]
+    Raw,
+    /// Canonical JSON: object keys sorted and insignificant whitespace ignored, so
+    /// `{"a":1, "b":2}` and `{"b":2,"a":1}` match. `{}`, `null` and an absent field stay distinct,
+    /// and so do `1` and `1.0`. A body that is not JSON is fingerprinted raw.
+    CanonicalJson,
+}
+
+/// The parts of a request that make up its fingerprint.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestParts<'a> {
+    /// The method, e.g. `POST`.
+    pub method: &'a str,
+    /// The path, without the query string.
+    pub path: &'a str,
+    /// The query string without the `?`, or `""`.
+    pub query: &'a str,
+    /// The `Content-Type` header, or `""` when absent.
+    pub content_type: &'a [u8],
+    /// The whole body, as received.
+    pub body: &'a [u8],
+}
+
+/// Why a fingerprint could not be computed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FingerprintError {
+    /// The body is larger than the fingerprinter reads.
+    #[error("the request body is {size} bytes; at most {limit} are accepted")]
+    BodyTooLarge {
+        /// The body's size.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+}
+
+/// Computes fingerprints with a mode and a body limit.
+///
+/// ```
+/// use idempotency::{Fingerprinter, FingerprintMode, RequestParts};
+///
+/// let parts = |body: &'static [u8]| RequestParts {
+///     method: "POST", path: "/v1/workers", query: "",
+///     content_type: b"application/json", body,
+/// };
+/// let raw = Fingerprinter::default();
+/// assert_ne!(raw.fingerprint(&parts(br#"{"a":1,"b":2}"#))?, raw.fingerprint(&parts(br#"{"b":2,"a":1}"#))?);
+///
+/// let canonical = Fingerprinter::new(FingerprintMode::CanonicalJson);
+/// assert_eq!(
+///     canonical.fingerprint(&parts(br#"{"a":1,"b":2}"#))?,
+///     canonical.fingerprint(&parts(br#"{ "b": 2, "a": 1 }"#))?,
+/// );
+/// # Ok::<(), idempotency::FingerprintError>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Fingerprinter {
+    mode: FingerprintMode,
+    max_body: usize,
+}
+
+impl Default for Fingerprinter {
+    fn default() -> Self {
+        Self::new(FingerprintMode::Raw)
+    }
+}
+
+impl Fingerprinter {
+    /// A fingerprinter in `mode` with the default body limit ([`DEFAULT_MAX_BODY`]).
+    pub fn new(mode: FingerprintMode) -> Self {
+        Self { mode, max_body: DEFAULT_MAX_BODY }
+    }
+
+    /// Sets the largest body accepted.
+    pub fn max_body(mut self, limit: usize) -> Self {
+        self.max_body = limit;
+        self
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> FingerprintMode {
+        self.mode
+    }
+
+    /// Fingerprints a request.
+    pub fn fingerprint(&self, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
+        if parts.body.len() > self.max_body {
+            return Err(FingerprintError::BodyTooLarge { size: parts.body.len(), limit: self.max_body });
+        }
+        let canonical = match self.mode {
+            FingerprintMode::Raw => None,
+            FingerprintMode::CanonicalJson => canonical_json(parts.body),
+        };
+        let mut h = Sha256::new();
+        // Each field is length-prefixed, so no two different requests can hash the same bytes.
+        let tag: &[u8] = if canonical.is_some() { b"idempotency/fp/v1/json" } else { b"idempotency/fp/v1/raw" };
+        for field in [
+            tag,
+            parts.method.as_bytes(),
+            parts.path.as_bytes(),
+            parts.query.as_bytes(),
+            parts.content_type,
+            canonical.as_deref().unwrap_or(parts.body),
+        ] {
+            h.update((field.len() as u64).to_be_bytes());
+            h.update(field);
+        }
+        Ok(Fingerprint(format!("sha256:{}", hex::encode(h.finalize()))))
+    }
+}
+
+fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    // serde_json's default map is ordered by key, so re-serialising sorts every object.
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    serde_json::to_vec(&value).ok()
+}
+
+impl Fingerprint {
+    /// Restores a fingerprint from its stored `sha256:<hex>` form.
+    pub fn from_stored(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// The `sha256:<hex>` form.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(mode: FingerprintMode, method: &str, query: &str, ct: &[u8], body: &[u8]) -> Fingerprint {
+        Fingerprinter::new(mode)
+            .fingerprint(&RequestParts { method, path: "/v1/workers", query, content_type: ct, body })
+            .unwrap()
+    }
+
+    #[test]
+    fn shape() {
+        let f = fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{}");
+        assert!(f.as_str().starts_with("sha256:"));
+        assert_eq!(f.as_str().len(), 7 + 64);
+    }
+
+    #[test]
+    fn every_part_counts() {
+        let base = fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{}");
+        assert_ne!(base, fp(FingerprintMode::Raw, "PUT", "", b"application/json", b"{}"));
+        assert_ne!(base, fp(FingerprintMode::Raw, "POST", "a=1", b"application/json", b"{}"));
+        assert_ne!(base, fp(FingerprintMode::Raw, "POST", "", b"text/plain", b"{}"));
+        assert_ne!(base, fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{ }"));
+        assert_eq!(base, fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{}"));
+    }
+
+    #[test]
+    fn fields_cannot_bleed_into_each_other() {
+        let a = fp(FingerprintMode::Raw, "POST", "ab", b"c", b"");
+        let b = fp(FingerprintMode::Raw, "POST", "a", b"bc", b"");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn canonical_json_keeps_empty_null_and_absent_apart() {
+        let m = FingerprintMode::CanonicalJson;
+        let ct = b"application/json";
+        let empty = fp(m, "POST", "", ct, br#"{"image":"x","labels":{}}"#);
+        let null = fp(m, "POST", "", ct, br#"{"image":"x","labels":null}"#);
+        let absent = fp(m, "POST", "", ct, br#"{"image":"x"}"#);
+        assert_ne!(empty, null);
+        assert_ne!(empty, absent);
+        assert_ne!(null, absent);
+        assert_eq!(empty, fp(m, "POST", "", ct, b"{ \"labels\" : { } ,\n \"image\":\"x\" }"));
+        assert_ne!(fp(m, "POST", "", ct, br#"{"n":1}"#), fp(m, "POST", "", ct, br#"{"n":1.0}"#));
+    }
+
+    #[test]
+    fn canonical_mode_falls_back_to_raw_for_non_json() {
+        let m = FingerprintMode::CanonicalJson;
+        assert_eq!(
+            fp(m, "POST", "", b"text/plain", b"not json"),
+            fp(FingerprintMode::Raw, "POST", "", b"text/plain", b"not json")
+        );
+    }
+
+    #[test]
+    fn oversize_bodies_are_a_typed_error() {
+        let err = Fingerprinter::default()
+            .max_body(4)
+            .fingerprint(&RequestParts { method: "POST", path: "/", query: "", content_type: b"", body: b"12345" })
+            .unwrap_err();
+        assert_eq!(err, FingerprintError::BodyTooLarge { size: 5, limit: 4 });
+    }
+}

@@ -1,0 +1,169 @@
+//! The `Idempotency-Key` header value.
+
+use std::fmt;
+
+/// The longest key accepted, in characters after unquoting.
+pub const MAX_KEY_LEN: usize = 128;
+
+/// A validated idempotency key: 1 to [`MAX_KEY_LEN`] visible ASCII characters (0x21-0x7E).
+///
+/// The key is opaque: it is compared byte for byte and never interpreted.
+///
+/// ```
+/// use idempotency::IdempotencyKey;
+///
+/// // The IETF draft's Structured Field String and the bare form name the same key.
+/// let quoted = IdempotencyKey::parse_header(br#""7c3f5d1e-91a4""#).unwrap();
+/// let bare = IdempotencyKey::parse_header(b"7c3f5d1e-91a4").unwrap();
+/// assert_eq!(quoted, bare);
+/// assert!(IdempotencyKey::parse_header(b"").is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(String);
+
+/// Why a header value is not a valid idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is empty (after unquoting).
+    #[error("the key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] characters.
+    #[error("the key is {0} characters long; at most {MAX_KEY_LEN} are allowed")]
+    TooLong(usize),
+    /// The key holds a byte outside visible ASCII (0x21-0x7E): a space, a control character or
+    /// a non-ASCII byte.
+    #[error("the key holds a character outside visible ASCII (0x21-0x7E) at position {0}")]
+    InvalidCharacter(usize),
+    /// The value starts with a quote but is not a valid RFC 9651 String item.
+    #[error("the quoted key is not a valid structured field string: {0}")]
+    Malformed(String),
+    /// The structured field is an item of another type, or carries parameters.
+    #[error("the structured field must be a plain String item without parameters")]
+    NotAString,
+    /// The header was sent more than once.
+    #[error("the Idempotency-Key header was sent more than once")]
+    Repeated,
+}
+
+impl IdempotencyKey {
+    /// Parses a raw header value in either accepted form.
+    ///
+    /// A value that starts with `"` is parsed as an RFC 9651 Structured Field Item that must be a
+    /// String without parameters (the IETF draft's form); anything else is taken as the bare key
+    /// that Stripe-style clients send. Either way the key must then be 1-128 visible ASCII.
+    pub fn parse_header(raw: &[u8]) -> Result<Self, KeyError> {
+        let trimmed = trim_ows(raw);
+        if trimmed.first() == Some(&b'"') {
+            let item = sfv::Parser::new(trimmed).parse_item().map_err(|e| KeyError::Malformed(e.to_string()))?;
+            let sfv::Item { bare_item, params } = item;
+            if !params.is_empty() {
+                return Err(KeyError::NotAString);
+            }
+            let Some(s) = bare_item.as_string() else {
+                return Err(KeyError::NotAString);
+            };
+            Self::try_from(s.as_str())
+        } else {
+            let s = std::str::from_utf8(trimmed).map_err(|e| KeyError::InvalidCharacter(e.valid_up_to()))?;
+            Self::try_from(s)
+        }
+    }
+
+    /// The key as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<&str> for IdempotencyKey {
+    type Error = KeyError;
+
+    fn try_from(s: &str) -> Result<Self, KeyError> {
+        if s.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if let Some(pos) = s.bytes().position(|b| !(0x21..=0x7e).contains(&b)) {
+            return Err(KeyError::InvalidCharacter(pos));
+        }
+        if s.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong(s.len()));
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey({:?})", self.0)
+    }
+}
+
+fn trim_ows(mut raw: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = raw {
+        raw = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = raw {
+        raw = rest;
+    }
+    raw
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<IdempotencyKey, KeyError> {
+        IdempotencyKey::parse_header(s.as_bytes())
+    }
+
+    #[test]
+    fn both_forms_give_the_same_key() {
+        let key = "7c3f5d1e-91a4-4b8c-9f02-1c4a8e5b6d10";
+        assert_eq!(parse(key).unwrap().as_str(), key);
+        assert_eq!(parse(&format!("\"{key}\"")).unwrap().as_str(), key);
+    }
+
+    #[test]
+    fn structured_escapes_are_unquoted() {
+        assert_eq!(parse(r#""a\"b\\c""#).unwrap().as_str(), r#"a"b\c"#);
+    }
+
+    #[test]
+    fn bounds() {
+        assert_eq!(parse(""), Err(KeyError::Empty));
+        assert_eq!(parse("\"\""), Err(KeyError::Empty));
+        assert!(parse(&"k".repeat(128)).is_ok());
+        assert_eq!(parse(&"k".repeat(129)), Err(KeyError::TooLong(129)));
+        assert!(parse(&format!("\"{}\"", "k".repeat(128))).is_ok());
+        assert_eq!(parse(&format!("\"{}\"", "k".repeat(129))), Err(KeyError::TooLong(129)));
+    }
+
+    #[test]
+    fn rejects_what_is_not_visible_ascii() {
+        assert_eq!(parse("a b"), Err(KeyError::InvalidCharacter(1)));
+        assert_eq!(parse("\"a b\""), Err(KeyError::InvalidCharacter(1)));
+        assert_eq!(parse("ab\u{7f}"), Err(KeyError::InvalidCharacter(2)));
+        assert!(matches!(parse("é"), Err(KeyError::InvalidCharacter(_))));
+        assert!(IdempotencyKey::parse_header(b"a\x00b").is_err());
+        assert!(IdempotencyKey::parse_header(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn rejects_malformed_structured_values() {
+        assert!(matches!(parse("\"unterminated"), Err(KeyError::Malformed(_))));
+        assert_eq!(parse("\"abc\";x=1"), Err(KeyError::NotAString));
+        assert!(matches!(parse("\"abc\" trailing"), Err(KeyError::Malformed(_))));
+    }
+
+    #[test]
+    fn surrounding_whitespace_is_ignored() {
+        assert_eq!(parse("  abc\t").unwrap().as_str(), "abc");
+    }
+}

@@ -1,0 +1,163 @@
+//! The in-memory store: for tests and single-process services that need no durability.
+
+use std::collections::HashMap;
+use std::collections::hash_map::{DefaultHasher, Entry};
+use std::hash::{Hash, Hasher};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::record::stale_after;
+use crate::{
+    Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Scope, Store, StoreError, StoredResponse, Timestamp,
+};
+
+const SHARDS: usize = 64;
+
+/// An in-memory [`Store`], sharded so that unrelated keys do not contend on one lock.
+///
+/// Nothing survives the process; use the SQLite store for that.
+#[derive(Debug)]
+pub struct MemoryStore {
+    shards: Box<[Mutex<HashMap<Scope, Record>>]>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect() }
+    }
+
+    /// How many records the store holds, expired or not.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// True when the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, Record>> {
+        let mut h = DefaultHasher::new();
+        scope.hash(&mut h);
+        lock(&self.shards[(h.finish() as usize) % self.shards.len()])
+    }
+}
+
+// A poisoned shard only means another thread panicked while holding it; every update below is
+// a single assignment, so the map is still consistent.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut shard = self.shard(&req.scope);
+        match shard.entry(req.scope.clone()) {
+            Entry::Occupied(mut e) if e.get().is_expired(req.now) => {
+                let record = req.new_record();
+                e.insert(record.clone());
+                Ok(ClaimOutcome::Owned(Claim::new(record)))
+            }
+            Entry::Occupied(e) => Ok(ClaimOutcome::Existing(e.get().clone())),
+            Entry::Vacant(e) => {
+                let record = req.new_record();
+                e.insert(record.clone());
+                Ok(ClaimOutcome::Owned(Claim::new(record)))
+            }
+        }
+    }
+
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        let mut shard = self.shard(&record.scope);
+        let Some(current) = shard.get_mut(&record.scope) else { return Ok(None) };
+        let reclaimable = current.record_id == record.record_id
+            && current.generation == record.generation
+            && match current.state {
+                RecordState::Failed => true,
+                RecordState::InFlight => now >= stale_after(current.started_at, in_flight_ttl),
+                RecordState::Completed => false,
+            };
+        if !reclaimable {
+            return Ok(None);
+        }
+        current.state = RecordState::InFlight;
+        current.generation += 1;
+        current.started_at = now;
+        Ok(Some(Claim::new(current.clone())))
+    }
+
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut shard = self.shard(claim.scope());
+        let current = current_claim(&mut shard, claim)?;
+        current.state = RecordState::Completed;
+        current.response = Some(response.clone());
+        current.expires_at = expires_at;
+        Ok(())
+    }
+
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        let mut shard = self.shard(claim.scope());
+        current_claim(&mut shard, claim)?.state = RecordState::Failed;
+        Ok(())
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        Ok(self.shard(scope).get(scope).cloned())
+    }
+
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+        let mut left = batch as usize;
+        let mut removed = 0u64;
+        for shard in self.shards.iter() {
+            if left == 0 {
+                break;
+            }
+            let mut shard = lock(shard);
+            let expired: Vec<Scope> =
+                shard.iter().filter(|(_, r)| r.is_expired(now)).map(|(s, _)| s.clone()).take(left).collect();
+            for scope in expired {
+                shard.remove(&scope);
+                removed += 1;
+                left -= 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+fn current_claim<'a>(shard: &'a mut HashMap<Scope, Record>, claim: &Claim) -> Result<&'a mut Record, StoreError> {
+    match shard.get_mut(claim.scope()) {
+        Some(r)
+            if r.record_id == claim.record().record_id
+                && r.generation == claim.generation()
+                && r.state == RecordState::InFlight =>
+        {
+            Ok(r)
+        }
+        _ => Err(StoreError::Fenced { generation: claim.generation() }),
+    }
+}

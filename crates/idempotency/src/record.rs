@@ -1,0 +1,427 @@
+//! The stored record, its state machine and the response it keeps.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chrono::{DateTime, SubsecRound, Utc};
+use rand::RngCore;
+
+use crate::{Fingerprint, Scope};
+
+/// A point in time as stores keep it: UTC, microsecond precision.
+pub type Timestamp = DateTime<Utc>;
+
+/// The current time, truncated to the microsecond precision that every store keeps, so a
+/// timestamp reads back equal to what was written.
+pub fn now() -> Timestamp {
+    Utc::now().trunc_subsecs(6)
+}
+
+/// The state of a record.
+///
+/// ```text
+///   none --claim--> in_flight --complete--> completed --expiry--> none
+///                    |   ^  \--fail--> failed --reclaim--> in_flight
+///                    |   '--reclaim (stale)--'
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordState {
+    /// A claim owns the request and its handler is (or was) running.
+    InFlight,
+    /// The handler finished with a terminal response, which is stored.
+    Completed,
+    /// The handler failed (5xx, error, panic); the next retry runs it again.
+    Failed,
+}
+
+impl RecordState {
+    /// The stored name: `in_flight`, `completed` or `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InFlight => "in_flight",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn from_stored(s: &str) -> Option<Self> {
+        match s {
+            "in_flight" => Some(Self::InFlight),
+            "completed" => Some(Self::Completed),
+            "failed" => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for RecordState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A record's creation identity: random, minted once when the record is created, kept across
+/// re-claims, new when an expired key is used again. Sub-keys derive from it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RecordId([u8; 16]);
+
+impl RecordId {
+    /// A fresh random id.
+    pub fn random() -> Self {
+        let mut b = [0u8; 16];
+        rand::rng().fill_bytes(&mut b);
+        Self(b)
+    }
+
+    /// The id as 32 lowercase hex digits (its stored form).
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Parses the stored form.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let mut b = [0u8; 16];
+        hex::decode_to_slice(s, &mut b).ok()?;
+        Some(Self(b))
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordId({})", self.to_hex())
+    }
+}
+
+/// How a stored body is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BodyEncoding {
+    /// As sent.
+    Identity,
+    /// zstd-compressed.
+    Zstd,
+}
+
+impl BodyEncoding {
+    /// The stored name: `identity` or `zstd`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Identity => "identity",
+            Self::Zstd => "zstd",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn from_stored(s: &str) -> Option<Self> {
+        match s {
+            "identity" => Some(Self::Identity),
+            "zstd" => Some(Self::Zstd),
+            _ => None,
+        }
+    }
+}
+
+/// A response body as stored: raw, or zstd-compressed above a size threshold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredBody {
+    encoding: BodyEncoding,
+    bytes: Bytes,
+}
+
+/// The zstd level used for stored bodies: fast, and most JSON shrinks several times over.
+const ZSTD_LEVEL: i32 = 3;
+
+impl StoredBody {
+    /// Encodes `body`, compressing it when it is longer than `threshold` bytes and compression
+    /// actually makes it smaller.
+    pub fn encode(body: Bytes, threshold: usize) -> Self {
+        if body.len() > threshold
+            && let Ok(z) = zstd::bulk::compress(&body, ZSTD_LEVEL)
+            && z.len() < body.len()
+        {
+            return Self { encoding: BodyEncoding::Zstd, bytes: Bytes::from(z) };
+        }
+        Self { encoding: BodyEncoding::Identity, bytes: body }
+    }
+
+    /// Rebuilds a stored body from a store's columns.
+    pub fn from_stored(encoding: BodyEncoding, bytes: impl Into<Bytes>) -> Self {
+        Self { encoding, bytes: bytes.into() }
+    }
+
+    /// The encoding.
+    pub fn encoding(&self) -> BodyEncoding {
+        self.encoding
+    }
+
+    /// The bytes as stored (compressed when the encoding says so).
+    pub fn stored_bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// The original body, byte for byte.
+    pub fn decode(&self) -> Result<Bytes, std::io::Error> {
+        match self.encoding {
+            BodyEncoding::Identity => Ok(self.bytes.clone()),
+            BodyEncoding::Zstd => zstd::stream::decode_all(&self.bytes[..]).map(Bytes::from),
+        }
+    }
+}
+
+/// A terminal response kept for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: u16,
+    /// The replayable headers, in order; a name may repeat.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: StoredBody,
+}
+
+impl StoredResponse {
+    /// The headers in their stored form: a JSON array of `[name, value]` pairs.
+    pub fn headers_json(&self) -> String {
+        serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    /// Parses headers from their stored form.
+    pub fn headers_from_json(s: &str) -> Result<Vec<(String, String)>, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+}
+
+/// One idempotency record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// (principal, endpoint, key).
+    pub scope: Scope,
+    /// Minted when the record was created; kept across re-claims.
+    pub record_id: RecordId,
+    /// The fingerprint of the request that created the record.
+    pub fingerprint: Fingerprint,
+    /// The state.
+    pub state: RecordState,
+    /// The fencing token: 1 on creation, one more on every re-claim.
+    pub generation: i64,
+    /// The stored response, when completed.
+    pub response: Option<StoredResponse>,
+    /// When the record was created.
+    pub created_at: Timestamp,
+    /// When the current claim began.
+    pub started_at: Timestamp,
+    /// When the record may be swept; the key is free again from then on.
+    pub expires_at: Timestamp,
+}
+
+/// What to do with a request whose key already has a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Completed with the same fingerprint: replay the stored response.
+    Replay(StoredResponse),
+    /// Another request (a different fingerprint) already used this key.
+    Mismatch,
+    /// A live attempt owns it; try again after this long.
+    InProgress {
+        /// How long until the claim would go stale, at least one second.
+        retry_after: Duration,
+    },
+    /// Failed, or in flight but stale: the caller may re-claim it with `Store::reclaim`.
+    Reclaim,
+}
+
+impl Record {
+    /// True when the record has expired at `now` and its key is free.
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        self.expires_at <= now
+    }
+
+    /// True when an in-flight claim has outlived `in_flight_ttl` at `now`.
+    pub fn is_stale(&self, now: Timestamp, in_flight_ttl: Duration) -> bool {
+        self.state == RecordState::InFlight && now >= stale_after(self.started_at, in_flight_ttl)
+    }
+
+    /// Decides what a request with `fingerprint` gets at `now` (SPEC 1.3).
+    pub fn decide(&self, fingerprint: &Fingerprint, now: Timestamp, in_flight_ttl: Duration) -> Decision {
+        if &self.fingerprint != fingerprint {
+            return Decision::Mismatch;
+        }
+        match (self.state, &self.response) {
+            (RecordState::Completed, Some(resp)) => Decision::Replay(resp.clone()),
+            // A completed row without a response is corrupt; running again is the safe repair
+            // only through a fenced re-claim, which the store refuses for completed rows.
+            (RecordState::Completed, None) => Decision::InProgress { retry_after: Duration::from_secs(1) },
+            (RecordState::Failed, _) => Decision::Reclaim,
+            (RecordState::InFlight, _) => {
+                let stale_at = stale_after(self.started_at, in_flight_ttl);
+                if now >= stale_at {
+                    Decision::Reclaim
+                } else {
+                    let left = (stale_at - now).to_std().unwrap_or_default();
+                    Decision::InProgress { retry_after: left.max(Duration::from_secs(1)) }
+                }
+            }
+        }
+    }
+}
+
+/// `started_at + ttl`, saturating.
+pub fn stale_after(started_at: Timestamp, ttl: Duration) -> Timestamp {
+    chrono::Duration::from_std(ttl)
+        .ok()
+        .and_then(|d| started_at.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// Proof that the caller owns a record's current attempt. `complete` and `fail` take it and only
+/// succeed while its generation is still the record's: a claim that went stale and was
+/// re-claimed by another attempt can no longer write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    record: Record,
+}
+
+impl Claim {
+    /// Wraps the record as it stood right after the claim. For store implementations.
+    pub fn new(record: Record) -> Self {
+        Self { record }
+    }
+
+    /// The record as claimed.
+    pub fn record(&self) -> &Record {
+        &self.record
+    }
+
+    /// The claim's fencing generation.
+    pub fn generation(&self) -> i64 {
+        self.record.generation
+    }
+
+    /// The scope.
+    pub fn scope(&self) -> &Scope {
+        &self.record.scope
+    }
+
+    /// A stable sub-key for one side effect of this request; see [`crate::derive`].
+    pub fn derive(&self, label: &str) -> crate::SubKey {
+        crate::derive(&self.record, label)
+    }
+}
+
+/// A request to claim a key.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The record's scope.
+    pub scope: Scope,
+    /// The incoming request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The time of the claim; it becomes `created_at` and `started_at`.
+    pub now: Timestamp,
+    /// When the record expires if it never completes.
+    pub expires_at: Timestamp,
+}
+
+impl ClaimRequest {
+    /// The record this claim would create: in flight, generation 1, a fresh record id.
+    pub fn new_record(&self) -> Record {
+        Record {
+            scope: self.scope.clone(),
+            record_id: RecordId::random(),
+            fingerprint: self.fingerprint.clone(),
+            state: RecordState::InFlight,
+            generation: 1,
+            response: None,
+            created_at: self.now,
+            started_at: self.now,
+            expires_at: self.expires_at,
+        }
+    }
+}
+
+/// The result of [`crate::Store::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller created the record and owns the request.
+    Owned(Claim),
+    /// A live record exists; the caller does not own it. Use [`Record::decide`].
+    Existing(Record),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Endpoint, IdempotencyKey, Principal};
+
+    fn record(state: RecordState, fp: &str) -> Record {
+        let t = now();
+        Record {
+            scope: Scope::new(Principal::new("p"), Endpoint::new("POST", "/x"), IdempotencyKey::try_from("k").unwrap()),
+            record_id: RecordId::random(),
+            fingerprint: Fingerprint::from_stored(fp),
+            state,
+            generation: 1,
+            response: (state == RecordState::Completed).then(|| StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: StoredBody::encode(Bytes::from_static(b"{}"), 1024),
+            }),
+            created_at: t,
+            started_at: t,
+            expires_at: t + chrono::Duration::hours(1),
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        let ttl = Duration::from_secs(300);
+        let fp = Fingerprint::from_stored("sha256:a");
+        let other = Fingerprint::from_stored("sha256:b");
+        let done = record(RecordState::Completed, "sha256:a");
+        assert!(matches!(done.decide(&fp, now(), ttl), Decision::Replay(r) if r.status == 201));
+        assert_eq!(done.decide(&other, now(), ttl), Decision::Mismatch);
+
+        let flying = record(RecordState::InFlight, "sha256:a");
+        match flying.decide(&fp, flying.started_at + chrono::Duration::seconds(10), ttl) {
+            Decision::InProgress { retry_after } => assert_eq!(retry_after, Duration::from_secs(290)),
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(flying.decide(&fp, flying.started_at + chrono::Duration::seconds(300), ttl), Decision::Reclaim);
+        assert_eq!(flying.decide(&other, now(), ttl), Decision::Mismatch);
+        assert_eq!(record(RecordState::Failed, "sha256:a").decide(&fp, now(), ttl), Decision::Reclaim);
+    }
+
+    #[test]
+    fn bodies_round_trip_and_compress_above_the_threshold() {
+        let small = Bytes::from_static(b"{\"id\":\"wkr-1\"}");
+        let s = StoredBody::encode(small.clone(), 1024);
+        assert_eq!(s.encoding(), BodyEncoding::Identity);
+        assert_eq!(s.decode().unwrap(), small);
+
+        let big = Bytes::from(b"{\"labels\":\"abcabcabc\"}".repeat(500));
+        let b = StoredBody::encode(big.clone(), 1024);
+        assert_eq!(b.encoding(), BodyEncoding::Zstd);
+        assert!(b.stored_bytes().len() < big.len() / 10);
+        assert_eq!(b.decode().unwrap(), big);
+
+        // Incompressible bytes stay as they are.
+        let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let n = StoredBody::encode(Bytes::from(noise.clone()), 1024);
+        assert_eq!(n.decode().unwrap(), Bytes::from(noise));
+    }
+
+    #[test]
+    fn state_names_round_trip() {
+        for s in [RecordState::InFlight, RecordState::Completed, RecordState::Failed] {
+            assert_eq!(RecordState::from_stored(s.as_str()), Some(s));
+        }
+        let id = RecordId::random();
+        assert_eq!(RecordId::from_hex(&id.to_hex()), Some(id));
+    }
+}

@@ -1,0 +1,107 @@
+//! The store interface: each state transition is one method, one atomic statement.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, StoredResponse, Timestamp};
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store could not be reached or the operation failed in it (connection refused, pool
+    /// timeout, I/O error). Nothing is known about the record; never treat this as ownership.
+    #[error("the idempotency store is unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The claim is no longer the record's current one (it went stale and was re-claimed, or
+    /// the record was completed, failed or swept since). Nothing was written.
+    #[error("the claim was superseded (generation {generation} is no longer current)")]
+    Fenced {
+        /// The superseded claim's generation.
+        generation: i64,
+    },
+    /// A stored row could not be read back (unknown state, bad encoding).
+    #[error("a stored record is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Unavailable`].
+    pub fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Unavailable(Box::new(e))
+    }
+}
+
+/// Where idempotency records live. Every method is one atomic statement or transaction; no
+/// transaction is held open between `claim` and `complete`.
+///
+/// Implementations: [`crate::MemoryStore`] here; SQLite and PostgreSQL in `idempotency-sqlx`.
+/// All of them pass the conformance suite (feature `conformance`).
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// none -> in_flight, atomically: creates the record and returns [`ClaimOutcome::Owned`], or,
+    /// when a live record exists, returns it as [`ClaimOutcome::Existing`] without changing it.
+    /// A record that has expired (`expires_at <= req.now`) counts as absent: it is replaced by a
+    /// new record with a new record id. Exactly one of many concurrent callers owns a new key.
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError>;
+
+    /// failed -> in_flight, or a stale in_flight -> in_flight: a compare-and-set on the record's
+    /// generation. Succeeds (with generation + 1 and `started_at = now`) only if the record still
+    /// has `record.generation` and is failed, or in flight with
+    /// `started_at + in_flight_ttl <= now`. Of concurrent callers exactly one gets `Some`.
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError>;
+
+    /// in_flight -> completed, storing `response`, fenced by the claim's generation. Returns
+    /// [`StoreError::Fenced`] and writes nothing when the claim is no longer current.
+    async fn complete(&self, claim: &Claim, response: &StoredResponse, expires_at: Timestamp)
+    -> Result<(), StoreError>;
+
+    /// in_flight -> failed, fenced like `complete`.
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError>;
+
+    /// Reads a record, expired or not.
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError>;
+
+    /// Deletes at most `batch` records with `expires_at <= now`; returns how many it deleted.
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError>;
+
+    /// Checks that the store answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for Arc<S> {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(req).await
+    }
+    async fn reclaim(&self, record: &Record, now: Timestamp, ttl: Duration) -> Result<Option<Claim>, StoreError> {
+        (**self).reclaim(record, now, ttl).await
+    }
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        (**self).complete(claim, response, expires_at).await
+    }
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        (**self).fail(claim).await
+    }
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        (**self).get(scope).await
+    }
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+        (**self).sweep_expired(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        (**self).ping().await
+    }
+}

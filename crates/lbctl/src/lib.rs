@@ -1,0 +1,1 @@
+//! lbctl: the leasebroker command line
