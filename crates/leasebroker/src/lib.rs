@@ -1,1 +1,3 @@
-//! leasebroker: a worker-provisioning service built on the idempotency layer, with a hypervisor simulator
+//! leasebroker: hands out worker nodes from a pool, safe to retry with `Idempotency-Key`.
+
+pub mod hypervisor;
