@@ -1,0 +1,200 @@
+//! The typed leasebroker client.
+
+use std::fmt;
+
+use bytes::Bytes;
+use reqwest::header::{ACCEPT, CONTENT_TYPE};
+use reqwest::{Method, StatusCode, Url};
+use serde::de::DeserializeOwned;
+
+use crate::error::Error;
+use crate::journal::RequestFingerprint;
+use crate::retry::{HttpResponse, OpKey, Retrier};
+use crate::types::{CreateWorker, Fleet, RebootResult, Worker, WorkerId, WorkerPage};
+
+/// A successful response, decoded, with how it came about.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Response<T> {
+    /// The decoded body.
+    pub value: T,
+    /// Whether the server answered from the stored response of an earlier attempt or run
+    /// (`Idempotent-Replayed: true`): the operation had already been done.
+    pub replayed: bool,
+    /// How many requests this call sent.
+    pub attempts: u32,
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The body exactly as received, for callers that pass it on.
+    pub body: Bytes,
+}
+
+/// A mutating call, described apart from sending it, so its fingerprint can be journaled first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mutation {
+    /// `POST /v1/workers`.
+    CreateWorker(CreateWorker),
+    /// `DELETE /v1/workers/{id}`.
+    DeleteWorker(WorkerId),
+    /// `POST /v1/workers/{id}/reboot`.
+    RebootWorker(WorkerId),
+}
+
+impl Mutation {
+    /// Method, path and body, exactly as sent.
+    fn parts(&self) -> (Method, String, Option<Vec<u8>>) {
+        match self {
+            Mutation::CreateWorker(req) => {
+                // Serializing plain strings, integers and a BTreeMap cannot fail, and its output is
+                // deterministic (struct order, sorted labels), so the fingerprint is stable.
+                let body = serde_json::to_vec(req).unwrap_or_default();
+                (Method::POST, "/v1/workers".to_owned(), Some(body))
+            }
+            Mutation::DeleteWorker(id) => (Method::DELETE, format!("/v1/workers/{id}"), None),
+            Mutation::RebootWorker(id) => (Method::POST, format!("/v1/workers/{id}/reboot"), None),
+        }
+    }
+
+    /// The fingerprint of the request this mutation sends (method, path, body).
+    pub fn fingerprint(&self) -> RequestFingerprint {
+        let (method, path, body) = self.parts();
+        RequestFingerprint::of(method.as_str(), &path, body.as_deref().unwrap_or_default())
+    }
+}
+
+/// A leasebroker client: bearer auth, JSON, and the [`Retrier`] around every call.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+    retrier: Retrier,
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The token is a credential: never print it.
+        f.debug_struct("Client").field("base", &self.base).field("retrier", &self.retrier).finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// A client for the service at `base_url` (`http://127.0.0.1:8080`), authenticating with `token`,
+    /// retrying with the default [`crate::retry::RetryPolicy`].
+    pub fn new(base_url: &str, token: impl Into<String>) -> Result<Self, Error> {
+        let url = Url::parse(base_url).map_err(|e| Error::InvalidRequest(format!("base URL {base_url:?}: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
+            return Err(Error::InvalidRequest(format!("base URL {base_url:?} is not an http(s) URL")));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(Error::InvalidRequest(format!("base URL {base_url:?} has a query or fragment")));
+        }
+        let http = reqwest::Client::builder()
+            // A redirect would re-send a mutation somewhere else; report it instead.
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("leasebroker-client/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(Error::from_reqwest)?;
+        let base = url.as_str().trim_end_matches('/').to_owned();
+        Ok(Client { http, base, token: token.into(), retrier: Retrier::default() })
+    }
+
+    /// Uses `retrier` (policy and attempt hook) for every call.
+    pub fn with_retrier(mut self, retrier: Retrier) -> Self {
+        self.retrier = retrier;
+        self
+    }
+
+    /// The retrier in use.
+    pub fn retrier(&self) -> &Retrier {
+        &self.retrier
+    }
+
+    /// `POST /v1/workers` with `key` on every attempt.
+    pub async fn create_worker(&self, request: &CreateWorker, key: &OpKey) -> Result<Response<Worker>, Error> {
+        self.mutate(&Mutation::CreateWorker(request.clone()), key).await?.decoded()
+    }
+
+    /// `GET /v1/workers/{id}`.
+    pub async fn get_worker(&self, id: &WorkerId) -> Result<Response<Worker>, Error> {
+        self.get(self.url(&format!("/v1/workers/{id}"))?).await?.decoded()
+    }
+
+    /// `GET /v1/workers`: one page of the caller's workers.
+    pub async fn list_workers(&self, limit: Option<u32>, cursor: Option<&str>) -> Result<Response<WorkerPage>, Error> {
+        let mut url = self.url("/v1/workers")?;
+        {
+            let mut query = url.query_pairs_mut();
+            if let Some(limit) = limit {
+                query.append_pair("limit", &limit.to_string());
+            }
+            if let Some(cursor) = cursor {
+                query.append_pair("cursor", cursor);
+            }
+        }
+        if url.query() == Some("") {
+            url.set_query(None);
+        }
+        self.get(url).await?.decoded()
+    }
+
+    /// `DELETE /v1/workers/{id}` with `key` on every attempt.
+    pub async fn delete_worker(&self, id: &WorkerId, key: &OpKey) -> Result<Response<()>, Error> {
+        let raw = self.mutate(&Mutation::DeleteWorker(id.clone()), key).await?;
+        Ok(Response { value: (), replayed: raw.replayed, attempts: raw.attempts, status: raw.status, body: raw.body })
+    }
+
+    /// `POST /v1/workers/{id}/reboot` with `key` on every attempt: one reboot per key, ever.
+    pub async fn reboot_worker(&self, id: &WorkerId, key: &OpKey) -> Result<Response<RebootResult>, Error> {
+        self.mutate(&Mutation::RebootWorker(id.clone()), key).await?.decoded()
+    }
+
+    /// `GET /admin/v1/fleet`; needs a client made with the admin token.
+    pub async fn fleet(&self) -> Result<Response<Fleet>, Error> {
+        self.get(self.url("/admin/v1/fleet")?).await?.decoded()
+    }
+
+    /// Sends `mutation` with `key` on every attempt and returns the raw successful response.
+    pub async fn mutate(&self, mutation: &Mutation, key: &OpKey) -> Result<HttpResponse, Error> {
+        let (method, path, body) = mutation.parts();
+        let url = self.url(&path)?;
+        let body = body.map(Bytes::from);
+        self.retrier
+            .send(Some(key), || {
+                let request = self
+                    .http
+                    .request(method.clone(), url.clone())
+                    .bearer_auth(&self.token)
+                    .header(ACCEPT, "application/json");
+                match &body {
+                    Some(body) => request.header(CONTENT_TYPE, "application/json").body(body.clone()),
+                    None => request,
+                }
+            })
+            .await
+    }
+
+    async fn get(&self, url: Url) -> Result<HttpResponse, Error> {
+        // Reads are idempotent by nature: retried without a key.
+        self.retrier
+            .send(None, || self.http.get(url.clone()).bearer_auth(&self.token).header(ACCEPT, "application/json"))
+            .await
+    }
+
+    fn url(&self, path: &str) -> Result<Url, Error> {
+        Url::parse(&format!("{}{path}", self.base)).map_err(|e| Error::InvalidRequest(format!("{path}: {e}")))
+    }
+}
+
+trait Decode {
+    fn decoded<T: DeserializeOwned>(self) -> Result<Response<T>, Error>;
+}
+
+impl Decode for HttpResponse {
+    fn decoded<T: DeserializeOwned>(self) -> Result<Response<T>, Error> {
+        let value =
+            serde_json::from_slice(&self.body).map_err(|source| Error::Decode { status: self.status, source })?;
+        Ok(Response { value, replayed: self.replayed, attempts: self.attempts, status: self.status, body: self.body })
+    }
+}
