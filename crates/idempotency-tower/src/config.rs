@@ -1,0 +1,99 @@
+//! What the layer is configured with, shared by every service it makes.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+use idempotency::{Fingerprinter, Principal, ResponsePolicy, Store};
+
+/// Whether a route takes an `Idempotency-Key` (SPEC 1.1). Only consulted for POST, PUT, PATCH
+/// and DELETE; GET, HEAD, OPTIONS (and any other method) always pass through untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RoutePolicy {
+    /// A key is required: a request without one gets `400 idempotency-key-missing`.
+    #[default]
+    Required,
+    /// A key is honoured when sent; a request without one runs unprotected.
+    Optional,
+    /// The layer ignores the route entirely, header or not.
+    Off,
+}
+
+pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
+pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
+
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) principal: Box<PrincipalFn>,
+    pub(crate) policy: Box<PolicyFn>,
+    pub(crate) fingerprinter: Fingerprinter,
+    pub(crate) response_policy: ResponsePolicy,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) in_flight_ttl: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) body_limit: usize,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) wait_for_in_flight: Duration,
+    pub(crate) in_progress_retry_after: Duration,
+    pub(crate) compression_threshold: usize,
+    pub(crate) problem_base: &'static str,
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("fingerprinter", &self.fingerprinter)
+            .field("response_policy", &self.response_policy)
+            .field("mismatch_status", &self.mismatch_status)
+            .field("in_flight_ttl", &self.in_flight_ttl)
+            .field("retention", &self.retention)
+            .field("body_limit", &self.body_limit)
+            .field("replay_headers", &self.replay_headers)
+            .field("wait_for_in_flight", &self.wait_for_in_flight)
+            .field("in_progress_retry_after", &self.in_progress_retry_after)
+            .field("compression_threshold", &self.compression_threshold)
+            .field("problem_base", &self.problem_base)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The default principal: one an authentication middleware outside the layer put into the
+/// request's extensions, else `anonymous`.
+pub(crate) fn default_principal(parts: &Parts) -> Option<Principal> {
+    Some(parts.extensions.get::<Principal>().cloned().unwrap_or_else(|| Principal::new("anonymous")))
+}
+
+/// The default route policy: every mutating route requires a key.
+pub(crate) fn default_policy(_: &Method, _: &str) -> RoutePolicy {
+    RoutePolicy::Required
+}
+
+/// The methods the layer protects (SPEC 1.1).
+pub(crate) fn is_mutating(method: &Method) -> bool {
+    matches!(*method, Method::POST | Method::PUT | Method::PATCH | Method::DELETE)
+}
+
+/// Response headers never replayed, even when configured: they describe one connection or one
+/// moment (`Date`), carry per-client state (`Set-Cookie`), or are recomputed from the replayed
+/// body (`Content-Length`).
+pub(crate) fn never_replayed(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "set-cookie"
+            | "set-cookie2"
+            | "date"
+            | "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
+            | "idempotent-replayed"
+    )
+}

@@ -1,0 +1,64 @@
+//! What a protected handler learns about its request.
+
+use std::sync::Arc;
+
+use idempotency::{Claim, Endpoint, IdempotencyKey, Principal, SubKey};
+
+/// The idempotency record a protected request runs under, in the request's extensions while
+/// the handler owns it. Extract it with `axum::Extension<IdempotencyContext>`; it is absent on
+/// requests the layer did not protect (reads, `Off` routes, `Optional` routes without a key).
+///
+/// Key each side effect off [`derive`](Self::derive): the sub-key is the same on every retry of
+/// the record, so a retry after a partial failure finds what the first attempt did.
+///
+/// ```
+/// use axum::Extension;
+/// use idempotency_tower::IdempotencyContext;
+///
+/// async fn create_worker(Extension(ctx): Extension<IdempotencyContext>) -> String {
+///     let allocation_id = ctx.derive("alloc");
+///     format!("allocating under {allocation_id} for {}", ctx.principal())
+/// }
+/// # let _ = axum::Router::<()>::new().route("/v1/workers", axum::routing::post(create_worker));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    claim: Arc<Claim>,
+}
+
+impl IdempotencyContext {
+    pub(crate) fn new(claim: Claim) -> Self {
+        Self { claim: Arc::new(claim) }
+    }
+
+    /// A stable sub-key for the side effect `label` of this record (see [`idempotency::derive`]).
+    pub fn derive(&self, label: &str) -> SubKey {
+        self.claim.derive(label)
+    }
+
+    /// The claim this attempt holds: the record as claimed and its fencing generation.
+    pub fn claim(&self) -> &Claim {
+        &self.claim
+    }
+
+    /// The client's key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.claim.scope().key
+    }
+
+    /// Who sent the request.
+    pub fn principal(&self) -> &Principal {
+        &self.claim.scope().principal
+    }
+
+    /// Where it was sent.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.claim.scope().endpoint
+    }
+
+    /// Which attempt this is: 1 for the first, one more for each run after a failure or a stale
+    /// claim. A handler may use it to decide to reconcile before acting again.
+    pub fn attempt(&self) -> i64 {
+        self.claim.generation()
+    }
+}

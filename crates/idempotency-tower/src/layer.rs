@@ -1,0 +1,230 @@
+//! The [`IdempotencyLayer`] and its builder.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{CONTENT_TYPE, LOCATION};
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, ResponsePolicy, Store};
+use tower::Layer;
+
+use crate::config::{Config, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal};
+use crate::problem::DEFAULT_PROBLEM_BASE;
+use crate::service::IdempotencyService;
+
+/// The default time an in-flight claim is honoured before another request may take it over.
+pub const DEFAULT_IN_FLIGHT_TTL: Duration = Duration::from_secs(5 * 60);
+/// The default time a completed response is kept for replay.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+/// The default largest request body the layer reads (1 MiB).
+pub const DEFAULT_BODY_LIMIT: usize = DEFAULT_MAX_BODY;
+/// The default size above which stored response bodies are compressed.
+pub const DEFAULT_COMPRESSION_THRESHOLD: usize = 1024;
+/// The default `Retry-After` ceiling for `409 request-in-progress`.
+pub const DEFAULT_IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
+/// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer").field("config", &self.config).finish()
+    }
+}
+
+impl IdempotencyLayer {
+    /// Starts configuring a layer over `store`.
+    pub fn builder(store: Arc<dyn Store>) -> IdempotencyLayerBuilder {
+        IdempotencyLayerBuilder {
+            store,
+            principal: Box::new(default_principal),
+            policy: Box::new(default_policy),
+            fingerprint_mode: FingerprintMode::Raw,
+            response_policy: ResponsePolicy::default(),
+            mismatch_status: StatusCode::CONFLICT,
+            in_flight_ttl: DEFAULT_IN_FLIGHT_TTL,
+            retention: DEFAULT_RETENTION,
+            body_limit: DEFAULT_BODY_LIMIT,
+            replay_headers: vec![CONTENT_TYPE, LOCATION],
+            wait_for_in_flight: Duration::ZERO,
+            in_progress_retry_after: DEFAULT_IN_PROGRESS_RETRY_AFTER,
+            compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
+            problem_base: DEFAULT_PROBLEM_BASE,
+        }
+    }
+
+    /// A layer over `store` with every default.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self::builder(store).build()
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, self.config.clone())
+    }
+}
+
+/// Configures an [`IdempotencyLayer`]; every option has a default.
+pub struct IdempotencyLayerBuilder {
+    store: Arc<dyn Store>,
+    principal: Box<PrincipalFn>,
+    policy: Box<PolicyFn>,
+    fingerprint_mode: FingerprintMode,
+    response_policy: ResponsePolicy,
+    mismatch_status: StatusCode,
+    in_flight_ttl: Duration,
+    retention: Duration,
+    body_limit: usize,
+    replay_headers: Vec<HeaderName>,
+    wait_for_in_flight: Duration,
+    in_progress_retry_after: Duration,
+    compression_threshold: usize,
+    problem_base: &'static str,
+}
+
+impl fmt::Debug for IdempotencyLayerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("fingerprint_mode", &self.fingerprint_mode)
+            .field("mismatch_status", &self.mismatch_status)
+            .field("in_flight_ttl", &self.in_flight_ttl)
+            .field("retention", &self.retention)
+            .field("body_limit", &self.body_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayerBuilder {
+    /// Who the request runs as; records are scoped to it, so two principals never share one.
+    ///
+    /// Default: a [`Principal`] found in the request's extensions (put there by an authentication
+    /// middleware outside this layer), else `Principal::new("anonymous")`. When the function
+    /// returns `None` on a protected request, the layer answers `401 unauthenticated` and does
+    /// not run the handler: a key it cannot scope would let two callers share a record.
+    pub fn principal(mut self, f: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static) -> Self {
+        self.principal = Box::new(f);
+        self
+    }
+
+    /// The [`RoutePolicy`] of a mutating request, from its method and path (without the query).
+    /// Default: [`RoutePolicy::Required`] for every POST, PUT, PATCH and DELETE.
+    pub fn policy(mut self, f: impl Fn(&Method, &str) -> RoutePolicy + Send + Sync + 'static) -> Self {
+        self.policy = Box::new(f);
+        self
+    }
+
+    /// How the body enters the fingerprint. Default [`FingerprintMode::Raw`]: byte for byte.
+    pub fn fingerprint_mode(mut self, mode: FingerprintMode) -> Self {
+        self.fingerprint_mode = mode;
+        self
+    }
+
+    /// Which statuses are terminal (stored and replayed). Default: every 2xx and
+    /// 400, 404, 405, 409, 410, 413, 415, 422; never 5xx, 401, 403, 408, 425, 429.
+    pub fn response_policy(mut self, policy: ResponsePolicy) -> Self {
+        self.response_policy = policy;
+        self
+    }
+
+    /// The status of `idempotency-key-reused`: `409` (default), `422` (IETF draft) or `400`
+    /// (Stripe). Any other status is ignored with a warning and `409` is kept.
+    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+        if matches!(status.as_u16(), 400 | 409 | 422) {
+            self.mismatch_status = status;
+        } else {
+            tracing::warn!(%status, "mismatch status must be 409, 422 or 400; keeping 409");
+        }
+        self
+    }
+
+    /// How long an in-flight claim is honoured; after that the next request with the key takes
+    /// it over and runs the handler again. Default 5 minutes; set it above the slowest handler.
+    pub fn in_flight_ttl(mut self, ttl: Duration) -> Self {
+        self.in_flight_ttl = ttl;
+        self
+    }
+
+    /// How long a completed response is replayed. Default 24 hours.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The largest request body read on a protected request; larger ones get
+    /// `413 body-too-large`. Default 1 MiB.
+    pub fn body_limit(mut self, limit: usize) -> Self {
+        self.body_limit = limit;
+        self
+    }
+
+    /// Also replays response header `name` (default allowlist: `Content-Type`, `Location`).
+    /// `Set-Cookie`, `Date`, `Content-Length` and hop-by-hop headers are never replayed.
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        if !self.replay_headers.contains(&name) {
+            self.replay_headers.push(name);
+        }
+        self
+    }
+
+    /// How long a request waits for a concurrent in-flight request with its key to finish, to
+    /// replay its response instead of answering `409 request-in-progress`. Default zero: answer
+    /// at once. The wait polls the store with short sleeps and holds nothing while it sleeps.
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.wait_for_in_flight = wait;
+        self
+    }
+
+    /// The largest `Retry-After` sent with `409 request-in-progress` (default 1 second). The
+    /// answer is the smaller of this and the time until the claim goes stale: most handlers
+    /// finish in seconds, so telling a client to wait out the whole in-flight TTL would be slow.
+    pub fn in_progress_retry_after(mut self, max: Duration) -> Self {
+        self.in_progress_retry_after = max;
+        self
+    }
+
+    /// Stored response bodies longer than this many bytes are zstd-compressed. Default 1 KiB.
+    pub fn compression_threshold(mut self, bytes: usize) -> Self {
+        self.compression_threshold = bytes;
+        self
+    }
+
+    /// The prefix of the layer's problem `type`s (default `/problems/`), e.g.
+    /// `https://errors.example.com/`.
+    pub fn problem_base(mut self, base: &'static str) -> Self {
+        self.problem_base = base;
+        self
+    }
+
+    /// Builds the layer.
+    pub fn build(self) -> IdempotencyLayer {
+        // The layer enforces the body limit while reading, so the fingerprinter need not again.
+        let fingerprinter = Fingerprinter::new(self.fingerprint_mode).max_body(usize::MAX);
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                store: self.store,
+                principal: self.principal,
+                policy: self.policy,
+                fingerprinter,
+                response_policy: self.response_policy,
+                mismatch_status: self.mismatch_status,
+                in_flight_ttl: self.in_flight_ttl,
+                retention: self.retention,
+                body_limit: self.body_limit,
+                replay_headers: self.replay_headers,
+                wait_for_in_flight: self.wait_for_in_flight,
+                in_progress_retry_after: self.in_progress_retry_after,
+                compression_threshold: self.compression_threshold,
+                problem_base: self.problem_base,
+            }),
+        }
+    }
+}

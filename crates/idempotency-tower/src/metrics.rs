@@ -1,0 +1,59 @@
+//! The layer's metrics, and the sweeper that reports what it deletes.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotency::{Store, Sweeper};
+use tokio::task::JoinHandle;
+
+/// Counter of protected (and refused) mutating requests, labelled `outcome`.
+pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+/// Histogram of store call latency in seconds, labelled `op` (`claim`, `complete`, `fail`,
+/// `reclaim`, `get`).
+pub const STORE_DURATION_SECONDS: &str = "idempotency_store_duration_seconds";
+/// Counter of expired records the sweeper deleted.
+pub const RECORDS_SWEPT_TOTAL: &str = "idempotency_records_swept_total";
+
+/// Registers the descriptions of the layer's metrics with the installed recorder, so an
+/// exporter can show help text. Optional; call it once after installing the recorder.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        REQUESTS_TOTAL,
+        "Mutating requests seen by the idempotency layer, by outcome (executed, replayed, mismatch, \
+         in_progress, missing_key, invalid_key, stale_reclaimed, ...)"
+    );
+    metrics::describe_histogram!(
+        STORE_DURATION_SECONDS,
+        metrics::Unit::Seconds,
+        "Latency of idempotency store calls, by operation"
+    );
+    metrics::describe_counter!(RECORDS_SWEPT_TOTAL, "Expired idempotency records deleted by the sweeper");
+}
+
+pub(crate) fn count(outcome: &'static str) {
+    metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// Awaits one store call and records its latency under `op`.
+pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
+    let start = Instant::now();
+    let out = fut.await;
+    metrics::histogram!(STORE_DURATION_SECONDS, "op" => op).record(start.elapsed().as_secs_f64());
+    out
+}
+
+/// A core [`Sweeper`] over `store`, every `interval`, that adds what it deletes to
+/// `idempotency_records_swept_total`. Adjust it (`.batch(n)`) and `.spawn()` it; calling
+/// `.on_swept` again replaces the metric hook.
+pub fn sweeper(store: Arc<dyn Store>, interval: Duration) -> Sweeper {
+    Sweeper::new(store, interval).on_swept(|n| {
+        metrics::counter!(RECORDS_SWEPT_TOTAL).increment(n);
+        tracing::debug!(swept = n, "expired idempotency records deleted");
+    })
+}
+
+/// Spawns [`sweeper`] on the current tokio runtime. Abort the handle to stop it.
+pub fn spawn_sweeper(store: Arc<dyn Store>, interval: Duration) -> JoinHandle<()> {
+    sweeper(store, interval).spawn()
+}

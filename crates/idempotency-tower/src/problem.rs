@@ -1,0 +1,293 @@
+//! RFC 9457 problem details, and the layer's typed rejections that become them.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, StatusCode};
+use idempotency::{KeyError, StoreError};
+
+use crate::config::Config;
+
+/// The default prefix of a problem's `type`: `/problems/<name>`.
+pub const DEFAULT_PROBLEM_BASE: &str = "/problems/";
+
+/// The media type of every problem response.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An RFC 9457 problem: the body of every error response the layer sends, and a ready-made error
+/// type for the service's own handlers.
+///
+/// The body is `{"type", "title", "status", "detail"}` with `Content-Type: application/problem+json`;
+/// `type` is the base (default [`DEFAULT_PROBLEM_BASE`]) followed by the problem's name.
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use http::StatusCode;
+/// use idempotency_tower::Problem;
+///
+/// let p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", "all 64 nodes are leased")
+///     .with_retry_after(5);
+/// assert_eq!(p.type_uri(), "/problems/capacity-exhausted");
+/// let res = p.into_response();
+/// assert_eq!(res.status(), 503);
+/// assert_eq!(res.headers()["content-type"], "application/problem+json");
+/// assert_eq!(res.headers()["retry-after"], "5");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    status: StatusCode,
+    base: Cow<'static, str>,
+    name: String,
+    title: String,
+    detail: String,
+    retry_after: Option<u64>,
+}
+
+#[derive(serde::Serialize)]
+struct Body<'a> {
+    #[serde(rename = "type")]
+    type_uri: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+impl Problem {
+    /// A problem with `status`, the short `name` its `type` ends in (`idempotency-key-reused`), a
+    /// human `title` that is the same for every occurrence, and a `detail` about this one.
+    pub fn new(status: StatusCode, name: &str, title: &str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
+            name: name.to_owned(),
+            title: title.to_owned(),
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Adds `Retry-After: <secs>` to the response.
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// Replaces the `type` prefix (default `/problems/`), e.g. `https://errors.example.com/`.
+    pub fn with_base(mut self, base: impl Into<Cow<'static, str>>) -> Self {
+        self.base = base.into();
+        self
+    }
+
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The short name that `type` ends in.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The `type` URI: base and name.
+    pub fn type_uri(&self) -> String {
+        format!("{}{}", self.base, self.name)
+    }
+
+    /// The title.
+    pub fn title(&self) -> &str {
+        &self.title
+    }
+
+    /// The detail.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The `Retry-After` seconds, if any.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.retry_after
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Vec<u8> {
+        let type_uri = self.type_uri();
+        let body = Body { type_uri: &type_uri, title: &self.title, status: self.status.as_u16(), detail: &self.detail };
+        // Serialising four plain fields cannot fail; the fallback keeps that a non-panic anyway.
+        serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec())
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}: {}", self.status.as_u16(), self.title, self.detail)
+    }
+}
+
+impl std::error::Error for Problem {}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut res = (self.status, self.to_json()).into_response();
+        res.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = self.retry_after {
+            res.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        res
+    }
+}
+
+/// Why the layer answered a request itself instead of (or after) running the handler. Every such
+/// answer is built here, in [`Rejection::into_problem`].
+#[derive(Debug)]
+pub(crate) enum Rejection {
+    MissingKey,
+    InvalidKey(KeyError),
+    BodyTooLarge { limit: usize },
+    BodyUnreadable(String),
+    Unauthenticated,
+    Mismatch,
+    InProgress { retry_after: Duration },
+    StoreUnavailable(StoreError),
+    HandlerPanicked,
+    ResponseBodyFailed(String),
+    StoredResponseCorrupt(String),
+    Internal(String),
+}
+
+/// How long a client is told to wait after the store failed: long enough not to hammer a
+/// recovering database, short enough that a blip costs little.
+const STORE_RETRY_AFTER_SECS: u64 = 1;
+
+impl Rejection {
+    /// The `outcome` label of `idempotency_requests_total` for this rejection.
+    pub(crate) fn outcome(&self) -> &'static str {
+        match self {
+            Self::MissingKey => "missing_key",
+            Self::InvalidKey(_) => "invalid_key",
+            Self::BodyTooLarge { .. } => "body_too_large",
+            Self::BodyUnreadable(_) => "body_unreadable",
+            Self::Unauthenticated => "unauthenticated",
+            Self::Mismatch => "mismatch",
+            Self::InProgress { .. } => "in_progress",
+            Self::StoreUnavailable(_) => "store_unavailable",
+            Self::HandlerPanicked => "panicked",
+            Self::ResponseBodyFailed(_) => "handler_failed",
+            Self::StoredResponseCorrupt(_) => "replay_failed",
+            Self::Internal(_) => "internal_error",
+        }
+    }
+
+    pub(crate) fn into_problem(self, cfg: &Config) -> Problem {
+        let p = match self {
+            Self::MissingKey => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-missing",
+                "Idempotency-Key required",
+                "this endpoint requires an Idempotency-Key header; send one key per logical operation and \
+                 reuse it on every retry",
+            ),
+            Self::InvalidKey(e) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-invalid",
+                "Invalid Idempotency-Key",
+                format!("{e}; a key is 1 to 128 visible ASCII characters, sent once"),
+            ),
+            Self::BodyTooLarge { limit } => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Request body too large",
+                format!("the request body exceeds {limit} bytes"),
+            ),
+            Self::BodyUnreadable(e) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "body-unreadable",
+                "Request body could not be read",
+                format!("reading the request body failed: {e}"),
+            ),
+            Self::Unauthenticated => Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "Unauthenticated",
+                "the request carries no identity to scope its idempotency key to",
+            ),
+            Self::Mismatch => Problem::new(
+                cfg.mismatch_status,
+                "idempotency-key-reused",
+                "Idempotency-Key reused",
+                "this key was already used for a different request (method, path, query, content type or \
+                 body differ); use a new key for a new operation",
+            ),
+            Self::InProgress { retry_after } => Problem::new(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "Request in progress",
+                "a request with this key is still being processed; retry later with the same key",
+            )
+            .with_retry_after(ceil_secs(retry_after)),
+            Self::StoreUnavailable(e) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Idempotency store unavailable",
+                format!("the request was not processed: {e}"),
+            )
+            .with_retry_after(STORE_RETRY_AFTER_SECS),
+            Self::HandlerPanicked => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "handler-panicked",
+                "Internal error",
+                "the handler failed unexpectedly; nothing was stored, a retry with the same key runs it again",
+            ),
+            Self::ResponseBodyFailed(e) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "response-body-failed",
+                "Internal error",
+                format!("the handler's response body failed ({e}); a retry with the same key runs it again"),
+            ),
+            Self::StoredResponseCorrupt(e) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "stored-response-corrupt",
+                "Stored response unreadable",
+                format!("the response stored under this key cannot be replayed: {e}"),
+            ),
+            Self::Internal(e) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal-error", "Internal error", e),
+        };
+        p.with_base(cfg.problem_base)
+    }
+}
+
+/// Whole seconds, rounded up, at least one: `Retry-After: 0` would invite a busy loop.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    s.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_shape() {
+        let p = Problem::new(StatusCode::CONFLICT, "idempotency-key-reused", "Reused", "detail here")
+            .with_base("https://errors.example.com/");
+        let v: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "type": "https://errors.example.com/idempotency-key-reused",
+                "title": "Reused",
+                "status": 409,
+                "detail": "detail here",
+            })
+        );
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        assert_eq!(ceil_secs(Duration::ZERO), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1500)), 2);
+        assert_eq!(ceil_secs(Duration::from_secs(3)), 3);
+    }
+}

@@ -1,0 +1,301 @@
+//! The protected request path (SPEC 1.3): claim, decide, run as owner, store or replay.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures::FutureExt;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use idempotency::{
+    Claim, ClaimOutcome, ClaimRequest, Decision, Fingerprint, RecordState, Scope, StoreError, StoredBody,
+    StoredResponse, Timestamp, now,
+};
+use tower::{Service, ServiceExt};
+
+use crate::BoxError;
+use crate::config::{Config, never_replayed};
+use crate::context::IdempotencyContext;
+use crate::metrics::{count, timed};
+use crate::problem::Rejection;
+use crate::service::rejection_response;
+
+/// The response header that marks a replay.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// How often a request may lose a re-claim race (or find its record swept) before it stops
+/// and answers `409 request-in-progress`; each loss means another request just took the key.
+const MAX_RACES: u32 = 8;
+/// The first and the longest sleep between polls while waiting for an in-flight request.
+const FIRST_POLL: Duration = Duration::from_millis(10);
+const MAX_POLL: Duration = Duration::from_millis(100);
+
+pub(crate) struct Protected<S> {
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) inner: S,
+    pub(crate) parts: Parts,
+    pub(crate) body: Bytes,
+    pub(crate) scope: Scope,
+    pub(crate) fingerprint: Fingerprint,
+}
+
+/// Why the owner runs the handler: counted as the request's outcome.
+#[derive(Clone, Copy)]
+enum Run {
+    /// A new record, or a failed one taken over.
+    Executed,
+    /// A stale in-flight claim taken over.
+    StaleReclaimed,
+}
+
+/// Claims the key and answers: runs the handler as owner, replays, or refuses.
+pub(crate) async fn run<S, ResBody>(p: Protected<S>) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let cfg = p.cfg.clone();
+    let store = &cfg.store;
+    let deadline = tokio::time::Instant::now() + cfg.wait_for_in_flight;
+    let mut poll = FIRST_POLL;
+    let mut races = 0u32;
+    let mut claim_next = true;
+    loop {
+        let t = now();
+        let record = if claim_next {
+            let req = ClaimRequest {
+                scope: p.scope.clone(),
+                fingerprint: p.fingerprint.clone(),
+                now: t,
+                expires_at: after(t, cfg.retention),
+            };
+            match timed("claim", store.claim(req)).await {
+                Ok(ClaimOutcome::Owned(claim)) => return own(p, claim, Run::Executed).await,
+                Ok(ClaimOutcome::Existing(record)) => record,
+                Err(e) => return Ok(store_down(&cfg, "claim", e)),
+            }
+        } else {
+            match timed("get", store.get(&p.scope)).await {
+                Ok(Some(record)) if !record.is_expired(t) => record,
+                // Swept or expired since we looked: the key is free, claim it afresh.
+                Ok(_) => {
+                    races += 1;
+                    if races > MAX_RACES {
+                        return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                    }
+                    claim_next = true;
+                    continue;
+                }
+                Err(e) => return Ok(store_down(&cfg, "get", e)),
+            }
+        };
+        claim_next = false;
+        match record.decide(&p.fingerprint, t, cfg.in_flight_ttl) {
+            Decision::Replay(stored) => return Ok(replay(&cfg, &stored)),
+            Decision::Mismatch => return Ok(rejection_response(&cfg, Rejection::Mismatch)),
+            Decision::InProgress { retry_after } => {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    return Ok(in_progress(&cfg, retry_after));
+                }
+                // Nothing is held while sleeping: no lock, no connection, only this task.
+                tokio::time::sleep(poll.min(left)).await;
+                poll = (poll * 2).min(MAX_POLL);
+            }
+            Decision::Reclaim => {
+                let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
+                match timed("reclaim", store.reclaim(&record, t, cfg.in_flight_ttl)).await {
+                    Ok(Some(claim)) => {
+                        if matches!(how, Run::StaleReclaimed) {
+                            tracing::warn!(
+                                generation = claim.generation(),
+                                "stale in-flight claim taken over; the handler runs again"
+                            );
+                        }
+                        return own(p, claim, how).await;
+                    }
+                    // Another request re-claimed it first: read it again and decide again.
+                    Ok(None) => {
+                        races += 1;
+                        if races > MAX_RACES {
+                            return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                        }
+                    }
+                    Err(e) => return Ok(store_down(&cfg, "reclaim", e)),
+                }
+            }
+        }
+    }
+}
+
+/// What the handler produced, caught whole so that every way it ends is recorded in the store.
+enum Handled<E> {
+    Response(http::response::Parts, Bytes),
+    ServiceError(E),
+    BodyError(BoxError),
+}
+
+/// Runs the handler as the owner of `claim`, then completes or fails the record.
+async fn own<S, ResBody>(p: Protected<S>, claim: Claim, how: Run) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Protected { cfg, inner, mut parts, body, .. } = p;
+    parts.extensions.insert(IdempotencyContext::new(claim.clone()));
+    let req = Request::from_parts(parts, Body::from(body));
+    let handled = AssertUnwindSafe(async move {
+        match inner.oneshot(req).await {
+            Err(e) => Handled::ServiceError(e),
+            Ok(res) => {
+                let (parts, body) = res.into_parts();
+                // Buffer the whole response: it is stored as one value before anyone sees it.
+                match body.collect().await {
+                    Ok(collected) => Handled::Response(parts, collected.to_bytes()),
+                    Err(e) => Handled::BodyError(e.into()),
+                }
+            }
+        }
+    })
+    .catch_unwind()
+    .await;
+
+    let store = &cfg.store;
+    let (parts, bytes) = match handled {
+        Ok(Handled::Response(parts, bytes)) => (parts, bytes),
+        Ok(Handled::ServiceError(e)) => {
+            fail(&cfg, &claim, "the inner service returned an error").await;
+            count(outcome(how));
+            return Err(e);
+        }
+        Ok(Handled::BodyError(e)) => {
+            fail(&cfg, &claim, "the response body failed").await;
+            return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed(e.to_string())));
+        }
+        Err(_panic) => {
+            fail(&cfg, &claim, "the handler panicked").await;
+            return Ok(rejection_response(&cfg, Rejection::HandlerPanicked));
+        }
+    };
+
+    let status = parts.status;
+    if cfg.response_policy.is_terminal(status.as_u16()) {
+        let stored = StoredResponse {
+            status: status.as_u16(),
+            headers: replayable_headers(&cfg, &parts.headers),
+            body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
+        };
+        let expires_at = after(now(), cfg.retention);
+        match timed("complete", store.complete(&claim, &stored, expires_at)).await {
+            Ok(()) => {}
+            Err(StoreError::Fenced { generation }) => tracing::warn!(
+                generation,
+                "a newer attempt owns this key; its response is the one replayed, this client gets its own"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "storing the response failed; the key stays in flight until its claim goes stale"
+            ),
+        }
+    } else {
+        fail(&cfg, &claim, "the response is not terminal").await;
+    }
+    let outcome = outcome(how);
+    count(outcome);
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    span.record("status", status.as_u16());
+    tracing::debug!(outcome, status = status.as_u16(), "handler ran");
+    Ok(Response::from_parts(parts, Body::from(bytes)))
+}
+
+fn outcome(how: Run) -> &'static str {
+    match how {
+        Run::Executed => "executed",
+        Run::StaleReclaimed => "stale_reclaimed",
+    }
+}
+
+/// Marks the attempt failed so the next retry runs the handler at once.
+async fn fail(cfg: &Config, claim: &Claim, why: &'static str) {
+    match timed("fail", cfg.store.fail(claim)).await {
+        Ok(()) => tracing::info!(why, "attempt failed; a retry runs the handler again"),
+        Err(StoreError::Fenced { generation }) => {
+            tracing::warn!(generation, why, "attempt failed after a newer attempt took the key over")
+        }
+        Err(e) => tracing::error!(error = %e, why, "marking the attempt failed did not work; it goes stale instead"),
+    }
+}
+
+/// The allowlisted headers, in order, repeated values kept. Values are stored one char per byte
+/// (Latin-1), so any header value, even one with obs-text, round-trips byte for byte.
+fn replayable_headers(cfg: &Config, headers: &http::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !never_replayed(name) && cfg.replay_headers.contains(name))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().iter().map(|&b| char::from(b)).collect()))
+        .collect()
+}
+
+fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValue)> {
+    let bytes: Option<Vec<u8>> = value.chars().map(|c| u8::try_from(c).ok()).collect();
+    Some((HeaderName::from_bytes(name.as_bytes()).ok()?, HeaderValue::from_bytes(&bytes?).ok()?))
+}
+
+/// Replays a stored response: status, headers and body as stored, plus `Idempotent-Replayed`.
+fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
+    let rebuilt = (|| {
+        let status = StatusCode::from_u16(stored.status).map_err(|e| e.to_string())?;
+        let body = stored.body.decode().map_err(|e| e.to_string())?;
+        let mut res = Response::new(Body::from(body));
+        *res.status_mut() = status;
+        for (name, value) in &stored.headers {
+            let (name, value) =
+                header_from_stored(name, value).ok_or_else(|| format!("stored header {name:?} is not valid"))?;
+            res.headers_mut().append(name, value);
+        }
+        res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        Ok::<_, String>(res)
+    })();
+    match rebuilt {
+        Ok(res) => {
+            count("replayed");
+            let span = tracing::Span::current();
+            span.record("outcome", "replayed");
+            span.record("status", stored.status);
+            tracing::debug!(status = stored.status, "stored response replayed");
+            res
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "stored response cannot be replayed");
+            rejection_response(cfg, Rejection::StoredResponseCorrupt(e))
+        }
+    }
+}
+
+fn in_progress(cfg: &Config, until_stale: Duration) -> Response<Body> {
+    let retry_after = until_stale.min(cfg.in_progress_retry_after);
+    rejection_response(cfg, Rejection::InProgress { retry_after })
+}
+
+fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
+    tracing::error!(error = %e, op, "idempotency store call failed; the handler did not run");
+    rejection_response(cfg, Rejection::StoreUnavailable(e))
+}
+
+/// `t + d`, saturating: a retention of "forever" must not overflow.
+fn after(t: Timestamp, d: Duration) -> Timestamp {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| t.checked_add_signed(d))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
+}

@@ -1,0 +1,216 @@
+//! The [`IdempotencyService`]: decides, per request, whether the layer protects it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::OriginalUri;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotency::{Endpoint, IdempotencyKey, KeyError, RequestParts, Scope};
+use tower::Service;
+use tracing::Instrument;
+
+use crate::BoxError;
+use crate::config::{Config, RoutePolicy, is_mutating};
+use crate::future::ResponseFuture;
+use crate::metrics::count;
+use crate::problem::Rejection;
+use crate::protect::{Protected, run};
+
+/// The header that carries the key.
+pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
+
+/// The service [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around an inner service `S`.
+///
+/// `S` takes `Request<axum::body::Body>`; the protected request reaches it with its body
+/// already read (once, within the limit) and an [`IdempotencyContext`](crate::IdempotencyContext)
+/// in its extensions. Protected requests run `S` in a task of their own, so `S` must be `Clone`
+/// and `'static` and the layer needs a tokio runtime.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        Self { inner, config }
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let cfg = &self.config;
+        if !is_mutating(req.method()) {
+            return ResponseFuture::inner(self.inner.call(req.map(Body::new)));
+        }
+        let (parts, body) = req.into_parts();
+        let path = request_path(&parts).to_owned();
+        let policy = (cfg.policy)(&parts.method, &path);
+        if policy == RoutePolicy::Off {
+            return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
+        }
+        let key = match parse_key(&parts) {
+            Ok(Some(key)) => key,
+            Ok(None) if policy == RoutePolicy::Optional => {
+                return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
+            }
+            Ok(None) => return reject(cfg, Rejection::MissingKey, None),
+            Err(e) => return reject(cfg, Rejection::InvalidKey(e), None),
+        };
+        let Some(principal) = (cfg.principal)(&parts) else {
+            return reject(cfg, Rejection::Unauthenticated, Some(&key));
+        };
+        let endpoint = Endpoint::new(parts.method.as_str(), &path);
+        let span = tracing::info_span!(
+            "idempotency",
+            key = %key,
+            principal = %principal,
+            endpoint = %endpoint,
+            outcome = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
+        let scope = Scope::new(principal, endpoint, key);
+
+        // The service that was polled ready goes with this request; a clone stays for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = cfg.clone();
+        let fut = async move {
+            let body = match read_body(body, &parts, cfg.body_limit).await {
+                Ok(body) => body,
+                Err(rejection) => return Ok(rejection_response(&cfg, rejection)),
+            };
+            let fingerprint = {
+                let content_type = parts.headers.get(http::header::CONTENT_TYPE).map_or(&b""[..], |v| v.as_bytes());
+                let parts = RequestParts {
+                    method: parts.method.as_str(),
+                    path: &path,
+                    query: parts.uri.query().unwrap_or(""),
+                    content_type,
+                    body: &body,
+                };
+                match cfg.fingerprinter.fingerprint(&parts) {
+                    Ok(fp) => fp,
+                    Err(_) => {
+                        return Ok(rejection_response(&cfg, Rejection::BodyTooLarge { limit: cfg.body_limit }));
+                    }
+                }
+            };
+            // From the claim on, the work runs in its own task: a client that goes away drops
+            // this future, but must not cut the handler between two side effects, nor leave a
+            // claim that nobody completes.
+            let task = tokio::spawn(
+                run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint })
+                    .instrument(tracing::Span::current()),
+            );
+            match task.await {
+                Ok(result) => result,
+                Err(e) => {
+                    let rejection = if e.is_panic() {
+                        Rejection::HandlerPanicked
+                    } else {
+                        Rejection::Internal("the request's task was cancelled".to_owned())
+                    };
+                    tracing::error!(error = %e, "idempotency task failed");
+                    Ok(rejection_response(&cfg, rejection))
+                }
+            }
+        }
+        .instrument(span);
+        ResponseFuture::protected(Box::pin(fut))
+    }
+}
+
+/// The concrete path the client sent: axum strips a nested router's prefix from the URI and
+/// keeps the original in [`OriginalUri`], and the endpoint must be the full path.
+fn request_path(parts: &Parts) -> &str {
+    match parts.extensions.get::<OriginalUri>() {
+        Some(OriginalUri(uri)) => uri.path(),
+        None => parts.uri.path(),
+    }
+}
+
+/// The key, if sent: `Ok(None)` when absent, an error when sent twice or invalid.
+fn parse_key(parts: &Parts) -> Result<Option<IdempotencyKey>, KeyError> {
+    let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(first) = values.next() else { return Ok(None) };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    IdempotencyKey::parse_header(first.as_bytes()).map(Some)
+}
+
+/// Reads the whole body once, refusing more than `limit` bytes (early, when the declared length
+/// already says so).
+async fn read_body<B>(body: B, parts: &Parts, limit: usize) -> Result<Bytes, Rejection>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let declared = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(Rejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(Rejection::BodyTooLarge { limit }),
+        Err(e) => Err(Rejection::BodyUnreadable(e.to_string())),
+    }
+}
+
+/// Turns a rejection into its response, counting and tracing it. The current span (the
+/// request's, inside the protected path) gets the outcome.
+pub(crate) fn rejection_response(cfg: &Config, rejection: Rejection) -> Response<Body> {
+    let outcome = rejection.outcome();
+    count(outcome);
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    let problem = rejection.into_problem(cfg);
+    span.record("status", problem.status().as_u16());
+    tracing::debug!(outcome, status = problem.status().as_u16(), "idempotency rejection");
+    problem.into_response()
+}
+
+fn reject<F, E>(cfg: &Config, rejection: Rejection, key: Option<&IdempotencyKey>) -> ResponseFuture<F, E> {
+    let _span = tracing::info_span!(
+        "idempotency",
+        key = key.map(tracing::field::display),
+        outcome = tracing::field::Empty,
+        status = tracing::field::Empty
+    )
+    .entered();
+    ResponseFuture::ready(rejection_response(cfg, rejection))
+}
