@@ -1,1 +1,39 @@
 //! The hypervisor API (SPEC 3.3): the HTTP client leasebroker uses and the simulator.
+//!
+//! Like many real hypervisors, this API does not accept caller-supplied ids: it picks each VM's id
+//! and echoes back a free-form `tag`. leasebroker puts a derived sub-key in that tag and, after an
+//! ambiguous failure ([`HvError::may_have_happened`]), finds out what happened by listing VMs by tag.
+//!
+//! - [`sim`]: the simulator, an axum app with injectable faults and the counters the fault harness
+//!   checks ([`SimStats`]).
+//! - [`client`]: [`HypervisorClient`], which tells a definite failure from an ambiguous one.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use leasebroker::hypervisor::{BootRequest, HypervisorClient, SimConfig, Simulator, serve};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let url = format!("http://{}", listener.local_addr()?);
+//! let sim = Simulator::new(SimConfig::default());
+//! tokio::spawn(serve(listener, sim.clone(), std::future::pending()));
+//!
+//! let client = HypervisorClient::new(&url, Duration::from_secs(10))?;
+//! let req = BootRequest { image: "ubuntu-24.04".into(), cpu: 4, memory_gb: 16, tag: "sub-key".into() };
+//! match client.boot(&req).await {
+//!     Ok(vm) => println!("booted {}", vm.vm_id),
+//!     // Maybe booted: look for it by tag before booting again.
+//!     Err(e) if e.may_have_happened() => println!("found {:?}", client.list_by_tag("sub-key").await?),
+//!     Err(e) => return Err(e.into()),
+//! }
+//! assert_eq!(sim.stats().boots_total, 1);
+//! # Ok(()) }
+//! ```
+
+mod api;
+pub mod client;
+pub mod sim;
+
+pub use api::{BootRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState};
+pub use client::{HvError, HypervisorClient};
+pub use sim::{SimConfig, Simulator, serve};

@@ -1,0 +1,454 @@
+//! The hypervisor simulator: an axum app serving the hypervisor API of SPEC 3.3, with injectable
+//! faults and the counters the fault harness checks.
+//!
+//! Routes:
+//! - `POST /v1/vms` `{"image", "cpu", "memory_gb", "tag"}` -> `201 {"vm_id", "tag", "state"}`
+//! - `GET /v1/vms[?tag=T]` -> `200 {"vms": [...]}`; with `tag`, only VMs whose tag equals `T`
+//!   exactly (so `?tag=` lists the untagged ones), without it every VM, oldest boot first
+//! - `GET /v1/vms/{vm_id}` -> `200 {"vm_id", "tag", "state", "reboot_tags", "image", "cpu",
+//!   "memory_gb"}` or `404`
+//! - `POST /v1/vms/{vm_id}/reboot` `{"tag"}` -> `202` (the VM in full) or `404`
+//! - `DELETE /v1/vms/{vm_id}` -> `204` or `404`
+//! - `GET /v1/stats` -> [`SimStats`]
+//! - Simulator extension, for tests and the harness: `GET /v1/faults` and
+//!   `PUT /v1/faults` `{"fail_before", "fail_after", "latency_ms"}` read and replace the faults at
+//!   runtime (`204`; a probability outside 0.0-1.0 is a `422`).
+//!
+//! Faults apply to the mutating requests (`POST`, `DELETE`) only, after the body was validated:
+//! `latency` is slept first, then `fail_before` answers `503` without doing anything, or the work
+//! is done and `fail_after` drops the connection without answering. The work (with its latency)
+//! runs in its own task, so a client that times out and hangs up does not cancel it: like a real
+//! hypervisor, the VM still boots, which is exactly the ambiguity callers must reconcile.
+//!
+//! Errors are JSON: `{"type": "/problems/<name>", "title", "status", "detail"}` with
+//! `Content-Type: application/problem+json`.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Json, Path, Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+
+use super::api::{BootRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState};
+
+/// The simulator's faults. `Default` is no faults at all.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimConfig {
+    /// Probability (0.0-1.0) that a mutating request is answered `503` without doing anything.
+    pub fail_before: f64,
+    /// Probability (0.0-1.0) that a mutating request does its work and then loses its answer: the
+    /// connection is dropped without a response.
+    pub fail_after: f64,
+    /// Slept before each mutating request does its work.
+    pub latency: Duration,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self { fail_before: 0.0, fail_after: 0.0, latency: Duration::ZERO }
+    }
+}
+
+impl SimConfig {
+    /// Checks that both probabilities lie within 0.0-1.0.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, p) in [("fail_before", self.fail_before), ("fail_after", self.fail_after)] {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("{name} must be a probability between 0.0 and 1.0, got {p}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The same faults with each probability forced into 0.0-1.0 (NaN counts as 0.0).
+    fn clamped(self) -> Self {
+        let clamp = |p: f64| if p.is_nan() { 0.0 } else { p.clamp(0.0, 1.0) };
+        Self { fail_before: clamp(self.fail_before), fail_after: clamp(self.fail_after), latency: self.latency }
+    }
+}
+
+/// The simulated hypervisor: its VMs, counters and faults.
+///
+/// Cloning is cheap and every clone shares one state, so the same simulator can be served over
+/// HTTP and inspected in process ([`Simulator::stats`]) at once.
+#[derive(Debug, Clone)]
+pub struct Simulator {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<SimState>,
+    faults: Mutex<SimConfig>,
+}
+
+#[derive(Debug, Default)]
+struct SimState {
+    vms: HashMap<String, SimVm>,
+    /// Boot order, so listings are stable.
+    next_seq: u64,
+    /// Every non-empty tag ever booted, deleted VMs included: a re-boot of one is a duplicate.
+    booted_tags: HashSet<String>,
+    stats: SimStats,
+}
+
+#[derive(Debug)]
+struct SimVm {
+    seq: u64,
+    detail: VmDetail,
+}
+
+impl Simulator {
+    /// A simulator with no VMs and the given faults (probabilities are clamped into 0.0-1.0).
+    pub fn new(config: SimConfig) -> Self {
+        Self {
+            shared: Arc::new(Shared { state: Mutex::new(SimState::default()), faults: Mutex::new(config.clamped()) }),
+        }
+    }
+
+    /// The HTTP API, ready to serve (see the module docs for the routes).
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/vms", post(boot).get(list))
+            .route("/v1/vms/{vm_id}", get(get_vm).delete(delete_vm))
+            .route("/v1/vms/{vm_id}/reboot", post(reboot))
+            .route("/v1/stats", get(stats))
+            .route("/v1/faults", get(get_faults).put(put_faults))
+            .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
+            .with_state(self.clone())
+    }
+
+    /// The counters as they are now.
+    pub fn stats(&self) -> SimStats {
+        let state = self.state();
+        SimStats { running: state.vms.len() as u64, ..state.stats }
+    }
+
+    /// Replaces the faults; later requests see the new ones (probabilities are clamped into
+    /// 0.0-1.0).
+    pub fn set_faults(&self, config: SimConfig) {
+        *lock(&self.shared.faults) = config.clamped();
+    }
+
+    /// The faults in force.
+    pub fn faults(&self) -> SimConfig {
+        *lock(&self.shared.faults)
+    }
+
+    fn state(&self) -> MutexGuard<'_, SimState> {
+        lock(&self.shared.state)
+    }
+
+    /// Runs one mutating request's work under the faults in force: `Ok` with the work's result,
+    /// or `Err` with what to answer instead (the `fail_before` 503, the `fail_after` dropped
+    /// connection).
+    ///
+    /// The work runs in a task of its own so that a caller who hangs up during the latency does
+    /// not cancel it; `work` itself is synchronous under the lock, so it is all-or-nothing.
+    async fn mutate<T, F>(&self, work: F) -> Result<T, Response>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut SimState) -> T + Send + 'static,
+    {
+        let faults = self.faults();
+        let fail_before = roll(faults.fail_before);
+        let fail_after = roll(faults.fail_after);
+        let sim = self.clone();
+        let task = tokio::spawn(async move {
+            if !faults.latency.is_zero() {
+                tokio::time::sleep(faults.latency).await;
+            }
+            if fail_before {
+                return None;
+            }
+            Some(work(&mut sim.state()))
+        });
+        match task.await {
+            Ok(None) => {
+                tracing::debug!("hypervisor-sim: fail_before fault, refusing");
+                Err(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "simulated fault: refused before doing anything",
+                ))
+            }
+            Ok(Some(_)) if fail_after => {
+                tracing::debug!("hypervisor-sim: fail_after fault, dropping the answer");
+                Err(dropped_connection())
+            }
+            Ok(Some(done)) => Ok(done),
+            Err(join) => {
+                tracing::error!(error = %join, "hypervisor-sim: work task failed");
+                Err(problem(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the simulator's work task failed"))
+            }
+        }
+    }
+}
+
+impl SimState {
+    fn boot(&mut self, req: BootRequest) -> Vm {
+        let vm_id = loop {
+            let id = format!("vm-{:016x}", rand::random::<u64>());
+            if !self.vms.contains_key(&id) {
+                break id;
+            }
+        };
+        self.stats.boots_total += 1;
+        if !req.tag.is_empty() && !self.booted_tags.insert(req.tag.clone()) {
+            self.stats.duplicate_boot_tags += 1;
+        }
+        let detail = VmDetail {
+            vm_id: vm_id.clone(),
+            tag: req.tag,
+            state: VmState::Running,
+            reboot_tags: Vec::new(),
+            image: Some(req.image),
+            cpu: Some(req.cpu),
+            memory_gb: Some(req.memory_gb),
+        };
+        let vm = detail.summary();
+        self.vms.insert(vm_id, SimVm { seq: self.next_seq, detail });
+        self.next_seq += 1;
+        vm
+    }
+
+    fn reboot(&mut self, vm_id: &str, tag: String) -> Option<VmDetail> {
+        let vm = self.vms.get_mut(vm_id)?;
+        self.stats.reboots_total += 1;
+        if vm.detail.reboot_tags.contains(&tag) {
+            self.stats.duplicate_reboot_tags += 1;
+        }
+        vm.detail.reboot_tags.push(tag);
+        Some(vm.detail.clone())
+    }
+
+    fn list(&self, tag: Option<&str>) -> Vec<VmDetail> {
+        let mut vms: Vec<&SimVm> = self.vms.values().filter(|vm| tag.is_none_or(|t| vm.detail.tag == t)).collect();
+        vms.sort_by_key(|vm| vm.seq);
+        vms.into_iter().map(|vm| vm.detail.clone()).collect()
+    }
+}
+
+/// Binds nothing itself: serves `sim` on `listener` until `shutdown` resolves, then drains the open
+/// requests and returns.
+pub async fn serve(
+    listener: TcpListener,
+    sim: Simulator,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    axum::serve(listener, sim.router()).with_graceful_shutdown(shutdown).await
+}
+
+/// Locks a mutex, recovering from poisoning: every critical section here leaves the state
+/// consistent, and a panic elsewhere must not turn every later request into one.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// True with probability `p`.
+fn roll(p: f64) -> bool {
+    // random() is in [0, 1): p = 0.0 never fires, p = 1.0 always does.
+    p > 0.0 && rand::random::<f64>() < p
+}
+
+async fn boot(State(sim): State<Simulator>, body: Result<Json<BootRequest>, JsonRejection>) -> Response {
+    let Json(req) = match body {
+        Ok(body) => body,
+        Err(rejection) => return json_rejection(rejection),
+    };
+    if let Err(detail) = validate_boot(&req) {
+        return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
+    }
+    match sim.mutate(move |state| state.boot(req)).await {
+        Ok(vm) => {
+            let mut response = (StatusCode::CREATED, Json(&vm)).into_response();
+            if let Ok(location) = HeaderValue::from_str(&format!("/v1/vms/{}", vm.vm_id)) {
+                response.headers_mut().insert(header::LOCATION, location);
+            }
+            response
+        }
+        Err(response) => response,
+    }
+}
+
+fn validate_boot(req: &BootRequest) -> Result<(), String> {
+    if req.image.trim().is_empty() {
+        return Err("image must not be empty".to_owned());
+    }
+    if req.cpu < 1 {
+        return Err("cpu must be at least 1".to_owned());
+    }
+    if req.memory_gb < 1 {
+        return Err("memory_gb must be at least 1".to_owned());
+    }
+    Ok(())
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    tag: Option<String>,
+}
+
+async fn list(State(sim): State<Simulator>, query: Result<Query<ListQuery>, QueryRejection>) -> Response {
+    let Query(query) = match query {
+        Ok(query) => query,
+        Err(rejection) => return problem(rejection.status(), "invalid-query", &rejection.body_text()),
+    };
+    let vms = sim.state().list(query.tag.as_deref());
+    Json(VmList { vms }).into_response()
+}
+
+async fn get_vm(State(sim): State<Simulator>, vm_id: Result<Path<String>, PathRejection>) -> Response {
+    let Path(vm_id) = match vm_id {
+        Ok(path) => path,
+        Err(rejection) => return problem(rejection.status(), "invalid-path", &rejection.body_text()),
+    };
+    match sim.state().vms.get(&vm_id) {
+        Some(vm) => Json(&vm.detail).into_response(),
+        None => vm_not_found(&vm_id),
+    }
+}
+
+async fn reboot(
+    State(sim): State<Simulator>,
+    vm_id: Result<Path<String>, PathRejection>,
+    body: Result<Json<RebootRequest>, JsonRejection>,
+) -> Response {
+    let Path(vm_id) = match vm_id {
+        Ok(path) => path,
+        Err(rejection) => return problem(rejection.status(), "invalid-path", &rejection.body_text()),
+    };
+    let Json(req) = match body {
+        Ok(body) => body,
+        Err(rejection) => return json_rejection(rejection),
+    };
+    let target = vm_id.clone();
+    match sim.mutate(move |state| state.reboot(&target, req.tag)).await {
+        Ok(Some(detail)) => (StatusCode::ACCEPTED, Json(detail)).into_response(),
+        Ok(None) => vm_not_found(&vm_id),
+        Err(response) => response,
+    }
+}
+
+async fn delete_vm(State(sim): State<Simulator>, vm_id: Result<Path<String>, PathRejection>) -> Response {
+    let Path(vm_id) = match vm_id {
+        Ok(path) => path,
+        Err(rejection) => return problem(rejection.status(), "invalid-path", &rejection.body_text()),
+    };
+    let target = vm_id.clone();
+    match sim.mutate(move |state| state.vms.remove(&target).is_some()).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => vm_not_found(&vm_id),
+        Err(response) => response,
+    }
+}
+
+async fn stats(State(sim): State<Simulator>) -> Json<SimStats> {
+    Json(sim.stats())
+}
+
+/// The wire form of [`SimConfig`], for `GET`/`PUT /v1/faults`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultsBody {
+    #[serde(default)]
+    fail_before: f64,
+    #[serde(default)]
+    fail_after: f64,
+    #[serde(default)]
+    latency_ms: u64,
+}
+
+async fn get_faults(State(sim): State<Simulator>) -> Json<FaultsBody> {
+    let faults = sim.faults();
+    Json(FaultsBody {
+        fail_before: faults.fail_before,
+        fail_after: faults.fail_after,
+        latency_ms: u64::try_from(faults.latency.as_millis()).unwrap_or(u64::MAX),
+    })
+}
+
+async fn put_faults(State(sim): State<Simulator>, body: Result<Json<FaultsBody>, JsonRejection>) -> Response {
+    let Json(body) = match body {
+        Ok(body) => body,
+        Err(rejection) => return json_rejection(rejection),
+    };
+    let config = SimConfig {
+        fail_before: body.fail_before,
+        fail_after: body.fail_after,
+        latency: Duration::from_millis(body.latency_ms),
+    };
+    if let Err(detail) = config.validate() {
+        return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
+    }
+    sim.set_faults(config);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn not_found() -> Response {
+    problem(StatusCode::NOT_FOUND, "not-found", "no such route")
+}
+
+async fn method_not_allowed() -> Response {
+    problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", "method not allowed on this route")
+}
+
+/// A response that never reaches the client: its body fails on the first poll, before hyper has
+/// flushed the buffered status line, so hyper closes the connection with nothing sent and the
+/// client sees the connection end mid-request, not a status.
+fn dropped_connection() -> Response {
+    let stream = futures::stream::once(async {
+        Err::<Bytes, io::Error>(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "simulated fault: connection dropped after the work was done",
+        ))
+    });
+    Response::new(Body::from_stream(stream))
+}
+
+fn json_rejection(rejection: JsonRejection) -> Response {
+    let name = match rejection.status() {
+        StatusCode::UNPROCESSABLE_ENTITY => "invalid-request",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported-media-type",
+        _ => "invalid-json",
+    };
+    problem(rejection.status(), name, &rejection.body_text())
+}
+
+fn vm_not_found(vm_id: &str) -> Response {
+    problem(StatusCode::NOT_FOUND, "vm-not-found", &format!("no VM {vm_id:?}"))
+}
+
+#[derive(Debug, Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    type_uri: String,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+/// An RFC 9457-style error body.
+fn problem(status: StatusCode, name: &str, detail: &str) -> Response {
+    let body = Problem {
+        type_uri: format!("/problems/{name}"),
+        title: status.canonical_reason().unwrap_or("error"),
+        status: status.as_u16(),
+        detail,
+    };
+    let mut response = (status, Json(body)).into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
+}
