@@ -1,0 +1,93 @@
+//! The durable journal on temp SQLite files.
+
+use leasebroker_client::journal::{Journal, JournalError, RequestFingerprint};
+
+fn create(cpu: u32) -> RequestFingerprint {
+    RequestFingerprint::of("POST", "/v1/workers", format!(r#"{{"image":"img","cpu":{cpu},"memory_gb":4}}"#).as_bytes())
+}
+
+#[tokio::test]
+async fn begin_twice_returns_the_same_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("j.db")).await.unwrap();
+    let first = journal.begin("op-1", &create(2)).await.unwrap();
+    let again = journal.begin("op-1", &create(2)).await.unwrap();
+    assert_eq!(first, again);
+    let other = journal.begin("op-2", &create(2)).await.unwrap();
+    assert_ne!(first, other, "two operations must not share a key");
+}
+
+#[tokio::test]
+async fn a_different_request_under_one_op_id_is_refused_and_keeps_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("j.db")).await.unwrap();
+    let key = journal.begin("op-1", &create(2)).await.unwrap();
+    let err = journal.begin("op-1", &create(128)).await.expect_err("changed request");
+    match err {
+        JournalError::RequestChanged { op_id, recorded, requested } => {
+            assert_eq!(op_id, "op-1");
+            assert_eq!(recorded, create(2).as_str());
+            assert_eq!(requested, create(128).as_str());
+        }
+        other => panic!("expected RequestChanged, got {other:?}"),
+    }
+    let delete = RequestFingerprint::of("DELETE", "/v1/workers/wkr-1", b"");
+    assert!(matches!(journal.begin("op-1", &delete).await, Err(JournalError::RequestChanged { .. })));
+    assert_eq!(journal.begin("op-1", &create(2)).await.unwrap(), key);
+}
+
+#[tokio::test]
+async fn a_key_is_committed_before_begin_returns_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nested/state/j.db");
+    let journal = Journal::open(&path).await.unwrap();
+    let key = journal.begin("op-1", &create(2)).await.unwrap();
+    // Another connection sees it at once: it was committed, not buffered in this one.
+    let reader = Journal::open(&path).await.unwrap();
+    assert_eq!(reader.entry("op-1").await.unwrap().expect("committed").key, key);
+    reader.close().await;
+    journal.finish("op-1", 201, br#"{"id":"wkr-1"}"#).await.unwrap();
+    // Dropped without close(), as a killed process would leave it.
+    drop(journal);
+
+    let reopened = Journal::open(&path).await.unwrap();
+    assert_eq!(reopened.begin("op-1", &create(2)).await.unwrap(), key);
+    let entry = reopened.entry("op-1").await.unwrap().unwrap();
+    assert_eq!(entry.fingerprint, create(2));
+    assert!(entry.created_at.ends_with('Z'), "{}", entry.created_at);
+    let outcome = entry.outcome.expect("finished");
+    assert_eq!((outcome.status, outcome.body.as_slice()), (201, br#"{"id":"wkr-1"}"#.as_slice()));
+    assert!(reopened.entry("op-unknown").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn finish_of_an_unknown_op_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("j.db")).await.unwrap();
+    assert!(matches!(journal.finish("never-begun", 201, b"").await, Err(JournalError::UnknownOp(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_journals_on_one_file_agree_on_one_key() {
+    // Each task has its own Journal (its own SQLite connection), as separate processes would.
+    for round in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.db");
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(8));
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (path, barrier) = (path.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    let journal = Journal::open(&path).await.expect("open");
+                    barrier.wait().await;
+                    journal.begin("shared-op", &create(2)).await.expect("begin")
+                })
+            })
+            .collect();
+        let mut keys = Vec::new();
+        for task in tasks {
+            keys.push(task.await.unwrap());
+        }
+        assert!(keys.iter().all(|k| *k == keys[0]), "round {round}: racers got different keys: {keys:?}");
+    }
+}
