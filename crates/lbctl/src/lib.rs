@@ -1,1 +1,311 @@
-//! lbctl: the leasebroker command line
+//! lbctl: the leasebroker command line, on the [`leasebroker_client`] SDK.
+//!
+//! Every mutating command sends one `Idempotency-Key` on all of its retries. With `--op-id` the key
+//! is also written to a durable journal before the first attempt, so running the same command again
+//! after a crash, a kill or a give-up reuses the key and gets the original result back; running a
+//! *different* request under the same op id is refused locally (exit 4) without sending anything.
+//!
+//! Exit codes (SPEC 4): 0 success, 1 local failure (journal, unexpected response), 2 usage,
+//! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized.
+//!
+//! ```
+//! use clap::Parser;
+//! let cli = lbctl::Cli::try_parse_from([
+//!     "lbctl", "--token", "t", "workers", "create", "--image", "base", "--cpu", "2", "--memory-gb", "4",
+//!     "--label", "team=ml", "--op-id", "nightly-1",
+//! ])
+//! .unwrap();
+//! assert!(matches!(cli.command, lbctl::Command::Workers(lbctl::WorkersCommand::Create { .. })));
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use leasebroker_client::journal::{Journal, JournalError};
+use leasebroker_client::retry::{Retrier, RetryPolicy};
+use leasebroker_client::{Client, CreateWorker, Error, Mutation, OpKey, WorkerId};
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(name = "lbctl", version, about = "Provision and manage leasebroker workers, safely retried")]
+pub struct Cli {
+    /// The leasebroker base URL.
+    #[arg(long, env = "LBCTL_URL", default_value = "http://127.0.0.1:8080", global = true)]
+    pub url: String,
+    /// The bearer token.
+    #[arg(long, env = "LBCTL_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
+    /// The op-id journal [default: $XDG_STATE_HOME/lbctl/journal.db or ~/.local/state/lbctl/journal.db].
+    #[arg(long, env = "LBCTL_JOURNAL", global = true)]
+    pub journal: Option<PathBuf>,
+    /// Give up retrying after this long (e.g. 30s, 10m).
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, global = true)]
+    pub max_elapsed: Duration,
+    /// Print every attempt and the wait before the next one to stderr.
+    #[arg(long, short, global = true)]
+    pub verbose: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Workers: create, get, list, delete, reboot.
+    #[command(subcommand)]
+    Workers(WorkersCommand),
+}
+
+/// `lbctl workers ...`.
+#[derive(Debug, Subcommand)]
+pub enum WorkersCommand {
+    /// Create a worker.
+    Create {
+        /// The image to boot.
+        #[arg(long)]
+        image: String,
+        /// CPUs.
+        #[arg(long)]
+        cpu: u32,
+        /// Memory in GiB.
+        #[arg(long)]
+        memory_gb: u32,
+        /// A label, K=V; repeat for more.
+        #[arg(long = "label", value_name = "K=V", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        #[command(flatten)]
+        op: OpArgs,
+    },
+    /// Show one worker.
+    Get {
+        /// The worker id.
+        id: WorkerId,
+    },
+    /// List your workers, one page.
+    List {
+        /// Page size.
+        #[arg(long)]
+        limit: Option<u32>,
+        /// The `next_cursor` of the previous page.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Delete a worker (its lease, node and VM).
+    Delete {
+        /// The worker id.
+        id: WorkerId,
+        #[command(flatten)]
+        op: OpArgs,
+    },
+    /// Reboot a worker: once per operation, however often it is retried.
+    Reboot {
+        /// The worker id.
+        id: WorkerId,
+        #[command(flatten)]
+        op: OpArgs,
+    },
+}
+
+/// The durable identity of a mutating command.
+#[derive(Debug, Args)]
+pub struct OpArgs {
+    /// Name this operation: its key goes to the journal before the first attempt, and a rerun with
+    /// the same op id (after a crash or a give-up) reuses it instead of doing the work twice.
+    #[arg(long, value_parser = parse_op_id)]
+    pub op_id: Option<String>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        Some(_) => Err(format!("label {s:?} has an empty key; expected K=V")),
+        None => Err(format!("label {s:?} has no '='; expected K=V")),
+    }
+}
+
+fn parse_op_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 256 || s.chars().any(char::is_control) {
+        return Err("an op id is 1 to 256 characters, without control characters".to_owned());
+    }
+    Ok(s.to_owned())
+}
+
+/// lbctl's exit codes (SPEC 4, plus 1 for local failures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Exit {
+    /// The request succeeded.
+    Success = 0,
+    /// A local failure: the journal, or a response the SDK could not read.
+    Failure = 1,
+    /// Bad arguments (clap uses 2 too).
+    Usage = 2,
+    /// The server refused the request (4xx).
+    Refused = 3,
+    /// The key was already used with a different request (server or journal).
+    KeyReused = 4,
+    /// Retrying ran out of attempts or time.
+    GaveUp = 5,
+    /// The token was refused (401/403).
+    Unauthorized = 6,
+}
+
+impl From<Exit> for ExitCode {
+    fn from(exit: Exit) -> Self {
+        ExitCode::from(exit as u8)
+    }
+}
+
+impl Exit {
+    /// The exit code for an SDK error.
+    pub fn for_error(err: &Error) -> Exit {
+        match err {
+            Error::KeyReused { .. } => Exit::KeyReused,
+            Error::Refused { .. } => Exit::Refused,
+            Error::Unauthorized { .. } => Exit::Unauthorized,
+            Error::InvalidRequest(_) => Exit::Usage,
+            Error::Decode { .. } => Exit::Failure,
+            // Retryable errors only end a command through the retry budget.
+            _ => Exit::GaveUp,
+        }
+    }
+}
+
+/// A command's failure: the exit code and the one line for stderr.
+#[derive(Debug)]
+pub struct Failure {
+    /// The exit code.
+    pub exit: Exit,
+    /// The reason, one line.
+    pub message: String,
+}
+
+impl Failure {
+    fn new(exit: Exit, message: impl Into<String>) -> Self {
+        Failure { exit, message: message.into() }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(err: Error) -> Self {
+        Failure::new(Exit::for_error(&err), err.to_string())
+    }
+}
+
+/// Runs the command: the response JSON to stdout, a one-line reason to stderr, and the exit code.
+pub async fn run(cli: Cli) -> ExitCode {
+    match execute(cli).await {
+        Ok(body) => {
+            let mut out = std::io::stdout().lock();
+            if !body.is_empty() {
+                // A closed stdout (`lbctl ... | head -0`) is the reader's choice, not a failure.
+                let _ = out.write_all(&body).and_then(|()| out.write_all(b"\n"));
+            }
+            Exit::Success.into()
+        }
+        Err(failure) => {
+            eprintln!("lbctl: {}", failure.message.replace('\n', " "));
+            failure.exit.into()
+        }
+    }
+}
+
+/// Runs the command and returns the body to print.
+pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
+    let Some(token) = cli.token.clone() else {
+        return Err(Failure::new(Exit::Usage, "no token: pass --token or set LBCTL_TOKEN"));
+    };
+    let verbose = cli.verbose;
+    let mut retrier = Retrier::new(RetryPolicy::default().with_max_elapsed(cli.max_elapsed));
+    if verbose {
+        retrier = retrier.on_attempt(|attempt| eprintln!("lbctl: {attempt}"));
+    }
+    let client =
+        Client::new(&cli.url, token).map_err(|e| Failure::new(Exit::Usage, e.to_string()))?.with_retrier(retrier);
+
+    let Command::Workers(command) = cli.command;
+    let (mutation, op_id) = match command {
+        WorkersCommand::Get { id } => return Ok(client.get_worker(&id).await?.body.to_vec()),
+        WorkersCommand::List { limit, cursor } => {
+            return Ok(client.list_workers(limit, cursor.as_deref()).await?.body.to_vec());
+        }
+        WorkersCommand::Create { image, cpu, memory_gb, labels, op } => {
+            let mut map = BTreeMap::new();
+            for (k, v) in &labels {
+                if map.insert(k.clone(), v.clone()).is_some() {
+                    return Err(Failure::new(Exit::Usage, format!("label {k:?} given more than once")));
+                }
+            }
+            let request = CreateWorker { image, cpu, memory_gb, labels: (!map.is_empty()).then_some(map) };
+            (Mutation::CreateWorker(request), op.op_id)
+        }
+        WorkersCommand::Delete { id, op } => (Mutation::DeleteWorker(id), op.op_id),
+        WorkersCommand::Reboot { id, op } => (Mutation::RebootWorker(id), op.op_id),
+    };
+
+    let journal = match &op_id {
+        Some(op_id) => {
+            let path = journal_path(cli.journal)?;
+            let journal = Journal::open(&path).await.map_err(|e| Failure::new(Exit::Failure, e.to_string()))?;
+            Some((journal, op_id.as_str()))
+        }
+        None => None,
+    };
+    // One key for every attempt of this operation: from the journal (durable before the first
+    // attempt) or, without an op id, made here once and kept in memory.
+    let key = match &journal {
+        Some((journal, op_id)) => match journal.begin(op_id, &mutation.fingerprint()).await {
+            Ok(key) => key,
+            Err(e @ JournalError::RequestChanged { .. }) => {
+                return Err(Failure::new(Exit::KeyReused, format!("{e}; not sent (use a new --op-id)")));
+            }
+            Err(e) => return Err(Failure::new(Exit::Failure, e.to_string())),
+        },
+        None => OpKey::new_v4(),
+    };
+    if verbose {
+        match &journal {
+            Some((j, op_id)) => eprintln!("lbctl: op {op_id:?} key {key} (journal {})", j.path().display()),
+            None => eprintln!("lbctl: key {key} (not journaled: no --op-id)"),
+        }
+    }
+
+    let result = client.mutate(&mutation, &key).await;
+    if let Some((journal, op_id)) = &journal {
+        // Record final answers only; after a give-up the outcome is unknown and a rerun will learn it.
+        let outcome = match &result {
+            Ok(response) => Some((response.status.as_u16(), response.body.to_vec())),
+            Err(err @ (Error::Refused { .. } | Error::KeyReused { .. })) => {
+                let body = err.problem().and_then(|p| serde_json::to_vec(p).ok()).unwrap_or_default();
+                err.status().map(|s| (s.as_u16(), body))
+            }
+            Err(_) => None,
+        };
+        if let Some((status, body)) = outcome
+            && let Err(e) = journal.finish(op_id, status, &body).await
+        {
+            eprintln!("lbctl: warning: could not record the outcome in the journal: {e}");
+        }
+    }
+    Ok(result?.body.to_vec())
+}
+
+/// `--journal`, else `$XDG_STATE_HOME/lbctl/journal.db`, else `~/.local/state/lbctl/journal.db`.
+fn journal_path(explicit: Option<PathBuf>) -> Result<PathBuf, Failure> {
+    if let Some(path) = explicit {
+        return Ok(path);
+    }
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        // The XDG spec says a relative value is invalid and must be ignored.
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| PathBuf::from(h).join(".local/state")));
+    state
+        .map(|dir| dir.join("lbctl").join("journal.db"))
+        .ok_or_else(|| Failure::new(Exit::Failure, "no journal location: pass --journal or set HOME"))
+}
