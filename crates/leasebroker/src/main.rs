@@ -1,1 +1,56 @@
-fn main() {}
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use leasebroker::app::{Application, shutdown_signal};
+use leasebroker::config::{Cli, Command};
+use leasebroker::db::Db;
+use leasebroker::hypervisor::sim::{self, SimConfig, Simulator};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("leasebroker: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => {
+            let app = Application::build(args).await?;
+            if let Some(token) = &app.generated_token {
+                println!("no --token configured; generated one for principal \"default\":");
+                println!("  token: {token}");
+            }
+            println!("leasebroker listening on http://{}", app.local_addr());
+            app.run_until_stopped(shutdown_signal()).await
+        }
+        Command::HypervisorSim(args) => {
+            let listener = tokio::net::TcpListener::bind(args.listen)
+                .await
+                .with_context(|| format!("cannot listen on {}", args.listen))?;
+            println!("hypervisor simulator listening on http://{}", listener.local_addr()?);
+            let sim = Simulator::new(SimConfig {
+                fail_before: args.fail_before,
+                fail_after: args.fail_after,
+                latency: Duration::from_millis(args.latency_ms),
+            });
+            sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
+        }
+        Command::Migrate(args) => {
+            let db = Db::connect(&args.database).await?;
+            db.migrate().await?;
+            println!("migrated {}", leasebroker::db::redact(&args.database));
+            Ok(())
+        }
+    }
+}

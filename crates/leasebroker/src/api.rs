@@ -1,0 +1,503 @@
+//! The HTTP API (SPEC 3.2): routes, authentication, and errors as problem+json.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use idempotency::Principal;
+use idempotency_tower::{IdempotencyContext, IdempotencyLayer, Problem};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::domain::WorkerRow;
+use crate::hypervisor::client::HypervisorClient;
+use crate::service::{CreateKeys, CreateWorker, ServiceError, Workers};
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct AppState {
+    /// The workers service.
+    pub workers: Workers,
+    /// Bearer tokens (as SHA-256 digests, so comparisons take the same time whatever the length)
+    /// and the principals they authenticate.
+    pub tokens: Arc<Vec<([u8; 32], Principal)>>,
+    /// The admin token's digest.
+    pub admin_token: Option<[u8; 32]>,
+    /// The idempotency store, for readiness.
+    pub store: Arc<dyn idempotency::Store>,
+    /// Renders /metrics.
+    pub metrics: PrometheusHandle,
+    /// The hypervisor, for fleet counts.
+    pub hypervisor: HypervisorClient,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").field("principals", &self.tokens.len()).finish_non_exhaustive()
+    }
+}
+
+/// Hashes a token for constant-time comparison.
+pub fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// The largest request body accepted (413 beyond).
+pub const BODY_LIMIT: usize = 1024 * 1024;
+
+/// The worker as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Worker {
+    /// `wkr-...`.
+    pub id: String,
+    /// `booting` or `running`.
+    pub state: String,
+    /// The image.
+    pub image: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory in GB.
+    pub memory_gb: i64,
+    /// Labels.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The node it runs on.
+    pub node_id: String,
+    /// Its lease.
+    pub lease_id: String,
+    /// Its VM.
+    pub vm_id: String,
+    /// Reboots done.
+    pub reboot_count: i64,
+    /// RFC 3339 creation time.
+    pub created_at: String,
+}
+
+impl From<WorkerRow> for Worker {
+    fn from(w: WorkerRow) -> Self {
+        Self {
+            id: w.worker_id,
+            state: w.state,
+            image: w.image,
+            cpu: w.cpu,
+            memory_gb: w.memory_gb,
+            labels: serde_json::from_str(&w.labels).unwrap_or_default(),
+            node_id: w.node_id,
+            lease_id: w.lease_id,
+            vm_id: w.vm_id,
+            reboot_count: w.reboot_count,
+            created_at: chrono::DateTime::from_timestamp_micros(w.created_at)
+                .unwrap_or_default()
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        }
+    }
+}
+
+/// `GET /v1/workers` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct WorkerPage {
+    /// This page.
+    pub workers: Vec<Worker>,
+    /// Pass as `cursor` for the next page; null on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/workers/{id}/reboot` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RebootResult {
+    /// The worker.
+    pub id: String,
+    /// Reboots done, counting this one.
+    pub reboot_count: i64,
+}
+
+/// `GET /admin/v1/fleet` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Fleet {
+    /// Nodes in the pool.
+    pub nodes_total: i64,
+    /// Nodes allocated.
+    pub nodes_allocated: i64,
+    /// Leases held.
+    pub leases_active: i64,
+    /// Workers that exist.
+    pub workers_active: i64,
+    /// VMs running on the hypervisor.
+    pub vms_running: i64,
+    /// VM boots leasebroker recorded.
+    pub vm_boots_total: i64,
+    /// Reboots leasebroker recorded.
+    pub reboots_total: i64,
+}
+
+/// `GET /v1/workers` query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct ListQuery {
+    /// Page size, 1-500 (default 100).
+    pub limit: Option<u32>,
+    /// The previous page's `next_cursor`.
+    pub cursor: Option<String>,
+}
+
+/// The largest page.
+pub const MAX_PAGE: u32 = 500;
+
+impl IntoResponse for ServiceError {
+    fn into_response(self) -> Response {
+        let detail = self.to_string();
+        match self {
+            Self::Invalid(_) => {
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", detail)
+            }
+            Self::NotFound(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such worker", detail),
+            Self::CapacityExhausted => {
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", detail)
+                    .with_retry_after(5)
+            }
+            Self::UpstreamUnavailable { retry_after, .. } => {
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream-unavailable", "Hypervisor unavailable", detail)
+                    .with_retry_after(retry_after)
+            }
+            Self::UpstreamRefused(_) => {
+                Problem::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "Hypervisor refused the call", detail)
+            }
+            Self::Database(e) => {
+                tracing::error!(error = %e, "database error");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database-unavailable",
+                    "Database unavailable",
+                    "try again",
+                )
+                .with_retry_after(1)
+            }
+        }
+        .into_response()
+    }
+}
+
+fn unauthorized() -> Response {
+    let mut r =
+        Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized", "a valid bearer token is required")
+            .into_response();
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
+}
+
+fn bearer(headers: &HeaderMap) -> Option<[u8; 32]> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    let token = value.to_str().ok()?.strip_prefix("Bearer ")?.trim();
+    (!token.is_empty()).then(|| token_digest(token))
+}
+
+/// Every token is compared, in constant time, so the time taken says nothing about which
+/// token (or how much of one) matched.
+async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let Some(digest) = bearer(req.headers()) else { return unauthorized() };
+    let mut found: Option<Principal> = None;
+    for (known, principal) in state.tokens.iter() {
+        if bool::from(known.ct_eq(&digest)) {
+            found = Some(principal.clone());
+        }
+    }
+    match found {
+        Some(p) => {
+            req.extensions_mut().insert(p);
+            next.run(req).await
+        }
+        None => unauthorized(),
+    }
+}
+
+async fn authenticate_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    match (state.admin_token, bearer(req.headers())) {
+        (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => next.run(req).await,
+        _ => unauthorized(),
+    }
+}
+
+fn context(ctx: Option<Extension<IdempotencyContext>>) -> Result<IdempotencyContext, Problem> {
+    ctx.map(|Extension(c)| c).ok_or_else(|| {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "the idempotency layer is missing",
+        )
+    })
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, Problem> {
+    let json_ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")));
+    if !json_ct {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+            "send Content-Type: application/json",
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        use serde_json::error::Category;
+        match e.classify() {
+            Category::Data => {
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", e.to_string())
+            }
+            _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", e.to_string()),
+        }
+    })
+}
+
+/// Creates a worker.
+#[utoipa::path(post, path = "/v1/workers", tag = "workers",
+    request_body = CreateWorker,
+    params(("Idempotency-Key" = String, Header, description = "One key per logical operation, 1-128 visible ASCII")),
+    responses(
+        (status = 201, description = "Created (or replayed, with Idempotent-Replayed: true)", body = Worker,
+         headers(("Location" = String, description = "/v1/workers/{id}"))),
+        (status = 400, description = "Malformed JSON, or a missing or invalid key", content_type = "application/problem+json"),
+        (status = 401, description = "Unauthorized", content_type = "application/problem+json"),
+        (status = 409, description = "Key reused with another request, or in progress", content_type = "application/problem+json"),
+        (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
+        (status = 415, description = "Not JSON", content_type = "application/problem+json"),
+        (status = 422, description = "Invalid fields", content_type = "application/problem+json"),
+        (status = 502, description = "Hypervisor refused", content_type = "application/problem+json"),
+        (status = 503, description = "No free node, or hypervisor unavailable", content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn create_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let req: CreateWorker = match parse_json(&headers, &body) {
+        Ok(r) => r,
+        Err(p) => return p.into_response(),
+    };
+    let keys = CreateKeys {
+        alloc: ctx.derive("alloc"),
+        lease: ctx.derive("lease"),
+        boot: ctx.derive("boot"),
+        worker: ctx.derive("worker"),
+    };
+    match state.workers.create(principal.as_str(), &req, &keys).await {
+        Ok(row) => {
+            let worker = Worker::from(row);
+            let location = format!("/v1/workers/{}", worker.id);
+            let mut r = (StatusCode::CREATED, Json(worker)).into_response();
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reads one of the caller's workers.
+#[utoipa::path(get, path = "/v1/workers/{id}", tag = "workers",
+    params(("id" = String, Path, description = "Worker id")),
+    responses((status = 200, body = Worker), (status = 401, description = "Unauthorized"), (status = 404, description = "No such worker")),
+    security(("bearer" = [])))]
+pub async fn get_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Response {
+    match state.workers.domain.worker(principal.as_str(), &id).await {
+        Ok(Some(w)) => Json(Worker::from(w)).into_response(),
+        Ok(None) => ServiceError::NotFound(id).into_response(),
+        Err(e) => ServiceError::from(e).into_response(),
+    }
+}
+
+/// Lists the caller's workers, a page at a time.
+#[utoipa::path(get, path = "/v1/workers", tag = "workers", params(ListQuery),
+    responses((status = 200, body = WorkerPage), (status = 400, description = "Bad limit"), (status = 401, description = "Unauthorized")),
+    security(("bearer" = [])))]
+pub async fn list_workers(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else {
+        return Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", "limit must be a number")
+            .into_response();
+    };
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-query",
+            "Invalid query",
+            format!("limit must be 1 to {MAX_PAGE}"),
+        )
+        .into_response();
+    }
+    match state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await {
+        Ok(rows) => {
+            let next_cursor =
+                (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
+            Json(WorkerPage { workers: rows.into_iter().map(Worker::from).collect(), next_cursor }).into_response()
+        }
+        Err(e) => ServiceError::from(e).into_response(),
+    }
+}
+
+/// Deletes a worker, its lease, node allocation and VM.
+#[utoipa::path(delete, path = "/v1/workers/{id}", tag = "workers",
+    params(("id" = String, Path, description = "Worker id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
+    responses((status = 204, description = "Deleted (replayed on every retry)"), (status = 401, description = "Unauthorized"),
+              (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
+    security(("bearer" = [])))]
+pub async fn delete_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Response {
+    match state.workers.delete(principal.as_str(), &id).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reboots a worker: once per key, ever.
+#[utoipa::path(post, path = "/v1/workers/{id}/reboot", tag = "workers",
+    params(("id" = String, Path, description = "Worker id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
+    responses((status = 202, body = RebootResult), (status = 401, description = "Unauthorized"),
+              (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
+    security(("bearer" = [])))]
+pub async fn reboot_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    match state.workers.reboot(principal.as_str(), &id, &ctx.derive("reboot")).await {
+        Ok(reboot_count) => (StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Fleet counts, for operators and the fault harness.
+#[utoipa::path(get, path = "/admin/v1/fleet", tag = "admin",
+    responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
+    security(("bearer" = [])))]
+pub async fn fleet(State(state): State<AppState>) -> Response {
+    let counts = match state.workers.domain.counts().await {
+        Ok(c) => c,
+        Err(e) => return ServiceError::from(e).into_response(),
+    };
+    let vms_running = match state.hypervisor.list_all().await {
+        Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
+        Err(e) => {
+            return ServiceError::UpstreamUnavailable { reason: format!("cannot list VMs: {e}"), retry_after: 1 }
+                .into_response();
+        }
+    };
+    Json(Fleet {
+        nodes_total: counts.nodes_total,
+        nodes_allocated: counts.nodes_allocated,
+        leases_active: counts.leases_active,
+        workers_active: counts.workers_active,
+        vms_running,
+        vm_boots_total: counts.boots_done,
+        reboots_total: counts.reboots_done,
+    })
+    .into_response()
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "Up")))]
+pub async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// The store answers.
+#[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    match state.store.ping().await {
+        Ok(()) => "ready\n".into_response(),
+        Err(e) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", e.to_string())
+            .with_retry_after(1)
+            .into_response(),
+    }
+}
+
+/// Prometheus text.
+#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}
+
+/// The OpenAPI document.
+pub async fn openapi() -> Response {
+    Json(crate::openapi::document()).into_response()
+}
+
+async fn not_found() -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found", "no such route").into_response()
+}
+
+async fn method_not_allowed(req: Request, next: Next) -> Response {
+    let r = next.run(req).await;
+    if r.status() == StatusCode::METHOD_NOT_ALLOWED {
+        return Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "Method not allowed",
+            "see /openapi.json",
+        )
+        .into_response();
+    }
+    r
+}
+
+/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, and the
+/// operational routes.
+pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
+    let v1 = Router::new()
+        .route("/v1/workers", post(create_worker).get(list_workers))
+        .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
+        .route("/v1/workers/{id}/reboot", post(reboot_worker))
+        .layer(idempotency)
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    let admin = Router::new()
+        .route("/admin/v1/fleet", get(fleet))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
+    Router::new()
+        .merge(v1)
+        .merge(admin)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .fallback(not_found)
+        .layer(middleware::from_fn(method_not_allowed))
+        .with_state(state)
+}

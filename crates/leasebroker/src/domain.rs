@@ -1,0 +1,327 @@
+//! leasebroker's tables: the node pool, leases, hypervisor intents and workers.
+//!
+//! Every write that a retry could repeat is keyed by a sub-key derived from the request's
+//! idempotency record and lands on a UNIQUE column, so a second attempt finds the first one's
+//! row instead of writing another.
+
+use serde::Serialize;
+use sqlx::Row;
+
+use crate::db::{Db, with_pool};
+
+/// A database error in the domain tables.
+#[derive(Debug, thiserror::Error)]
+#[error("database error: {0}")]
+pub struct DomainError(#[from] sqlx::Error);
+
+type Result<T> = std::result::Result<T, DomainError>;
+
+/// A node allocated to a worker.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Node {
+    /// `node-0001`...
+    pub node_id: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory in GB.
+    pub memory_gb: i64,
+}
+
+/// An intent to call the hypervisor, recorded before the call.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Intent {
+    /// The derived sub-key; also the tag sent to the hypervisor.
+    pub intent_id: String,
+    /// `boot` or `reboot`.
+    pub kind: String,
+    /// `pending`, `done` or `failed`.
+    pub state: String,
+    /// The VM, once known.
+    pub vm_id: Option<String>,
+    /// When the intent was first recorded (µs since the epoch).
+    pub created_at: i64,
+    /// When the hypervisor was last called for it (µs since the epoch).
+    pub last_attempt_at: i64,
+}
+
+/// A worker row.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WorkerRow {
+    /// `wkr-...`.
+    pub worker_id: String,
+    /// Its owner.
+    pub principal: String,
+    /// The image.
+    pub image: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory.
+    pub memory_gb: i64,
+    /// Labels as a JSON object.
+    pub labels: String,
+    /// Its node.
+    pub node_id: String,
+    /// Its lease.
+    pub lease_id: String,
+    /// Its VM.
+    pub vm_id: String,
+    /// `booting` or `running`.
+    pub state: String,
+    /// Reboots done, one per reboot key.
+    pub reboot_count: i64,
+    /// Creation time (µs since the epoch).
+    pub created_at: i64,
+}
+
+/// Counts for the fleet endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Counts {
+    /// Nodes in the pool.
+    pub nodes_total: i64,
+    /// Nodes allocated.
+    pub nodes_allocated: i64,
+    /// Leases held.
+    pub leases_active: i64,
+    /// Workers that exist.
+    pub workers_active: i64,
+    /// Boot intents that completed.
+    pub boots_done: i64,
+    /// Reboot intents that completed.
+    pub reboots_done: i64,
+}
+
+/// The domain tables on one database.
+#[derive(Debug, Clone)]
+pub struct Domain {
+    db: Db,
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error().is_some_and(|d| d.is_unique_violation())
+}
+
+impl Domain {
+    /// The domain on `db` (migrated already).
+    pub fn new(db: Db) -> Self {
+        Self { db }
+    }
+
+    /// Adds nodes `node-0001`..`node-NNNN` that do not exist yet. Safe to run from several
+    /// replicas at once.
+    pub async fn seed_nodes(&self, count: u32, cpu: u32, memory_gb: u32) -> Result<()> {
+        with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            for i in 1..=count {
+                sqlx::query("INSERT INTO lb_nodes (node_id, cpu, memory_gb) VALUES ($1, $2, $3) ON CONFLICT (node_id) DO NOTHING")
+                    .bind(format!("node-{i:04}"))
+                    .bind(i64::from(cpu))
+                    .bind(i64::from(memory_gb))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+        });
+        Ok(())
+    }
+
+    /// Allocates a free node under `alloc_id`, or returns the node already allocated under it.
+    /// `None`: no node is free.
+    pub async fn allocate(&self, alloc_id: &str, principal: &str, now: i64) -> Result<Option<Node>> {
+        if let Some(node) = self.allocation(alloc_id).await? {
+            return Ok(Some(node));
+        }
+        // PostgreSQL replicas race for nodes: SKIP LOCKED hands each its own free row. SQLite has
+        // one writer at a time, so the sub-select and update are atomic as one statement.
+        let sql = if self.db.is_postgres() {
+            "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
+             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+             RETURNING node_id, cpu, memory_gb"
+        } else {
+            "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
+             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
+             RETURNING node_id, cpu, memory_gb"
+        };
+        let res = with_pool!(&self.db, p => {
+            sqlx::query_as::<_, Node>(sql).bind(alloc_id).bind(principal).bind(now).fetch_optional(p).await
+        });
+        match res {
+            Ok(node) => Ok(node),
+            // A superseded attempt of the same request allocated concurrently: use its node.
+            Err(e) if is_unique_violation(&e) => self.allocation(alloc_id).await,
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn allocation(&self, alloc_id: &str) -> Result<Option<Node>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, Node>("SELECT node_id, cpu, memory_gb FROM lb_nodes WHERE alloc_id = $1")
+                .bind(alloc_id)
+                .fetch_optional(p)
+                .await?
+        }))
+    }
+
+    /// Inserts the lease `lease_id` on `node_id`, or finds it. Returns the lease's node.
+    pub async fn insert_lease(&self, lease_id: &str, node_id: &str, principal: &str, now: i64) -> Result<String> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("INSERT INTO lb_leases (lease_id, node_id, principal, created_at) VALUES ($1, $2, $3, $4) \
+                         ON CONFLICT (lease_id) DO NOTHING")
+                .bind(lease_id).bind(node_id).bind(principal).bind(now)
+                .execute(p).await?;
+            sqlx::query("SELECT node_id FROM lb_leases WHERE lease_id = $1")
+                .bind(lease_id).fetch_one(p).await?.try_get::<String, _>(0)?
+        }))
+    }
+
+    /// Records the intent `intent_id` as pending if it is new; returns it as stored and whether
+    /// this call created it.
+    pub async fn begin_intent(&self, intent_id: &str, kind: &str, now: i64) -> Result<(Intent, bool)> {
+        let inserted = with_pool!(&self.db, p => {
+            sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at) \
+                         VALUES ($1, $2, 'pending', $3, $3) ON CONFLICT (intent_id) DO NOTHING")
+                .bind(intent_id).bind(kind).bind(now)
+                .execute(p).await?.rows_affected() == 1
+        });
+        let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
+        Ok((intent, inserted))
+    }
+
+    /// Reads an intent.
+    pub async fn intent(&self, intent_id: &str) -> Result<Option<Intent>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, Intent>(
+                "SELECT intent_id, kind, state, vm_id, created_at, last_attempt_at FROM lb_intents WHERE intent_id = $1")
+                .bind(intent_id).fetch_optional(p).await?
+        }))
+    }
+
+    /// Marks that the hypervisor is about to be called (again) for a pending or failed intent.
+    pub async fn touch_intent(&self, intent_id: &str, now: i64) -> Result<()> {
+        with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $2 WHERE intent_id = $1 AND state <> 'done'")
+                .bind(intent_id).bind(now).execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Marks an intent failed: the hypervisor definitely did not act on it.
+    pub async fn fail_intent(&self, intent_id: &str) -> Result<()> {
+        with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_intents SET state = 'failed' WHERE intent_id = $1 AND state = 'pending'")
+                .bind(intent_id).execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Marks a boot intent done with its VM; returns the VM recorded (the first one wins).
+    pub async fn finish_boot(&self, intent_id: &str, vm_id: &str) -> Result<String> {
+        with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
+                .bind(intent_id).bind(vm_id).execute(p).await?;
+        });
+        let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
+        Ok(intent.vm_id.unwrap_or_else(|| vm_id.to_owned()))
+    }
+
+    /// Marks a reboot intent done and, if this call is the one that did, counts the reboot on
+    /// the worker, in one transaction. Returns the worker's reboot count.
+    pub async fn finish_reboot(&self, intent_id: &str, vm_id: &str, worker_id: &str) -> Result<i64> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let changed = sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
+                .bind(intent_id).bind(vm_id).execute(&mut *tx).await?.rows_affected();
+            if changed == 1 {
+                sqlx::query("UPDATE lb_workers SET reboot_count = reboot_count + 1 WHERE worker_id = $1")
+                    .bind(worker_id).execute(&mut *tx).await?;
+            }
+            let count: i64 = sqlx::query("SELECT reboot_count FROM lb_workers WHERE worker_id = $1")
+                .bind(worker_id).fetch_optional(&mut *tx).await?
+                .map(|r| r.try_get(0)).transpose()?.unwrap_or(0);
+            tx.commit().await?;
+            count
+        }))
+    }
+
+    /// Inserts a worker, or finds the one a previous attempt inserted under the same id.
+    pub async fn insert_worker(&self, w: &WorkerRow) -> Result<WorkerRow> {
+        with_pool!(&self.db, p => {
+            sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
+                         vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                         ON CONFLICT (worker_id) DO NOTHING")
+                .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
+                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
+                .bind(w.reboot_count).bind(w.created_at)
+                .execute(p).await?;
+        });
+        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))
+    }
+
+    /// A principal's worker.
+    pub async fn worker(&self, principal: &str, worker_id: &str) -> Result<Option<WorkerRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, WorkerRow>("SELECT * FROM lb_workers WHERE worker_id = $1 AND principal = $2")
+                .bind(worker_id).bind(principal).fetch_optional(p).await?
+        }))
+    }
+
+    /// A principal's workers after `cursor` (exclusive), in id order.
+    pub async fn list_workers(&self, principal: &str, limit: u32, cursor: Option<&str>) -> Result<Vec<WorkerRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, WorkerRow>(
+                "SELECT * FROM lb_workers WHERE principal = $1 AND worker_id > $2 ORDER BY worker_id LIMIT $3")
+                .bind(principal).bind(cursor.unwrap_or("")).bind(i64::from(limit))
+                .fetch_all(p).await?
+        }))
+    }
+
+    /// Deletes a worker, its lease, and frees its node, in one transaction. False if it was
+    /// already gone.
+    pub async fn delete_worker(&self, principal: &str, worker_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let row = sqlx::query("DELETE FROM lb_workers WHERE worker_id = $1 AND principal = $2 RETURNING node_id, lease_id")
+                .bind(worker_id).bind(principal).fetch_optional(&mut *tx).await?;
+            let deleted = match row {
+                Some(row) => {
+                    let node_id: String = row.try_get(0)?;
+                    let lease_id: String = row.try_get(1)?;
+                    sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1").bind(&lease_id).execute(&mut *tx).await?;
+                    sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE node_id = $1")
+                        .bind(&node_id).execute(&mut *tx).await?;
+                    true
+                }
+                None => false,
+            };
+            tx.commit().await?;
+            deleted
+        }))
+    }
+
+    /// Counts for the fleet endpoint.
+    pub async fn counts(&self) -> Result<Counts> {
+        Ok(with_pool!(&self.db, p => {
+            let row = sqlx::query(
+                "SELECT (SELECT COUNT(*) FROM lb_nodes), \
+                        (SELECT COUNT(*) FROM lb_nodes WHERE alloc_id IS NOT NULL), \
+                        (SELECT COUNT(*) FROM lb_leases), \
+                        (SELECT COUNT(*) FROM lb_workers), \
+                        (SELECT COUNT(*) FROM lb_intents WHERE kind = 'boot' AND state = 'done'), \
+                        (SELECT COUNT(*) FROM lb_intents WHERE kind = 'reboot' AND state = 'done')")
+                .fetch_one(p).await?;
+            Counts {
+                nodes_total: row.try_get(0)?,
+                nodes_allocated: row.try_get(1)?,
+                leases_active: row.try_get(2)?,
+                workers_active: row.try_get(3)?,
+                boots_done: row.try_get(4)?,
+                reboots_done: row.try_get(5)?,
+            }
+        }))
+    }
+
+    /// Checks that the database answers.
+    pub async fn ping(&self) -> Result<()> {
+        with_pool!(&self.db, p => { sqlx::query("SELECT 1").execute(p).await?; });
+        Ok(())
+    }
+}

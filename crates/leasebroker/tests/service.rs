@@ -1,0 +1,431 @@
+//! Black-box tests: they start the real `leasebroker` binary (and, where the hypervisor must
+//! outlive a server, a standalone `leasebroker hypervisor-sim`), talk HTTP to it, kill it, and
+//! count side effects from ground truth: the fleet endpoint and the simulator's stats.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
+const TOKEN: &str = "t-alice";
+const OTHER: &str = "t-bob";
+const ADMIN: &str = "t-admin";
+
+/// A child process killed when dropped.
+struct Proc {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    fn sigkill(&mut self) {
+        self.child.kill().expect("kill");
+        self.child.wait().expect("wait");
+    }
+}
+
+/// Starts `leasebroker ARGS` and waits for its "listening on http://ADDR" line.
+fn start(args: &[&str]) -> Proc {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start leasebroker");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("listening on http://") {
+                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
+            }
+        }
+    });
+    let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
+    Proc { child, url }
+}
+
+fn serve(db: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database",
+        db,
+        "--token",
+        "t-alice=alice",
+        "--token",
+        "t-bob=bob",
+        "--admin-token",
+        ADMIN,
+        "--pool-nodes",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    start(&args)
+}
+
+fn sim(extra: &[&str]) -> Proc {
+    let mut args = vec!["hypervisor-sim", "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    start(&args)
+}
+
+fn sqlite_url(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("lb.db").display())
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client")
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+    fn problem_type(&self) -> String {
+        self.json()["type"].as_str().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_owned()
+    }
+    fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+    }
+}
+
+async fn send(method: reqwest::Method, url: &str, token: &str, key: Option<&str>, body: Option<&Value>) -> Reply {
+    let mut req = http().request(method, url).bearer_auth(token);
+    if let Some(k) = key {
+        req = req.header("Idempotency-Key", k);
+    }
+    if let Some(b) = body {
+        req = req.header("content-type", "application/json").body(serde_json::to_vec(b).expect("json"));
+    }
+    let resp = req.send().await.expect("request");
+    Reply { status: resp.status(), headers: resp.headers().clone(), body: resp.bytes().await.expect("body").to_vec() }
+}
+
+async fn create(base: &str, token: &str, key: &str, body: &Value) -> Reply {
+    send(reqwest::Method::POST, &format!("{base}/v1/workers"), token, Some(key), Some(body)).await
+}
+
+async fn fleet(base: &str) -> Value {
+    send(reqwest::Method::GET, &format!("{base}/admin/v1/fleet"), ADMIN, None, None).await.json()
+}
+
+async fn sim_stats(sim: &str) -> Value {
+    http().get(format!("{sim}/v1/stats")).send().await.expect("stats").json().await.expect("json")
+}
+
+async fn set_faults(sim: &str, fail_before: f64, fail_after: f64, latency_ms: u64) {
+    let r = http()
+        .put(format!("{sim}/v1/faults"))
+        .json(&json!({"fail_before": fail_before, "fail_after": fail_after, "latency_ms": latency_ms}))
+        .send()
+        .await
+        .expect("faults");
+    assert!(r.status().is_success(), "setting faults: {}", r.status());
+}
+
+fn worker_body() -> Value {
+    json!({"image": "worker-base:2025.11", "cpu": 16, "memory_gb": 64, "labels": {"team": "ml-eval"}})
+}
+
+/// Retries `create` with one key until it is not a 409 in-progress / 503, like a client would.
+async fn create_until_done(base: &str, key: &str, body: &Value, within: Duration) -> Reply {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = create(base, TOKEN, key, body).await;
+        let retryable = r.status == StatusCode::SERVICE_UNAVAILABLE
+            || r.status == StatusCode::BAD_GATEWAY
+            || (r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress");
+        if !retryable || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test]
+async fn create_retry_mismatch_and_auth() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = &lb.url;
+
+    let first = create(base, TOKEN, "op-1", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
+    let w = first.json();
+    let id = w["id"].as_str().expect("id").to_owned();
+    assert!(id.starts_with("wkr-"));
+    assert_eq!(first.headers["location"], format!("/v1/workers/{id}").as_str());
+    for field in
+        ["state", "image", "cpu", "memory_gb", "labels", "node_id", "lease_id", "vm_id", "reboot_count", "created_at"]
+    {
+        assert!(w.get(field).is_some(), "worker lacks {field}: {w}");
+    }
+    assert!(!first.replayed());
+
+    let again = create(base, TOKEN, "op-1", &worker_body()).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body, "the replay is byte for byte");
+
+    let mut changed = worker_body();
+    changed["cpu"] = json!(32);
+    let mismatch = create(base, TOKEN, "op-1", &changed).await;
+    assert_eq!(mismatch.status, StatusCode::CONFLICT);
+    assert_eq!(mismatch.problem_type(), "idempotency-key-reused");
+    assert_eq!(mismatch.headers["content-type"], "application/problem+json");
+
+    let missing = send(reqwest::Method::POST, &format!("{base}/v1/workers"), TOKEN, None, Some(&worker_body())).await;
+    assert_eq!((missing.status, missing.problem_type().as_str()), (StatusCode::BAD_REQUEST, "idempotency-key-missing"));
+
+    let unauth =
+        send(reqwest::Method::POST, &format!("{base}/v1/workers"), "wrong", Some("k"), Some(&worker_body())).await;
+    assert_eq!(unauth.status, StatusCode::UNAUTHORIZED);
+
+    // Bob's same key is Bob's own record; Alice's worker is a 404 to him.
+    let bob = create(base, OTHER, "op-1", &worker_body()).await;
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert_ne!(bob.json()["id"], w["id"]);
+    let peek = send(reqwest::Method::GET, &format!("{base}/v1/workers/{id}"), OTHER, None, None).await;
+    assert_eq!(peek.status, StatusCode::NOT_FOUND);
+
+    let bad_json = send(reqwest::Method::POST, &format!("{base}/v1/workers"), TOKEN, Some("op-2"), None).await;
+    assert_eq!(bad_json.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let r = http()
+        .post(format!("{base}/v1/workers"))
+        .bearer_auth(TOKEN)
+        .header("Idempotency-Key", "op-3")
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let invalid = create(base, TOKEN, "op-4", &json!({"image": "", "cpu": 16, "memory_gb": 64})).await;
+    assert_eq!(invalid.status, StatusCode::UNPROCESSABLE_ENTITY);
+
+    let f = fleet(base).await;
+    assert_eq!(f["workers_active"], 2, "{f}");
+    assert_eq!(f["nodes_allocated"], 2, "{f}");
+    assert_eq!(f["leases_active"], 2, "{f}");
+    assert_eq!(f["vms_running"], 2, "{f}");
+}
+
+#[tokio::test]
+async fn delete_and_reboot_replay_and_the_create_outlives_the_worker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = &lb.url;
+    let created = create(base, TOKEN, "c-1", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let reboot_url = format!("{base}/v1/workers/{id}/reboot");
+
+    let r1 = send(reqwest::Method::POST, &reboot_url, TOKEN, Some("r-1"), None).await;
+    assert_eq!(r1.status, StatusCode::ACCEPTED);
+    assert_eq!(r1.json()["reboot_count"], 1);
+    let r1b = send(reqwest::Method::POST, &reboot_url, TOKEN, Some("r-1"), None).await;
+    assert!(r1b.replayed());
+    assert_eq!(r1b.body, r1.body);
+    let r2 = send(reqwest::Method::POST, &reboot_url, TOKEN, Some("r-2"), None).await;
+    assert_eq!(r2.json()["reboot_count"], 2);
+    assert_eq!(fleet(base).await["reboots_total"], 2);
+
+    let worker_url = format!("{base}/v1/workers/{id}");
+    let d1 = send(reqwest::Method::DELETE, &worker_url, TOKEN, Some("d-1"), None).await;
+    assert_eq!(d1.status, StatusCode::NO_CONTENT);
+    let d2 = send(reqwest::Method::DELETE, &worker_url, TOKEN, Some("d-1"), None).await;
+    assert_eq!(d2.status, StatusCode::NO_CONTENT, "a retried delete replays 204, not 404");
+    assert!(d2.replayed());
+    let d3 = send(reqwest::Method::DELETE, &worker_url, TOKEN, Some("d-2"), None).await;
+    assert_eq!(d3.status, StatusCode::NOT_FOUND, "a new delete of a deleted worker is a 404");
+
+    let replay = create(base, TOKEN, "c-1", &worker_body()).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, created.body, "the stored create response outlives the worker");
+    let f = fleet(base).await;
+    assert_eq!(
+        (
+            f["workers_active"].as_i64(),
+            f["nodes_allocated"].as_i64(),
+            f["leases_active"].as_i64(),
+            f["vms_running"].as_i64()
+        ),
+        (Some(0), Some(0), Some(0), Some(0)),
+        "{f}"
+    );
+}
+
+#[tokio::test]
+async fn fail_after_the_retry_adopts_the_vm_instead_of_booting_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "2s"]);
+    set_faults(&hv.url, 0.0, 1.0, 0).await;
+    let first = create(&lb.url, TOKEN, "fa-1", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    assert_eq!(first.problem_type(), "upstream-unavailable");
+    assert_eq!(sim_stats(&hv.url).await["boots_total"], 1, "the simulator did the work");
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    let retry = create_until_done(&lb.url, "fa-1", &worker_body(), Duration::from_secs(20)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(1), Some(0)), "{stats}");
+    let f = fleet(&lb.url).await;
+    assert_eq!(
+        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
+        (Some(1), Some(1), Some(1)),
+        "{f}"
+    );
+}
+
+#[tokio::test]
+async fn fail_before_leaks_nothing_and_the_retry_succeeds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s"]);
+    set_faults(&hv.url, 1.0, 0.0, 0).await;
+    let first = create(&lb.url, TOKEN, "fb-1", &worker_body()).await;
+    assert!(first.status.is_server_error(), "{}", first.status);
+    assert_eq!(sim_stats(&hv.url).await["boots_total"], 0);
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    let retry = create_until_done(&lb.url, "fb-1", &worker_body(), Duration::from_secs(20)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!((stats["boots_total"].as_i64(), stats["running"].as_i64()), (Some(1), Some(1)), "{stats}");
+    let f = fleet(&lb.url).await;
+    assert_eq!(
+        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
+        (Some(1), Some(1), Some(1)),
+        "{f}"
+    );
+}
+
+#[tokio::test]
+async fn sigkill_mid_create_then_restart_and_retry_gives_one_of_everything() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let hv = sim(&["--latency-ms", "1500"]);
+    let args = ["--hypervisor-url", hv.url.as_str(), "--hypervisor-timeout", "4s", "--in-flight-ttl", "1s"];
+    let mut lb = serve(&db, &args);
+    let base = lb.url.clone();
+    let pending = tokio::spawn(async move { create(&base, TOKEN, "kill-1", &worker_body()).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    lb.sigkill();
+    let _ = pending.await; // the client's connection was cut with the server
+    let lb = serve(&db, &args);
+    tokio::time::sleep(Duration::from_millis(1100)).await; // past the in-flight TTL
+    let r = create_until_done(&lb.url, "kill-1", &worker_body(), Duration::from_secs(30)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    let tag_vms: Value =
+        http().get(format!("{}/v1/vms", hv.url)).send().await.expect("vms").json().await.expect("json");
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(stats["duplicate_boot_tags"], 0, "{stats}");
+    assert_eq!(stats["running"], 1, "exactly one VM: {tag_vms}");
+    let f = fleet(&lb.url).await;
+    assert_eq!(
+        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
+        (Some(1), Some(1), Some(1)),
+        "{f}"
+    );
+    let again = create(&lb.url, TOKEN, "kill-1", &worker_body()).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, r.body);
+}
+
+#[tokio::test]
+async fn two_replicas_on_one_postgres_behave_as_one_service() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let hv = sim(&[]);
+    let a = serve(pg.url(), &["--hypervisor-url", &hv.url]);
+    let b = serve(pg.url(), &["--hypervisor-url", &hv.url]);
+    let keys: Vec<String> = (0..8).map(|i| format!("replica-key-{i}")).collect();
+    let mut tasks = vec![];
+    for key in &keys {
+        for base in [&a.url, &b.url, &a.url, &b.url] {
+            let (base, key) = (base.clone(), key.clone());
+            tasks.push(tokio::spawn(async move {
+                create_until_done(&base, &key, &worker_body(), Duration::from_secs(30)).await
+            }));
+        }
+    }
+    let mut ids_by_key: std::collections::HashMap<String, std::collections::HashSet<String>> = Default::default();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+        ids_by_key.entry(keys[i / 4].clone()).or_default().insert(r.json()["id"].as_str().expect("id").to_owned());
+    }
+    for (k, ids) in &ids_by_key {
+        assert_eq!(ids.len(), 1, "key {k} produced workers {ids:?}");
+    }
+    let (fa, fb) = (fleet(&a.url).await, fleet(&b.url).await);
+    assert_eq!(fa, fb, "both replicas see one fleet");
+    assert_eq!(fa["workers_active"], 8, "{fa}");
+    assert_eq!(fa["nodes_allocated"], 8, "{fa}");
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(8), Some(0)), "{stats}");
+}
+
+#[tokio::test]
+async fn sigterm_drains_and_exits_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut lb = serve(&sqlite_url(&dir), &["--sim-latency-ms", "700"]);
+    let base = lb.url.clone();
+    let pending = tokio::spawn(async move { create(&base, TOKEN, "term-1", &worker_body()).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = lb.child.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM");
+    assert!(status.success());
+    let r = pending.await.expect("task");
+    assert_eq!(r.status, StatusCode::CREATED, "the in-flight request finished during the drain");
+    let exit = lb.child.wait().expect("wait");
+    assert_eq!(exit.code(), Some(0));
+}
+
+#[tokio::test]
+async fn no_token_configured_generates_and_prints_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut token = None;
+    let mut url = None;
+    while let Some(Ok(line)) = lines.next() {
+        if let Some(t) = line.trim().strip_prefix("token: ") {
+            token = Some(t.to_owned());
+        }
+        if let Some(i) = line.find("listening on http://") {
+            url = Some(line[i + "listening on ".len()..].trim().to_owned());
+            break;
+        }
+    }
+    let mut proc = Proc { child, url: url.expect("url") };
+    let token = token.expect("a generated token is printed");
+    let ok = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), &token, None, None).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    let no = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), "guess", None, None).await;
+    assert_eq!(no.status, StatusCode::UNAUTHORIZED);
+    proc.sigkill();
+}
