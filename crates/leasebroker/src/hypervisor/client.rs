@@ -246,3 +246,180 @@ async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest:
     }
     Err(HvError::Status { status, body })
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::hypervisor::sim::{SimConfig, Simulator, serve};
+
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Serves a fresh simulator on an ephemeral loopback port, with a client for it.
+    async fn start(config: SimConfig) -> (Simulator, HypervisorClient) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let sim = Simulator::new(config);
+        tokio::spawn(serve(listener, sim.clone(), std::future::pending()));
+        (sim, HypervisorClient::new(&url, TIMEOUT).expect("client"))
+    }
+
+    fn boot_req(tag: &str) -> BootRequest {
+        BootRequest { image: "debian-13".into(), cpu: 8, memory_gb: 32, tag: tag.into() }
+    }
+
+    #[tokio::test]
+    async fn boot_list_get_reboot_delete_round_trip() {
+        let (sim, client) = start(SimConfig::default()).await;
+        let vm = client.boot(&boot_req("boot-1")).await.expect("boot");
+        assert_eq!(vm.tag, "boot-1");
+        assert_eq!(vm.state, VmState::Running);
+        assert!(vm.state == "running");
+        let other = client.boot(&boot_req("boot-2")).await.expect("boot");
+        assert_ne!(vm.vm_id, other.vm_id);
+
+        assert_eq!(client.list_by_tag("boot-1").await.expect("list"), std::slice::from_ref(&vm));
+        assert!(client.list_by_tag("boot-3").await.expect("list").is_empty());
+        assert_eq!(client.list_all().await.expect("list"), [vm.clone(), other.clone()]);
+
+        client.reboot(&vm.vm_id, "reboot-1").await.expect("reboot");
+        let detail = client.get(&vm.vm_id).await.expect("get").expect("exists");
+        assert_eq!(detail.summary(), vm);
+        assert_eq!(detail.reboot_tags, ["reboot-1"]);
+        assert_eq!((detail.image.as_deref(), detail.cpu, detail.memory_gb), (Some("debian-13"), Some(8), Some(32)));
+
+        assert!(client.delete(&vm.vm_id).await.expect("delete"), "it existed");
+        assert!(!client.delete(&vm.vm_id).await.expect("delete again"), "already gone");
+        assert_eq!(client.get(&vm.vm_id).await.expect("get"), None);
+        assert_eq!(client.list_all().await.expect("list"), [other]);
+
+        let stats = client.stats().await.expect("stats");
+        assert_eq!(stats, sim.stats());
+        assert_eq!((stats.boots_total, stats.running, stats.reboots_total), (2, 1, 1));
+    }
+
+    #[tokio::test]
+    async fn stats_count_a_repeated_boot_tag_and_a_repeated_reboot_tag() {
+        let (_sim, client) = start(SimConfig::default()).await;
+        let vm = client.boot(&boot_req("same")).await.expect("boot");
+        client.boot(&boot_req("same")).await.expect("boot");
+        client.reboot(&vm.vm_id, "r").await.expect("reboot");
+        client.reboot(&vm.vm_id, "r").await.expect("reboot");
+        let stats = client.stats().await.expect("stats");
+        assert_eq!(
+            stats,
+            SimStats { boots_total: 2, running: 2, duplicate_boot_tags: 1, reboots_total: 2, duplicate_reboot_tags: 1 }
+        );
+    }
+
+    #[tokio::test]
+    async fn fail_before_is_an_ambiguous_5xx_and_nothing_boots() {
+        let (sim, client) = start(SimConfig { fail_before: 1.0, ..SimConfig::default() }).await;
+        let err = client.boot(&boot_req("fb")).await.expect_err("503");
+        assert!(matches!(err, HvError::Status { status: StatusCode::SERVICE_UNAVAILABLE, .. }), "{err:?}");
+        assert_eq!(err.status(), Some(StatusCode::SERVICE_UNAVAILABLE));
+        assert!(err.may_have_happened(), "a 5xx says nothing about whether the work was done");
+        assert_eq!(sim.stats().boots_total, 0);
+        assert!(client.list_by_tag("fb").await.expect("reads are not faulted").is_empty());
+    }
+
+    #[tokio::test]
+    async fn fail_after_is_ambiguous_and_the_vm_exists() {
+        let (sim, client) = start(SimConfig { fail_after: 1.0, ..SimConfig::default() }).await;
+        let err = client.boot(&boot_req("fa")).await.expect_err("answer lost");
+        assert!(matches!(err, HvError::Transport(_)), "{err:?}");
+        assert_eq!(err.status(), None);
+        assert!(err.may_have_happened());
+        let found = client.list_by_tag("fa").await.expect("list");
+        assert_eq!(found.len(), 1, "the boot happened: reconciliation by tag finds it");
+
+        // The same holds for reboot and delete: done, then the answer is lost.
+        let vm_id = found[0].vm_id.clone();
+        let err = client.reboot(&vm_id, "r").await.expect_err("answer lost");
+        assert!(err.may_have_happened(), "{err:?}");
+        assert_eq!(sim.stats().reboots_total, 1);
+        let err = client.delete(&vm_id).await.expect_err("answer lost");
+        assert!(err.may_have_happened(), "{err:?}");
+        assert_eq!(sim.stats().running, 0);
+    }
+
+    #[tokio::test]
+    async fn a_timeout_is_ambiguous() {
+        let (sim, patient) = start(SimConfig { latency: Duration::from_millis(400), ..SimConfig::default() }).await;
+        let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(100)).expect("client");
+        let err = client.boot(&boot_req("slow")).await.expect_err("timeout");
+        assert!(matches!(err, HvError::Timeout(_)), "{err:?}");
+        assert!(err.may_have_happened());
+        // And it does happen, after the client gave up (polled: the machine may be busy).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while sim.stats().boots_total == 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(sim.stats().boots_total, 1);
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_definite() {
+        // Bind then drop a listener so the port has nothing listening on it.
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        drop(listener);
+        let client = HypervisorClient::new(&format!("http://{addr}"), TIMEOUT).expect("client");
+        let err = client.boot(&boot_req("nowhere")).await.expect_err("refused");
+        assert!(matches!(err, HvError::Connect(_)), "{err:?}");
+        assert!(!err.may_have_happened());
+        let err = client.list_by_tag("nowhere").await.expect_err("refused");
+        assert!(!err.may_have_happened(), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn refusals_are_definite_and_a_missing_vm_is_none() {
+        let (sim, client) = start(SimConfig::default()).await;
+        assert_eq!(client.get("vm-0123456789abcdef").await.expect("get"), None);
+        // An id that would escape its path segment is encoded, not routed elsewhere.
+        assert_eq!(client.get("x/reboot").await.expect("get"), None);
+
+        let err = client.reboot("vm-0123456789abcdef", "r").await.expect_err("404");
+        assert_eq!(err.status(), Some(StatusCode::NOT_FOUND));
+        assert!(!err.may_have_happened());
+
+        let err = client.boot(&BootRequest { cpu: 0, ..boot_req("bad") }).await.expect_err("422");
+        assert!(matches!(&err, HvError::Status { status, body } if *status == 422 && body.contains("cpu")), "{err:?}");
+        assert!(!err.may_have_happened());
+        assert_eq!(sim.stats(), SimStats::default());
+    }
+
+    #[test]
+    fn only_4xx_statuses_are_definite() {
+        let status =
+            |code: u16| HvError::Status { status: StatusCode::from_u16(code).expect("code"), body: String::new() };
+        for code in [400, 404, 409, 422, 429] {
+            assert!(!status(code).may_have_happened(), "{code}");
+        }
+        for code in [200, 302, 500, 502, 503, 504] {
+            assert!(status(code).may_have_happened(), "{code}");
+        }
+    }
+
+    #[test]
+    fn unusable_base_urls_are_rejected_up_front() {
+        for url in ["", "not a url", "ftp://host", "mailto:a@b", "http://host/?q=1"] {
+            let err = HypervisorClient::new(url, TIMEOUT).expect_err(url);
+            assert!(matches!(err, HvError::InvalidUrl { .. }), "{url}: {err:?}");
+            assert!(!err.may_have_happened());
+        }
+        assert!(HypervisorClient::new("http://127.0.0.1:8090/", TIMEOUT).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_base_path_prefix_is_kept() {
+        let (_sim, client) = start(SimConfig::default()).await;
+        let prefixed = HypervisorClient::new(&format!("{}hv/", client.base), TIMEOUT).expect("client");
+        assert_eq!(prefixed.url(&["v1", "vms", "a b"], Some("t&u")).path(), "/hv/v1/vms/a%20b");
+        assert_eq!(prefixed.url(&["v1", "vms"], Some("t&u")).query(), Some("tag=t%26u"));
+        // Against the simulator (no prefix), a prefixed path is an unknown route: a definite 404.
+        let err = prefixed.list_all().await.expect_err("no such route");
+        assert_eq!(err.status(), Some(StatusCode::NOT_FOUND));
+    }
+}

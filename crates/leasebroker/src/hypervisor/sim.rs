@@ -653,7 +653,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_caller_that_hangs_up_during_latency_does_not_cancel_the_boot() {
-        let (sim, url) = start(SimConfig { latency: Duration::from_millis(300), ..SimConfig::default() }).await;
+        let (sim, url) = start(SimConfig { latency: Duration::from_millis(1000), ..SimConfig::default() }).await;
         let err = reqwest::Client::new()
             .post(format!("{url}/v1/vms"))
             .json(&boot_body("slow"))
@@ -663,7 +663,11 @@ mod tests {
             .expect_err("times out");
         assert!(err.is_timeout(), "{err:?}");
         assert_eq!(sim.stats().boots_total, 0, "still sleeping");
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        // Poll rather than sleep a fixed time: the machine may be busy.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while sim.stats().boots_total == 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         assert_eq!(sim.stats().boots_total, 1, "the boot landed after the caller gave up");
     }
 
