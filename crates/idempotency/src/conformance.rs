@@ -391,9 +391,20 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
 
 /// Generates one `#[tokio::test]` per conformance case in a module named `$name`.
 /// `$fixture` is an async expression evaluating to a fresh [`Fixture`].
+///
+/// For a backend that may be unavailable (a database named by an environment variable), write
+/// `optional` before the expression and make it evaluate to `Option<Fixture>`: on `None` each
+/// case returns at once (the fixture should have said loudly why it skipped).
+///
+/// ```ignore
+/// idempotency::store_conformance_suite!(postgres, optional async {
+///     let db = my_test_database().await?; // None: skipped
+///     Some(fixture_on(db).await)
+/// });
+/// ```
 #[macro_export]
 macro_rules! store_conformance_suite {
-    ($name:ident, $fixture:expr) => {
+    ($name:ident, optional $fixture:expr) => {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
@@ -414,11 +425,14 @@ macro_rules! store_conformance_suite {
             );
         }
     };
+    ($name:ident, $fixture:expr) => {
+        $crate::store_conformance_suite!($name, optional async { ::core::option::Option::Some($fixture.await) });
+    };
     (@cases $fixture:expr; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
-                let fixture = $fixture.await;
+                let ::core::option::Option::Some(fixture) = $fixture.await else { return };
                 $crate::conformance::$case(fixture).await;
             }
         )*

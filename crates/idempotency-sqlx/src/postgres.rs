@@ -1,0 +1,304 @@
+//! The PostgreSQL store.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use sqlx::Row;
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+
+use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+
+/// Connections in a pool made by [`PostgresStore::connect`].
+const MAX_CONNECTIONS: u32 = 10;
+
+/// Which statement [`PostgresStore`] uses to claim a key. Both are one round trip that tells
+/// the caller whether it owns the key and, if not, returns the whole existing record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ClaimStrategy {
+    /// `INSERT ... ON CONFLICT DO NOTHING` in a CTE, with a `UNION ALL` read of the existing
+    /// row: writes nothing when the key exists, so a retry storm on one key costs only reads.
+    /// The default.
+    #[default]
+    InsertOrRead,
+    /// The design's reference statement,
+    /// `INSERT ... ON CONFLICT (principal, endpoint, key) DO UPDATE SET key = EXCLUDED.key
+    /// RETURNING (xmax = 0) AS inserted, ...`: its no-op update locks the row and writes a new
+    /// row version (and WAL) on every conflict, i.e. on every retry. Kept for comparison.
+    SeedUpsert,
+}
+
+/// An [`idempotency::Store`] in PostgreSQL, for several replicas sharing one database.
+///
+/// Every transition is one statement in its own implicit transaction; nothing is held open
+/// between `claim` and `complete`. A claim is one round trip and returns the whole record, so
+/// a replay costs one round trip and a first execution two (claim, complete).
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    strategy: ClaimStrategy,
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host:5432/db`) with a pool of up to 10 connections.
+    /// Does not run the migrations; call [`PostgresStore::migrate`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Wraps an existing pool, with the default [`ClaimStrategy`].
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self { pool, strategy: ClaimStrategy::default() }
+    }
+
+    /// Uses `strategy` to claim keys.
+    pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// The claim strategy in use.
+    pub fn claim_strategy(&self) -> ClaimStrategy {
+        self.strategy
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs the migrations ([`crate::postgres_migrator`]); safe to call on every start, from
+    /// several replicas at once.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        crate::postgres_migrator().run(&self.pool).await.map_err(StoreError::unavailable)
+    }
+}
+
+const INSERT_OR_READ: &str = concat!(
+    "WITH ins AS ( \
+       INSERT INTO idempotency_records \
+         (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
+       VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $6, $7) \
+       ON CONFLICT (principal, endpoint, key) DO NOTHING \
+       RETURNING ",
+    record_columns!(),
+    ", true AS inserted) \
+     SELECT * FROM ins \
+     UNION ALL \
+     SELECT ",
+    record_columns!(),
+    ", false AS inserted FROM idempotency_records \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)"
+);
+
+const SEED_UPSERT: &str = concat!(
+    "INSERT INTO idempotency_records \
+       (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
+     VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $6, $7) \
+     ON CONFLICT (principal, endpoint, key) DO UPDATE SET key = EXCLUDED.key \
+     RETURNING ",
+    record_columns!(),
+    ", (xmax = 0) AS inserted"
+);
+
+// Replaces an expired record with a fresh one: a compare-and-set on the version the claimer
+// read (record id and generation), still expired, so of concurrent claimers exactly one wins.
+const REPLACE_EXPIRED: &str = concat!(
+    "UPDATE idempotency_records SET record_id = $4, fingerprint = $5, state = 'in_flight', generation = 1, \
+       response_status = NULL, response_headers = NULL, response_body = NULL, response_encoding = NULL, \
+       created_at = $6, started_at = $6, expires_at = $7 \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $8 AND generation = $9 \
+       AND expires_at <= $6 \
+     RETURNING ",
+    record_columns!()
+);
+
+const SELECT: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_records WHERE principal = $1 AND endpoint = $2 AND key = $3"
+);
+
+const RECLAIM: &str = concat!(
+    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = $6 \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
+     RETURNING ",
+    record_columns!()
+);
+
+const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = $6, \
+       response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+// Rows locked by a concurrent claim or sweeper are skipped, not waited for; the ctid list
+// becomes a TID scan. The outer condition re-checks expiry on the row actually deleted.
+const SWEEP: &str = "DELETE FROM idempotency_records WHERE ctid = ANY(ARRAY( \
+       SELECT ctid FROM idempotency_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)) \
+     AND expires_at <= $1";
+
+fn decode(row: &PgRow) -> Result<Record, StoreError> {
+    let get = |e| db_error(e);
+    RawRecord {
+        principal: row.try_get(0).map_err(get)?,
+        endpoint: row.try_get(1).map_err(get)?,
+        key: row.try_get(2).map_err(get)?,
+        record_id: row.try_get(3).map_err(get)?,
+        fingerprint: row.try_get(4).map_err(get)?,
+        state: row.try_get(5).map_err(get)?,
+        generation: row.try_get(6).map_err(get)?,
+        response_status: row.try_get(7).map_err(get)?,
+        response_headers: row.try_get(8).map_err(get)?,
+        response_body: row.try_get(9).map_err(get)?,
+        response_encoding: row.try_get(10).map_err(get)?,
+        created_at: row.try_get(11).map_err(get)?,
+        started_at: row.try_get(12).map_err(get)?,
+        expires_at: row.try_get(13).map_err(get)?,
+    }
+    .into_record()
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let fresh = req.new_record();
+        let sql = match self.strategy {
+            ClaimStrategy::InsertOrRead => INSERT_OR_READ,
+            ClaimStrategy::SeedUpsert => SEED_UPSERT,
+        };
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let row = sqlx::query(sql)
+                .bind(req.scope.principal.as_str())
+                .bind(req.scope.endpoint.as_str())
+                .bind(req.scope.key.as_str())
+                .bind(fresh.record_id.as_bytes().as_slice())
+                .bind(fresh.fingerprint.as_str())
+                .bind(req.now)
+                .bind(req.expires_at)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            // Zero rows (InsertOrRead only): a concurrent transaction inserted the key and
+            // committed after this statement took its snapshot. The INSERT waited for it and
+            // then did nothing, but the outer SELECT reads the statement's snapshot, in which
+            // the row does not exist yet. The row is committed now, so running the statement
+            // again sees it. (Also when the sweeper deleted the row in between: then the
+            // insert wins.)
+            let Some(row) = row else { continue };
+            let inserted: bool = row.try_get(14).map_err(db_error)?;
+            let record = decode(&row)?;
+            if inserted {
+                return Ok(ClaimOutcome::Owned(Claim::new(record)));
+            }
+            if !record.is_expired(req.now) {
+                return Ok(ClaimOutcome::Existing(record));
+            }
+            let replaced = sqlx::query(REPLACE_EXPIRED)
+                .bind(req.scope.principal.as_str())
+                .bind(req.scope.endpoint.as_str())
+                .bind(req.scope.key.as_str())
+                .bind(fresh.record_id.as_bytes().as_slice())
+                .bind(fresh.fingerprint.as_str())
+                .bind(req.now)
+                .bind(req.expires_at)
+                .bind(record.record_id.as_bytes().as_slice())
+                .bind(record.generation)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            if let Some(row) = replaced {
+                return Ok(ClaimOutcome::Owned(Claim::new(decode(&row)?)));
+            }
+            // Another claimer replaced it first, its owner completed it, or the sweeper
+            // deleted it: look again.
+        }
+        Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
+    }
+
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        let row = sqlx::query(RECLAIM)
+            .bind(record.scope.principal.as_str())
+            .bind(record.scope.endpoint.as_str())
+            .bind(record.scope.key.as_str())
+            .bind(record.record_id.as_bytes().as_slice())
+            .bind(record.generation)
+            .bind(now)
+            // NULL when no claim can be that old: `started_at <= NULL` is never true.
+            .bind(stale_cutoff(now, in_flight_ttl))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|r| decode(&r).map(Claim::new)).transpose()
+    }
+
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(COMPLETE)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .bind(i32::from(response.status))
+            .bind(response.headers_json())
+            .bind(response.body.stored_bytes().as_ref())
+            .bind(response.body.encoding().as_str())
+            .bind(expires_at)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(FAIL)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(SELECT)
+            .bind(scope.principal.as_str())
+            .bind(scope.endpoint.as_str())
+            .bind(scope.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|r| decode(&r)).transpose()
+    }
+
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(SWEEP).bind(now).bind(i64::from(batch)).execute(&self.pool).await.map_err(db_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,123 @@
+//! What both backends share: the column list, row decoding and error mapping.
+
+use std::time::Duration;
+
+use chrono::SubsecRound;
+use idempotency::{
+    BodyEncoding, Endpoint, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
+    StoredBody, StoredResponse, Timestamp,
+};
+
+/// The record's columns, in the order [`RawRecord`] reads them. A macro so that SQL strings can
+/// be built with `concat!` and stay `&'static str`.
+macro_rules! record_columns {
+    () => {
+        "principal, endpoint, key, record_id, fingerprint, state, generation, response_status, response_headers, \
+         response_body, response_encoding, created_at, started_at, expires_at"
+    };
+}
+pub(crate) use record_columns;
+
+/// A row as the database returned it, before validation.
+pub(crate) struct RawRecord {
+    pub principal: String,
+    pub endpoint: String,
+    pub key: String,
+    pub record_id: Vec<u8>,
+    pub fingerprint: String,
+    pub state: String,
+    pub generation: i64,
+    pub response_status: Option<i32>,
+    pub response_headers: Option<String>,
+    pub response_body: Option<Vec<u8>>,
+    pub response_encoding: Option<String>,
+    pub created_at: Timestamp,
+    pub started_at: Timestamp,
+    pub expires_at: Timestamp,
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+impl RawRecord {
+    /// Validates the row into a [`Record`]; anything unexpected is [`StoreError::Corrupt`].
+    pub fn into_record(self) -> Result<Record, StoreError> {
+        let key = IdempotencyKey::try_from(self.key.as_str()).map_err(|e| corrupt(format!("stored key: {e}")))?;
+        let record_id = <[u8; 16]>::try_from(self.record_id.as_slice())
+            .ok()
+            .and_then(|b| RecordId::from_hex(&hex_of(&b)))
+            .ok_or_else(|| corrupt(format!("record id of {} bytes", self.record_id.len())))?;
+        let state =
+            RecordState::from_stored(&self.state).ok_or_else(|| corrupt(format!("unknown state {:?}", self.state)))?;
+        let response = match (self.response_status, self.response_headers, self.response_body, self.response_encoding) {
+            (None, None, None, None) => None,
+            (Some(status), Some(headers), Some(body), Some(encoding)) => {
+                let status = u16::try_from(status).map_err(|_| corrupt(format!("response status {status}")))?;
+                let headers = StoredResponse::headers_from_json(&headers)
+                    .map_err(|e| corrupt(format!("response headers: {e}")))?;
+                let encoding = BodyEncoding::from_stored(&encoding)
+                    .ok_or_else(|| corrupt(format!("unknown body encoding {encoding:?}")))?;
+                Some(StoredResponse { status, headers, body: StoredBody::from_stored(encoding, body) })
+            }
+            _ => return Err(corrupt("a response stored in part")),
+        };
+        if (state == RecordState::Completed) != response.is_some() {
+            return Err(corrupt(format!(
+                "a {state} record {} a response",
+                if response.is_some() { "with" } else { "without" }
+            )));
+        }
+        Ok(Record {
+            scope: Scope::new(Principal::new(self.principal), Endpoint::from_stored(self.endpoint), key),
+            record_id,
+            fingerprint: Fingerprint::from_stored(self.fingerprint),
+            state,
+            generation: self.generation,
+            response,
+            created_at: self.created_at,
+            started_at: self.started_at,
+            expires_at: self.expires_at,
+        })
+    }
+}
+
+fn hex_of(b: &[u8; 16]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The latest `started_at` at which an in-flight claim is stale at `now`
+/// (`started_at + ttl <= now`), floored to the microsecond that stores keep; `None` when no
+/// representable claim can be that old.
+pub(crate) fn stale_cutoff(now: Timestamp, ttl: Duration) -> Option<Timestamp> {
+    let ttl = chrono::Duration::from_std(ttl).ok()?;
+    // trunc_subsecs floors: a stored started_at (whole microseconds) is <= the exact cutoff
+    // exactly when it is <= the cutoff floored to a microsecond.
+    now.checked_sub_signed(ttl).map(|c| c.trunc_subsecs(6))
+}
+
+/// Maps a database error: a value that cannot be decoded is corruption, anything else means the
+/// store is unavailable.
+pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. } => StoreError::Corrupt(e.to_string()),
+        e => StoreError::unavailable(e),
+    }
+}
+
+/// A claim that kept racing with concurrent writers and never settled.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim did not settle after {0} attempts under concurrent writes")]
+pub(crate) struct ClaimDidNotSettle(pub u32);
+
+/// How often a claim re-runs when the row changed under it. Each retry follows a concurrent
+/// commit on the same key, so a handful suffices; the bound keeps a pathological loop finite.
+pub(crate) const MAX_CLAIM_ATTEMPTS: u32 = 8;
+
+/// The outcome of a fenced `complete`/`fail`: one row changed, or the claim is no longer current.
+pub(crate) fn fenced(rows: u64, claim: &idempotency::Claim) -> Result<(), StoreError> {
+    if rows == 1 { Ok(()) } else { Err(StoreError::Fenced { generation: claim.generation() }) }
+}

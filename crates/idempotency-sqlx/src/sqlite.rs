@@ -1,0 +1,278 @@
+//! The SQLite store.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use sqlx::Row;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
+
+use crate::row::{ClaimDidNotSettle, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+
+/// How long a connection waits for SQLite's write lock before giving up. Writers queue on one
+/// lock; every write here is one short statement or transaction, so waiting is always better
+/// than failing with `SQLITE_BUSY`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connections in a pool made by [`SqliteStore::connect`]: readers run in parallel under WAL,
+/// writers queue on the file's lock anyway.
+const MAX_CONNECTIONS: u32 = 8;
+
+/// An [`idempotency::Store`] in an SQLite database file.
+///
+/// Durable across restarts: WAL journal with `synchronous = FULL`, so a record whose claim or
+/// completion returned is on disk. Multi-statement writes run in `BEGIN IMMEDIATE`
+/// transactions and every connection has a busy timeout, so concurrent writers wait for the
+/// lock instead of failing with `SQLITE_BUSY`.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (and creates, when missing) the database at `url`: `sqlite://path/to/file.db`,
+    /// `sqlite:file.db`, or a plain file path. Does not run the migrations; call
+    /// [`SqliteStore::migrate`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(MAX_CONNECTIONS)
+            .connect_with(Self::connect_options(url)?)
+            .await
+            .map_err(db_error)?;
+        Ok(Self { pool })
+    }
+
+    /// The connection options [`SqliteStore::connect`] uses (create if missing, WAL,
+    /// `synchronous = FULL`, busy timeout, foreign keys on), for a service that builds its own
+    /// pool on the same file and passes it to [`SqliteStore::from_pool`].
+    pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, StoreError> {
+        let options = if url.starts_with("sqlite:") {
+            SqliteConnectOptions::from_str(url).map_err(StoreError::unavailable)?
+        } else {
+            SqliteConnectOptions::new().filename(url)
+        };
+        Ok(options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(true))
+    }
+
+    /// Wraps an existing pool. Its connections should have a busy timeout and WAL mode (see
+    /// [`SqliteStore::connect_options`]).
+    pub fn from_pool(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Runs the migrations ([`crate::sqlite_migrator`]); safe to call on every start.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        crate::sqlite_migrator().run(&self.pool).await.map_err(StoreError::unavailable)
+    }
+
+    async fn fetch<'e, E>(executor: E, scope: &Scope) -> Result<Option<Record>, StoreError>
+    where
+        E: sqlx::Executor<'e, Database = sqlx::Sqlite>,
+    {
+        let row = sqlx::query(SELECT)
+            .bind(scope.principal.as_str())
+            .bind(scope.endpoint.as_str())
+            .bind(scope.key.as_str())
+            .fetch_optional(executor)
+            .await
+            .map_err(db_error)?;
+        row.map(|r| decode(&r)).transpose()
+    }
+}
+
+const SELECT: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_records WHERE principal = ?1 AND endpoint = ?2 AND key = ?3"
+);
+
+// Inserts a new record, or replaces an expired one; a live record is left alone and nothing is
+// returned for it.
+const UPSERT: &str = concat!(
+    "INSERT INTO idempotency_records \
+       (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
+     VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', 1, ?6, ?6, ?7) \
+     ON CONFLICT (principal, endpoint, key) DO UPDATE SET \
+       record_id = excluded.record_id, fingerprint = excluded.fingerprint, state = 'in_flight', generation = 1, \
+       response_status = NULL, response_headers = NULL, response_body = NULL, response_encoding = NULL, \
+       created_at = excluded.created_at, started_at = excluded.started_at, expires_at = excluded.expires_at \
+     WHERE idempotency_records.expires_at <= excluded.created_at \
+     RETURNING ",
+    record_columns!()
+);
+
+const RECLAIM: &str = concat!(
+    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = ?6 \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND (state = 'failed' OR (state = 'in_flight' AND started_at <= ?7)) \
+     RETURNING ",
+    record_columns!()
+);
+
+const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = ?6, \
+       response_headers = ?7, response_body = ?8, response_encoding = ?9, expires_at = ?10 \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND state = 'in_flight'";
+
+const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND state = 'in_flight'";
+
+const SWEEP: &str = "DELETE FROM idempotency_records WHERE rowid IN \
+     (SELECT rowid FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
+
+fn micros(t: Timestamp) -> i64 {
+    t.timestamp_micros()
+}
+
+fn timestamp(row: &SqliteRow, i: usize) -> Result<Timestamp, StoreError> {
+    let us: i64 = row.try_get(i).map_err(db_error)?;
+    chrono::DateTime::from_timestamp_micros(us).ok_or_else(|| StoreError::Corrupt(format!("timestamp {us}")))
+}
+
+fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
+    let get = |e| db_error(e);
+    RawRecord {
+        principal: row.try_get(0).map_err(get)?,
+        endpoint: row.try_get(1).map_err(get)?,
+        key: row.try_get(2).map_err(get)?,
+        record_id: row.try_get(3).map_err(get)?,
+        fingerprint: row.try_get(4).map_err(get)?,
+        state: row.try_get(5).map_err(get)?,
+        generation: row.try_get(6).map_err(get)?,
+        response_status: row.try_get(7).map_err(get)?,
+        response_headers: row.try_get(8).map_err(get)?,
+        response_body: row.try_get(9).map_err(get)?,
+        response_encoding: row.try_get(10).map_err(get)?,
+        created_at: timestamp(row, 11)?,
+        started_at: timestamp(row, 12)?,
+        expires_at: timestamp(row, 13)?,
+    }
+    .into_record()
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // A replay or an in-progress answer needs only a read, which WAL runs beside writers
+        // without taking the write lock.
+        if let Some(record) = Self::fetch(&self.pool, &req.scope).await?
+            && !record.is_expired(req.now)
+        {
+            return Ok(ClaimOutcome::Existing(record));
+        }
+        // Absent or expired: insert or replace under the write lock. BEGIN IMMEDIATE takes the
+        // lock up front (waiting out the busy timeout), so the read that may follow the upsert
+        // cannot be invalidated by another writer.
+        let record = req.new_record();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db_error)?;
+        let row = sqlx::query(UPSERT)
+            .bind(req.scope.principal.as_str())
+            .bind(req.scope.endpoint.as_str())
+            .bind(req.scope.key.as_str())
+            .bind(record.record_id.as_bytes().as_slice())
+            .bind(record.fingerprint.as_str())
+            .bind(micros(req.now))
+            .bind(micros(req.expires_at))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        let outcome = match row {
+            Some(row) => ClaimOutcome::Owned(Claim::new(decode(&row)?)),
+            None => match Self::fetch(&mut *tx, &req.scope).await? {
+                Some(existing) => ClaimOutcome::Existing(existing),
+                // The upsert conflicted, so the row exists and we hold the write lock.
+                None => return Err(StoreError::unavailable(ClaimDidNotSettle(1))),
+            },
+        };
+        tx.commit().await.map_err(db_error)?;
+        Ok(outcome)
+    }
+
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        let row = sqlx::query(RECLAIM)
+            .bind(record.scope.principal.as_str())
+            .bind(record.scope.endpoint.as_str())
+            .bind(record.scope.key.as_str())
+            .bind(record.record_id.as_bytes().as_slice())
+            .bind(record.generation)
+            .bind(micros(now))
+            // NULL when no claim can be that old: `started_at <= NULL` is never true.
+            .bind(stale_cutoff(now, in_flight_ttl).map(micros))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|r| decode(&r).map(Claim::new)).transpose()
+    }
+
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(COMPLETE)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .bind(i32::from(response.status))
+            .bind(response.headers_json())
+            .bind(response.body.stored_bytes().as_ref())
+            .bind(response.body.encoding().as_str())
+            .bind(micros(expires_at))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(FAIL)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        Self::fetch(&self.pool, scope).await
+    }
+
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+        let done =
+            sqlx::query(SWEEP).bind(micros(now)).bind(i64::from(batch)).execute(&self.pool).await.map_err(db_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        Ok(())
+    }
+}

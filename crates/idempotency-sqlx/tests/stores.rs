@@ -1,0 +1,496 @@
+//! The SQLite and PostgreSQL stores: the shared conformance suite against each backend (and each
+//! PostgreSQL claim strategy), then what is specific to each backend.
+//!
+//! PostgreSQL tests need `TEST_POSTGRES_URL` (a server URL; every test creates and drops its own
+//! database). Without it they print a loud SKIPPED line and pass, unless `CI=true`.
+
+use std::sync::Arc;
+
+use idempotency::conformance::Fixture;
+use idempotency_sqlx::{ClaimStrategy, PostgresStore, SqliteStore};
+
+mod support {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use idempotency::conformance::Fixture;
+    use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+    use idempotency_sqlx::testing::TestDatabase;
+    use idempotency_sqlx::{ClaimStrategy, PostgresStore, SqliteStore};
+    use sqlx::postgres::{PgPool, PgPoolOptions};
+
+    /// A store that keeps what it lives in (a temp dir, a test database) alive as long as it is.
+    /// Fields drop in order: the store (its pool) first, then the guard.
+    pub struct Holding<S, G> {
+        store: S,
+        _guard: Arc<G>,
+    }
+
+    impl<S, G> Holding<S, G> {
+        pub fn new(store: S, guard: Arc<G>) -> Self {
+            Self { store, _guard: guard }
+        }
+    }
+
+    #[async_trait]
+    impl<S: Store, G: Send + Sync + 'static> Store for Holding<S, G> {
+        async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+            self.store.claim(req).await
+        }
+        async fn reclaim(&self, r: &Record, now: Timestamp, ttl: Duration) -> Result<Option<Claim>, StoreError> {
+            self.store.reclaim(r, now, ttl).await
+        }
+        async fn complete(&self, c: &Claim, resp: &StoredResponse, exp: Timestamp) -> Result<(), StoreError> {
+            self.store.complete(c, resp, exp).await
+        }
+        async fn fail(&self, c: &Claim) -> Result<(), StoreError> {
+            self.store.fail(c).await
+        }
+        async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+            self.store.get(scope).await
+        }
+        async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+            self.store.sweep_expired(now, batch).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            self.store.ping().await
+        }
+    }
+
+    /// A temp SQLite file; `store` and `peer` are two pools on it, as two processes would be.
+    pub async fn sqlite_fixture() -> Fixture {
+        let dir = Arc::new(tempfile::tempdir().expect("tempdir"));
+        let url = format!("sqlite://{}", dir.path().join("idempotency.db").display());
+        let store = SqliteStore::connect(&url).await.expect("open");
+        store.migrate().await.expect("migrate");
+        let peer = SqliteStore::connect(&url).await.expect("open peer");
+        Fixture { store: Arc::new(Holding::new(store, dir.clone())), peer: Arc::new(Holding::new(peer, dir)) }
+    }
+
+    /// A small pool: many tests run at once against one server.
+    pub async fn pg_pool(url: &str) -> PgPool {
+        PgPoolOptions::new().max_connections(4).connect(url).await.expect("connect to the test database")
+    }
+
+    /// A fresh database; `store` and `peer` are two pools on it, as two replicas would be.
+    pub async fn postgres_fixture(strategy: ClaimStrategy) -> Option<Fixture> {
+        let db = Arc::new(TestDatabase::create().await?);
+        let store = PostgresStore::from_pool(pg_pool(db.url()).await).with_claim_strategy(strategy);
+        store.migrate().await.expect("migrate");
+        let peer = PostgresStore::from_pool(pg_pool(db.url()).await).with_claim_strategy(strategy);
+        Some(Fixture { store: Arc::new(Holding::new(store, db.clone())), peer: Arc::new(Holding::new(peer, db)) })
+    }
+
+    /// A PostgreSQL store on a fresh, migrated database, and the database.
+    pub async fn postgres_store(strategy: ClaimStrategy) -> Option<(PostgresStore, TestDatabase)> {
+        let db = TestDatabase::create().await?;
+        let store = PostgresStore::from_pool(pg_pool(db.url()).await).with_claim_strategy(strategy);
+        store.migrate().await.expect("migrate");
+        Some((store, db))
+    }
+}
+
+idempotency::store_conformance_suite!(sqlite, support::sqlite_fixture());
+idempotency::store_conformance_suite!(postgres, optional support::postgres_fixture(ClaimStrategy::InsertOrRead));
+idempotency::store_conformance_suite!(
+    postgres_seed_upsert,
+    optional support::postgres_fixture(ClaimStrategy::SeedUpsert)
+);
+
+/// Requests and responses for the backend-specific tests.
+mod common {
+    use bytes::Bytes;
+    use idempotency::{
+        ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, RecordId, Scope, Store,
+        StoredBody, StoredResponse, Timestamp,
+    };
+
+    pub fn scope(key: &str) -> Scope {
+        Scope::new(
+            Principal::new("team-a"),
+            Endpoint::new("POST", "/v1/workers"),
+            IdempotencyKey::try_from(key).expect("valid key"),
+        )
+    }
+
+    pub fn unique_scope() -> Scope {
+        scope(&format!("k-{}", RecordId::random().to_hex()))
+    }
+
+    pub fn request(scope: &Scope, at: Timestamp) -> ClaimRequest {
+        ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::from_stored("sha256:ab"),
+            now: at,
+            expires_at: at + chrono::Duration::hours(24),
+        }
+    }
+
+    pub fn response() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![("location".into(), "/v1/workers/wkr-1".into())],
+            body: StoredBody::encode(Bytes::from_static(br#"{"id":"wkr-1"}"#), 1024),
+        }
+    }
+
+    pub async fn own(store: &dyn Store, req: ClaimRequest) -> idempotency::Claim {
+        match store.claim(req).await.expect("claim") {
+            ClaimOutcome::Owned(c) => c,
+            ClaimOutcome::Existing(r) => panic!("expected to own the key, found {r:?}"),
+        }
+    }
+}
+
+mod sqlite_backend {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idempotency::{ClaimOutcome, Decision, RecordState, Store, now};
+    use idempotency_sqlx::SqliteStore;
+
+    use crate::common::{own, request, response, scope, unique_scope};
+
+    #[tokio::test]
+    async fn a_completed_record_replays_after_the_file_is_reopened() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sub").join("leasebroker.db");
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        let path = path.to_str().expect("utf-8 path").to_owned();
+        let t = now();
+        let s = scope("survives-restart");
+        {
+            let store = SqliteStore::connect(&path).await.expect("create");
+            store.migrate().await.expect("migrate");
+            let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(store.pool()).await.expect("pragma");
+            assert_eq!(mode, "wal");
+            let claim = own(&store, request(&s, t)).await;
+            store.complete(&claim, &response(), t + chrono::Duration::hours(24)).await.expect("complete");
+            store.pool().close().await;
+        }
+        let store = SqliteStore::connect(&path).await.expect("reopen");
+        store.migrate().await.expect("re-running the migrations is a no-op");
+        match store.claim(request(&s, t + chrono::Duration::seconds(5))).await.expect("claim") {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.state, RecordState::Completed);
+                assert_eq!(r.created_at, t);
+                let d = r.decide(&r.fingerprint, t + chrono::Duration::seconds(5), Duration::from_secs(300));
+                assert_eq!(d, Decision::Replay(response()));
+            }
+            ClaimOutcome::Owned(c) => panic!("the record was lost on reopen: {c:?}"),
+        }
+    }
+
+    /// Writers on two pools (two processes) never fail with SQLITE_BUSY: 64 tasks complete 64
+    /// keys while 64 more race on one key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_writers_on_two_pools_never_see_busy() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite:{}", dir.path().join("busy.db").display());
+        let a = Arc::new(SqliteStore::connect(&url).await.expect("open"));
+        a.migrate().await.expect("migrate");
+        let b = Arc::new(SqliteStore::connect(&url).await.expect("open"));
+        let shared = unique_scope();
+        let mut tasks = vec![];
+        for i in 0..128 {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let shared = shared.clone();
+            tasks.push(tokio::spawn(async move {
+                let t = now();
+                if i < 64 {
+                    let s = unique_scope();
+                    let c = own(&*store, request(&s, t)).await;
+                    store.complete(&c, &response(), t + chrono::Duration::hours(1)).await.expect("complete");
+                    (s, false)
+                } else {
+                    let owned =
+                        matches!(store.claim(request(&shared, t)).await.expect("claim"), ClaimOutcome::Owned(_));
+                    (shared, owned)
+                }
+            }));
+        }
+        let mut owners = 0;
+        for task in futures::future::join_all(tasks).await {
+            let (s, owned) = task.expect("no task failed");
+            owners += usize::from(owned);
+            assert!(a.get(&s).await.expect("get").is_some());
+        }
+        assert_eq!(owners, 1);
+    }
+}
+
+mod postgres_backend {
+    use std::sync::{Arc, Mutex};
+
+    use idempotency::{ClaimOutcome, Decision, RecordId, Store, now};
+    use idempotency_sqlx::ClaimStrategy;
+    use sqlx::{Connection, PgConnection};
+    use tracing::field::{Field, Visit};
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+
+    use crate::common::{own, request, response, unique_scope};
+    use crate::support::postgres_store;
+
+    /// Counts the statements sqlx runs on this thread that touch `idempotency_records`, from
+    /// sqlx's own per-statement `sqlx::query` events: one event per statement executed, i.e.
+    /// one round trip once the statement is prepared.
+    #[derive(Clone, Default)]
+    struct Statements(Arc<Mutex<Vec<String>>>);
+
+    impl Statements {
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut *self.0.lock().expect("lock"))
+        }
+    }
+
+    struct Text(String);
+    impl Visit for Text {
+        fn record_str(&mut self, _: &Field, value: &str) {
+            self.0.push_str(value);
+            self.0.push(' ');
+        }
+        fn record_debug(&mut self, _: &Field, value: &dyn std::fmt::Debug) {
+            self.0.push_str(&format!("{value:?} "));
+        }
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            if event.metadata().target() == "sqlx::query" {
+                let mut text = Text(String::new());
+                event.record(&mut text);
+                if text.0.contains("idempotency_records") {
+                    self.0.lock().expect("lock").push(text.0);
+                }
+            }
+        }
+    }
+
+    /// A replay is one round trip (the claim returns the whole record, response included); a
+    /// first execution is two (claim, complete). For both claim strategies.
+    #[tokio::test]
+    async fn replay_is_one_round_trip_and_first_execution_two() {
+        for strategy in [ClaimStrategy::InsertOrRead, ClaimStrategy::SeedUpsert] {
+            let Some((store, _db)) = postgres_store(strategy).await else { return };
+            let statements = Statements::default();
+            let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(statements.clone()));
+            // Warm the connection's statement cache: preparing a statement is a round trip of
+            // its own, paid once per connection.
+            let warm = own(&store, request(&unique_scope(), now())).await;
+            store.complete(&warm, &response(), now() + chrono::Duration::hours(1)).await.expect("complete");
+            store.claim(request(warm.scope(), now())).await.expect("claim");
+            statements.take();
+
+            let s = unique_scope();
+            let t = now();
+            let claim = own(&store, request(&s, t)).await;
+            store.complete(&claim, &response(), t + chrono::Duration::hours(1)).await.expect("complete");
+            assert_eq!(statements.take().len(), 2, "{strategy:?}: a first execution is claim + complete");
+
+            let ClaimOutcome::Existing(r) = store.claim(request(&s, t)).await.expect("claim") else {
+                panic!("{strategy:?}: expected a replay")
+            };
+            assert_eq!(r.decide(&r.fingerprint, t, std::time::Duration::from_secs(300)), Decision::Replay(response()));
+            assert_eq!(statements.take().len(), 1, "{strategy:?}: a replay is one statement");
+        }
+    }
+
+    /// The InsertOrRead race the statement's comment describes, forced deterministically: a
+    /// second transaction inserts the key and commits while the claim's INSERT waits on it. The
+    /// claim's first statement returns zero rows (its snapshot predates the commit); the retry
+    /// sees the committed record. SeedUpsert's DO UPDATE sees it at once.
+    #[tokio::test]
+    async fn a_row_committed_after_the_claim_snapshot_is_found_by_the_retry() {
+        for (strategy, expected_statements) in [(ClaimStrategy::InsertOrRead, 2), (ClaimStrategy::SeedUpsert, 1)] {
+            let Some((store, db)) = postgres_store(strategy).await else { return };
+            let statements = Statements::default();
+            let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(statements.clone()));
+            let s = unique_scope();
+            let t = now();
+            let theirs = RecordId::random();
+
+            let mut other = PgConnection::connect(db.url()).await.expect("connect");
+            sqlx::query("BEGIN").execute(&mut other).await.expect("begin");
+            sqlx::query(
+                "INSERT INTO idempotency_records (principal, endpoint, key, record_id, fingerprint, state, generation, \
+                   created_at, started_at, expires_at) \
+                 VALUES ($1, $2, $3, $4, 'sha256:ab', 'in_flight', 1, $5, $5, $6)",
+            )
+            .bind(s.principal.as_str())
+            .bind(s.endpoint.as_str())
+            .bind(s.key.as_str())
+            .bind(theirs.as_bytes().as_slice())
+            .bind(t)
+            .bind(t + chrono::Duration::hours(1))
+            .execute(&mut other)
+            .await
+            .expect("insert");
+            statements.take();
+
+            let claimer = tokio::spawn({
+                let store = store.clone();
+                let req = request(&s, t);
+                async move { store.claim(req).await }
+            });
+            // Commit only once the claim is waiting on our uncommitted row.
+            let mut watcher = PgConnection::connect(db.url()).await.expect("connect");
+            let mut waited = false;
+            for _ in 0..500 {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .fetch_one(&mut watcher)
+                .await
+                .expect("pg_stat_activity");
+                if n > 0 {
+                    waited = true;
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            assert!(waited, "{strategy:?}: the claim never waited on the uncommitted insert");
+            sqlx::query("COMMIT").execute(&mut other).await.expect("commit");
+
+            match claimer.await.expect("task").expect("claim") {
+                ClaimOutcome::Existing(r) => assert_eq!(r.record_id, theirs, "{strategy:?}"),
+                ClaimOutcome::Owned(c) => panic!("{strategy:?}: two owners of one key: {c:?}"),
+            }
+            let claims = statements.take().into_iter().filter(|s| s.contains("INSERT INTO")).count();
+            assert_eq!(claims, expected_statements, "{strategy:?}: claim statements run");
+        }
+    }
+
+    /// InsertOrRead writes nothing when the key exists (the row version is untouched); the seed's
+    /// no-op DO UPDATE writes a new row version on every retry.
+    #[tokio::test]
+    async fn only_the_seed_upsert_writes_on_conflict() {
+        for (strategy, writes) in [(ClaimStrategy::InsertOrRead, false), (ClaimStrategy::SeedUpsert, true)] {
+            let Some((store, _db)) = postgres_store(strategy).await else { return };
+            let s = unique_scope();
+            let t = now();
+            own(&store, request(&s, t)).await;
+            let version = || async {
+                sqlx::query_scalar::<_, String>(
+                    "SELECT xmin::text || '/' || ctid::text FROM idempotency_records WHERE key = $1",
+                )
+                .bind(s.key.as_str())
+                .fetch_one(store.pool())
+                .await
+                .expect("row version")
+            };
+            let before = version().await;
+            for _ in 0..3 {
+                assert!(matches!(store.claim(request(&s, t)).await.expect("claim"), ClaimOutcome::Existing(_)));
+            }
+            assert_eq!(version().await != before, writes, "{strategy:?}");
+        }
+    }
+}
+
+/// The idempotency migrator and a service's own migrator share one database.
+mod migrators {
+    use std::borrow::Cow;
+
+    use idempotency_sqlx::testing::TestDatabase;
+    use idempotency_sqlx::{MIGRATIONS_TABLE, postgres_migrator, sqlite_migrator};
+    use sqlx::SqlSafeStr;
+    use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
+
+    /// A service's migrator with sqlx's defaults (`_sqlx_migrations`) and a version of its own.
+    fn service_migrator() -> Migrator {
+        Migrator::with_migrations(vec![Migration::new(
+            1,
+            Cow::Borrowed("service tables"),
+            MigrationType::Simple,
+            "CREATE TABLE service_things (id BIGINT PRIMARY KEY)".into_sql_str(),
+            false,
+        )])
+    }
+
+    fn ours_on_the_default_table(mut m: Migrator) -> Migrator {
+        m.dangerous_set_table_name("_sqlx_migrations");
+        m
+    }
+
+    #[tokio::test]
+    async fn sqlite_migrators_coexist_in_either_order() {
+        for ours_first in [true, false] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let store = idempotency_sqlx::SqliteStore::connect(dir.path().join("db.sqlite").to_str().expect("path"))
+                .await
+                .expect("open");
+            let pool = store.pool();
+            for _ in 0..2 {
+                if ours_first {
+                    sqlite_migrator().run(pool).await.expect("ours");
+                    service_migrator().run(pool).await.expect("theirs");
+                } else {
+                    service_migrator().run(pool).await.expect("theirs");
+                    sqlite_migrator().run(pool).await.expect("ours");
+                }
+            }
+            let ours: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {MIGRATIONS_TABLE}")))
+                .fetch_one(pool)
+                .await
+                .expect("ours");
+            assert_eq!(ours, sqlite_migrator().iter().count() as i64);
+            let theirs: Vec<i64> =
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations").fetch_all(pool).await.expect("theirs");
+            assert_eq!(theirs, vec![1]);
+            sqlx::query("SELECT count(*) FROM idempotency_records").execute(pool).await.expect("our table");
+            sqlx::query("SELECT count(*) FROM service_things").execute(pool).await.expect("their table");
+            // Why the separate table: on sqlx's default one, each migrator sees the other's
+            // versions as missing and refuses to run.
+            let clash = ours_on_the_default_table(sqlite_migrator()).run(pool).await;
+            assert!(matches!(clash, Err(MigrateError::VersionMissing(1))), "{clash:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn postgres_migrators_coexist_in_either_order_and_at_once() {
+        for order in ["ours first", "theirs first", "at once"] {
+            let Some(db) = TestDatabase::create().await else { return };
+            let pool = crate::support::pg_pool(db.url()).await;
+            for _ in 0..2 {
+                match order {
+                    "ours first" => {
+                        postgres_migrator().run(&pool).await.expect("ours");
+                        service_migrator().run(&pool).await.expect("theirs");
+                    }
+                    "theirs first" => {
+                        service_migrator().run(&pool).await.expect("theirs");
+                        postgres_migrator().run(&pool).await.expect("ours");
+                    }
+                    _ => {
+                        let (ours, theirs) = (postgres_migrator(), service_migrator());
+                        let (a, b) = tokio::join!(ours.run(&pool), theirs.run(&pool));
+                        a.expect("ours");
+                        b.expect("theirs");
+                    }
+                }
+            }
+            let ours: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {MIGRATIONS_TABLE}")))
+                .fetch_one(&pool)
+                .await
+                .expect("ours");
+            assert_eq!(ours, postgres_migrator().iter().count() as i64, "{order}");
+            let theirs: Vec<i64> =
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations").fetch_all(&pool).await.expect("theirs");
+            assert_eq!(theirs, vec![1], "{order}");
+            sqlx::query("SELECT count(*) FROM idempotency_records").execute(&pool).await.expect("our table");
+            sqlx::query("SELECT count(*) FROM service_things").execute(&pool).await.expect("their table");
+            let clash = ours_on_the_default_table(postgres_migrator()).run(&pool).await;
+            assert!(matches!(clash, Err(MigrateError::VersionMissing(1))), "{order}: {clash:?}");
+            pool.close().await;
+        }
+    }
+}
+
+// The stores are Clone + Send + Sync and usable as `Arc<dyn Store>`.
+#[allow(dead_code)]
+fn stores_are_dyn_compatible(s: SqliteStore, p: PostgresStore) -> (Fixture, Fixture) {
+    let s: Arc<dyn idempotency::Store> = Arc::new(s);
+    let p: Arc<dyn idempotency::Store> = Arc::new(p);
+    (Fixture { store: s.clone(), peer: s }, Fixture { store: p.clone(), peer: p })
+}
