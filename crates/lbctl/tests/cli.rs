@@ -315,6 +315,30 @@ fn reboot_and_delete_are_once_per_op_id() {
 }
 
 #[test]
+fn the_default_journal_is_under_xdg_state_home_then_home() {
+    let server = Server::start(&[]);
+    let (state, home) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let bare = |env: &[(&str, &Path)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lbctl"));
+        for var in ["LBCTL_URL", "LBCTL_TOKEN", "LBCTL_JOURNAL", "XDG_STATE_HOME", "HOME"] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env.iter().copied()).env("LBCTL_URL", &server.url).env("LBCTL_TOKEN", TOKEN);
+        cmd.args(&CREATE[2..]).args(["--op-id", "op-default"]).output().expect("run lbctl")
+    };
+    assert_exit(&bare(&[("XDG_STATE_HOME", state.path()), ("HOME", home.path())]), 0);
+    assert!(state.path().join("lbctl/journal.db").exists());
+    assert!(!home.path().join(".local").exists());
+    assert_exit(&bare(&[("HOME", home.path())]), 0);
+    assert!(home.path().join(".local/state/lbctl/journal.db").exists());
+    let explicit = state.path().join("elsewhere.db");
+    assert_exit(&bare(&[("HOME", home.path()), ("LBCTL_JOURNAL", &explicit)]), 0);
+    assert!(explicit.exists());
+    // Three journals, three keys for "op-default": three workers, each made once.
+    assert_eq!(server.fleet().workers_active, 3);
+}
+
+#[test]
 fn usage_errors_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("j.db");

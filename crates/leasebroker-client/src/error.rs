@@ -78,7 +78,7 @@ pub enum Error {
     },
     /// The first request with this key is still running on the server (409 `request-in-progress`).
     /// Retried by the retry core.
-    #[error("a request with this key is still in progress: {problem}")]
+    #[error("in progress (409): {problem}")]
     InProgress {
         /// How long the server asked us to wait (`Retry-After`).
         retry_after: Option<Duration>,
