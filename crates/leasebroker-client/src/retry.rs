@@ -165,6 +165,7 @@ fn full_jitter(cap: Duration) -> Duration {
 
 /// A complete, successful (2xx) response.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct HttpResponse {
     /// The status.
     pub status: StatusCode,
