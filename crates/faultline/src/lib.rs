@@ -1,1 +1,33 @@
-//! The fault harness: real processes, real faults, and a count of what was duplicated or lost
+//! The fault harness: real processes, real faults, and a count of what was duplicated or lost.
+//!
+//! `faultline` starts real `leasebroker` processes on loopback (a standalone hypervisor simulator
+//! and one `serve` replica on SQLite, or several on one PostgreSQL database), puts a
+//! fault-injecting TCP proxy in front of each replica, and drives a mix of create, reboot and
+//! delete operations through it, with the four client-side failure modes of the design (the
+//! request never arrives, the response is lost after the work, the client gives up mid-flight,
+//! the client process is killed and rerun), server replicas killed with SIGKILL mid-request, and
+//! the simulator failing before or after doing the work. Then it reads the ground truth (the
+//! fleet, the simulator's counters, every worker) and checks that nothing was duplicated or lost.
+//!
+//! The same workload runs twice: with clients that keep one key per logical operation (the SDK,
+//! `lbctl --op-id`), where every invariant must hold, and with naive clients that make a fresh
+//! key per attempt, to count what idempotency prevents.
+//!
+//! ```
+//! use clap::Parser;
+//! let cli = faultline::cli::Cli::try_parse_from([
+//!     "faultline", "run", "--ops", "150", "--concurrency", "8", "--client-faults", "0.3",
+//!     "--server-kills", "1", "--hv-fail-before", "0.1", "--hv-fail-after", "0.1",
+//! ])
+//! .unwrap();
+//! assert!(matches!(cli.command, faultline::cli::Command::Run(_)));
+//! ```
+
+pub mod cli;
+pub mod cluster;
+pub mod pg;
+pub mod proxy;
+pub mod report;
+pub mod run;
+pub mod verify;
+pub mod workload;

@@ -1,0 +1,142 @@
+//! The command line: `faultline run` (one client fault rate) and `faultline sweep` (several).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// faultline: proves against real leasebroker processes that nothing is duplicated or lost.
+#[derive(Debug, Parser)]
+#[command(name = "faultline", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the workload at one client fault rate (protected clients, then naive ones).
+    Run(RunArgs),
+    /// Run the protected/naive pair at each of several client fault rates and chart them.
+    Sweep(SweepArgs),
+}
+
+/// `faultline run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Probability that a client connection (or an lbctl process run) is hit by a client fault.
+    #[arg(long, default_value_t = 0.3, value_parser = parse_probability)]
+    pub client_faults: f64,
+    /// Only the naive clients (a fresh key on every attempt).
+    #[arg(long, conflicts_with = "no_naive")]
+    pub naive: bool,
+    /// Only the protected clients.
+    #[arg(long)]
+    pub no_naive: bool,
+    #[command(flatten)]
+    pub scenario: Scenario,
+}
+
+/// `faultline sweep`.
+#[derive(Debug, Clone, Args)]
+pub struct SweepArgs {
+    /// The client fault rates, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.2,0.3", value_parser = parse_probability)]
+    pub rates: Vec<f64>,
+    #[command(flatten)]
+    pub scenario: Scenario,
+}
+
+/// Everything a run needs besides its client fault rate.
+#[derive(Debug, Clone, Args)]
+pub struct Scenario {
+    /// The leasebroker binary [default: next to this executable].
+    #[arg(long)]
+    pub leasebroker: Option<PathBuf>,
+    /// The lbctl binary [default: next to the leasebroker binary].
+    #[arg(long)]
+    pub lbctl: Option<PathBuf>,
+    /// Logical operations per run.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub ops: u64,
+    /// Operations in flight at once.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub concurrency: u32,
+    /// Kill a random replica with SIGKILL this many times per run (spread over the run), restarting
+    /// it on the same port.
+    #[arg(long, default_value_t = 0)]
+    pub server_kills: u32,
+    /// Hypervisor simulator: probability that a mutating call fails before doing anything.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    pub hv_fail_before: f64,
+    /// Hypervisor simulator: probability that a mutating call does the work, then drops the answer.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    pub hv_fail_after: f64,
+    /// Hypervisor simulator: latency before each mutating call, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub hv_latency_ms: u64,
+    /// A PostgreSQL server URL: a fresh database is created in it for each run and dropped after.
+    /// Without it, one replica runs on SQLite in a temporary directory.
+    #[arg(long, env = "FAULTLINE_POSTGRES")]
+    pub postgres: Option<String>,
+    /// Replicas sharing the PostgreSQL database (SQLite always runs one).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub replicas: u32,
+    /// Share of operations run through real `lbctl` processes (the rest through the SDK in process).
+    #[arg(long, default_value_t = 0.1, value_parser = parse_probability)]
+    pub lbctl_share: f64,
+    /// Principals (tokens) the operations are spread over.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub principals: u32,
+    /// The SDK clients' timeout per attempt; the "gives up mid-flight" fault holds a response past it.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub attempt_timeout: Duration,
+    /// Retry budget of one logical operation.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub op_max_elapsed: Duration,
+    /// Passed to the servers as --in-flight-ttl.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub in_flight_ttl: Duration,
+    /// Passed to the servers as --hypervisor-timeout (also their reconcile grace window).
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub hypervisor_timeout: Duration,
+    /// Nodes in the pool [default: enough for every operation to be a create, twice over].
+    #[arg(long)]
+    pub pool_nodes: Option<u32>,
+    /// Stop a run that takes longer than this (it then counts as failed).
+    #[arg(long, default_value = "60m", value_parser = humantime::parse_duration)]
+    pub max_duration: Duration,
+    /// Where the JSON report and the chart go.
+    #[arg(long, default_value = "faultline-out")]
+    pub out: PathBuf,
+    /// Keep the temporary directory (server logs, SQLite files, lbctl journal) after the run.
+    #[arg(long)]
+    pub keep_temp: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn parse_probability(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("expected a probability from 0 to 1, got {s:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_sweep() {
+        let cli = Cli::try_parse_from(["faultline", "sweep", "--rates", "0,0.2", "--ops", "10"]).unwrap();
+        let Command::Sweep(s) = cli.command else { panic!("sweep") };
+        assert_eq!(s.rates, vec![0.0, 0.2]);
+        assert_eq!(s.scenario.ops, 10);
+        assert!(Cli::try_parse_from(["faultline", "sweep", "--rates", "0,1.5"]).is_err());
+        assert!(Cli::try_parse_from(["faultline", "run", "--naive", "--no-naive"]).is_err());
+    }
+}

@@ -1,0 +1,198 @@
+//! The real processes: a standalone hypervisor simulator and one or more `leasebroker serve`
+//! replicas, each on a port picked up front so a killed replica comes back on the same one.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// How long a process may take to print its `listening on` line.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The admin token every replica is started with.
+pub const ADMIN_TOKEN: &str = "faultline-admin";
+
+/// A principal's name and bearer token.
+#[derive(Debug, Clone)]
+pub struct Principal {
+    /// The principal.
+    pub name: String,
+    /// Its token.
+    pub token: String,
+}
+
+/// The principals `p0`, `p1`, ... with tokens `faultline-p0`, ...
+pub fn principals(n: u32) -> Vec<Principal> {
+    (0..n).map(|i| Principal { name: format!("p{i}"), token: format!("faultline-p{i}") }).collect()
+}
+
+/// A free loopback port, picked by binding port 0 and letting go of it.
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A child process that printed `listening on http://ADDR`.
+#[derive(Debug)]
+struct Running {
+    child: Child,
+}
+
+/// Starts `command` (stdout piped, stderr appended to `log`), waits for its `listening on` line and
+/// returns the process and the address it printed.
+async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, SocketAddr)> {
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("{}", log.display()))?;
+    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log_file)).kill_on_drop(true);
+    if std::env::var_os("RUST_LOG").is_none() {
+        command.env("RUST_LOG", "warn");
+    }
+    let mut child = command.spawn().context("spawning")?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = tokio::time::timeout(READY_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                let addr = rest.split_whitespace().next().unwrap_or_default();
+                return addr.parse::<SocketAddr>().with_context(|| format!("bad address in {line:?}"));
+            }
+        }
+        bail!("exited before it was ready (see {})", log.display())
+    })
+    .await
+    .map_err(|_| anyhow!("not ready within {READY_TIMEOUT:?} (see {})", log.display()))??;
+    // Keep draining stdout so the process never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((Running { child }, addr))
+}
+
+/// The standalone hypervisor simulator.
+#[derive(Debug)]
+pub struct Hypervisor {
+    _process: Running,
+    /// Its base URL.
+    pub url: String,
+}
+
+impl Hypervisor {
+    /// Starts `leasebroker hypervisor-sim` on a free port.
+    pub async fn start(
+        binary: &Path,
+        dir: &Path,
+        fail_before: f64,
+        fail_after: f64,
+        latency_ms: u64,
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new(binary);
+        command.args(["hypervisor-sim", "--listen", "127.0.0.1:0"]);
+        command.args(["--fail-before", &fail_before.to_string(), "--fail-after", &fail_after.to_string()]);
+        command.args(["--latency-ms", &latency_ms.to_string()]);
+        let (process, addr) = start(command, &dir.join("hypervisor-sim.log")).await.context("hypervisor-sim")?;
+        Ok(Hypervisor { _process: process, url: format!("http://{addr}") })
+    }
+}
+
+/// What every replica is started with.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// The leasebroker binary.
+    pub binary: PathBuf,
+    /// `sqlite://...` or `postgres://...`.
+    pub database: String,
+    /// The principals and their tokens.
+    pub principals: Vec<Principal>,
+    /// `--pool-nodes`.
+    pub pool_nodes: u32,
+    /// `--hypervisor-url`.
+    pub hypervisor_url: String,
+    /// `--hypervisor-timeout`.
+    pub hypervisor_timeout: Duration,
+    /// `--in-flight-ttl`.
+    pub in_flight_ttl: Duration,
+    /// Where the logs go.
+    pub dir: PathBuf,
+}
+
+/// One `leasebroker serve` process on a fixed port.
+#[derive(Debug)]
+pub struct Replica {
+    /// Its index (0-based).
+    pub index: usize,
+    /// Its fixed address.
+    pub addr: SocketAddr,
+    config: ServeConfig,
+    process: Option<Running>,
+    /// Times it was killed and restarted.
+    pub restarts: u32,
+}
+
+impl Replica {
+    /// Starts replica `index` on `port`.
+    pub async fn start(index: usize, port: u16, config: ServeConfig) -> anyhow::Result<Self> {
+        let mut replica =
+            Replica { index, addr: SocketAddr::from(([127, 0, 0, 1], port)), config, process: None, restarts: 0 };
+        replica.spawn().await?;
+        Ok(replica)
+    }
+
+    /// Its base URL (direct, not through the proxy).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let c = &self.config;
+        let log = c.dir.join(format!("replica-{}.log", self.index));
+        // A port just freed by a SIGKILL is normally free at once; retry briefly in case it is not.
+        let mut last = None;
+        for _ in 0..20 {
+            let mut command = Command::new(&c.binary);
+            command.args(["serve", "--listen", &self.addr.to_string(), "--database", &c.database]);
+            for p in &c.principals {
+                command.args(["--token", &format!("{}={}", p.token, p.name)]);
+            }
+            command.args(["--admin-token", ADMIN_TOKEN, "--pool-nodes", &c.pool_nodes.to_string()]);
+            command.args(["--hypervisor-url", &c.hypervisor_url]);
+            command.args(["--hypervisor-timeout", &format!("{}ms", c.hypervisor_timeout.as_millis())]);
+            command.args(["--in-flight-ttl", &format!("{}ms", c.in_flight_ttl.as_millis())]);
+            match start(command, &log).await {
+                Ok((process, addr)) if addr == self.addr => {
+                    self.process = Some(process);
+                    return Ok(());
+                }
+                Ok((_, addr)) => bail!("replica {} listens on {addr}, not {}", self.index, self.addr),
+                Err(e) => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow!("no attempt made"))).with_context(|| format!("replica {}", self.index))
+    }
+
+    /// SIGKILLs the process (no drain, no cleanup: whatever it was doing is cut off) and starts it
+    /// again on the same port.
+    pub async fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+        if let Some(mut p) = self.process.take() {
+            p.child.start_kill().context("SIGKILL")?;
+            p.child.wait().await.context("waiting for the killed replica")?;
+        }
+        self.restarts += 1;
+        self.spawn().await
+    }
+
+    /// Stops the process (SIGKILL: the run is over, its state is in the database).
+    pub async fn stop(&mut self) {
+        if let Some(mut p) = self.process.take() {
+            let _ = p.child.start_kill();
+            let _ = p.child.wait().await;
+        }
+    }
+}

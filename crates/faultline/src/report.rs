@@ -1,0 +1,281 @@
+//! The report: a table on stdout, a JSON file and an SVG chart.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context;
+use leasebroker_client::Fleet;
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::proxy::ProxyCounts;
+use crate::verify::{Damage, Invariant, SimStats};
+use crate::workload::ClientKind;
+
+/// The set-up of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Setup {
+    /// `sqlite` or `postgres`.
+    pub database: &'static str,
+    /// `serve` processes.
+    pub replicas: u32,
+    /// Logical operations.
+    pub ops: u64,
+    /// Operations in flight.
+    pub concurrency: u32,
+    /// Probability of a client fault per connection / lbctl process run.
+    pub client_fault_rate: f64,
+    /// Share of operations through lbctl.
+    pub lbctl_share: f64,
+    /// Server kills asked for.
+    pub server_kills: u32,
+    /// Simulator fail-before probability.
+    pub hv_fail_before: f64,
+    /// Simulator fail-after probability.
+    pub hv_fail_after: f64,
+    /// Simulator latency.
+    pub hv_latency_ms: u64,
+    /// `--pool-nodes`.
+    pub pool_nodes: u32,
+}
+
+/// Client faults injected, by kind.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Faults {
+    /// (a) the request never reached the server.
+    pub never_reached: u64,
+    /// (b) the response was lost after the work.
+    pub response_lost: u64,
+    /// (c) the client gave up mid-flight.
+    pub gave_up_mid_flight: u64,
+    /// (d) an lbctl process was killed with SIGKILL and run again.
+    pub client_killed: u64,
+}
+
+impl Faults {
+    /// All kinds together.
+    pub fn total(&self) -> u64 {
+        self.never_reached + self.response_lost + self.gave_up_mid_flight + self.client_killed
+    }
+}
+
+/// How the logical operations ended.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Outcomes {
+    /// Success.
+    pub succeeded: u64,
+    /// A clean refusal (4xx).
+    pub refused: u64,
+    /// Gave up or anything else.
+    pub failed: u64,
+    /// Successful creates.
+    pub creates_ok: u64,
+    /// Successful reboots.
+    pub reboots_ok: u64,
+    /// Successful deletes.
+    pub deletes_ok: u64,
+    /// Successes answered from a stored response.
+    pub replayed: u64,
+    /// Operations run through lbctl.
+    pub via_lbctl: u64,
+    /// lbctl processes started.
+    pub lbctl_runs: u64,
+}
+
+/// One run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    /// Which clients.
+    pub clients: ClientKind,
+    /// The set-up.
+    pub setup: Setup,
+    /// HTTP attempts the clients sent.
+    pub attempts: u64,
+    /// Client faults injected.
+    pub faults: Faults,
+    /// What the proxies saw.
+    pub proxy: ProxyCounts,
+    /// Replicas killed with SIGKILL and restarted.
+    pub server_kills: u32,
+    /// How the operations ended.
+    pub outcomes: Outcomes,
+    /// What was duplicated or lost.
+    pub damage: Damage,
+    /// The fleet at the end.
+    pub fleet: Fleet,
+    /// The simulator's counters at the end.
+    pub hypervisor: SimStats,
+    /// Every invariant checked.
+    pub invariants: Vec<Invariant>,
+    /// All invariants held.
+    pub passed: bool,
+    /// The first failure reasons.
+    pub failures: Vec<String>,
+    /// The first refusal reasons.
+    pub refusals: Vec<String>,
+    /// Seconds spent running operations.
+    pub workload_secs: f64,
+    /// Seconds for the whole run (start-up, settling and checks included).
+    pub elapsed_secs: f64,
+}
+
+/// A table row: its label and how to render one run's cell.
+type Row = (&'static str, Box<dyn Fn(&RunReport) -> String>);
+/// A charted metric: its name, its value for a run, its colour.
+type Metric = (&'static str, fn(&RunReport) -> i64, RGBColor);
+
+/// The table of a set of runs, one column each.
+pub fn table(runs: &[RunReport]) -> String {
+    let header: Vec<String> =
+        runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
+    let rows: Vec<Row> = vec![
+        ("database / replicas", Box::new(|r| format!("{} x{}", r.setup.database, r.setup.replicas))),
+        ("operations", Box::new(|r| r.setup.ops.to_string())),
+        ("  via lbctl processes", Box::new(|r| r.outcomes.via_lbctl.to_string())),
+        ("attempts (HTTP requests)", Box::new(|r| r.attempts.to_string())),
+        ("faults injected", Box::new(|r| r.faults.total().to_string())),
+        ("  (a) never reached server", Box::new(|r| r.faults.never_reached.to_string())),
+        ("  (b) response lost after work", Box::new(|r| r.faults.response_lost.to_string())),
+        ("  (c) client gave up mid-flight", Box::new(|r| r.faults.gave_up_mid_flight.to_string())),
+        ("  (d) client killed + rerun", Box::new(|r| r.faults.client_killed.to_string())),
+        ("server kills (SIGKILL)", Box::new(|r| r.server_kills.to_string())),
+        ("hypervisor fail before/after", Box::new(|r| format!("{}/{}", r.setup.hv_fail_before, r.setup.hv_fail_after))),
+        (
+            "succeeded / refused / failed",
+            Box::new(|r| format!("{}/{}/{}", r.outcomes.succeeded, r.outcomes.refused, r.outcomes.failed)),
+        ),
+        (
+            "creates / reboots / deletes ok",
+            Box::new(|r| format!("{}/{}/{}", r.outcomes.creates_ok, r.outcomes.reboots_ok, r.outcomes.deletes_ok)),
+        ),
+        ("replayed answers", Box::new(|r| r.outcomes.replayed.to_string())),
+        ("workers active (server)", Box::new(|r| r.fleet.workers_active.to_string())),
+        ("PHANTOM WORKERS", Box::new(|r| r.damage.phantom_workers.to_string())),
+        ("lost workers", Box::new(|r| r.damage.lost_workers.to_string())),
+        ("leaked leases / nodes", Box::new(|r| format!("{}/{}", r.damage.leaked_leases, r.damage.leaked_nodes))),
+        ("DUPLICATE BOOTS (extra boots)", Box::new(|r| r.damage.extra_boots.to_string())),
+        ("  duplicate boot tags", Box::new(|r| r.damage.duplicate_boot_tags.to_string())),
+        ("DOUBLE REBOOTS (extra reboots)", Box::new(|r| r.damage.extra_reboots.to_string())),
+        ("  duplicate reboot tags", Box::new(|r| r.damage.duplicate_reboot_tags.to_string())),
+        ("  reboot_count mismatches", Box::new(|r| r.damage.reboot_count_mismatches.to_string())),
+        ("FAILED OPS (gave up)", Box::new(|r| r.outcomes.failed.to_string())),
+        (
+            "invariants",
+            Box::new(|r| {
+                let broken = r.invariants.iter().filter(|i| !i.ok).count();
+                if broken == 0 { "all held".to_owned() } else { format!("{broken} broken") }
+            }),
+        ),
+        ("elapsed (workload / total)", Box::new(|r| format!("{:.1}s/{:.1}s", r.workload_secs, r.elapsed_secs))),
+    ];
+    let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let cells: Vec<Vec<String>> = rows.iter().map(|(_, f)| runs.iter().map(f).collect()).collect();
+    let width = |i: usize| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..runs.len()).map(width).collect();
+    let mut out = String::new();
+    let _ = write!(out, "| {:label_width$} |", "");
+    for (h, w) in header.iter().zip(&widths) {
+        let _ = write!(out, " {h:>w$} |");
+    }
+    out.push('\n');
+    let _ = write!(out, "|{}|", "-".repeat(label_width + 2));
+    for w in &widths {
+        let _ = write!(out, "{}:|", "-".repeat(w + 1));
+    }
+    out.push('\n');
+    for ((label, _), row) in rows.iter().zip(&cells) {
+        let _ = write!(out, "| {label:label_width$} |");
+        for (c, w) in row.iter().zip(&widths) {
+            let _ = write!(out, " {c:>w$} |");
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The invariants that broke, one line each.
+pub fn broken(runs: &[RunReport]) -> String {
+    let mut out = String::new();
+    for r in runs {
+        for i in r.invariants.iter().filter(|i| !i.ok) {
+            let _ = writeln!(
+                out,
+                "  {} @{}: {}: expected {}, got {}",
+                r.clients.name(),
+                r.setup.client_fault_rate,
+                i.name,
+                i.expected,
+                i.actual
+            );
+        }
+    }
+    out
+}
+
+/// Writes `value` as pretty JSON to `path`.
+pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    let json = serde_json::to_vec_pretty(value)?;
+    std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Charts phantom workers, extra boots and extra reboots against the client fault rate, for both
+/// client kinds.
+pub fn chart(path: &Path, runs: &[RunReport]) -> anyhow::Result<()> {
+    let series = |kind: ClientKind, f: fn(&RunReport) -> i64| -> Vec<(f64, i64)> {
+        let mut points: Vec<(f64, i64)> =
+            runs.iter().filter(|r| r.clients == kind).map(|r| (r.setup.client_fault_rate, f(r))).collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points
+    };
+    let metrics: [Metric; 3] = [
+        ("phantom workers", |r| r.damage.phantom_workers as i64, RED),
+        ("duplicate boots", |r| r.damage.extra_boots, BLUE),
+        ("double reboots", |r| r.damage.extra_reboots, GREEN),
+    ];
+    let max_x = runs.iter().map(|r| r.setup.client_fault_rate).fold(0.0_f64, f64::max).max(0.05) * 1.1;
+    let max_y = runs.iter().flat_map(|r| metrics.iter().map(move |(_, f, _)| f(r))).max().unwrap_or(0).max(1);
+    let ops = runs.first().map_or(0, |r| r.setup.ops);
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("What idempotency keys prevent ({ops} ops per run)"), ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(-0.01..max_x, -1i64..(max_y + max_y / 10 + 1))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("client fault rate")
+        .y_desc("count at the end of the run")
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for (name, f, color) in metrics {
+        for (kind, dashed) in [(ClientKind::Naive, false), (ClientKind::Protected, true)] {
+            let points = series(kind, f);
+            if points.is_empty() {
+                continue;
+            }
+            let style = if dashed { color.mix(0.5).stroke_width(2) } else { color.stroke_width(3) };
+            let label = format!("{name}, {} clients", kind.name());
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), style))
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            let marker = if dashed { color.mix(0.5).filled() } else { color.filled() };
+            chart
+                .draw_series(points.iter().map(|&(x, y)| Circle::new((x, y), 4, marker)))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(())
+}

@@ -1,0 +1,268 @@
+//! Ground truth and the invariants: what the servers and the hypervisor hold once they have
+//! settled, compared with what the clients were told.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use futures::StreamExt;
+use leasebroker_client::{Fleet, Worker, WorkerId, WorkerPage};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::{ADMIN_TOKEN, Principal};
+use crate::workload::Ledger;
+
+/// The hypervisor simulator's counters (`GET /v1/stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimStats {
+    /// Boots ever.
+    pub boots_total: u64,
+    /// VMs that exist now.
+    pub running: u64,
+    /// Boots of a tag booted before.
+    pub duplicate_boot_tags: u64,
+    /// Reboots ever.
+    pub reboots_total: u64,
+    /// Reboots with a tag the VM had been rebooted with before.
+    pub duplicate_reboot_tags: u64,
+}
+
+/// What the servers and the hypervisor hold.
+#[derive(Debug, Clone)]
+pub struct GroundTruth {
+    /// `GET /admin/v1/fleet`.
+    pub fleet: Fleet,
+    /// `GET /v1/stats` of the simulator.
+    pub sim: SimStats,
+    /// Every worker each principal lists, by id, with its principal's index.
+    pub workers: HashMap<WorkerId, (usize, Worker)>,
+}
+
+/// Direct (unproxied, fault-free) reads of the servers and the simulator.
+#[derive(Debug, Clone)]
+pub struct Reader {
+    http: reqwest::Client,
+    replicas: Vec<String>,
+    hypervisor: String,
+    principals: Vec<Principal>,
+}
+
+impl Reader {
+    /// A reader for these replicas (direct URLs) and the simulator.
+    pub fn new(replicas: Vec<String>, hypervisor: String, principals: Vec<Principal>) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build()?;
+        Ok(Reader { http, replicas, hypervisor, principals })
+    }
+
+    /// GETs `url` as JSON, retrying a few times on errors (the servers have no injected faults
+    /// here, but one may still be coming back from the last kill). `Ok(None)` on a 404.
+    async fn get<T: DeserializeOwned>(&self, url: &str, token: &str) -> anyhow::Result<Option<T>> {
+        let mut last = anyhow!("not tried");
+        for attempt in 0..10u64 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+            }
+            match self.http.get(url).bearer_auth(token).send().await {
+                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => return Ok(None),
+                Ok(r) if r.status().is_success() => {
+                    return r.json::<T>().await.map(Some).with_context(|| format!("decoding {url}"));
+                }
+                Ok(r) => last = anyhow!("{url}: {}", r.status()),
+                Err(e) => last = anyhow!("{url}: {e}"),
+            }
+        }
+        Err(last)
+    }
+
+    /// The fleet and the simulator's counters.
+    pub async fn counters(&self) -> anyhow::Result<(Fleet, SimStats)> {
+        let fleet = self.get(&format!("{}/admin/v1/fleet", self.replicas[0]), ADMIN_TOKEN).await?;
+        let sim = self.get(&format!("{}/v1/stats", self.hypervisor), "").await?;
+        Ok((fleet.ok_or_else(|| anyhow!("no fleet"))?, sim.ok_or_else(|| anyhow!("no stats"))?))
+    }
+
+    /// Waits until nothing moves any more: handlers cut off by a client finish, stale in-flight
+    /// records age out. Two equal readings `interval` apart, within `cap`.
+    pub async fn settle(&self, quiet: Duration, cap: Duration) -> anyhow::Result<()> {
+        tokio::time::sleep(quiet).await;
+        let start = tokio::time::Instant::now();
+        let mut previous = self.counters().await?;
+        while start.elapsed() < cap {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = self.counters().await?;
+            if now == previous {
+                return Ok(());
+            }
+            previous = now;
+        }
+        Ok(())
+    }
+
+    /// Reads the ground truth: counters, and every principal's workers page by page.
+    pub async fn ground_truth(&self) -> anyhow::Result<GroundTruth> {
+        let (fleet, sim) = self.counters().await?;
+        let mut workers = HashMap::new();
+        for (index, principal) in self.principals.iter().enumerate() {
+            let mut cursor: Option<String> = None;
+            for _ in 0..10_000 {
+                let mut url = format!("{}/v1/workers?limit=500", self.replicas[0]);
+                if let Some(c) = &cursor {
+                    url.push_str("&cursor=");
+                    url.push_str(c);
+                }
+                let page: WorkerPage =
+                    self.get(&url, &principal.token).await?.ok_or_else(|| anyhow!("listing answered 404"))?;
+                for w in page.workers {
+                    workers.insert(w.id.clone(), (index, w));
+                }
+                match page.next_cursor {
+                    Some(next) if cursor.as_ref() != Some(&next) => cursor = Some(next),
+                    _ => break,
+                }
+            }
+        }
+        Ok(GroundTruth { fleet, sim, workers })
+    }
+
+    /// GETs each of `workers` as its principal, spread over the replicas.
+    pub async fn get_each(&self, workers: Vec<(WorkerId, usize)>) -> Vec<(WorkerId, anyhow::Result<Option<Worker>>)> {
+        futures::stream::iter(workers.into_iter().enumerate())
+            .map(|(n, (id, principal))| async move {
+                let base = &self.replicas[n % self.replicas.len()];
+                let got =
+                    self.get::<Worker>(&format!("{base}/v1/workers/{id}"), &self.principals[principal].token).await;
+                (id, got)
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await
+    }
+}
+
+/// One checked invariant.
+#[derive(Debug, Clone, Serialize)]
+pub struct Invariant {
+    /// What is checked.
+    pub name: String,
+    /// What it should be.
+    pub expected: u64,
+    /// What it is.
+    pub actual: u64,
+    /// Whether they agree.
+    pub ok: bool,
+}
+
+/// The damage counts of one run: all zero when idempotency held.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Damage {
+    /// Workers the server has that no client was told about.
+    pub phantom_workers: u64,
+    /// Workers a client holds that the server does not have (or answers differently about).
+    pub lost_workers: u64,
+    /// `leases_active - workers_active`.
+    pub leaked_leases: i64,
+    /// `nodes_allocated - workers_active`.
+    pub leaked_nodes: i64,
+    /// Boots of a tag that had been booted before.
+    pub duplicate_boot_tags: u64,
+    /// Boots beyond the workers clients were told they created.
+    pub extra_boots: i64,
+    /// Reboots with a tag already in that VM's reboot tags.
+    pub duplicate_reboot_tags: u64,
+    /// Reboots beyond the reboot operations that succeeded.
+    pub extra_reboots: i64,
+    /// Workers whose `reboot_count` differs from the reboots that succeeded on them, plus reboot
+    /// answers that did.
+    pub reboot_count_mismatches: u64,
+    /// Create operations told the id of a worker another operation was told about.
+    pub same_id_twice: u64,
+    /// Workers whose delete did not succeed (existence unknown to the client; not counted above).
+    pub delete_unknown: u64,
+}
+
+/// Compares the ground truth with the clients' ledger.
+pub fn check(
+    ledger: &Ledger,
+    truth: &GroundTruth,
+    gets: &[(WorkerId, anyhow::Result<Option<Worker>>)],
+    reboots_ok: u64,
+    failed_ops: u64,
+) -> (Damage, Vec<Invariant>) {
+    let fleet = &truth.fleet;
+    let sim = &truth.sim;
+    let held = |k: &crate::workload::Known| !k.deleted && !k.delete_unknown;
+    let known_active = ledger.workers.values().filter(|k| held(k)).count() as u64;
+    let known_created = ledger.workers.len() as u64;
+    let delete_unknown = ledger.workers.values().filter(|k| k.delete_unknown && !k.deleted).count() as u64;
+
+    let phantom_workers = truth.workers.keys().filter(|id| !ledger.workers.contains_key(*id)).count() as u64;
+    let mut lost_workers = 0;
+    let mut reboot_count_mismatches = ledger.reboot_count_mismatches;
+    let mut listed_wrong = 0;
+    for (id, known) in ledger.workers.iter().filter(|(_, k)| held(k)) {
+        match truth.workers.get(id) {
+            Some((principal, w)) => {
+                if *principal != known.principal {
+                    listed_wrong += 1;
+                }
+                if w.reboot_count != known.reboots_ok {
+                    reboot_count_mismatches += 1;
+                }
+            }
+            None => lost_workers += 1,
+        }
+    }
+    // A worker a client deleted must be gone.
+    let deleted_but_listed =
+        ledger.workers.iter().filter(|(id, k)| k.deleted && truth.workers.contains_key(*id)).count() as u64;
+    let get_mismatches = gets
+        .iter()
+        .filter(|(id, got)| !matches!(got, Ok(Some(w)) if w.id == *id && ledger.workers.get(id).is_some_and(|k| k.reboots_ok == w.reboot_count)))
+        .count() as u64;
+
+    let diff = |a: u64, b: u64| a as i64 - b as i64;
+    let damage = Damage {
+        phantom_workers,
+        lost_workers,
+        leaked_leases: diff(fleet.leases_active, fleet.workers_active),
+        leaked_nodes: diff(fleet.nodes_allocated, fleet.workers_active),
+        duplicate_boot_tags: sim.duplicate_boot_tags,
+        extra_boots: diff(sim.boots_total, known_created),
+        duplicate_reboot_tags: sim.duplicate_reboot_tags,
+        extra_reboots: diff(sim.reboots_total, reboots_ok),
+        reboot_count_mismatches,
+        same_id_twice: ledger.same_id_twice,
+        delete_unknown,
+    };
+
+    let mut invariants = Vec::new();
+    let mut eq = |name: &str, expected: u64, actual: u64| {
+        invariants.push(Invariant { name: name.to_owned(), expected, actual, ok: expected == actual });
+    };
+    eq("workers listed that no client created (phantoms)", 0, phantom_workers);
+    // A worker whose delete did not succeed may or may not exist; the ones listed count as held.
+    let unknown_listed = ledger
+        .workers
+        .iter()
+        .filter(|(id, k)| k.delete_unknown && !k.deleted && truth.workers.contains_key(*id))
+        .count() as u64;
+    eq("workers_active == created - deleted by clients", known_active + unknown_listed, fleet.workers_active);
+    eq("workers a client holds that the server lacks", 0, lost_workers);
+    eq("workers a client deleted that are still listed", 0, deleted_but_listed);
+    eq("workers listed under another principal", 0, listed_wrong);
+    eq("nodes_allocated == workers_active", fleet.workers_active, fleet.nodes_allocated);
+    eq("leases_active == workers_active", fleet.workers_active, fleet.leases_active);
+    eq("duplicate_boot_tags", 0, sim.duplicate_boot_tags);
+    eq("hypervisor boots == workers created", known_created, sim.boots_total);
+    eq("VMs running == workers_active", fleet.workers_active, sim.running);
+    eq("fleet vms_running == workers_active", fleet.workers_active, fleet.vms_running);
+    eq("duplicate_reboot_tags", 0, sim.duplicate_reboot_tags);
+    eq("hypervisor reboots == successful reboot ops", reboots_ok, sim.reboots_total);
+    eq("fleet reboots_total == successful reboot ops", reboots_ok, fleet.reboots_total);
+    eq("reboot_count mismatches", 0, reboot_count_mismatches);
+    eq("ops told another op's worker id", 0, ledger.same_id_twice);
+    eq("GET of each held worker returns it with its id", 0, get_mismatches);
+    eq("operations that gave up or failed", 0, failed_ops);
+    (damage, invariants)
+}

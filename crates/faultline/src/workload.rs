@@ -1,0 +1,473 @@
+//! The clients and the workload: create (most), reboot and delete of workers a client created,
+//! each logical operation with one key (protected) or a fresh key per attempt (naive).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use leasebroker_client::retry::{Retrier, RetryPolicy};
+use leasebroker_client::{CreateWorker, Error, OpKey, RebootResult, Worker, WorkerId};
+use rand::Rng;
+use reqwest::RequestBuilder;
+use reqwest::header::{ACCEPT, CONTENT_TYPE};
+use serde::Serialize;
+use tokio::io::AsyncReadExt;
+use tokio::process::Command;
+use tokio::time::Instant;
+
+use crate::cluster::Principal;
+
+/// Share of operations that reboot a worker (when one is free), and that delete one.
+const REBOOT_SHARE: f64 = 0.2;
+const DELETE_SHARE: f64 = 0.1;
+/// An lbctl operation is rerun at most this often, and killed at most this often.
+const LBCTL_MAX_RUNS: u32 = 16;
+const LBCTL_MAX_KILLS: u32 = 6;
+/// Kills land this long after an lbctl process starts (start-up, journal, request, retries).
+const LBCTL_KILL_WINDOW_MS: std::ops::Range<u64> = 5..400;
+/// Failure reasons kept for the report.
+const KEPT_FAILURES: usize = 20;
+
+/// Which clients run the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientKind {
+    /// One key per logical operation, kept across retries and process restarts.
+    Protected,
+    /// A fresh key on every attempt: the antipattern.
+    Naive,
+}
+
+impl ClientKind {
+    /// `protected` or `naive`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ClientKind::Protected => "protected",
+            ClientKind::Naive => "naive",
+        }
+    }
+}
+
+/// One logical operation.
+#[derive(Debug, Clone)]
+enum Op {
+    Create { principal: usize, index: u64 },
+    Reboot { principal: usize, id: WorkerId },
+    Delete { principal: usize, id: WorkerId },
+}
+
+/// How a logical operation ended.
+#[derive(Debug)]
+enum Outcome {
+    Created(Worker),
+    Rebooted(RebootResult),
+    Deleted,
+    /// A clean refusal (4xx).
+    Refused(String),
+    /// Gave up, or an answer that is neither success nor a clean refusal.
+    Failed(String),
+}
+
+/// What the clients know about one worker.
+#[derive(Debug, Clone)]
+pub struct Known {
+    /// The principal that created it.
+    pub principal: usize,
+    /// The create operation's index.
+    pub op: u64,
+    /// Reboot operations that succeeded on it.
+    pub reboots_ok: u64,
+    /// A delete operation succeeded on it.
+    pub deleted: bool,
+    /// A delete operation ended without success: whether it exists is not known.
+    pub delete_unknown: bool,
+}
+
+/// The clients' view of the world.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    /// Workers no operation is working on and that may still be rebooted or deleted.
+    idle: Vec<(usize, WorkerId)>,
+    /// Every worker a client was told it created.
+    pub workers: HashMap<WorkerId, Known>,
+    /// Create operations that were told the id of a worker another operation was told about.
+    pub same_id_twice: u64,
+    /// Reboot answers whose `reboot_count` was not the count of successful reboots of that worker.
+    pub reboot_count_mismatches: u64,
+    /// The first failure reasons.
+    pub failures: Vec<String>,
+    /// The first refusal reasons.
+    pub refusals: Vec<String>,
+}
+
+/// The workload's counters.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Logical operations finished.
+    pub ops_done: AtomicU64,
+    /// Of which ran through lbctl processes.
+    pub lbctl_ops: AtomicU64,
+    /// HTTP attempts sent (SDK hook plus lbctl's `-v` lines).
+    pub attempts: AtomicU64,
+    /// Operations that ended in success.
+    pub succeeded: AtomicU64,
+    /// Operations that ended in a clean refusal (4xx).
+    pub refused: AtomicU64,
+    /// Operations that gave up or ended otherwise.
+    pub failed: AtomicU64,
+    /// Successful creates, reboots, deletes.
+    pub creates_ok: AtomicU64,
+    /// Successful reboots.
+    pub reboots_ok: AtomicU64,
+    /// Successful deletes.
+    pub deletes_ok: AtomicU64,
+    /// Successes answered from a stored response.
+    pub replayed: AtomicU64,
+    /// lbctl processes started.
+    pub lbctl_runs: AtomicU64,
+    /// lbctl processes killed with SIGKILL before they finished.
+    pub lbctl_kills: AtomicU64,
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Everything the clients need.
+#[derive(Debug, Clone)]
+pub struct WorkloadConfig {
+    /// Which clients.
+    pub kind: ClientKind,
+    /// The principals.
+    pub principals: Vec<Principal>,
+    /// The proxies' base URLs; each attempt picks one at random.
+    pub endpoints: Vec<String>,
+    /// Probability that an lbctl process run is killed.
+    pub kill_rate: f64,
+    /// Share of operations through lbctl.
+    pub lbctl_share: f64,
+    /// The lbctl binary.
+    pub lbctl: PathBuf,
+    /// The lbctl journal.
+    pub journal: PathBuf,
+    /// Per attempt.
+    pub attempt_timeout: Duration,
+    /// Per logical operation.
+    pub op_max_elapsed: Duration,
+    /// Distinguishes this run's op ids.
+    pub run_tag: String,
+}
+
+/// The clients and what they learned.
+#[derive(Debug)]
+pub struct Workload {
+    config: WorkloadConfig,
+    http: reqwest::Client,
+    retrier: Retrier,
+    single: Retrier,
+    policy: RetryPolicy,
+    /// The clients' view.
+    pub ledger: Mutex<Ledger>,
+    /// The counters.
+    pub counters: Arc<Counters>,
+}
+
+impl Workload {
+    /// Clients for `config`.
+    pub fn new(config: WorkloadConfig) -> anyhow::Result<Self> {
+        // No idle connections: every attempt opens its own, so a proxy fault hits one request.
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        let counters = Arc::new(Counters::default());
+        let policy = RetryPolicy::default()
+            .with_max_attempts(1000)
+            .with_max_elapsed(config.op_max_elapsed)
+            .with_delays(Duration::from_millis(50), Duration::from_secs(2))
+            .with_attempt_timeout(config.attempt_timeout);
+        let hook = {
+            let counters = counters.clone();
+            move |_: &leasebroker_client::retry::Attempt<'_>| add(&counters.attempts, 1)
+        };
+        let retrier = Retrier::new(policy).on_attempt(hook.clone());
+        let single = Retrier::new(policy.with_max_attempts(1)).on_attempt(hook);
+        Ok(Workload { config, http, retrier, single, policy, ledger: Mutex::new(Ledger::default()), counters })
+    }
+
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs logical operation `index`: picks its kind, runs it to the end, records the outcome.
+    pub async fn run_op(&self, index: u64) {
+        let (op, via_lbctl) = {
+            let mut rng = rand::rng();
+            let via_lbctl = rng.random::<f64>() < self.config.lbctl_share;
+            let roll: f64 = rng.random();
+            let mut ledger = self.ledger();
+            let op = if roll < REBOOT_SHARE + DELETE_SHARE && !ledger.idle.is_empty() {
+                let pick = rng.random_range(0..ledger.idle.len());
+                let (principal, id) = ledger.idle.swap_remove(pick);
+                if roll < REBOOT_SHARE { Op::Reboot { principal, id } } else { Op::Delete { principal, id } }
+            } else {
+                Op::Create { principal: rng.random_range(0..self.config.principals.len()), index }
+            };
+            (op, via_lbctl)
+        };
+        let outcome = if via_lbctl {
+            add(&self.counters.lbctl_ops, 1);
+            self.via_lbctl(&op, index).await
+        } else {
+            self.via_sdk(&op).await
+        };
+        self.record(op, outcome);
+        add(&self.counters.ops_done, 1);
+    }
+
+    fn create_body(index: u64) -> CreateWorker {
+        let mut request = CreateWorker::new("worker-base:2025.11", 2, 4);
+        request.labels = Some(BTreeMap::from([("faultline-op".to_owned(), index.to_string())]));
+        request
+    }
+
+    /// One attempt's request, to a replica picked at random.
+    fn request(&self, op: &Op, body: &[u8]) -> RequestBuilder {
+        let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
+        let (request, principal) = match op {
+            Op::Create { principal, .. } => (
+                self.http
+                    .post(format!("{base}/v1/workers"))
+                    .header(CONTENT_TYPE, "application/json")
+                    .body(body.to_vec()),
+                *principal,
+            ),
+            Op::Reboot { principal, id } => (self.http.post(format!("{base}/v1/workers/{id}/reboot")), *principal),
+            Op::Delete { principal, id } => (self.http.delete(format!("{base}/v1/workers/{id}")), *principal),
+        };
+        request.bearer_auth(&self.config.principals[principal].token).header(ACCEPT, "application/json")
+    }
+
+    async fn via_sdk(&self, op: &Op) -> Outcome {
+        let body = match op {
+            Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let result = match self.config.kind {
+            ClientKind::Protected => {
+                // One key for the logical operation, made before the first attempt.
+                let key = OpKey::new_v4();
+                self.retrier.send(Some(&key), || self.request(op, &body)).await
+            }
+            ClientKind::Naive => self.naive_send(op, &body).await,
+        };
+        match result {
+            Ok(response) => {
+                if response.replayed {
+                    add(&self.counters.replayed, 1);
+                }
+                decode(op, &response.body)
+            }
+            Err(e) => classify(&e),
+        }
+    }
+
+    /// The antipattern: the same backoff, but a new key on every attempt.
+    async fn naive_send(&self, op: &Op, body: &[u8]) -> Result<leasebroker_client::retry::HttpResponse, Error> {
+        let start = Instant::now();
+        let mut cap = self.policy.min_delay;
+        loop {
+            let key = OpKey::new_v4();
+            match self.single.send(Some(&key), || self.request(op, body)).await {
+                Err(Error::GaveUp { last, attempts, .. }) => {
+                    let jitter = Duration::from_millis(rand::rng().random_range(0..=cap.as_millis() as u64));
+                    let wait = last.retry_after().map_or(jitter, |asked| asked.max(jitter));
+                    if start.elapsed() + wait >= self.policy.max_elapsed {
+                        return Err(Error::GaveUp { attempts, elapsed: start.elapsed(), last });
+                    }
+                    tokio::time::sleep(wait).await;
+                    cap = (cap * 2).min(self.policy.max_delay);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Runs the operation through real lbctl processes, killing some with SIGKILL after a random
+    /// delay and running them again (with the same `--op-id` when protected) until one exits with a
+    /// final code.
+    async fn via_lbctl(&self, op: &Op, index: u64) -> Outcome {
+        let deadline = Instant::now() + self.config.op_max_elapsed;
+        let op_id = format!("{}-op-{index}", self.config.run_tag);
+        let mut kills = 0;
+        for _ in 0..LBCTL_MAX_RUNS {
+            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            let mut command = Command::new(&self.config.lbctl);
+            let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
+            command.args(["--url", base, "--journal"]).arg(&self.config.journal);
+            command.args(["--max-elapsed", &format!("{}ms", remaining.as_millis()), "-v", "workers"]);
+            let principal = match op {
+                Op::Create { principal, index } => {
+                    command.args(["create", "--image", "worker-base:2025.11", "--cpu", "2", "--memory-gb", "4"]);
+                    command.args(["--label", &format!("faultline-op={index}")]);
+                    *principal
+                }
+                Op::Reboot { principal, id } => {
+                    command.args(["reboot", id.as_str()]);
+                    *principal
+                }
+                Op::Delete { principal, id } => {
+                    command.args(["delete", id.as_str()]);
+                    *principal
+                }
+            };
+            if self.config.kind == ClientKind::Protected {
+                command.args(["--op-id", &op_id]);
+            }
+            command.env("LBCTL_TOKEN", &self.config.principals[principal].token);
+            command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+            let mut child = match command.spawn() {
+                Ok(child) => child,
+                Err(e) => return Outcome::Failed(format!("cannot start lbctl: {e}")),
+            };
+            add(&self.counters.lbctl_runs, 1);
+            let stdout = drain(child.stdout.take());
+            let stderr = drain(child.stderr.take());
+            let kill_after = (kills < LBCTL_MAX_KILLS && rand::rng().random::<f64>() < self.config.kill_rate)
+                .then(|| Duration::from_millis(rand::rng().random_range(LBCTL_KILL_WINDOW_MS)));
+            let limit = remaining + Duration::from_secs(30);
+            let status = tokio::select! {
+                status = child.wait() => status,
+                () = tokio::time::sleep(kill_after.unwrap_or(limit)) => match child.try_wait() {
+                    Ok(Some(status)) => Ok(status),
+                    _ => {
+                        let _ = child.start_kill();
+                        let _ = child.wait().await;
+                        let err = stderr.await.unwrap_or_default();
+                        add(&self.counters.attempts, count_attempts(&err));
+                        if kill_after.is_none() {
+                            return Outcome::Failed(format!("lbctl still running after {limit:?}"));
+                        }
+                        kills += 1;
+                        add(&self.counters.lbctl_kills, 1);
+                        continue;
+                    }
+                },
+            };
+            let out = stdout.await.unwrap_or_default();
+            let err = stderr.await.unwrap_or_default();
+            add(&self.counters.attempts, count_attempts(&err));
+            let err_line = String::from_utf8_lossy(&err).lines().last().unwrap_or_default().to_owned();
+            return match status.ok().and_then(|s| s.code()) {
+                Some(0) => {
+                    if String::from_utf8_lossy(&err).contains("(replayed)") {
+                        add(&self.counters.replayed, 1);
+                    }
+                    decode(op, &out)
+                }
+                Some(3) => Outcome::Refused(format!("lbctl exit 3: {err_line}")),
+                Some(code) => Outcome::Failed(format!("lbctl exit {code}: {err_line}")),
+                None => Outcome::Failed(format!("lbctl ended by a signal it was not sent: {err_line}")),
+            };
+        }
+        Outcome::Failed(format!("lbctl ran {LBCTL_MAX_RUNS} times without a final exit code"))
+    }
+
+    fn record(&self, op: Op, outcome: Outcome) {
+        let c = &self.counters;
+        match &outcome {
+            Outcome::Created(_) | Outcome::Rebooted(_) | Outcome::Deleted => add(&c.succeeded, 1),
+            Outcome::Refused(_) => add(&c.refused, 1),
+            Outcome::Failed(_) => add(&c.failed, 1),
+        }
+        let mut ledger = self.ledger();
+        match (op, outcome) {
+            (Op::Create { principal, index }, Outcome::Created(worker)) => {
+                add(&c.creates_ok, 1);
+                if ledger.workers.contains_key(&worker.id) {
+                    ledger.same_id_twice += 1;
+                } else {
+                    let known = Known { principal, op: index, reboots_ok: 0, deleted: false, delete_unknown: false };
+                    ledger.workers.insert(worker.id.clone(), known);
+                    ledger.idle.push((principal, worker.id));
+                }
+            }
+            (Op::Reboot { principal, id }, Outcome::Rebooted(result)) => {
+                add(&c.reboots_ok, 1);
+                let mismatch = ledger.workers.get_mut(&id).is_none_or(|known| {
+                    known.reboots_ok += 1;
+                    known.reboots_ok != result.reboot_count || result.id != id
+                });
+                if mismatch {
+                    ledger.reboot_count_mismatches += 1;
+                }
+                ledger.idle.push((principal, id));
+            }
+            (Op::Delete { id, .. }, Outcome::Deleted) => {
+                add(&c.deletes_ok, 1);
+                if let Some(known) = ledger.workers.get_mut(&id) {
+                    known.deleted = true;
+                }
+            }
+            (op, outcome) => {
+                let reason = match outcome {
+                    Outcome::Refused(r) => Some((false, r)),
+                    Outcome::Failed(r) => Some((true, r)),
+                    _ => None,
+                };
+                match op {
+                    // The worker is still there: it may be rebooted or deleted later.
+                    Op::Reboot { principal, id } => ledger.idle.push((principal, id)),
+                    Op::Delete { id, .. } => {
+                        if let Some(known) = ledger.workers.get_mut(&id) {
+                            known.delete_unknown = true;
+                        }
+                    }
+                    Op::Create { .. } => {}
+                }
+                if let Some((failed, reason)) = reason {
+                    let list = if failed { &mut ledger.failures } else { &mut ledger.refusals };
+                    if list.len() < KEPT_FAILURES {
+                        list.push(reason);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn drain<R: tokio::io::AsyncRead + Unpin + Send + 'static>(pipe: Option<R>) -> tokio::task::JoinHandle<Vec<u8>> {
+    tokio::spawn(async move {
+        let mut buf = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut buf).await;
+        }
+        buf
+    })
+}
+
+/// lbctl `-v` prints one `lbctl: attempt N (...)` line per attempt.
+fn count_attempts(stderr: &[u8]) -> u64 {
+    String::from_utf8_lossy(stderr).lines().filter(|l| l.starts_with("lbctl: attempt ")).count() as u64
+}
+
+fn decode(op: &Op, body: &[u8]) -> Outcome {
+    let bad = |e: serde_json::Error| Outcome::Failed(format!("unexpected success body: {e}"));
+    match op {
+        Op::Create { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Created),
+        Op::Reboot { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Rebooted),
+        Op::Delete { .. } => Outcome::Deleted,
+    }
+}
+
+fn classify(err: &Error) -> Outcome {
+    match err {
+        Error::Refused { .. } => Outcome::Refused(err.to_string()),
+        _ => Outcome::Failed(err.to_string()),
+    }
+}
