@@ -258,11 +258,11 @@ impl Workers {
     /// Records the outcome of a failed hypervisor call and turns it into the answer.
     async fn upstream_failure(&self, intent_id: &str, e: HvError) -> ServiceError {
         if e.may_have_happened() {
-            // Leave the intent pending: the retry will look before it calls again.
-            let retry_after = self.grace.as_secs().max(1);
+            // Leave the intent pending: the retry looks (by tag) before it calls again, so it can
+            // come at once; if nothing is found it is told how much of the grace window is left.
             ServiceError::UpstreamUnavailable {
                 reason: format!("the hypervisor call may or may not have happened ({e}); retry with the same key"),
-                retry_after,
+                retry_after: 1,
             }
         } else {
             if let Err(db) = self.domain.fail_intent(intent_id).await {
