@@ -824,3 +824,56 @@ mod disconnect {
         server.abort();
     }
 }
+
+mod hostile {
+    use super::*;
+
+    fn per_user(store: &Arc<MemoryStore>) -> IdempotencyLayer {
+        builder(store)
+            .principal(|parts| parts.headers.get("x-user")?.to_str().ok().map(idempotency::Principal::new))
+            .build()
+    }
+
+    fn as_user(user: &str, key: &str) -> Request<Body> {
+        let mut r = post_req("/v1/things", Some(key), "{}");
+        r.headers_mut().insert("x-user", HeaderValue::from_str(user).expect("user"));
+        r
+    }
+
+    /// One principal can fill the store with records (nothing but retention bounds how many),
+    /// but never reaches another's: the same keys are distinct records, and the other's replays
+    /// stay its own.
+    #[tokio::test]
+    async fn a_flood_of_keys_from_one_principal_does_not_touch_another() {
+        let store = store();
+        let (app, calls) = counting_app(per_user(&store));
+        let bob = send(&app, as_user("bob", "k-0")).await;
+        assert_eq!(bob.status, StatusCode::CREATED);
+        const FLOOD: usize = 2000;
+        for i in 0..FLOOD {
+            // Every 100th key is one Bob uses too.
+            let key = if i % 100 == 0 { format!("k-{}", i / 100) } else { format!("flood-{i}") };
+            let r = send(&app, as_user("mallory", &key)).await;
+            assert_eq!(r.status, StatusCode::CREATED);
+            assert!(!r.replayed(), "{key}: Mallory got Bob's record");
+        }
+        assert_eq!(store.len(), FLOOD + 1);
+        let again = send(&app, as_user("bob", "k-0")).await;
+        assert!(again.replayed());
+        assert_eq!(again.body, bob.body, "Bob's replay is Bob's response");
+        let new = send(&app, as_user("bob", "k-1")).await;
+        assert!(!new.replayed(), "Bob's first k-1 runs: Mallory's k-1 is another record");
+        assert_eq!(calls.load(Ordering::SeqCst), FLOOD + 2);
+    }
+
+    #[tokio::test]
+    async fn oversized_and_malformed_keys_are_refused_before_the_handler() {
+        let (app, calls) = counting_app(per_user(&store()));
+        for key in ["k".repeat(64 * 1024), "k".repeat(129), r#""bad\escape""#.to_owned()] {
+            let r = send(&app, as_user("alice", &key)).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST);
+            assert_eq!(r.problem_type(), "/problems/idempotency-key-invalid");
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+}

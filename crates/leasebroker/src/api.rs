@@ -200,17 +200,25 @@ fn bearer(headers: &HeaderMap) -> Option<[u8; 32]> {
     (!token.is_empty()).then(|| token_digest(token))
 }
 
-/// Every token is compared, in constant time, so the time taken says nothing about which
+/// The principal whose token has `digest`. Every configured token is compared, in constant
+/// time, whether one matched early or none does, so the time taken says nothing about which
 /// token (or how much of one) matched.
-async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    let Some(digest) = bearer(req.headers()) else { return unauthorized() };
+fn principal_for<'a>(
+    tokens: impl IntoIterator<Item = &'a ([u8; 32], Principal)>,
+    digest: &[u8; 32],
+) -> Option<Principal> {
     let mut found: Option<Principal> = None;
-    for (known, principal) in state.tokens.iter() {
-        if bool::from(known.ct_eq(&digest)) {
+    for (known, principal) in tokens {
+        if bool::from(known.ct_eq(digest)) {
             found = Some(principal.clone());
         }
     }
-    match found {
+    found
+}
+
+async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let Some(digest) = bearer(req.headers()) else { return unauthorized() };
+    match principal_for(state.tokens.iter(), &digest) {
         Some(p) => {
             req.extensions_mut().insert(p);
             next.run(req).await
@@ -386,7 +394,8 @@ pub async fn delete_worker(
     params(("id" = String, Path, description = "Worker id"),
            ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
     responses((status = 202, body = RebootResult), (status = 401, description = "Unauthorized"),
-              (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
+              (status = 404, description = "No such worker"), (status = 502, description = "Hypervisor refused"),
+              (status = 503, description = "Hypervisor unavailable")),
     security(("bearer" = [])))]
 pub async fn reboot_worker(
     State(state): State<AppState>,
@@ -500,4 +509,47 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
         .fallback(not_found)
         .layer(middleware::from_fn(method_not_allowed))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    #[test]
+    fn every_configured_token_is_compared_whichever_matches() {
+        let tokens: Vec<([u8; 32], Principal)> =
+            (0..5).map(|i| (token_digest(&format!("token-{i}")), Principal::new(format!("p{i}")))).collect();
+        for (probe, expected) in [
+            ("token-0", Some("p0")),
+            ("token-3", Some("p3")),
+            ("token-4", Some("p4")),
+            ("token-", None),
+            ("token-00", None),
+            ("", None),
+        ] {
+            let compared = Cell::new(0);
+            let found =
+                principal_for(tokens.iter().inspect(|_| compared.set(compared.get() + 1)), &token_digest(probe));
+            assert_eq!(found.as_ref().map(Principal::as_str), expected, "{probe:?}");
+            assert_eq!(compared.get(), tokens.len(), "{probe:?}: every token is compared");
+        }
+    }
+
+    #[test]
+    fn bearer_takes_one_well_formed_header() {
+        let headers = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::AUTHORIZATION, HeaderValue::from_str(v).expect("value"));
+            }
+            h
+        };
+        assert_eq!(bearer(&headers(&["Bearer abc"])), Some(token_digest("abc")));
+        assert_eq!(bearer(&headers(&[])), None);
+        assert_eq!(bearer(&headers(&["Bearer "])), None);
+        assert_eq!(bearer(&headers(&["Basic YWJj"])), None);
+        assert_eq!(bearer(&headers(&["Bearer abc", "Bearer abc"])), None, "sent twice");
+    }
 }

@@ -1,6 +1,10 @@
 //! The OpenAPI document served at `/openapi.json`.
 
+use utoipa::openapi::path::{Operation, ParameterIn};
+use utoipa::openapi::response::Response;
+use utoipa::openapi::schema::{ObjectBuilder, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{Content, Ref, RefOr, Required};
 use utoipa::{Modify, OpenApi};
 
 #[derive(OpenApi)]
@@ -17,10 +21,26 @@ use utoipa::{Modify, OpenApi};
         crate::api::readyz,
         crate::api::metrics,
     ),
-    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet)),
-    modifiers(&Bearer),
+    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, Problem)),
+    modifiers(&Bearer, &CommonResponses),
 )]
 struct ApiDoc;
+
+/// An RFC 9457 problem: the body of every error response, as `application/problem+json`.
+/// (Documentation only: `idempotency_tower::Problem` renders the real thing.)
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+struct Problem {
+    /// A URI that ends in the problem's name, e.g. `/problems/idempotency-key-reused`.
+    #[serde(rename = "type")]
+    type_uri: String,
+    /// The same for every occurrence of the problem.
+    title: String,
+    /// The HTTP status.
+    status: u16,
+    /// About this occurrence.
+    detail: String,
+}
 
 struct Bearer;
 
@@ -31,6 +51,73 @@ impl Modify for Bearer {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
+    }
+}
+
+/// What every route of a kind can answer besides its own outcomes, said once here rather than
+/// on each handler: the bearer check's 401 and the database's 503 on authenticated routes; the
+/// idempotency layer's 400, 409 and 413 on mutating ones, with the key's syntax; and the problem
+/// schema on every error.
+struct CommonResponses;
+
+impl CommonResponses {
+    fn operation(path: &str, mutating: bool, op: &mut Operation) {
+        let authenticated = op.security.as_ref().is_some_and(|s| !s.is_empty());
+        let responses = &mut op.responses.responses;
+        let mut add = |status: &str, description: &str| {
+            responses.entry(status.to_owned()).or_insert_with(|| RefOr::T(Response::new(description)));
+        };
+        if authenticated {
+            add("401", "Unauthorized: no valid bearer token");
+            add("503", "The database is unavailable (retry)");
+        }
+        if mutating && path.starts_with("/v1/") {
+            add("400", "A missing or invalid Idempotency-Key");
+            add("409", "The key was used with another request, or its request is still in progress");
+            add("413", "The body is over 1 MiB");
+            for p in op.parameters.iter_mut().flatten() {
+                if p.parameter_in == ParameterIn::Header && p.name.eq_ignore_ascii_case("idempotency-key") {
+                    p.required = Required::True;
+                    p.schema = Some(RefOr::T(
+                        ObjectBuilder::new()
+                            .schema_type(Type::String)
+                            .min_length(Some(1))
+                            .max_length(Some(128))
+                            .pattern(Some("^[!-~]{1,128}$"))
+                            .into(),
+                    ));
+                }
+            }
+        }
+        for (status, response) in responses.iter_mut() {
+            if let (RefOr::T(response), true) = (response, status.starts_with('4') || status.starts_with('5')) {
+                response.content.clear();
+                response.content.insert(
+                    "application/problem+json".to_owned(),
+                    Content::new(Some(RefOr::Ref(Ref::from_schema_name("Problem")))),
+                );
+            }
+        }
+    }
+}
+
+impl Modify for CommonResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            for (op, mutating) in [
+                (&mut item.get, false),
+                (&mut item.head, false),
+                (&mut item.options, false),
+                (&mut item.post, true),
+                (&mut item.put, true),
+                (&mut item.patch, true),
+                (&mut item.delete, true),
+            ] {
+                if let Some(op) = op {
+                    Self::operation(path, mutating, op);
+                }
+            }
+        }
     }
 }
 

@@ -53,13 +53,17 @@ pub enum ServiceError {
 #[serde(deny_unknown_fields)]
 pub struct CreateWorker {
     /// The image to boot, 1-200 characters.
+    #[schema(min_length = 1, max_length = 200, example = "worker-base:2025.11")]
     pub image: String,
     /// CPUs, 1 to the node size.
+    #[schema(minimum = 1, example = 16)]
     pub cpu: i64,
     /// Memory in GB, 1 to the node size.
+    #[schema(minimum = 1, example = 64)]
     pub memory_gb: i64,
     /// At most 64 labels; keys 1-63 characters, values at most 255.
     #[serde(default)]
+    #[schema(example = json!({"team": "ml-eval"}))]
     pub labels: Option<BTreeMap<String, String>>,
 }
 

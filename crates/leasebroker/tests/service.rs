@@ -429,3 +429,272 @@ async fn no_token_configured_generates_and_prints_one() {
     assert_eq!(no.status, StatusCode::UNAUTHORIZED);
     proc.sigkill();
 }
+
+// Hostile input and tenants (issue 8).
+
+/// Sends `body` as JSON with a key, straight through reqwest (no serde_json::Value round trip).
+async fn post_raw(url: &str, token: &str, key: &str, body: Vec<u8>) -> Result<Reply, reqwest::Error> {
+    let resp = http()
+        .post(url)
+        .bearer_auth(token)
+        .header("Idempotency-Key", key)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await?;
+    Ok(Reply { status: resp.status(), headers: resp.headers().clone(), body: resp.bytes().await?.to_vec() })
+}
+
+fn assert_problem(r: &Reply, status: StatusCode, name: &str) {
+    assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.headers["content-type"], "application/problem+json");
+    let v = r.json();
+    assert_eq!(v["status"], status.as_u16(), "{v}");
+    assert!(v["title"].is_string() && v["detail"].is_string(), "{v}");
+    assert_eq!(r.problem_type(), name, "{v}");
+}
+
+#[tokio::test]
+async fn limits_body_header_key_labels_and_page_size() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = &lb.url;
+    let workers = format!("{base}/v1/workers");
+
+    // A body over 1 MiB: 413 before the handler reads it; exactly 1 MiB is read (and refused
+    // as JSON, which shows it got past the limit).
+    let over = post_raw(&workers, TOKEN, "big-1", vec![b' '; 1024 * 1024 + 1]).await.expect("an answer, not a reset");
+    assert_problem(&over, StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    let at = post_raw(&workers, TOKEN, "big-2", vec![b' '; 1024 * 1024]).await.expect("answer");
+    assert_eq!(at.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&at.body));
+
+    // A header far over the server's buffer: refused (431) or the connection closed, never a
+    // crash: the server answers normally right after.
+    let huge = "h".repeat(2 * 1024 * 1024);
+    match http().get(format!("{base}/v1/workers")).bearer_auth(TOKEN).header("x-huge", huge).send().await {
+        Ok(r) => assert_eq!(r.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
+        Err(e) => assert!(!e.is_timeout(), "{e}"),
+    }
+    let huge_key = "k".repeat(64 * 1024);
+    let r = post_raw(&workers, TOKEN, &huge_key, serde_json::to_vec(&worker_body()).expect("json")).await;
+    if let Ok(r) = r {
+        assert!(r.status == StatusCode::BAD_REQUEST || r.status == StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    }
+    let ok = http().get(format!("{base}/healthz")).send().await.expect("still up");
+    assert_eq!(ok.status(), StatusCode::OK);
+
+    // Keys: 128 characters are a key, 129 are not.
+    let r = create(base, TOKEN, &"k".repeat(129), &worker_body()).await;
+    assert_problem(&r, StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+    let r = create(base, TOKEN, &"k".repeat(128), &worker_body()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+
+    // Labels: 64 at the longest key and value are fine; one more label, or a longer key or
+    // value, is 422.
+    let labels = |n: usize, key_len: usize, value_len: usize| -> Value {
+        let map: serde_json::Map<String, Value> = (0..n)
+            .map(|i| {
+                let k = format!("{i:02}{}", "k".repeat(key_len - 2));
+                (k, Value::String("v".repeat(value_len)))
+            })
+            .collect();
+        json!({"image": "img", "cpu": 1, "memory_gb": 1, "labels": map})
+    };
+    let r = create(base, TOKEN, "labels-max", &labels(64, 63, 255)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    for (key, body) in
+        [("labels-65", labels(65, 3, 1)), ("label-key-64", labels(1, 64, 1)), ("label-value-256", labels(1, 3, 256))]
+    {
+        let r = create(base, TOKEN, key, &body).await;
+        assert_problem(&r, StatusCode::UNPROCESSABLE_ENTITY, "validation-failed");
+    }
+
+    // Page size: 1 to 500.
+    for (query, status) in [
+        ("limit=0", StatusCode::BAD_REQUEST),
+        ("limit=501", StatusCode::BAD_REQUEST),
+        ("limit=-1", StatusCode::BAD_REQUEST),
+        ("limit=many", StatusCode::BAD_REQUEST),
+        ("limit=1", StatusCode::OK),
+        ("limit=500", StatusCode::OK),
+    ] {
+        let r = send(reqwest::Method::GET, &format!("{workers}?{query}"), TOKEN, None, None).await;
+        assert_eq!(r.status, status, "{query}: {}", String::from_utf8_lossy(&r.body));
+        if !status.is_success() {
+            assert_problem(&r, status, "invalid-query");
+        }
+    }
+}
+
+/// The records a flood makes are bounded by retention: the sweeper deletes them once expired
+/// (here after 2 s), and a key is free again after that. Nothing else bounds how many records
+/// one principal may make within the window; what protects the others is scoping: a flood from
+/// one principal never touches another principal's records, even under the same keys.
+#[tokio::test]
+async fn a_flood_of_keys_from_one_principal_leaves_another_untouched_and_expires() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--retention", "2s", "--sweep-interval", "1s"]);
+    let base = lb.url.clone();
+    let bobs = create(&base, OTHER, "shared-0", &worker_body()).await;
+    assert_eq!(bobs.status, StatusCode::CREATED);
+
+    // Alice floods: 400 distinct keys, some of them the keys Bob uses, each a stored 422.
+    const FLOOD: usize = 400;
+    let mut tasks = Vec::new();
+    for chunk in 0..8 {
+        let base = base.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (chunk..FLOOD).step_by(8) {
+                let key = if i % 50 == 0 { format!("shared-{}", i / 50) } else { format!("flood-{i}") };
+                let r = create(&base, TOKEN, &key, &json!({"image": "", "cpu": 1, "memory_gb": 1})).await;
+                assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{key}: {}", String::from_utf8_lossy(&r.body));
+                assert!(!r.replayed(), "{key}: replayed someone else's record");
+            }
+        }));
+    }
+    // Meanwhile Bob's replay is his, and his new keys work.
+    for i in 1..5 {
+        let again = create(&base, OTHER, "shared-0", &worker_body()).await;
+        assert!(again.replayed());
+        assert_eq!(again.body, bobs.body);
+        let new = create(&base, OTHER, &format!("shared-{i}"), &worker_body()).await;
+        assert_eq!(new.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&new.body));
+        assert!(!new.replayed(), "Bob got Alice's record for shared-{i}");
+    }
+    for t in tasks {
+        t.await.expect("flood task");
+    }
+    let list = send(reqwest::Method::GET, &format!("{base}/v1/workers"), OTHER, None, None).await;
+    assert_eq!(list.json()["workers"].as_array().map(Vec::len), Some(5), "{}", list.json());
+
+    // Past retention the sweeper has deleted the flood; the key is free again (runs afresh).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let metrics = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let swept: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("idempotency_records_swept_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0.0);
+    assert!(swept >= FLOOD as f64, "swept {swept} of at least {FLOOD} expired records:\n{metrics}");
+    let r = create(&base, TOKEN, "flood-1", &json!({"image": "", "cpu": 1, "memory_gb": 1})).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(!r.replayed(), "an expired key runs again");
+}
+
+#[tokio::test]
+async fn the_same_key_from_two_principals_never_shares_a_record_or_a_body() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = lb.url.clone();
+    // Both principals race the same key and the same body, four attempts each.
+    let mut tasks = Vec::new();
+    for token in [TOKEN, OTHER, TOKEN, OTHER, TOKEN, OTHER, TOKEN, OTHER] {
+        let base = base.clone();
+        tasks.push(tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let r = create(&base, token, "same-key", &worker_body()).await;
+                if r.status != StatusCode::CONFLICT || Instant::now() > deadline {
+                    return (token, r);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }));
+    }
+    let mut bodies: std::collections::HashMap<&str, std::collections::HashSet<Vec<u8>>> = Default::default();
+    for t in tasks {
+        let (token, r) = t.await.expect("task");
+        assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+        bodies.entry(token).or_default().insert(r.body);
+    }
+    let (alice, bob) = (&bodies[TOKEN], &bodies[OTHER]);
+    assert_eq!((alice.len(), bob.len()), (1, 1), "each principal got one response, replayed to it");
+    let alice: Value = serde_json::from_slice(alice.iter().next().expect("alice")).expect("json");
+    let bob: Value = serde_json::from_slice(bob.iter().next().expect("bob")).expect("json");
+    for field in ["id", "node_id", "lease_id", "vm_id"] {
+        assert_ne!(alice[field], bob[field], "{field} shared: {alice} {bob}");
+    }
+    assert_eq!(fleet(&base).await["workers_active"], 2);
+
+    // Bob cannot see, reboot or delete Alice's worker, with any key.
+    let id = alice["id"].as_str().expect("id");
+    let url = format!("{base}/v1/workers/{id}");
+    let peek = send(reqwest::Method::GET, &url, OTHER, None, None).await;
+    assert_problem(&peek, StatusCode::NOT_FOUND, "not-found");
+    let reboot = send(reqwest::Method::POST, &format!("{url}/reboot"), OTHER, Some("same-key"), None).await;
+    assert_problem(&reboot, StatusCode::NOT_FOUND, "not-found");
+    let delete = send(reqwest::Method::DELETE, &url, OTHER, Some("same-key"), None).await;
+    assert_problem(&delete, StatusCode::NOT_FOUND, "not-found");
+    let list = send(reqwest::Method::GET, &format!("{base}/v1/workers"), OTHER, None, None).await;
+    assert_eq!(list.json()["workers"].as_array().map(Vec::len), Some(1));
+    assert_eq!(list.json()["workers"][0]["id"], bob["id"]);
+    // Alice's own delete under the key Bob just used works: Bob's 404 is his record, not hers.
+    let mine = send(reqwest::Method::DELETE, &url, TOKEN, Some("same-key"), None).await;
+    assert_eq!(mine.status, StatusCode::NO_CONTENT);
+}
+
+#[tokio::test]
+async fn debug_logs_never_show_tokens_or_bodies() {
+    const CANARY_TOKEN: &str = "tok-canary-5f1e9a0c7d";
+    const WRONG_TOKEN: &str = "tok-wrong-canary-84b2";
+    const CANARY_BODY: &str = "img-canary-c0ffee42";
+    const CANARY_LABEL: &str = "label-canary-9d7e31";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let token_arg = format!("{CANARY_TOKEN}=carol");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db, "--token", &token_arg])
+        .args(["--admin-token", ADMIN])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start");
+    let stderr = child.stderr.take().expect("stderr");
+    let log = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut s);
+        s
+    });
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let url = loop {
+        let line = lines.next().expect("a listening line").expect("stdout");
+        if let Some(i) = line.find("listening on http://") {
+            break line[i + "listening on ".len()..].trim().to_owned();
+        }
+    };
+    let mut proc = Proc { child, url };
+    let base = proc.url.clone();
+
+    let body = json!({"image": CANARY_BODY, "cpu": 2, "memory_gb": 4, "labels": {"team": CANARY_LABEL}});
+    let first = create(&base, CANARY_TOKEN, "log-1", &body).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
+    let id = first.json()["id"].as_str().expect("id").to_owned();
+    assert!(create(&base, CANARY_TOKEN, "log-1", &body).await.replayed());
+    let mut changed = body.clone();
+    changed["cpu"] = json!(3);
+    assert_eq!(create(&base, CANARY_TOKEN, "log-1", &changed).await.status, StatusCode::CONFLICT);
+    let bad =
+        post_raw(&format!("{base}/v1/workers"), CANARY_TOKEN, "log-2", format!("{{\"image\": \"{CANARY_BODY}").into())
+            .await
+            .expect("answer");
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(create(&base, WRONG_TOKEN, "log-3", &body).await.status, StatusCode::UNAUTHORIZED);
+    let reboot =
+        send(reqwest::Method::POST, &format!("{base}/v1/workers/{id}/reboot"), CANARY_TOKEN, Some("log-4"), None).await;
+    assert_eq!(reboot.status, StatusCode::ACCEPTED);
+    let get = send(reqwest::Method::GET, &format!("{base}/v1/workers/{id}"), CANARY_TOKEN, None, None).await;
+    assert!(String::from_utf8_lossy(&get.body).contains(CANARY_BODY), "the service itself keeps the body");
+    let del =
+        send(reqwest::Method::DELETE, &format!("{base}/v1/workers/{id}"), CANARY_TOKEN, Some("log-5"), None).await;
+    assert_eq!(del.status, StatusCode::NO_CONTENT);
+
+    proc.sigkill();
+    let log = log.join().expect("stderr reader");
+    assert!(log.contains("log-1"), "debug logging was on (keys are logged): {}", &log[..log.len().min(2000)]);
+    for canary in [CANARY_TOKEN, WRONG_TOKEN, CANARY_BODY, CANARY_LABEL] {
+        let at = log.find(canary).map(|i| &log[i.saturating_sub(300)..(i + 300).min(log.len())]);
+        assert!(at.is_none(), "the log shows {canary}: ...{}...", at.unwrap_or_default());
+    }
+}
