@@ -66,12 +66,20 @@ async fn measure(iters: u64, app: Router, fresh_keys: bool) -> Duration {
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let mut g = c.benchmark_group("layer");
-    g.bench_function("bare_handler", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, bare(), true)));
-    g.bench_function("first_execution", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, layered(), true)));
-    g.bench_function("replay", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, layered(), false)));
-    g.finish();
+    // A protected request spawns a task; on a multi-threaded runtime with an idle worker that
+    // also costs a cross-thread wake-up, which a single-threaded runtime does not pay.
+    let runtimes = [
+        ("multi_thread", tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()),
+        ("current_thread", tokio::runtime::Builder::new_current_thread().enable_all().build()),
+    ];
+    for (name, rt) in runtimes {
+        let rt = rt.expect("runtime");
+        let mut g = c.benchmark_group(format!("layer/{name}"));
+        g.bench_function("bare_handler", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, bare(), true)));
+        g.bench_function("first_execution", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, layered(), true)));
+        g.bench_function("replay", |b| b.to_async(&rt).iter_custom(|iters| measure(iters, layered(), false)));
+        g.finish();
+    }
 }
 
 criterion_group!(benches, bench);

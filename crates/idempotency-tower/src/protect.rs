@@ -52,6 +52,9 @@ enum Run {
 }
 
 /// Claims the key and answers: runs the handler as owner, replays, or refuses.
+///
+/// The owner path is boxed: it holds the handler's future, and a replay (or a refusal) should
+/// not move that much state around when the task is spawned.
 pub(crate) async fn run<S, ResBody>(p: Protected<S>) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -76,7 +79,7 @@ where
                 expires_at: after(t, cfg.retention),
             };
             match timed("claim", store.claim(req)).await {
-                Ok(ClaimOutcome::Owned(claim)) => return own(p, claim, Run::Executed).await,
+                Ok(ClaimOutcome::Owned(claim)) => return Box::pin(own(p, claim, Run::Executed)).await,
                 Ok(ClaimOutcome::Existing(record)) => record,
                 Err(e) => return Ok(store_down(&cfg, "claim", e)),
             }
@@ -118,7 +121,7 @@ where
                                 "stale in-flight claim taken over; the handler runs again"
                             );
                         }
-                        return own(p, claim, how).await;
+                        return Box::pin(own(p, claim, how)).await;
                     }
                     // Another request re-claimed it first: read it again and decide again.
                     Ok(None) => {
