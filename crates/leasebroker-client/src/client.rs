@@ -100,6 +100,14 @@ impl Client {
         Ok(Client { http, base, token: token.into(), retrier: Retrier::default() })
     }
 
+    /// Uses `http` for every call instead of the default client: to set timeouts, a proxy, TLS
+    /// roots, or connection reuse (the fault harness turns reuse off so that each injected fault
+    /// hits one attempt). Keep redirects off in it: a followed redirect re-sends a mutation.
+    pub fn with_http(mut self, http: reqwest::Client) -> Self {
+        self.http = http;
+        self
+    }
+
     /// Uses `retrier` (policy and attempt hook) for every call.
     pub fn with_retrier(mut self, retrier: Retrier) -> Self {
         self.retrier = retrier;
