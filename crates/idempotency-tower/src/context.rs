@@ -31,6 +31,10 @@ impl IdempotencyContext {
         Self { claim: Arc::new(claim) }
     }
 
+    pub(crate) fn claim_arc(&self) -> Arc<Claim> {
+        self.claim.clone()
+    }
+
     /// A stable sub-key for the side effect `label` of this record (see [`idempotency::derive`]).
     pub fn derive(&self, label: &str) -> SubKey {
         self.claim.derive(label)

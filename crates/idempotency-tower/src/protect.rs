@@ -154,7 +154,10 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let Protected { cfg, inner, mut parts, body, .. } = p;
-    parts.extensions.insert(IdempotencyContext::new(claim.clone()));
+    // The handler's context and this function share one claim rather than copying the record.
+    let ctx = IdempotencyContext::new(claim);
+    let claim = ctx.claim_arc();
+    parts.extensions.insert(ctx);
     let req = Request::from_parts(parts, Body::from(body));
     let handled = AssertUnwindSafe(async move {
         match inner.oneshot(req).await {

@@ -877,3 +877,88 @@ mod hostile {
         assert_eq!(calls.load(Ordering::SeqCst), 0);
     }
 }
+
+/// A few key cases against the SQLite store, each test with its own database file.
+mod sqlite {
+    use super::*;
+    use idempotency_sqlx::SqliteStore;
+
+    async fn sqlite_store() -> (tempfile::TempDir, Arc<dyn Store>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::connect(dir.path().join("idem.db").to_str().expect("path")).await.expect("open");
+        store.migrate().await.expect("migrate");
+        (dir, Arc::new(store))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_duplicates_run_once_and_replay_exactly() {
+        let (_dir, store) = sqlite_store().await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/slow",
+                post(move || async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    (StatusCode::CREATED, [("location", "/v1/slow/1")], format!("call {n}"))
+                }),
+            )
+            .layer(IdempotencyLayer::new(store));
+        let tasks: Vec<_> = (0..16)
+            .map(|_| {
+                let app = app.clone();
+                tokio::spawn(async move { send(&app, post_req("/v1/slow", Some("dup"), "{}")).await })
+            })
+            .collect();
+        let mut originals = 0;
+        for t in tasks {
+            let a = t.await.unwrap();
+            match a.status {
+                StatusCode::CREATED if !a.replayed() => originals += 1,
+                StatusCode::CREATED => assert_eq!(a.text(), "call 0"),
+                StatusCode::CONFLICT => assert_eq!(a.problem_type(), "/problems/request-in-progress"),
+                s => panic!("unexpected {s}: {a:?}"),
+            }
+        }
+        assert_eq!((originals, calls.load(Ordering::SeqCst)), (1, 1));
+        let replay = send(&app, post_req("/v1/slow", Some("dup"), "{}")).await;
+        assert_eq!((replay.replayed(), replay.text()), (true, "call 0"));
+        assert_eq!(replay.headers["location"], "/v1/slow/1");
+        let other = send(&app, post_req("/v1/slow", Some("dup"), "{\"x\":1}")).await;
+        assert_eq!(other.problem_type(), "/problems/idempotency-key-reused");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failures_rerun_and_stale_claims_are_fenced() {
+        let (_dir, store) = sqlite_store().await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/op",
+                post(move || async move {
+                    match c.fetch_add(1, Ordering::SeqCst) {
+                        0 => (StatusCode::SERVICE_UNAVAILABLE, "down"),
+                        1 => {
+                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            (StatusCode::CREATED, "slow attempt")
+                        }
+                        _ => (StatusCode::CREATED, "taking over"),
+                    }
+                }),
+            )
+            .layer(IdempotencyLayer::builder(store).in_flight_ttl(Duration::from_millis(200)).build());
+        assert_eq!(send(&app, post_req("/v1/op", Some("k1"), "{}")).await.status, StatusCode::SERVICE_UNAVAILABLE);
+        let a2 = app.clone();
+        let slow = tokio::spawn(async move { send(&a2, post_req("/v1/op", Some("k1"), "{}")).await });
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let over = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
+        assert_eq!((over.status, over.replayed(), over.text()), (StatusCode::CREATED, false, "taking over"));
+        assert_eq!(slow.await.unwrap().text(), "slow attempt");
+        let replay = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
+        assert_eq!((replay.replayed(), replay.text()), (true, "taking over"));
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+}
