@@ -1,0 +1,59 @@
+//! `idem-bench`: the pieces `bench/run` drives, one subcommand each. Every measuring
+//! subcommand prints one JSON object on stdout; `report` turns the collected lines into the
+//! table of ratios. See `bench/README.md`.
+
+mod load;
+mod pg;
+mod report;
+mod server;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "idem-bench", about = "Side-by-side benchmarks of the idempotency layer and stores")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serves a trivial `POST /v1/workers` on 127.0.0.1:0 behind the chosen layer and store;
+    /// prints `listening on http://ADDR`.
+    Serve(server::ServeArgs),
+    /// Creates the schema and `--keys` completed records (`r-0` ...) to replay.
+    PgPrepare(pg::PrepareArgs),
+    /// Drives `PostgresStore` directly: first executions (claim + complete) or replays.
+    PgStore(pg::StoreArgs),
+    /// Writes the pgbench scripts: the store's own statements with literal arguments.
+    PgbenchScripts {
+        /// Where to write `replay.sql` and `first.sql`.
+        #[arg(long)]
+        dir: PathBuf,
+        /// How many prepared keys the replay script picks from.
+        #[arg(long, default_value_t = pg::DEFAULT_KEYS)]
+        keys: u32,
+    },
+    /// Claim latency while the sweeper deletes `--rows` expired rows, against idle.
+    Sweeper(pg::SweeperArgs),
+    /// Bytes per stored record with a 1 KiB JSON body, compressed and raw.
+    RecordSize(pg::SizeArgs),
+    /// Reads the raw measurements and writes `results.json` and `results.md`.
+    Report(report::ReportArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Command::Serve(a) => rt.block_on(server::serve(a)),
+        Command::PgPrepare(a) => rt.block_on(pg::prepare(a)),
+        Command::PgStore(a) => rt.block_on(pg::drive_store(a)),
+        Command::PgbenchScripts { dir, keys } => pg::write_pgbench_scripts(&dir, keys),
+        Command::Sweeper(a) => rt.block_on(pg::sweeper(a)),
+        Command::RecordSize(a) => rt.block_on(pg::record_size(a)),
+        Command::Report(a) => report::report(a),
+    }
+}

@@ -1,0 +1,424 @@
+//! From raw measurements (JSON lines) to the table of ratios.
+//!
+//! Every ratio is taken within one round, between runs that ran next to each other
+//! (A, B, A, B ...), and the table shows the median over rounds with the lowest and highest.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The raw measurements, one JSON object a line.
+    #[arg(long)]
+    raw: PathBuf,
+    /// Where `results.json` and `results.md` go.
+    #[arg(long)]
+    out: PathBuf,
+    /// A line about the machine and date, for the table's heading.
+    #[arg(long, default_value = "")]
+    context: String,
+}
+
+/// One raw measurement as `bench/run` records it.
+#[derive(Debug, Clone, Deserialize)]
+struct Raw {
+    part: String,
+    #[serde(default)]
+    case: String,
+    #[serde(default)]
+    conns: u32,
+    #[serde(default)]
+    variant: String,
+    #[serde(default)]
+    round: u32,
+    m: Value,
+}
+
+type Key = (String, String, u32, String);
+
+fn key(part: &str, case: &str, conns: u32, variant: &str) -> Key {
+    (part.into(), case.into(), conns, variant.into())
+}
+
+/// How a ratio is judged.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Goal {
+    AtLeast(f64),
+    AtMost(f64),
+}
+
+impl Goal {
+    fn met(self, ratio: f64) -> bool {
+        match self {
+            Goal::AtLeast(g) => ratio >= g,
+            Goal::AtMost(g) => ratio <= g,
+        }
+    }
+    fn text(self) -> String {
+        match self {
+            Goal::AtLeast(g) => format!(">= {g}"),
+            Goal::AtMost(g) => format!("<= {g}"),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Ratio {
+    part: &'static str,
+    what: String,
+    metric: &'static str,
+    a: f64,
+    b: f64,
+    ratio: f64,
+    ratio_min: f64,
+    ratio_max: f64,
+    rounds: usize,
+    goal: Option<Goal>,
+    met: Option<bool>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+struct Runs(BTreeMap<Key, BTreeMap<u32, Value>>);
+
+impl Runs {
+    fn metric(&self, k: &Key, round: u32, metric: &str) -> Option<f64> {
+        self.0.get(k)?.get(&round)?.get(metric)?.as_f64()
+    }
+
+    fn median(&self, k: &Key, metric: &str) -> f64 {
+        median(self.0.get(k).map(|r| r.values().filter_map(|m| m[metric].as_f64()).collect()).unwrap_or_default())
+    }
+
+    /// A / B per round, for rounds that measured both.
+    fn ratio(
+        &self,
+        part: &'static str,
+        what: String,
+        metric: &'static str,
+        a: &Key,
+        b: &Key,
+        goal: Option<Goal>,
+    ) -> Option<Ratio> {
+        let rounds: Vec<u32> = self.0.get(a)?.keys().copied().collect();
+        let per: Vec<f64> = rounds
+            .iter()
+            .filter_map(|&r| Some(self.metric(a, r, metric)? / self.metric(b, r, metric)?))
+            .filter(|x| x.is_finite())
+            .collect();
+        if per.is_empty() {
+            return None;
+        }
+        let ratio = median(per.clone());
+        Some(Ratio {
+            part,
+            what,
+            metric,
+            a: self.median(a, metric),
+            b: self.median(b, metric),
+            ratio,
+            ratio_min: per.iter().copied().fold(f64::INFINITY, f64::min),
+            ratio_max: per.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            rounds: per.len(),
+            goal,
+            met: goal.map(|g| g.met(ratio)),
+        })
+    }
+}
+
+const CONNS: [u32; 3] = [1, 16, 64];
+
+fn ratios(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
+    for case in ["first", "replay"] {
+        for c in CONNS {
+            let k = |v: &str| key("layer", case, c, v);
+            let at = format!("{case}, {c} conn");
+            push(runs.ratio(
+                "layer",
+                format!("layer+memory / bare ({at})"),
+                "rps",
+                &k("memory"),
+                &k("bare"),
+                Some(Goal::AtLeast(0.85)),
+            ));
+            push(runs.ratio(
+                "layer",
+                format!("layer+memory / axum-idempotent ({at})"),
+                "rps",
+                &k("memory"),
+                &k("peer"),
+                Some(Goal::AtLeast(1.0)),
+            ));
+            for (v, name) in [("sqlite", "layer+SQLite"), ("postgres", "layer+PostgreSQL"), ("peer", "axum-idempotent")]
+            {
+                push(runs.ratio("layer", format!("{name} / bare ({at})"), "rps", &k(v), &k("bare"), None));
+            }
+            push(runs.ratio(
+                "layer",
+                format!("p99: layer+memory / bare ({at})"),
+                "p99_us",
+                &k("memory"),
+                &k("bare"),
+                None,
+            ));
+        }
+    }
+    let f = |case: &str, v: &str| key("floor", case, 16, v);
+    push(runs.ratio(
+        "floor",
+        "replay: store direct / pgbench lookup".into(),
+        "rps",
+        &f("replay", "store"),
+        &f("replay", "pgbench"),
+        Some(Goal::AtLeast(0.8)),
+    ));
+    push(runs.ratio(
+        "floor",
+        "replay: store direct, default pool 10 / pgbench lookup".into(),
+        "rps",
+        &f("replay", "store-pool10"),
+        &f("replay", "pgbench"),
+        None,
+    ));
+    push(runs.ratio(
+        "floor",
+        "replay: layer over HTTP (wrk, hot key) / pgbench lookup".into(),
+        "rps",
+        &f("replay", "layer"),
+        &f("replay", "pgbench"),
+        Some(Goal::AtLeast(0.8)),
+    ));
+    push(runs.ratio(
+        "floor",
+        "first: store direct claim+complete / pgbench script".into(),
+        "rps",
+        &f("first", "store"),
+        &f("first", "pgbench"),
+        Some(Goal::AtLeast(0.7)),
+    ));
+    push(runs.ratio(
+        "floor",
+        "first: store direct, default pool 10 / pgbench script".into(),
+        "rps",
+        &f("first", "store-pool10"),
+        &f("first", "pgbench"),
+        None,
+    ));
+    push(runs.ratio(
+        "floor",
+        "first: layer over HTTP (wrk) / pgbench script".into(),
+        "rps",
+        &f("first", "layer"),
+        &f("first", "pgbench"),
+        Some(Goal::AtLeast(0.7)),
+    ));
+    for (case, at) in [("replay", "10k keys"), ("replay-hot", "one hot key")] {
+        push(runs.ratio(
+            "floor",
+            format!("replay ({at}): SeedUpsert / InsertOrRead"),
+            "rps",
+            &f(case, "seed"),
+            &f(case, "store"),
+            None,
+        ));
+        push(runs.ratio(
+            "floor",
+            format!("replay ({at}) WAL bytes/op: SeedUpsert / InsertOrRead"),
+            "wal_bytes_per_op",
+            &f(case, "seed"),
+            &f(case, "store"),
+            None,
+        ));
+    }
+    push(runs.ratio(
+        "sweeper",
+        "claim p99: sweeping / idle".into(),
+        "p99_us",
+        &key("sweeper", "claim", 0, "sweeping"),
+        &key("sweeper", "claim", 0, "idle"),
+        Some(Goal::AtMost(2.0)),
+    ));
+    push(runs.ratio(
+        "size",
+        "bytes per record (1 KiB JSON): compressed / raw".into(),
+        "total_bytes_per_record",
+        &key("size", "", 0, "compressed"),
+        &key("size", "", 0, "raw"),
+        None,
+    ));
+    for db in ["sqlite", "postgres"] {
+        let e = |case: &str| key("e2e", case, 16, db);
+        push(runs.ratio(
+            "e2e",
+            format!("leasebroker on {db}: replays/s / creates/s"),
+            "rps",
+            &e("replay"),
+            &e("create"),
+            None,
+        ));
+    }
+    out
+}
+
+/// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
+fn expand(raw: Raw) -> Vec<Raw> {
+    let sub = |variant: &str, case: &str, m: &Value| Raw {
+        part: raw.part.clone(),
+        case: case.into(),
+        conns: 0,
+        variant: variant.into(),
+        round: 1,
+        m: m.clone(),
+    };
+    match raw.part.as_str() {
+        "sweeper" => {
+            // Idle is the mean of the phases before and after the sweep.
+            let avg = |f: &str| {
+                (raw.m["idle_before"][f].as_f64().unwrap_or(f64::NAN)
+                    + raw.m["idle_after"][f].as_f64().unwrap_or(f64::NAN))
+                    / 2.0
+            };
+            let idle = json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") });
+            vec![sub("idle", "claim", &idle), sub("sweeping", "claim", &raw.m["sweeping"])]
+        }
+        "size" => vec![sub("raw", "", &raw.m["raw"]), sub("compressed", "", &raw.m["compressed"])],
+        _ => vec![raw],
+    }
+}
+
+fn fmt(x: f64) -> String {
+    if !x.is_finite() {
+        "-".into()
+    } else if x.abs() >= 100.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+pub fn report(a: ReportArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.raw)?;
+    let mut lines = Vec::new();
+    let mut runs = Runs(BTreeMap::new());
+    for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
+        let raw: Raw = serde_json::from_str(line)?;
+        lines.push(serde_json::from_str::<Value>(line)?);
+        for r in expand(raw) {
+            runs.0.entry(key(&r.part, &r.case, r.conns, &r.variant)).or_default().insert(r.round, r.m);
+        }
+    }
+    let ratios = ratios(&runs);
+
+    let mut figures = Vec::new();
+    for ((part, case, conns, variant), rounds) in &runs.0 {
+        let k = key(part, case, *conns, variant);
+        let mut f = json!({ "part": part, "case": case, "conns": conns, "variant": variant, "rounds": rounds.len() });
+        for m in [
+            "rps",
+            "p50_us",
+            "p99_us",
+            "wal_bytes_per_op",
+            "errors",
+            "total_bytes_per_record",
+            "row_bytes",
+            "stored_body_bytes",
+        ] {
+            let v = runs.median(&k, m);
+            if v.is_finite() {
+                f[m] = json!(v);
+            }
+        }
+        figures.push(f);
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let json = json!({ "context": a.context, "ratios": ratios, "figures": figures, "raw": lines });
+    std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&json)?)?;
+
+    let mut md = String::new();
+    writeln!(
+        md,
+        "Benchmarks ({}). Ratios are medians of per-round ratios (A and B interleaved); [min..max] over rounds.\n",
+        a.context
+    )?;
+    writeln!(md, "| part | comparison | metric | A | B | ratio A/B [min..max] | goal | met |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|")?;
+    for r in &ratios {
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | **{}** [{}..{}] | {} | {} |",
+            r.part,
+            r.what,
+            r.metric,
+            fmt(r.a),
+            fmt(r.b),
+            fmt(r.ratio),
+            fmt(r.ratio_min),
+            fmt(r.ratio_max),
+            r.goal.map(Goal::text).unwrap_or_default(),
+            r.met.map(|m| if m { "yes" } else { "**no**" }).unwrap_or(""),
+        )?;
+    }
+    writeln!(md, "\nFigures (medians over rounds; absolute numbers are for this noisy shared machine only):\n")?;
+    writeln!(md, "| part | case | conns | variant | req/s | p50 ms | p99 ms | errors |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|")?;
+    for f in &figures {
+        let ms = |k: &str| f[k].as_f64().map(|us| fmt(us / 1000.0)).unwrap_or_else(|| "-".into());
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            f["part"].as_str().unwrap_or(""),
+            f["case"].as_str().unwrap_or(""),
+            f["conns"],
+            f["variant"].as_str().unwrap_or(""),
+            f["rps"].as_f64().map(fmt).unwrap_or_else(|| "-".into()),
+            ms("p50_us"),
+            ms("p99_us"),
+            f["errors"].as_f64().map(fmt).unwrap_or_else(|| "-".into()),
+        )?;
+    }
+    std::fs::write(a.out.join("results.md"), &md)?;
+    print!("{md}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_pair_runs_within_a_round() {
+        let mut runs = Runs(BTreeMap::new());
+        for (round, bare, mem) in [(1, 100.0, 90.0), (2, 50.0, 40.0), (3, 200.0, 190.0)] {
+            runs.0.entry(key("layer", "first", 16, "bare")).or_default().insert(round, json!({ "rps": bare }));
+            runs.0.entry(key("layer", "first", 16, "memory")).or_default().insert(round, json!({ "rps": mem }));
+        }
+        let r = runs
+            .ratio(
+                "layer",
+                "x".into(),
+                "rps",
+                &key("layer", "first", 16, "memory"),
+                &key("layer", "first", 16, "bare"),
+                Some(Goal::AtLeast(0.85)),
+            )
+            .expect("ratio");
+        assert_eq!((r.ratio, r.ratio_min, r.ratio_max, r.rounds), (0.9, 0.8, 0.95, 3));
+        assert_eq!(r.met, Some(true));
+        assert!(!Goal::AtMost(2.0).met(2.5));
+    }
+}

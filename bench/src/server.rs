@@ -1,0 +1,86 @@
+//! The layer-overhead server: one trivial handler, five ways of serving it.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+use clap::{Args, ValueEnum};
+use idempotency::{MemoryStore, Store};
+use idempotency_sqlx::{PostgresStore, SqliteStore};
+use idempotency_tower::IdempotencyLayer;
+
+/// What sits between the listener and the handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// No layer at all.
+    Bare,
+    /// Our layer, in-memory store.
+    Memory,
+    /// Our layer, SQLite store in a temporary file.
+    Sqlite,
+    /// Our layer, PostgreSQL store (`--database`), the store's default pool of 10.
+    Postgres,
+    /// The peer crate `axum-idempotent` with its session layer's in-memory store, keyed by the
+    /// `Idempotency-Key` header.
+    Peer,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[arg(long, value_enum)]
+    mode: Mode,
+    /// PostgreSQL URL for `--mode postgres`.
+    #[arg(long)]
+    database: Option<String>,
+}
+
+/// The handler: the cheapest thing that still looks like a create.
+async fn create() -> (StatusCode, [(&'static str, &'static str); 1], &'static str) {
+    (StatusCode::CREATED, [("content-type", "application/json")], r#"{"id":"wkr-1","state":"booting"}"#)
+}
+
+fn ours(store: Arc<dyn Store>) -> Router {
+    // Every default: raw-body fingerprint, in-flight claims, 24 h retention.
+    Router::new().route("/v1/workers", post(create)).layer(IdempotencyLayer::new(store))
+}
+
+fn peer() -> Router {
+    use axum_idempotent::{IdempotentLayer, IdempotentOptions};
+    use ruts::store::memory::MemoryStore as SessionMemory;
+    use ruts::{CookieOptions, SessionLayer};
+
+    let sessions = Arc::new(SessionMemory::new());
+    let options = IdempotentOptions::default().use_idempotency_key_header(Some("idempotency-key")).expire_after(3600);
+    Router::new()
+        .route("/v1/workers", post(create))
+        .layer(IdempotentLayer::<SessionMemory>::new(options))
+        .layer(SessionLayer::new(sessions).with_cookie_options(CookieOptions::build().name("session").path("/")))
+        .layer(tower_cookies::CookieManagerLayer::new())
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Kept alive for the life of the server: the SQLite file lives in it.
+    let dir = tempfile::tempdir()?;
+    let app = match args.mode {
+        Mode::Bare => Router::new().route("/v1/workers", post(create)),
+        Mode::Memory => ours(Arc::new(MemoryStore::new())),
+        Mode::Sqlite => {
+            let path = dir.path().join("bench.db");
+            let store = SqliteStore::connect(path.to_str().expect("utf-8 temp path")).await?;
+            store.migrate().await?;
+            ours(Arc::new(store))
+        }
+        Mode::Postgres => {
+            let url = args.database.as_deref().ok_or_else(|| anyhow::anyhow!("--mode postgres needs --database"))?;
+            let store = PostgresStore::connect(url).await?;
+            store.migrate().await?;
+            ours(Arc::new(store))
+        }
+        Mode::Peer => peer(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}
