@@ -45,9 +45,8 @@ impl RawRecord {
     pub fn into_record(self) -> Result<Record, StoreError> {
         let key = IdempotencyKey::try_from(self.key.as_str()).map_err(|e| corrupt(format!("stored key: {e}")))?;
         let record_id = <[u8; 16]>::try_from(self.record_id.as_slice())
-            .ok()
-            .and_then(|b| RecordId::from_hex(&hex_of(&b)))
-            .ok_or_else(|| corrupt(format!("record id of {} bytes", self.record_id.len())))?;
+            .map(RecordId::from_bytes)
+            .map_err(|_| corrupt(format!("record id of {} bytes", self.record_id.len())))?;
         let state =
             RecordState::from_stored(&self.state).ok_or_else(|| corrupt(format!("unknown state {:?}", self.state)))?;
         let response = match (self.response_status, self.response_headers, self.response_body, self.response_encoding) {
@@ -80,10 +79,6 @@ impl RawRecord {
             expires_at: self.expires_at,
         })
     }
-}
-
-fn hex_of(b: &[u8; 16]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The latest `started_at` at which an in-flight claim is stale at `now`

@@ -75,6 +75,11 @@ impl RecordId {
         Self(b)
     }
 
+    /// The id from its 16 raw bytes (as a store keeps it in a binary column).
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
     /// The id as 32 lowercase hex digits (its stored form).
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)

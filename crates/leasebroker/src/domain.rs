@@ -106,20 +106,21 @@ impl Domain {
         Self { db }
     }
 
-    /// Adds nodes `node-0001`..`node-NNNN` that do not exist yet. Safe to run from several
-    /// replicas at once.
+    /// Adds nodes `node-0001`..`node-NNNN` that do not exist yet, in one statement. Safe to run
+    /// from several replicas at once.
     pub async fn seed_nodes(&self, count: u32, cpu: u32, memory_gb: u32) -> Result<()> {
+        let sql = if self.db.is_postgres() {
+            "INSERT INTO lb_nodes (node_id, cpu, memory_gb) \
+             SELECT 'node-' || CASE WHEN i < 10000 THEN lpad(i::text, 4, '0') ELSE i::text END, $2, $3 \
+             FROM generate_series(1, $1::bigint) AS i ON CONFLICT (node_id) DO NOTHING"
+        } else {
+            // `WHERE true` keeps SQLite from reading ON CONFLICT as part of the SELECT.
+            "WITH RECURSIVE seq(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM seq WHERE i < $1) \
+             INSERT INTO lb_nodes (node_id, cpu, memory_gb) \
+             SELECT printf('node-%04d', i), $2, $3 FROM seq WHERE true ON CONFLICT (node_id) DO NOTHING"
+        };
         with_pool!(&self.db, p => {
-            let mut tx = p.begin().await?;
-            for i in 1..=count {
-                sqlx::query("INSERT INTO lb_nodes (node_id, cpu, memory_gb) VALUES ($1, $2, $3) ON CONFLICT (node_id) DO NOTHING")
-                    .bind(format!("node-{i:04}"))
-                    .bind(i64::from(cpu))
-                    .bind(i64::from(memory_gb))
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            tx.commit().await?;
+            sqlx::query(sql).bind(i64::from(count)).bind(i64::from(cpu)).bind(i64::from(memory_gb)).execute(p).await?;
         });
         Ok(())
     }
