@@ -20,7 +20,8 @@ pub enum FingerprintMode {
     Raw,
     /// Canonical JSON: object keys sorted and insignificant whitespace ignored, so
     /// `{"a":1, "b":2}` and `{"b":2,"a":1}` match. `{}`, `null` and an absent field stay distinct,
-    /// and so do `1` and `1.0`. A body that is not JSON is fingerprinted raw.
+    /// and so do `1` and `1.0`. A body that is not JSON, or that holds a number other than a
+    /// 64-bit integer (which a float could not keep exactly), is fingerprinted raw.
     CanonicalJson,
 }
 
@@ -131,7 +132,22 @@ impl Fingerprinter {
 fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     // serde_json's default map is ordered by key, so re-serialising sorts every object.
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    // A non-integer, or an integer beyond 64 bits, is parsed into an f64, which cannot keep
+    // every decimal text apart (`18446744073709551616` and `...617` become one value). Two
+    // different requests must never fingerprint equal, so such a body is fingerprinted raw.
+    if has_inexact_number(&value) {
+        return None;
+    }
     serde_json::to_vec(&value).ok()
+}
+
+fn has_inexact_number(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => n.is_f64(),
+        serde_json::Value::Array(items) => items.iter().any(has_inexact_number),
+        serde_json::Value::Object(map) => map.values().any(has_inexact_number),
+        _ => false,
+    }
 }
 
 impl Fingerprint {
@@ -204,6 +220,25 @@ mod tests {
         assert_ne!(null, absent);
         assert_eq!(empty, fp(m, "POST", "", ct, b"{ \"labels\" : { } ,\n \"image\":\"x\" }"));
         assert_ne!(fp(m, "POST", "", ct, br#"{"n":1}"#), fp(m, "POST", "", ct, br#"{"n":1.0}"#));
+    }
+
+    #[test]
+    fn canonical_mode_never_merges_numbers_a_float_cannot_keep_apart() {
+        let m = FingerprintMode::CanonicalJson;
+        let ct = b"application/json";
+        assert_ne!(
+            fp(m, "POST", "", ct, br#"{"n":18446744073709551616}"#),
+            fp(m, "POST", "", ct, br#"{"n":18446744073709551617}"#)
+        );
+        assert_ne!(
+            fp(m, "POST", "", ct, br#"{"n":0.1000000000000000000001}"#),
+            fp(m, "POST", "", ct, br#"{"n":0.1000000000000000000002}"#)
+        );
+        // Integers within 64 bits still canonicalise.
+        assert_eq!(
+            fp(m, "POST", "", ct, br#"{"b":-7,"a":18446744073709551615}"#),
+            fp(m, "POST", "", ct, br#"{ "a": 18446744073709551615, "b": -7 }"#)
+        );
     }
 
     #[test]

@@ -196,8 +196,10 @@ fn bearer(headers: &HeaderMap) -> Option<[u8; 32]> {
     if values.next().is_some() {
         return None;
     }
-    let token = value.to_str().ok()?.strip_prefix("Bearer ")?.trim();
-    (!token.is_empty()).then(|| token_digest(token))
+    // The scheme name is case-insensitive (RFC 9110 section 11.1).
+    let (scheme, token) = value.to_str().ok()?.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then(|| token_digest(token))
 }
 
 /// The principal whose token has `digest`. Every configured token is compared, in constant
@@ -547,6 +549,7 @@ mod tests {
             h
         };
         assert_eq!(bearer(&headers(&["Bearer abc"])), Some(token_digest("abc")));
+        assert_eq!(bearer(&headers(&["bearer abc"])), Some(token_digest("abc")), "the scheme is case-insensitive");
         assert_eq!(bearer(&headers(&[])), None);
         assert_eq!(bearer(&headers(&["Bearer "])), None);
         assert_eq!(bearer(&headers(&["Basic YWJj"])), None);

@@ -126,7 +126,8 @@ fn parse_token(s: &str) -> Result<(String, String), String> {
         Some((token, principal)) if !token.is_empty() && !principal.is_empty() => {
             Ok((token.to_owned(), principal.to_owned()))
         }
-        _ => Err(format!("expected TOKEN=PRINCIPAL, got {s:?}")),
+        // The value is not echoed: it may be a secret typed without its principal.
+        _ => Err("expected TOKEN=PRINCIPAL, both non-empty (the value is not shown)".to_owned()),
     }
 }
 
