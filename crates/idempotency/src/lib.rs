@@ -62,4 +62,4 @@ pub use record::{
 };
 pub use scope::{Endpoint, Principal, Scope};
 pub use store::{Store, StoreError};
-pub use sweeper::{DEFAULT_SWEEP_BATCH, Sweeper};
+pub use sweeper::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_PAUSE, Sweeper};

@@ -10,7 +10,8 @@ use crate::{Store, StoreError, now};
 /// Deletes expired records, `batch` at a time, every `interval`.
 ///
 /// Each pass deletes batches until one comes back short, so a backlog drains without one huge
-/// statement holding locks; between batches it yields to other work.
+/// statement holding locks; between batches it pauses (default 10 ms), so that draining a large
+/// backlog does not crowd out the claims that share the database and the connection pool.
 ///
 /// ```no_run
 /// # async fn demo() {
@@ -28,27 +29,41 @@ pub struct Sweeper {
     store: Arc<dyn Store>,
     interval: Duration,
     batch: u32,
+    pause: Duration,
     on_swept: Box<dyn Fn(u64) + Send + Sync>,
 }
 
 impl std::fmt::Debug for Sweeper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sweeper").field("interval", &self.interval).field("batch", &self.batch).finish()
+        f.debug_struct("Sweeper")
+            .field("interval", &self.interval)
+            .field("batch", &self.batch)
+            .field("pause", &self.pause)
+            .finish()
     }
 }
 
 /// The default number of records deleted per statement.
 pub const DEFAULT_SWEEP_BATCH: u32 = 1000;
 
+/// The default pause between two batches of one pass.
+pub const DEFAULT_SWEEP_PAUSE: Duration = Duration::from_millis(10);
+
 impl Sweeper {
     /// A sweeper over `store` that runs every `interval`.
     pub fn new(store: Arc<dyn Store>, interval: Duration) -> Self {
-        Self { store, interval, batch: DEFAULT_SWEEP_BATCH, on_swept: Box::new(|_| {}) }
+        Self { store, interval, batch: DEFAULT_SWEEP_BATCH, pause: DEFAULT_SWEEP_PAUSE, on_swept: Box::new(|_| {}) }
     }
 
     /// Sets the batch size (at least 1).
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch.max(1);
+        self
+    }
+
+    /// Sets the pause between two batches of one pass (zero: only yield).
+    pub fn pause(mut self, pause: Duration) -> Self {
+        self.pause = pause;
         self
     }
 
@@ -67,7 +82,11 @@ impl Sweeper {
             if n < u64::from(self.batch) {
                 break;
             }
-            tokio::task::yield_now().await;
+            if self.pause.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(self.pause).await;
+            }
         }
         if total > 0 {
             (self.on_swept)(total);
