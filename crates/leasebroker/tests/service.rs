@@ -142,6 +142,16 @@ async fn set_faults(sim: &str, fail_before: f64, fail_after: f64, latency_ms: u6
     assert!(r.status().is_success(), "setting faults: {}", r.status());
 }
 
+/// The fleet holds exactly one worker, one allocated node and one lease: nothing leaked.
+async fn assert_one_worker_node_and_lease(base: &str) {
+    let f = fleet(base).await;
+    assert_eq!(
+        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
+        (Some(1), Some(1), Some(1)),
+        "{f}"
+    );
+}
+
 fn worker_body() -> Value {
     json!({"image": "worker-base:2025.11", "cpu": 16, "memory_gb": 64, "labels": {"team": "ml-eval"}})
 }
@@ -288,12 +298,7 @@ async fn fail_after_the_retry_adopts_the_vm_instead_of_booting_again() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
     let stats = sim_stats(&hv.url).await;
     assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(1), Some(0)), "{stats}");
-    let f = fleet(&lb.url).await;
-    assert_eq!(
-        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
-        (Some(1), Some(1), Some(1)),
-        "{f}"
-    );
+    assert_one_worker_node_and_lease(&lb.url).await;
 }
 
 #[tokio::test]
@@ -310,12 +315,7 @@ async fn fail_before_leaks_nothing_and_the_retry_succeeds() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
     let stats = sim_stats(&hv.url).await;
     assert_eq!((stats["boots_total"].as_i64(), stats["running"].as_i64()), (Some(1), Some(1)), "{stats}");
-    let f = fleet(&lb.url).await;
-    assert_eq!(
-        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
-        (Some(1), Some(1), Some(1)),
-        "{f}"
-    );
+    assert_one_worker_node_and_lease(&lb.url).await;
 }
 
 #[tokio::test]
@@ -339,12 +339,7 @@ async fn sigkill_mid_create_then_restart_and_retry_gives_one_of_everything() {
     let stats = sim_stats(&hv.url).await;
     assert_eq!(stats["duplicate_boot_tags"], 0, "{stats}");
     assert_eq!(stats["running"], 1, "exactly one VM: {tag_vms}");
-    let f = fleet(&lb.url).await;
-    assert_eq!(
-        (f["workers_active"].as_i64(), f["nodes_allocated"].as_i64(), f["leases_active"].as_i64()),
-        (Some(1), Some(1), Some(1)),
-        "{f}"
-    );
+    assert_one_worker_node_and_lease(&lb.url).await;
     let again = create(&lb.url, TOKEN, "kill-1", &worker_body()).await;
     assert!(again.replayed());
     assert_eq!(again.body, r.body);
