@@ -22,6 +22,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use sha2::{Digest, Sha256};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 
@@ -137,6 +138,12 @@ pub struct Journal {
     path: PathBuf,
 }
 
+/// SQLITE_BUSY and its extended codes (RECOVERY 261, SNAPSHOT 517, TIMEOUT 773).
+fn is_busy(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else { return false };
+    matches!(db.code().as_deref(), Some("5" | "261" | "517" | "773"))
+}
+
 type Row = (String, String, String, Option<i64>, Option<Vec<u8>>, Option<String>);
 
 impl Journal {
@@ -146,8 +153,27 @@ impl Journal {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| JournalError::Io { path: dir.to_path_buf(), source })?;
         }
+        // Processes opening a fresh file together race to switch it to WAL and to create the
+        // table, and SQLite answers some of those races with SQLITE_BUSY at once, without waiting
+        // on the busy timeout. Opening again a moment later always finds the winner's work done.
+        let pool = (|| Self::connect(&path))
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(5))
+                    .with_max_delay(Duration::from_millis(250))
+                    .with_total_delay(Some(BUSY_TIMEOUT))
+                    .without_max_times()
+                    .with_jitter(),
+            )
+            .sleep(tokio::time::sleep)
+            .when(is_busy)
+            .await?;
+        Ok(Journal { pool, path })
+    }
+
+    async fn connect(path: &Path) -> Result<SqlitePool, sqlx::Error> {
         let options = SqliteConnectOptions::new()
-            .filename(&path)
+            .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             // FULL: a commit is on disk before begin() returns, even across a power cut.
@@ -155,8 +181,11 @@ impl Journal {
             .busy_timeout(BUSY_TIMEOUT);
         // One connection: a CLI process needs no more, and it keeps each process one SQLite client.
         let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        sqlx::query(SCHEMA).execute(&pool).await?;
-        Ok(Journal { pool, path })
+        if let Err(error) = sqlx::query(SCHEMA).execute(&pool).await {
+            pool.close().await;
+            return Err(error);
+        }
+        Ok(pool)
     }
 
     /// The file this journal lives in.

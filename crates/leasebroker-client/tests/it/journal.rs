@@ -69,8 +69,10 @@ async fn finish_of_an_unknown_op_is_an_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_journals_on_one_file_agree_on_one_key() {
-    // Each task has its own Journal (its own SQLite connection), as separate processes would.
-    for round in 0..5 {
+    // Each task has its own Journal (its own SQLite connection), as separate processes would, and
+    // all of them open the fresh file at the same moment: SQLite answers some of those opens with
+    // an immediate SQLITE_BUSY, which open() must wait out rather than fail.
+    for round in 0..20 {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("j.db");
         let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(8));
@@ -78,15 +80,19 @@ async fn racing_journals_on_one_file_agree_on_one_key() {
             .map(|_| {
                 let (path, barrier) = (path.clone(), barrier.clone());
                 tokio::spawn(async move {
-                    let journal = Journal::open(&path).await.expect("open");
+                    // Nothing that can fail comes before the barrier, so one failure cannot strand the rest.
                     barrier.wait().await;
-                    journal.begin("shared-op", &create(2)).await.expect("begin")
+                    let journal = Journal::open(&path).await?;
+                    journal.begin("shared-op", &create(2)).await
                 })
             })
             .collect();
         let mut keys = Vec::new();
         for task in tasks {
-            keys.push(task.await.unwrap());
+            let outcome = tokio::time::timeout(std::time::Duration::from_secs(60), task)
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: a racer hung"));
+            keys.push(outcome.unwrap().unwrap_or_else(|e| panic!("round {round}: a racer failed: {e}")));
         }
         assert!(keys.iter().all(|k| *k == keys[0]), "round {round}: racers got different keys: {keys:?}");
     }
