@@ -76,7 +76,7 @@ pub use metrics::{
 };
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 pub use protect::IDEMPOTENT_REPLAYED;
-pub use service::{IDEMPOTENCY_KEY, IdempotencyService};
+pub use service::{IDEMPOTENCY_KEY, IdempotencyService, OVERSIZE_DRAIN};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, Principal, ResponsePolicy, Store};

@@ -169,8 +169,17 @@ fn parse_key(parts: &Parts) -> Result<Option<IdempotencyKey>, KeyError> {
     IdempotencyKey::parse_header(first.as_bytes()).map(Some)
 }
 
+/// After refusing an oversized body, how much more of it the layer reads and throws away. A
+/// client is usually still uploading when the 413 is ready; if the server closed the connection
+/// with the upload unread, the client's next write would fail (broken pipe, or a reset that
+/// discards the 413 it has not read yet) and it would see a network error instead of the answer.
+/// Reading on to the end of a body that is at most this much over the limit lets the client
+/// finish its upload and read the 413, on a connection that stays usable. A larger body is
+/// refused without being read, and its connection is closed mid-upload.
+pub const OVERSIZE_DRAIN: u64 = 4 * 1024 * 1024;
+
 /// Reads the whole body once, refusing more than `limit` bytes (early, when the declared length
-/// already says so).
+/// already says so). A refused body is drained (see [`OVERSIZE_DRAIN`]).
 async fn read_body<B>(body: B, parts: &Parts, limit: usize) -> Result<Bytes, Rejection>
 where
     B: http_body::Body<Data = Bytes>,
@@ -181,13 +190,36 @@ where
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    let mut body = std::pin::pin!(body);
+    if let Some(declared) = declared.filter(|&n| n > limit as u64) {
+        if declared - limit as u64 <= OVERSIZE_DRAIN {
+            drain(body.as_mut(), declared).await;
+        }
         return Err(Rejection::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
+    match Limited::new(body.as_mut(), limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(Rejection::BodyTooLarge { limit }),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            drain(body, OVERSIZE_DRAIN).await;
+            Err(Rejection::BodyTooLarge { limit })
+        }
         Err(e) => Err(Rejection::BodyUnreadable(e.to_string())),
+    }
+}
+
+/// Reads and discards the rest of `body`, up to `budget` bytes; stops at the first error.
+async fn drain<B>(mut body: std::pin::Pin<&mut B>, budget: u64)
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    let mut left = budget;
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Some(data) = frame.data_ref() {
+            match left.checked_sub(data.len() as u64) {
+                Some(rest) => left = rest,
+                None => return,
+            }
+        }
     }
 }
 

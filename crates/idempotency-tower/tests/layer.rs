@@ -183,6 +183,44 @@ mod limits {
         assert_eq!(c.status, StatusCode::CREATED);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
+
+    /// A request whose body chunks count themselves as the server reads them.
+    fn counted(chunks: usize, chunk: usize, read: &Arc<AtomicUsize>) -> Request<Body> {
+        let read = read.clone();
+        let stream = futures::stream::iter((0..chunks).map(move |_| {
+            read.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; chunk]))
+        }));
+        Request::post("/v1/things").header("idempotency-key", "drained").body(Body::from_stream(stream)).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_refused_body_is_read_to_its_end_when_it_is_not_far_over() {
+        // The client can finish its upload and read the 413 instead of hitting a closed socket.
+        let (app, calls) = counting_app(builder(&store()).body_limit(16).build());
+        let read = Arc::new(AtomicUsize::new(0));
+        let a = send(&app, counted(10, 10, &read)).await;
+        assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(read.load(Ordering::SeqCst), 10, "every chunk was read");
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_refused_body_far_over_is_not_read_to_its_end() {
+        let (app, calls) = counting_app(builder(&store()).body_limit(16).build());
+        let read = Arc::new(AtomicUsize::new(0));
+        let mib = 1024 * 1024;
+        let chunks = idempotency_tower::OVERSIZE_DRAIN as usize / mib + 4;
+        let a = send(&app, counted(chunks, mib, &read)).await;
+        assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let n = read.load(Ordering::SeqCst);
+        assert!(n < chunks, "read {n} of {chunks} chunks: the drain must stop");
+        assert!(
+            n * mib > idempotency_tower::OVERSIZE_DRAIN as usize,
+            "read {n} chunks: the drain stops only past its budget"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
 }
 
 mod replay {
