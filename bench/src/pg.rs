@@ -45,7 +45,13 @@ fn claim_request(key: &str) -> anyhow::Result<ClaimRequest> {
     })
 }
 
+/// A pool of `size` connections with the stores' settings (no ping per checkout).
 async fn pool(url: &str, size: u32) -> anyhow::Result<PgPool> {
+    Ok(idempotency_sqlx::postgres_pool_options(size).min_connections(size).connect(url).await?)
+}
+
+/// A pool of `size` connections with sqlx's defaults: a ping (one round trip) on every checkout.
+async fn pinging_pool(url: &str, size: u32) -> anyhow::Result<PgPool> {
     Ok(PgPoolOptions::new().max_connections(size).min_connections(size).connect(url).await?)
 }
 
@@ -128,6 +134,10 @@ pub struct StoreArgs {
     /// Makes first-execution keys unique across runs.
     #[arg(long, default_value = "s")]
     nonce: String,
+    /// Use sqlx's default pool settings, which ping every connection on checkout (one more
+    /// round trip per statement), instead of the stores' pool.
+    #[arg(long)]
+    ping_on_checkout: bool,
 }
 
 async fn wal_lsn(pool: &PgPool) -> anyhow::Result<String> {
@@ -145,6 +155,8 @@ async fn wal_diff(pool: &PgPool, after: &str, before: &str) -> anyhow::Result<f6
 pub async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
     let store = if a.pool == 0 {
         PostgresStore::connect(&a.database).await?
+    } else if a.ping_on_checkout {
+        PostgresStore::from_pool(pinging_pool(&a.database, a.pool).await?)
     } else {
         PostgresStore::from_pool(pool(&a.database, a.pool).await?)
     };

@@ -227,6 +227,16 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
         &f("first", "pgbench"),
         Some(Goal::AtLeast(0.7)),
     ));
+    for case in ["replay", "first"] {
+        push(runs.ratio(
+            "floor",
+            format!("{case}: store, sqlx's default ping on every checkout / the stores' pool (no ping)"),
+            "rps",
+            &f(case, "store-ping"),
+            &f(case, "store"),
+            None,
+        ));
+    }
     for (case, at) in [("replay", "10k keys"), ("replay-hot", "one hot key")] {
         push(runs.ratio(
             "floor",

@@ -58,6 +58,7 @@
 //! is ever reported as ownership.
 
 mod migrate;
+mod pool;
 mod postgres;
 mod row;
 mod sqlite;
@@ -66,5 +67,6 @@ mod sqlite;
 pub mod testing;
 
 pub use migrate::{MIGRATIONS_TABLE, postgres_migrator, sqlite_migrator};
+pub use pool::{PING_IF_IDLE_FOR, postgres_pool_options, sqlite_pool_options};
 pub use postgres::{ClaimStrategy, PostgresStore};
 pub use sqlite::SqliteStore;

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
 use sqlx::Row;
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgPool, PgRow};
 
 use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, db_error, fenced, record_columns, stale_cutoff};
 
@@ -41,10 +41,11 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects to `url` (`postgres://user@host:5432/db`) with a pool of up to 10 connections.
+    /// Connects to `url` (`postgres://user@host:5432/db`) with a pool of up to 10 connections
+    /// ([`crate::postgres_pool_options`]: no ping per checkout).
     /// Does not run the migrations; call [`PostgresStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        let pool = crate::postgres_pool_options(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
         Ok(Self::from_pool(pool))
     }
 

@@ -6,9 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
 use sqlx::Row;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous};
 
 use crate::row::{ClaimDidNotSettle, RawRecord, db_error, fenced, record_columns, stale_cutoff};
 
@@ -37,8 +35,7 @@ impl SqliteStore {
     /// `sqlite:file.db`, or a plain file path. Does not run the migrations; call
     /// [`SqliteStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let pool = SqlitePoolOptions::new()
-            .max_connections(MAX_CONNECTIONS)
+        let pool = crate::sqlite_pool_options(MAX_CONNECTIONS)
             .connect_with(Self::connect_options(url)?)
             .await
             .map_err(db_error)?;

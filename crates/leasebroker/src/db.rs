@@ -10,8 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use idempotency::Store;
 use idempotency_sqlx::{PostgresStore, SqliteStore};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
 /// A connection pool on one of the two supported databases.
@@ -41,8 +40,7 @@ impl Db {
     /// Connects to `url` (`sqlite://PATH`, `sqlite:PATH` or `postgres://...`).
     pub async fn connect(url: &str) -> anyhow::Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = PgPoolOptions::new()
-                .max_connections(16)
+            let pool = idempotency_sqlx::postgres_pool_options(16)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect(url)
                 .await
@@ -58,8 +56,7 @@ impl Db {
                 .synchronous(SqliteSynchronous::Normal)
                 .busy_timeout(Duration::from_secs(10))
                 .foreign_keys(true);
-            let pool = SqlitePoolOptions::new()
-                .max_connections(8)
+            let pool = idempotency_sqlx::sqlite_pool_options(8)
                 .acquire_timeout(Duration::from_secs(10))
                 .connect_with(opts)
                 .await
