@@ -1,6 +1,7 @@
 //! The request fingerprint: what makes "the same request" the same.
 
 use std::fmt;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -9,7 +10,7 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// A SHA-256 request fingerprint, shown and stored as `sha256:<hex>`.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(String);
+pub struct Fingerprint(Arc<str>);
 
 /// How the body enters the fingerprint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -125,7 +126,10 @@ impl Fingerprinter {
             h.update((field.len() as u64).to_be_bytes());
             h.update(field);
         }
-        Ok(Fingerprint(format!("sha256:{}", hex::encode(h.finalize()))))
+        let mut shown = [0u8; 7 + 64];
+        shown[..7].copy_from_slice(b"sha256:");
+        hex::encode_to_slice(h.finalize(), &mut shown[7..]).expect("64 hex digits fit 64 bytes");
+        Ok(Fingerprint(Arc::from(std::str::from_utf8(&shown).expect("hex is ASCII"))))
     }
 }
 
@@ -152,7 +156,7 @@ fn has_inexact_number(v: &serde_json::Value) -> bool {
 
 impl Fingerprint {
     /// Restores a fingerprint from its stored `sha256:<hex>` form.
-    pub fn from_stored(s: impl Into<String>) -> Self {
+    pub fn from_stored(s: impl Into<Arc<str>>) -> Self {
         Self(s.into())
     }
 

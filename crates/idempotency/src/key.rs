@@ -1,6 +1,7 @@
 //! The `Idempotency-Key` header value.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// The longest key accepted, in characters after unquoting.
 pub const MAX_KEY_LEN: usize = 128;
@@ -19,7 +20,7 @@ pub const MAX_KEY_LEN: usize = 128;
 /// assert!(IdempotencyKey::parse_header(b"").is_err());
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(String);
+pub struct IdempotencyKey(Arc<str>);
 
 /// Why a header value is not a valid idempotency key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,7 +90,7 @@ impl TryFrom<&str> for IdempotencyKey {
         if s.len() > MAX_KEY_LEN {
             return Err(KeyError::TooLong(s.len()));
         }
-        Ok(Self(s.to_owned()))
+        Ok(Self(Arc::from(s)))
     }
 }
 

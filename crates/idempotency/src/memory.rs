@@ -1,12 +1,13 @@
 //! The in-memory store: for tests and single-process services that need no durability.
 
 use std::collections::HashMap;
-use std::collections::hash_map::{DefaultHasher, Entry};
-use std::hash::{Hash, Hasher};
+use std::collections::hash_map::Entry;
+use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use foldhash::quality::RandomState;
 
 use crate::record::stale_after;
 use crate::{
@@ -18,10 +19,16 @@ const SHARDS: usize = 64;
 /// An in-memory [`Store`], sharded so that unrelated keys do not contend on one lock.
 ///
 /// Nothing survives the process; use the SQLite store for that.
+///
+/// Keys are hashed with foldhash, seeded at random per store (and separately for picking a shard
+/// and for each shard's map), so clients cannot aim their keys at one shard or one bucket.
 #[derive(Debug)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<HashMap<Scope, Record>>]>,
+    shards: Box<[Mutex<Shard>]>,
+    route: RandomState,
 }
+
+type Shard = HashMap<Scope, Record, RandomState>;
 
 impl Default for MemoryStore {
     fn default() -> Self {
@@ -32,7 +39,10 @@ impl Default for MemoryStore {
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
-        Self { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect() }
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::with_hasher(RandomState::default()))).collect(),
+            route: RandomState::default(),
+        }
     }
 
     /// How many records the store holds, expired or not.
@@ -45,10 +55,8 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, Record>> {
-        let mut h = DefaultHasher::new();
-        scope.hash(&mut h);
-        lock(&self.shards[(h.finish() as usize) % self.shards.len()])
+    fn shard(&self, scope: &Scope) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[(self.route.hash_one(scope) as usize) % self.shards.len()])
     }
 }
 
@@ -149,7 +157,7 @@ impl Store for MemoryStore {
     }
 }
 
-fn current_claim<'a>(shard: &'a mut HashMap<Scope, Record>, claim: &Claim) -> Result<&'a mut Record, StoreError> {
+fn current_claim<'a>(shard: &'a mut Shard, claim: &Claim) -> Result<&'a mut Record, StoreError> {
     match shard.get_mut(claim.scope()) {
         Some(r)
             if r.record_id == claim.record().record_id

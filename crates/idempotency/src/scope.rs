@@ -1,18 +1,19 @@
 //! Who asked, and where: the scope that identifies a record.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::IdempotencyKey;
 
 /// The authenticated identity a request runs as. The service supplies it; two principals never
 /// share a record, even when they send the same key.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Principal(String);
+pub struct Principal(Arc<str>);
 
 impl Principal {
     /// Wraps a principal name. Any non-empty string is a principal; the service decides what it
     /// means (a token's owner, an account id, ...).
-    pub fn new(name: impl Into<String>) -> Self {
+    pub fn new(name: impl Into<Arc<str>>) -> Self {
         Self(name.into())
     }
 
@@ -37,17 +38,21 @@ impl fmt::Debug for Principal {
 /// The endpoint a request was sent to: its method and concrete path, without the query string
 /// (`POST /v1/workers/wkr-1/reboot`).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Endpoint(String);
+pub struct Endpoint(Arc<str>);
 
 impl Endpoint {
     /// Builds the endpoint from a method and a path. Anything after a `?` in `path` is dropped.
     pub fn new(method: &str, path: &str) -> Self {
         let path = path.split_once('?').map_or(path, |(p, _)| p);
-        Self(format!("{} {}", method.to_ascii_uppercase(), path))
+        let mut s = String::with_capacity(method.len() + 1 + path.len());
+        s.extend(method.chars().map(|c| c.to_ascii_uppercase()));
+        s.push(' ');
+        s.push_str(path);
+        Self(s.into())
     }
 
     /// Restores an endpoint from its stored form (`METHOD /path`).
-    pub fn from_stored(s: impl Into<String>) -> Self {
+    pub fn from_stored(s: impl Into<Arc<str>>) -> Self {
         Self(s.into())
     }
 
