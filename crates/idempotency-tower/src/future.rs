@@ -17,8 +17,8 @@ pin_project! {
     /// The response future of [`IdempotencyService`](crate::IdempotencyService).
     ///
     /// Requests the layer does not protect poll the inner service's future `F` directly; a
-    /// protected request awaits the task that claims its key and runs the handler, which keeps
-    /// running when this future is dropped.
+    /// protected request polls the work that claims its key and runs the handler, which moves
+    /// to a task of its own and keeps running when this future is dropped.
     pub struct ResponseFuture<F, E> {
         #[pin]
         kind: Kind<F, E>,
@@ -76,6 +76,55 @@ where
                 // Polled again after completion: a caller bug, answered without a panic.
                 None => Poll::Pending,
             },
+        }
+    }
+}
+
+/// What a [`Detach`] yields: the future's output, or the panic that ended it.
+pub(crate) type Caught<T> = Result<T, Box<dyn std::any::Any + Send>>;
+
+/// Runs a future in place, inside the task that awaits it, and hands whatever is left of it to
+/// a task of its own if it is dropped before it finishes.
+///
+/// This is how the claimed part of a request survives a client that hangs up: hyper drops the
+/// response future, and the handler carries on in the background to store its response. While
+/// the client waits, nothing is spawned: a task per request would cost a wake-up of another
+/// worker thread and a task allocation on every request for the rare case of a disconnect.
+///
+/// A panic inside is caught and yielded as `Err`, so a panicked future is never polled again,
+/// in place or detached.
+pub(crate) struct Detach<T: Send + 'static> {
+    future: Option<Pin<Box<dyn Future<Output = Caught<T>> + Send>>>,
+}
+
+impl<T: Send + 'static> Detach<T> {
+    pub(crate) fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+        use futures::FutureExt;
+        Self { future: Some(Box::pin(std::panic::AssertUnwindSafe(future).catch_unwind())) }
+    }
+}
+
+impl<T: Send + 'static> Future for Detach<T> {
+    type Output = Caught<T>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Polled again after completion: a caller bug, answered without a panic.
+        let Some(future) = self.future.as_mut() else { return Poll::Pending };
+        let out = ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for Detach<T> {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(future);
+            }
+            // Only reachable when the runtime itself is gone, and its tasks with it.
+            Err(_) => tracing::error!("a protected request was dropped outside a tokio runtime; it cannot finish"),
         }
     }
 }

@@ -154,7 +154,6 @@ pub(crate) enum Rejection {
     HandlerPanicked,
     ResponseBodyFailed(String),
     StoredResponseCorrupt(String),
-    Internal(String),
 }
 
 /// How long a client is told to wait after the store failed: long enough not to hammer a
@@ -176,7 +175,6 @@ impl Rejection {
             Self::HandlerPanicked => "panicked",
             Self::ResponseBodyFailed(_) => "handler_failed",
             Self::StoredResponseCorrupt(_) => "replay_failed",
-            Self::Internal(_) => "internal_error",
         }
     }
 
@@ -252,7 +250,6 @@ impl Rejection {
                 "Stored response unreadable",
                 format!("the response stored under this key cannot be replayed: {e}"),
             ),
-            Self::Internal(e) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal-error", "Internal error", e),
         };
         p.with_base(cfg.problem_base)
     }

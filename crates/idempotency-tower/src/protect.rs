@@ -54,7 +54,7 @@ enum Run {
 /// Claims the key and answers: runs the handler as owner, replays, or refuses.
 ///
 /// The owner path is boxed: it holds the handler's future, and a replay (or a refusal) should
-/// not move that much state around when the task is spawned.
+/// not carry that much state in its own future.
 pub(crate) async fn run<S, ResBody>(p: Protected<S>) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::BoxError;
 use crate::config::{Config, RoutePolicy, is_mutating};
-use crate::future::ResponseFuture;
+use crate::future::{Detach, ResponseFuture};
 use crate::metrics::count;
 use crate::problem::Rejection;
 use crate::protect::{Protected, run};
@@ -29,8 +29,10 @@ pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("ide
 ///
 /// `S` takes `Request<axum::body::Body>`; the protected request reaches it with its body
 /// already read (once, within the limit) and an [`IdempotencyContext`](crate::IdempotencyContext)
-/// in its extensions. Protected requests run `S` in a task of their own, so `S` must be `Clone`
-/// and `'static` and the layer needs a tokio runtime.
+/// in its extensions. A protected request runs to its end even when its client goes away: in
+/// place while the client waits, and moved to a task of its own if the response future is
+/// dropped first. So `S` must be `Clone`, `Send` and `'static`, and the layer needs a tokio
+/// runtime.
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -125,23 +127,19 @@ where
                     }
                 }
             };
-            // From the claim on, the work runs in its own task: a client that goes away drops
+            // From the claim on, the work must run to its end: a client that goes away drops
             // this future, but must not cut the handler between two side effects, nor leave a
-            // claim that nobody completes.
-            let task = tokio::spawn(
+            // claim that nobody completes. `Detach` runs it here while the client waits and in a
+            // task of its own if this future is dropped first.
+            let work = Detach::new(
                 run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint })
                     .instrument(tracing::Span::current()),
             );
-            match task.await {
+            match work.await {
                 Ok(result) => result,
-                Err(e) => {
-                    let rejection = if e.is_panic() {
-                        Rejection::HandlerPanicked
-                    } else {
-                        Rejection::Internal("the request's task was cancelled".to_owned())
-                    };
-                    tracing::error!(error = %e, "idempotency task failed");
-                    Ok(rejection_response(&cfg, rejection))
+                Err(_panic) => {
+                    tracing::error!("the protected request panicked outside the handler");
+                    Ok(rejection_response(&cfg, Rejection::HandlerPanicked))
                 }
             }
         }

@@ -595,6 +595,58 @@ mod outcomes {
         }
     }
 
+    /// A store with a bug: its claim panics.
+    struct PanickingStore;
+
+    #[async_trait::async_trait]
+    impl Store for PanickingStore {
+        async fn claim(
+            &self,
+            _: idempotency::ClaimRequest,
+        ) -> Result<idempotency::ClaimOutcome, idempotency::StoreError> {
+            panic!("a bug in the store")
+        }
+        async fn reclaim(
+            &self,
+            r: &idempotency::Record,
+            t: idempotency::Timestamp,
+            d: Duration,
+        ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            DownStore.reclaim(r, t, d).await
+        }
+        async fn complete(
+            &self,
+            c: &idempotency::Claim,
+            r: &idempotency::StoredResponse,
+            t: idempotency::Timestamp,
+        ) -> Result<(), idempotency::StoreError> {
+            DownStore.complete(c, r, t).await
+        }
+        async fn fail(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            DownStore.fail(c).await
+        }
+        async fn get(&self, s: &idempotency::Scope) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            DownStore.get(s).await
+        }
+        async fn sweep_expired(&self, t: idempotency::Timestamp, n: u32) -> Result<u64, idempotency::StoreError> {
+            DownStore.sweep_expired(t, n).await
+        }
+        async fn ping(&self) -> Result<(), idempotency::StoreError> {
+            DownStore.ping().await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panic_outside_the_handler_is_a_500_problem_and_the_service_stays_up() {
+        let (app, calls) = counting_app(IdempotencyLayer::new(Arc::new(PanickingStore)));
+        for key in ["k1", "k2"] {
+            let a = send(&app, post_req("/v1/things", Some(key), "{}")).await;
+            assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(a.problem_type(), "/problems/handler-panicked");
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
     #[tokio::test]
     async fn an_unavailable_store_gets_503_and_the_handler_never_runs() {
         let (app, calls) = counting_app(IdempotencyLayer::new(Arc::new(DownStore)));
