@@ -50,6 +50,15 @@
 //!   either order, and on PostgreSQL even concurrently (sqlx serialises migrators with one
 //!   advisory lock per database).
 //!
+//! # Pools
+//!
+//! [`PostgresStore::connect`] and [`SqliteStore::connect`] build their pools with
+//! [`postgres_pool_options`] and [`sqlite_pool_options`], which a service that shares its own
+//! pool with a store should use too. sqlx's default pings every connection as it leaves the pool,
+//! which for PostgreSQL is a network round trip before every statement: a replay would cost two
+//! round trips instead of one. These options ping only a connection that sat idle for
+//! [`PING_IF_IDLE_FOR`] (30 s) or more.
+//!
 //! # Errors
 //!
 //! A database error is [`StoreError::Unavailable`](idempotency::StoreError::Unavailable); a row
