@@ -226,21 +226,58 @@ mod postgres_backend {
     use idempotency::{ClaimOutcome, Decision, RecordId, Store, now};
     use idempotency_sqlx::ClaimStrategy;
     use sqlx::{Connection, PgConnection};
+    use tracing::Instrument;
     use tracing::field::{Field, Visit};
     use tracing_subscriber::layer::{Context, SubscriberExt};
 
     use crate::common::{own, request, response, unique_scope};
     use crate::support::postgres_store;
 
-    /// Counts the statements sqlx runs on this thread that touch `idempotency_records`, from
+    /// Counts the statements sqlx runs inside one span that touch `idempotency_records`, from
     /// sqlx's own per-statement `sqlx::query` events: one event per statement executed, i.e.
     /// one round trip once the statement is prepared.
-    #[derive(Clone, Default)]
-    struct Statements(Arc<Mutex<Vec<String>>>);
+    ///
+    /// One subscriber for the whole test binary, set once as the global default, attributes each
+    /// event to the counting span it ran in. (A thread-local subscriber per test raced with the
+    /// other tests' threads over tracing's per-callsite interest cache and sometimes missed
+    /// events: the count came out 0 or 1 instead of 2 in about one run in four.)
+    #[derive(Clone)]
+    struct Statements {
+        id: u64,
+        seen: Arc<Mutex<Vec<String>>>,
+    }
+
+    /// Events by counting span id.
+    type Seen = Arc<Mutex<std::collections::HashMap<u64, Arc<Mutex<Vec<String>>>>>>;
+
+    fn registry() -> &'static Seen {
+        static SEEN: std::sync::OnceLock<Seen> = std::sync::OnceLock::new();
+        SEEN.get_or_init(|| {
+            let seen = Seen::default();
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Counter(seen.clone())))
+                .expect("no other global subscriber in this test binary");
+            seen
+        })
+    }
 
     impl Statements {
+        /// A new counter, and the span whose statements it counts.
+        fn new() -> (Self, tracing::Span) {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+            let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            registry().lock().expect("lock").insert(id, seen.clone());
+            (Self { id, seen }, tracing::info_span!("count_statements", counter = id))
+        }
+
         fn take(&self) -> Vec<String> {
-            std::mem::take(&mut *self.0.lock().expect("lock"))
+            std::mem::take(&mut *self.seen.lock().expect("lock"))
+        }
+    }
+
+    impl Drop for Statements {
+        fn drop(&mut self) {
+            registry().lock().expect("lock").remove(&self.id);
         }
     }
 
@@ -255,14 +292,49 @@ mod postgres_backend {
         }
     }
 
-    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
-        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-            if event.metadata().target() == "sqlx::query" {
-                let mut text = Text(String::new());
-                event.record(&mut text);
-                if text.0.contains("idempotency_records") {
-                    self.0.lock().expect("lock").push(text.0);
-                }
+    /// The counting span's id, kept in the span's extensions.
+    struct CounterId(u64);
+
+    struct IdOf(Option<u64>);
+    impl Visit for IdOf {
+        fn record_u64(&mut self, field: &Field, value: u64) {
+            if field.name() == "counter" {
+                self.0 = Some(value);
+            }
+        }
+        fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+    }
+
+    struct Counter(Seen);
+
+    impl<S> tracing_subscriber::Layer<S> for Counter
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_new_span(&self, attrs: &tracing::span::Attributes<'_>, id: &tracing::span::Id, ctx: Context<'_, S>) {
+            let mut of = IdOf(None);
+            attrs.record(&mut of);
+            if let (Some(counter), Some(span)) = (of.0, ctx.span(id)) {
+                span.extensions_mut().insert(CounterId(counter));
+            }
+        }
+
+        fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
+            if event.metadata().target() != "sqlx::query" {
+                return;
+            }
+            let Some(counter) = ctx
+                .event_scope(event)
+                .and_then(|mut scope| scope.find_map(|span| span.extensions().get::<CounterId>().map(|c| c.0)))
+            else {
+                return;
+            };
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            if text.0.contains("idempotency_records")
+                && let Some(seen) = self.0.lock().expect("lock").get(&counter)
+            {
+                seen.lock().expect("lock").push(text.0);
             }
         }
     }
@@ -273,8 +345,8 @@ mod postgres_backend {
     async fn replay_is_one_round_trip_and_first_execution_two() {
         for strategy in [ClaimStrategy::InsertOrRead, ClaimStrategy::SeedUpsert] {
             let Some((store, _db)) = postgres_store(strategy).await else { return };
-            let statements = Statements::default();
-            let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(statements.clone()));
+            let (statements, span) = Statements::new();
+            let _entered = span.enter();
             // Warm the connection's statement cache: preparing a statement is a round trip of
             // its own, paid once per connection.
             let warm = own(&store, request(&unique_scope(), now())).await;
@@ -304,8 +376,7 @@ mod postgres_backend {
     async fn a_row_committed_after_the_claim_snapshot_is_found_by_the_retry() {
         for (strategy, expected_statements) in [(ClaimStrategy::InsertOrRead, 2), (ClaimStrategy::SeedUpsert, 1)] {
             let Some((store, db)) = postgres_store(strategy).await else { return };
-            let statements = Statements::default();
-            let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(statements.clone()));
+            let (statements, span) = Statements::new();
             let s = unique_scope();
             let t = now();
             let theirs = RecordId::random();
@@ -331,7 +402,7 @@ mod postgres_backend {
             let claimer = tokio::spawn({
                 let store = store.clone();
                 let req = request(&s, t);
-                async move { store.claim(req).await }
+                async move { store.claim(req).await }.instrument(span.clone())
             });
             // Commit only once the claim is waiting on our uncommitted row.
             let mut watcher = PgConnection::connect(db.url()).await.expect("connect");
