@@ -234,13 +234,9 @@ impl Reaper {
             report.waiting += 1;
             return Ok(());
         }
-        if record.is_some() {
-            // WIP-CORE: taking the claim and removing the record need Store::remove.
-            report.waiting += 1;
-            return Ok(());
-        }
+        let t = idempotency::now();
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, idempotency::now(), self.in_flight_ttl).await? {
+            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
                 Some(claim) => Some(claim),
                 None => {
                     report.waiting += 1; // a retry (or another replica's reaper) took it first
@@ -280,7 +276,7 @@ impl Reaper {
         // The record first: from here a retry runs as a new operation, with new sub-keys, so
         // nothing can resume this one while its lease and node are freed.
         if let Some(claim) = &claim {
-            let _ = claim; // WIP-CORE: self.store.remove(claim).await?;
+            self.store.remove(claim).await?;
         }
         let released = self.domain.release_abandoned(&op.op_id, keys.alloc.as_str(), &keys.lease_id()).await?;
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
@@ -310,6 +306,14 @@ impl Reaper {
         }
         Ok(left <= 0)
     }
+}
+
+/// `t + d`, saturating.
+fn after(t: idempotency::Timestamp, d: Duration) -> idempotency::Timestamp {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| t.checked_add_signed(d))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
 }
 
 /// The record scope an operation row names.

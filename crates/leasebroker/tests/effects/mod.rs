@@ -7,11 +7,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+use idempotency::Store;
+use idempotency::conformance::{FaultyStore, Op};
+use leasebroker::app::Application;
+use leasebroker::config::{Cli, Command};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use super::{
-    BIN, Reply, TOKEN, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, serve,
+    ADMIN, BIN, Reply, TOKEN, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, serve,
     set_faults, sim, sim_stats, sqlite_url, worker_body,
 };
 
@@ -210,6 +215,50 @@ async fn a_refused_boot_holds_nothing() {
     assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
 }
 
+/// Item 3: a create whose client gives up after a 5xx (the boot happened, its answer was lost)
+/// is rolled back by the reaper once nobody retried it for --abandon-after: VM deleted, lease and
+/// node freed, record removed. The same key afterwards runs as a new operation (new sub-keys: a
+/// new boot tag, not the old one booted again).
+#[tokio::test]
+async fn an_abandoned_create_is_rolled_back_and_its_key_runs_afresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &[
+            "--hypervisor-url",
+            &hv.url,
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+            "--abandon-after",
+            "2s",
+            "--sweep-interval",
+            "1s",
+        ],
+    );
+    set_faults(&hv.url, 0.0, 1.0, 0).await;
+    let first = create(&lb.url, TOKEN, "walk-away", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    assert_eq!(held(&lb.url).await, (0, 1, 1, 1), "the attempt holds a node, a lease and a VM");
+    let rolled_back = eventually(Duration::from_secs(30), || async { held(&lb.url).await == (0, 0, 0, 0) }).await;
+    assert!(rolled_back, "still held: {:?}", held(&lb.url).await);
+    assert!(metric(&lb.url, "leasebroker_reaper_rolled_back_total").await >= 4.0, "operation, vm, lease, node");
+
+    let retry = create(&lb.url, TOKEN, "walk-away", &worker_body()).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
+    assert!(!retry.replayed());
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64(), stats["running"].as_i64()),
+        (Some(2), Some(0), Some(1)),
+        "a new operation boots under a new tag: {stats}"
+    );
+    assert_one_worker_node_and_lease(&lb.url).await;
+}
+
 /// Item 3: the reaper never rolls back a create that finished, however short --abandon-after.
 #[tokio::test]
 async fn the_reaper_never_touches_a_finished_create() {
@@ -225,4 +274,120 @@ async fn the_reaper_never_touches_a_finished_create() {
     let again = create(&lb.url, TOKEN, "kept", &worker_body()).await;
     assert!(again.replayed());
     assert_eq!(again.body, done.body);
+}
+
+/// A server built in process from the real router, on a store that fails on demand, with the
+/// in-process simulator; a short in-flight TTL so a retry after a failed completion comes soon.
+struct InProcess {
+    url: String,
+    faults: Arc<FaultyStore<Arc<dyn Store>>>,
+    _dir: tempfile::TempDir,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn in_process() -> InProcess {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let cli = Cli::parse_from([
+        "leasebroker",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database",
+        &db,
+        "--token",
+        "t-alice=alice",
+        "--admin-token",
+        ADMIN,
+        "--pool-nodes",
+        "16",
+        "--in-flight-ttl",
+        "1s",
+    ]);
+    let Command::Serve(args) = cli.command else { panic!("serve") };
+    let mut slot = None;
+    let app = Application::build_with_store(args, |store| {
+        let faulty = Arc::new(FaultyStore::new(store));
+        slot = Some(faulty.clone());
+        faulty
+    })
+    .await
+    .expect("build");
+    let url = format!("http://{}", app.local_addr());
+    let server = tokio::spawn(app.run_until_stopped(std::future::pending()));
+    InProcess { url, faults: slot.expect("wrapped"), _dir: dir, server }
+}
+
+/// Sends `send` again while the record is in flight (409 request-in-progress), up to 30 s.
+async fn past_in_progress<F, Fut>(mut send: F) -> Reply
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Reply>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = send().await;
+        let busy = r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress";
+        if !busy || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Item 4: the delete committed, but its record never completed (the store failed at
+/// completion). The retry finds no worker but its own tombstone: 204, never 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_delete_whose_completion_failed_answers_204() {
+    let lb = in_process().await;
+    let created = create(&lb.url, TOKEN, "c-4", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let url = format!("{}/v1/workers/{}", lb.url, created.json()["id"].as_str().expect("id"));
+
+    lb.faults.fail_always(Op::Complete);
+    let first = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None).await;
+    assert_eq!(first.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&first.body));
+    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
+    lb.faults.heal(Op::Complete);
+
+    let retry = past_in_progress(|| send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None)).await;
+    assert_eq!(retry.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&retry.body));
+    assert!(!retry.replayed(), "the retry ran the handler again and found its tombstone");
+    let again = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None).await;
+    assert!(again.replayed() && again.status == StatusCode::NO_CONTENT);
+    let other = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4b"), None).await;
+    assert_eq!(other.status, StatusCode::NOT_FOUND, "another delete's tombstone is not this one's");
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
+}
+
+/// Item 5: the create's record never completed (the store failed at completion), then the
+/// worker was deleted. The retry of the create must not bring it back: it answers 410
+/// worker-deleted (stored) and takes no node, lease or VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_retried_after_its_worker_was_deleted_is_gone() {
+    let lb = in_process().await;
+    lb.faults.fail_always(Op::Complete);
+    let created = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
+    lb.faults.heal(Op::Complete);
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let deleted = send(reqwest::Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("d-5"), None).await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    let boots = fleet(&lb.url).await["vm_boots_total"].clone();
+
+    let body = worker_body();
+    let retry = past_in_progress(|| create(&lb.url, TOKEN, "c-5", &body)).await;
+    assert_eq!(retry.status, StatusCode::GONE, "{}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(retry.problem_type(), "worker-deleted");
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0), "no node, lease, worker or VM came back");
+    assert_eq!(fleet(&lb.url).await["vm_boots_total"], boots, "nothing booted");
+    let again = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
+    assert!(again.replayed() && again.status == StatusCode::GONE, "the 410 is stored");
 }
