@@ -72,6 +72,8 @@ pub struct Released {
     pub leases: u64,
     /// Nodes freed (0 or 1).
     pub nodes: u64,
+    /// Operation rows deleted (0 when another replica's reaper got there first).
+    pub operations: u64,
 }
 
 /// A worker row.
@@ -393,7 +395,7 @@ impl Domain {
             sqlx::query("UPDATE lb_intents SET state = 'failed' WHERE intent_id = $1 AND state = 'pending'")
                 .bind(intent_id).execute(&mut *tx).await?;
             tx.commit().await?;
-            Released { leases, nodes }
+            Released { leases, nodes, operations: 0 }
         }))
     }
 
@@ -407,9 +409,10 @@ impl Domain {
             let nodes = sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE alloc_id = $1")
                 .bind(alloc_id).execute(&mut *tx).await?.rows_affected();
             sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            let operations = sqlx::query("DELETE FROM lb_operations WHERE op_id = $1")
+                .bind(op_id).execute(&mut *tx).await?.rows_affected();
             tx.commit().await?;
-            Released { leases, nodes }
+            Released { leases, nodes, operations }
         }))
     }
 

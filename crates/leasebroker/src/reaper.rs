@@ -265,13 +265,15 @@ impl Reaper {
         };
         let mut vms_deleted = 0;
         for vm in &vms {
-            if let Err(e) = self.hypervisor.delete(&vm.vm_id).await {
-                if let Some(claim) = &claim {
-                    self.store.fail(claim).await?;
+            match self.hypervisor.delete(&vm.vm_id).await {
+                Ok(existed) => vms_deleted += u64::from(existed),
+                Err(e) => {
+                    if let Some(claim) = &claim {
+                        self.store.fail(claim).await?;
+                    }
+                    anyhow::bail!("cannot delete the abandoned create's VM {}: {e}", vm.vm_id);
                 }
-                anyhow::bail!("cannot delete the abandoned create's VM {}: {e}", vm.vm_id);
             }
-            vms_deleted += 1;
         }
         // The record first: from here a retry runs as a new operation, with new sub-keys, so
         // nothing can resume this one while its lease and node are freed.
@@ -279,8 +281,11 @@ impl Reaper {
             self.store.remove(claim).await?;
         }
         let released = self.domain.release_abandoned(&op.op_id, keys.alloc.as_str(), &keys.lease_id()).await?;
-        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "vm").increment(vms_deleted);
+        if released.operations == 0 {
+            return Ok(()); // another replica's reaper finished this rollback first
+        }
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "lease").increment(released.leases);
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "node").increment(released.nodes);
         tracing::info!(
