@@ -43,6 +43,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .context("metrics buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
+    crate::reaper::describe_metrics();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 

@@ -36,6 +36,21 @@ pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
 /// Counter: finished operations whose intents and row the reaper deleted.
 pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
 
+/// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
+pub fn describe_metrics() {
+    use crate::service::{DUPLICATE_VMS_DESTROYED_TOTAL, REFUSALS_RELEASED_TOTAL};
+    metrics::describe_counter!(
+        DUPLICATE_VMS_DESTROYED_TOTAL,
+        "Second VMs of one boot deleted: calls that landed after --hypervisor-settle (set it longer)"
+    );
+    metrics::describe_counter!(REFUSALS_RELEASED_TOTAL, "Creates whose node and lease were given back on a refusal");
+    metrics::describe_counter!(
+        ROLLED_BACK_TOTAL,
+        "What the reaper rolled back, by resource (operation, vm, lease, node)"
+    );
+    metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
+}
+
 /// Operations read per page, and the most one tick reads.
 const PAGE: u32 = 200;
 const MAX_PER_TICK: usize = 2000;
