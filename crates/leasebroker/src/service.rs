@@ -17,7 +17,7 @@ use std::time::Duration;
 use idempotency::SubKey;
 use serde::{Deserialize, Serialize};
 
-use crate::domain::{Domain, DomainError, Intent, WorkerRow};
+use crate::domain::{Allocation, Domain, DomainError, Intent, WorkerRow};
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
 
 /// Why an operation did not succeed; each maps to one problem+json response.
@@ -32,6 +32,9 @@ pub enum ServiceError {
     /// No free node (503 + Retry-After).
     #[error("no free node in the pool")]
     CapacityExhausted,
+    /// The principal holds `--max-workers-per-principal` workers already (403; not stored).
+    #[error("this principal holds its quota of {0} workers; delete one first")]
+    QuotaExceeded(u32),
     /// The hypervisor could not be reached or may not have acted; try again (503 + Retry-After).
     #[error("{reason}")]
     UpstreamUnavailable {
@@ -111,7 +114,7 @@ impl CreateWorker {
                     return invalid(format!("label keys must be 1 to {MAX_LABEL_KEY} characters"));
                 }
                 if v.chars().count() > MAX_LABEL_VALUE {
-                    return invalid(format!("label {k:?}: values must be at most {MAX_LABEL_VALUE} characters"));
+                    return invalid(format!("label values must be at most {MAX_LABEL_VALUE} characters"));
                 }
             }
         }
@@ -153,6 +156,8 @@ pub struct Workers {
     pub grace: Duration,
     /// Field limits.
     pub limits: Limits,
+    /// The most workers one principal may hold (0: no limit).
+    pub quota: u32,
 }
 
 /// How a pending intent's call is resolved: the VM it made, or an error to answer with.
@@ -177,8 +182,11 @@ impl Workers {
             return Ok(w);
         }
         let now = now_micros();
-        let node =
-            self.domain.allocate(keys.alloc.as_str(), principal, now).await?.ok_or(ServiceError::CapacityExhausted)?;
+        let node = match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota).await? {
+            Allocation::Node(node) => node,
+            Allocation::Exhausted => return Err(ServiceError::CapacityExhausted),
+            Allocation::QuotaExceeded => return Err(ServiceError::QuotaExceeded(self.quota)),
+        };
         let lease_id = public_id("lse", &keys.lease);
         self.domain.insert_lease(&lease_id, &node.node_id, principal, now).await?;
 
