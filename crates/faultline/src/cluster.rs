@@ -14,7 +14,7 @@ use tokio::process::{Child, Command};
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The admin token every replica is started with.
-pub const ADMIN_TOKEN: &str = "faultline-admin";
+pub const ADMIN_TOKEN: &str = "faultline-admin-token";
 
 /// A principal's name and bearer token.
 #[derive(Debug, Clone)]
@@ -25,9 +25,9 @@ pub struct Principal {
     pub token: String,
 }
 
-/// The principals `p0`, `p1`, ... with tokens `faultline-p0`, ...
+/// The principals `p0`, `p1`, ... with tokens `faultline-token-p0`, ...
 pub fn principals(n: u32) -> Vec<Principal> {
-    (0..n).map(|i| Principal { name: format!("p{i}"), token: format!("faultline-p{i}") }).collect()
+    (0..n).map(|i| Principal { name: format!("p{i}"), token: format!("faultline-token-p{i}") }).collect()
 }
 
 /// A free loopback port, picked by binding port 0 and letting go of it.

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 
 use axum::body::Body;
@@ -116,12 +117,44 @@ impl<T: Send + 'static> Future for Detach<T> {
     }
 }
 
+/// How many requests are running in tasks of their own because their client hung up.
+static DETACHED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many handlers are still running detached, in this process: requests whose client hung up
+/// after their key was claimed, finishing in the background so their responses are stored. A
+/// server that shuts down waits for this to reach zero (bounded by its own timeout) so that a
+/// retry after a restart replays instead of finding the key in flight.
+pub fn detached_handlers() -> usize {
+    DETACHED.load(Ordering::Acquire)
+}
+
+/// Counts one detached handler while it lives.
+struct DetachedGuard;
+
+impl DetachedGuard {
+    fn new() -> Self {
+        DETACHED.fetch_add(1, Ordering::AcqRel);
+        Self
+    }
+}
+
+impl Drop for DetachedGuard {
+    fn drop(&mut self) {
+        DETACHED.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl<T: Send + 'static> Drop for Detach<T> {
     fn drop(&mut self) {
         let Some(future) = self.future.take() else { return };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(future);
+                // Counted from here, before the task exists, so a waiter never misses it.
+                let guard = DetachedGuard::new();
+                runtime.spawn(async move {
+                    let _guard = guard;
+                    future.await
+                });
             }
             // Only reachable when the runtime itself is gone, and its tasks with it.
             Err(_) => tracing::error!("a protected request was dropped outside a tokio runtime; it cannot finish"),

@@ -66,7 +66,7 @@ mod service;
 
 pub use config::RoutePolicy;
 pub use context::IdempotencyContext;
-pub use future::ResponseFuture;
+pub use future::{ResponseFuture, detached_handlers};
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPRESSION_THRESHOLD, DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER,
     DEFAULT_RETENTION, IdempotencyLayer, IdempotencyLayerBuilder,

@@ -225,13 +225,17 @@ impl Rejection {
                 "a request with this key is still being processed; retry later with the same key",
             )
             .with_retry_after(ceil_secs(retry_after)),
-            Self::StoreUnavailable(e) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "Idempotency store unavailable",
-                format!("the request was not processed: {e}"),
-            )
-            .with_retry_after(STORE_RETRY_AFTER_SECS),
+            // The store's error is a driver message (host names, SQL): logged, never sent.
+            Self::StoreUnavailable(e) => {
+                tracing::warn!(error = %e, "idempotency store unavailable");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store-unavailable",
+                    "Idempotency store unavailable",
+                    "the request was not processed; retry with the same key",
+                )
+                .with_retry_after(STORE_RETRY_AFTER_SECS)
+            }
             Self::HandlerPanicked => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "handler-panicked",

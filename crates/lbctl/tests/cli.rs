@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use leasebroker_client::{Client, Fleet};
 
-const TOKEN: &str = "tok-alice";
-const ADMIN: &str = "tok-admin";
+const TOKEN: &str = "tok-alice-4b9e2d7c1a";
+const ADMIN: &str = "tok-admin-6f3a8c0e5d";
 
 fn leasebroker_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();

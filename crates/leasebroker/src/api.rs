@@ -1,6 +1,6 @@
 //! The HTTP API (SPEC 3.2): routes, authentication, and errors as problem+json.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
@@ -12,10 +12,12 @@ use axum::{Extension, Json, Router};
 use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, IdempotencyLayer, Problem};
 use metrics_exporter_prometheus::PrometheusHandle;
+use regex::Regex;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use crate::db::redact;
 use crate::domain::WorkerRow;
 use crate::hypervisor::client::HypervisorClient;
 use crate::service::{CreateWorker, Operation, ServiceError, Workers};
@@ -36,6 +38,19 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The hypervisor, for fleet counts.
     pub hypervisor: HypervisorClient,
+    /// The per-principal limit on mutating requests (`--rate-limit`), if any.
+    pub rate_limiter: Option<Arc<PrincipalRateLimiter>>,
+}
+
+/// A rate limiter with one budget per principal. Its memory is bounded by the configured
+/// principals: only authenticated requests reach it.
+pub type PrincipalRateLimiter = governor::DefaultKeyedRateLimiter<String>;
+
+/// A limiter allowing `per_second` mutating requests per principal, `burst` at once.
+pub fn rate_limiter(per_second: u32, burst: u32) -> Option<Arc<PrincipalRateLimiter>> {
+    let rate = std::num::NonZeroU32::new(per_second)?;
+    let burst = std::num::NonZeroU32::new(burst).unwrap_or(rate);
+    Some(Arc::new(governor::RateLimiter::keyed(governor::Quota::per_second(rate).allow_burst(burst))))
 }
 
 impl std::fmt::Debug for AppState {
@@ -148,26 +163,59 @@ pub struct ListQuery {
 /// The largest page.
 pub const MAX_PAGE: u32 = 500;
 
+/// The longest problem `detail` the service sends: details are short, fixed texts or a bounded
+/// description; they never quote the request body or carry another system's error text.
+pub const MAX_DETAIL: usize = 300;
+
+/// Cuts `detail` to at most [`MAX_DETAIL`] bytes, at a character boundary.
+fn bounded(mut detail: String) -> String {
+    if detail.len() > MAX_DETAIL {
+        let mut end = MAX_DETAIL - 3;
+        while !detail.is_char_boundary(end) {
+            end -= 1;
+        }
+        detail.truncate(end);
+        detail.push_str("...");
+    }
+    detail
+}
+
 impl IntoResponse for ServiceError {
     fn into_response(self) -> Response {
-        let detail = self.to_string();
         match self {
-            Self::Invalid(_) => {
-                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", detail)
+            Self::Invalid(detail) => {
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", bounded(detail))
             }
-            Self::NotFound(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such worker", detail),
+            Self::NotFound(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such worker", "no such worker"),
             Self::CapacityExhausted => {
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", detail)
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", self.to_string())
                     .with_retry_after(5)
             }
-            Self::UpstreamUnavailable { retry_after, .. } => {
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream-unavailable", "Hypervisor unavailable", detail)
-                    .with_retry_after(retry_after)
+            Self::QuotaExceeded(_) => {
+                Problem::new(StatusCode::FORBIDDEN, "quota-exceeded", "Worker quota exceeded", self.to_string())
             }
-            Self::UpstreamRefused(_) => {
-                Problem::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "Hypervisor refused the call", detail)
+            // The reason names the hypervisor's address and quotes its answer: the log gets it,
+            // the tenant a fixed text.
+            Self::UpstreamUnavailable { ref reason, retry_after } => {
+                tracing::warn!(reason = %redact(reason), "hypervisor unavailable");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "upstream-unavailable",
+                    "Hypervisor unavailable",
+                    "the hypervisor could not complete the call; retry with the same key",
+                )
+                .with_retry_after(retry_after)
             }
-            Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", detail),
+            Self::UpstreamRefused(ref reason) => {
+                tracing::warn!(reason = %redact(reason), "hypervisor refused a call");
+                Problem::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-unavailable",
+                    "Hypervisor refused the call",
+                    "the hypervisor refused the call",
+                )
+            }
+            Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
             Self::Database(e) => {
                 tracing::error!(error = %e, "database error");
                 Problem::new(
@@ -230,6 +278,29 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
     }
 }
 
+/// `429` + `Retry-After` for a principal over its budget of mutating requests. Runs after
+/// authentication and before the idempotency layer, so a refused request claims no key.
+async fn rate_limit(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    use governor::clock::Clock;
+    let (Some(limiter), false) = (&state.rate_limiter, req.method().is_safe()) else { return next.run(req).await };
+    let Some(principal) = req.extensions().get::<Principal>() else { return next.run(req).await };
+    match limiter.check_key(&principal.as_str().to_owned()) {
+        Ok(()) => next.run(req).await,
+        Err(not_until) => {
+            let wait = not_until.wait_time_from(limiter.clock().now());
+            let secs = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
+            Problem::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate-limited",
+                "Too many requests",
+                "this principal is over its rate of mutating requests; retry after Retry-After seconds",
+            )
+            .with_retry_after(secs)
+            .into_response()
+        }
+    }
+}
+
 async fn authenticate_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
     match (state.admin_token, bearer(req.headers())) {
         (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => next.run(req).await,
@@ -263,13 +334,40 @@ fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: &Bytes)
     }
     serde_json::from_slice(body).map_err(|e| {
         use serde_json::error::Category;
+        let detail = json_error_detail(&e);
         match e.classify() {
             Category::Data => {
-                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", e.to_string())
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", detail)
             }
-            _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", e.to_string()),
+            _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", detail),
         }
     })
+}
+
+/// The request's own field names, which a detail may name (they come from the schema, not the
+/// body).
+const FIELD_NAMES: [&str; 4] = ["image", "cpu", "memory_gb", "labels"];
+
+/// A problem detail for a JSON error that says what was wrong and where, without quoting the
+/// body: serde's text quotes the offending value or unknown field name whole (a 1 MiB string in
+/// a numeric field would come back as a 1 MiB detail, stored for the retention window).
+/// String values ("...") are dropped, and backquoted ones unless they are field names or
+/// punctuation; the result is at most [`MAX_DETAIL`] bytes.
+pub fn json_error_detail(e: &serde_json::Error) -> String {
+    static QUOTED: OnceLock<Regex> = OnceLock::new();
+    let quoted = QUOTED.get_or_init(|| Regex::new(r#""(?:[^"\\]|\\.)*"?|`[^`]*`?"#).expect("a valid pattern"));
+    let text = e.to_string();
+    let cleaned = quoted.replace_all(&text, |c: &regex::Captures<'_>| {
+        let q = &c[0];
+        let inner = q.trim_matches('`');
+        let keep = q.starts_with('`')
+            && (FIELD_NAMES.contains(&inner)
+                || (!inner.is_empty() && inner.len() <= 2 && inner.chars().all(|ch| ch.is_ascii_punctuation())));
+        if keep { q.to_owned() } else { String::new() }
+    });
+    // "invalid type: string , expected" -> "invalid type: string, expected".
+    let cleaned = cleaned.replace(" ,", ",").replace("  ", " ");
+    bounded(cleaned.trim().to_owned())
 }
 
 /// Creates a worker.
@@ -458,9 +556,13 @@ pub async fn healthz() -> &'static str {
 pub async fn readyz(State(state): State<AppState>) -> Response {
     match state.store.ping().await {
         Ok(()) => "ready\n".into_response(),
-        Err(e) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", e.to_string())
-            .with_retry_after(1)
-            .into_response(),
+        // Unauthenticated: the error (a driver message, maybe a host name) goes to the log only.
+        Err(e) => {
+            tracing::warn!(error = %e, "not ready: the store does not answer");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", "the store does not answer")
+                .with_retry_after(1)
+                .into_response()
+        }
     }
 }
 
@@ -501,6 +603,7 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
         .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
         .route("/v1/workers/{id}/reboot", post(reboot_worker))
         .layer(idempotency)
+        .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     let admin = Router::new()
         .route("/admin/v1/fleet", get(fleet))

@@ -5,11 +5,15 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::http::StatusCode;
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::IntoResponse;
 use idempotency::{Principal, ResponsePolicy, Store};
 use idempotency_tower::IdempotencyLayer;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use rand::RngCore;
+use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -20,6 +24,7 @@ use crate::domain::Domain;
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::sim::{SimConfig, Simulator};
 use crate::reaper::Reaper;
+use crate::serve::{self, Timeouts};
 use crate::service::{Limits, Workers};
 
 /// A built, listening service.
@@ -28,6 +33,7 @@ pub struct Application {
     listener: TcpListener,
     router: axum::Router,
     background: Vec<JoinHandle<()>>,
+    timeouts: Timeouts,
     /// The token generated at start when none was configured.
     pub generated_token: Option<String>,
 }
@@ -71,27 +77,21 @@ impl Application {
             .context("seeding the node pool")?;
 
         let mut background = Vec::new();
-        let hypervisor_url = match &args.hypervisor_url {
-            Some(url) => url.clone(),
+        let hypervisor = match &args.hypervisor_url {
+            Some(url) => HypervisorClient::new(url, args.hypervisor_timeout),
             None => {
                 let sim = Simulator::new(SimConfig {
                     fail_before: args.sim_fail_before,
                     fail_after: args.sim_fail_after,
                     latency: Duration::from_millis(args.sim_latency_ms),
                 });
-                let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
-                let addr = listener.local_addr()?;
-                background.push(tokio::spawn(async move {
-                    if let Err(e) = crate::hypervisor::sim::serve(listener, sim, std::future::pending()).await {
-                        tracing::error!(error = %e, "in-process hypervisor simulator stopped");
-                    }
-                }));
-                format!("http://{addr}")
+                let (url, headers, task) = spawn_private_simulator(sim).await?;
+                background.push(task);
+                HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers)
             }
-        };
-        let hypervisor = HypervisorClient::new(&hypervisor_url, args.hypervisor_timeout)
-            .map_err(|e| anyhow::anyhow!("hypervisor client: {e}"))?;
-
+        }
+        .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
+        let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
         let store = wrap(db.idempotency_store());
         let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
         let layer = IdempotencyLayer::builder(store.clone())
@@ -133,18 +133,26 @@ impl Application {
                 hypervisor: hypervisor.clone(),
                 settle: args.hypervisor_settle,
                 limits: Limits { node_cpu: i64::from(args.node_cpu), node_memory_gb: i64::from(args.node_memory_gb) },
+                quota: args.max_workers_per_principal,
             },
             tokens: Arc::new(tokens),
             admin_token: args.admin_token.as_deref().map(token_digest),
             store,
             metrics,
             hypervisor,
+            rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst.unwrap_or(args.rate_limit)),
         };
-        let router = api::router(state, layer).layer(tower_http::trace::TraceLayer::new_for_http());
+        let router = api::router(state, layer)
+            // Each frame of a request body must arrive within the idle timeout: a stalled upload
+            // fails its handler instead of holding it.
+            .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
+            .layer(tower_http::trace::TraceLayer::new_for_http());
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
-        tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_url, "leasebroker ready");
-        Ok(Self { listener, router, background, generated_token })
+        tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");
+        let timeouts =
+            Timeouts { header: args.header_timeout, idle: args.idle_timeout, shutdown: args.shutdown_timeout };
+        Ok(Self { listener, router, background, generated_token, timeouts })
     }
 
     /// The bound address.
@@ -157,17 +165,50 @@ impl Application {
         self.local_addr().port()
     }
 
-    /// Serves until `shutdown` resolves, then drains in-flight requests.
+    /// Serves until `shutdown` resolves, then drains: requests in flight, and handlers whose
+    /// client already hung up, within `--shutdown-timeout`.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        let result = axum::serve(self.listener, self.router).with_graceful_shutdown(shutdown).await;
-        // Handlers run in their own tasks (so a disconnect cannot cut them short); give the ones
-        // still finishing a moment to store their responses.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let drained = serve::serve(self.listener, self.router, self.timeouts, shutdown).await;
         for h in self.background {
             h.abort();
         }
-        result.context("server error")
+        if !drained {
+            tracing::warn!("exiting with requests unfinished: their keys stay in flight until --in-flight-ttl");
+        }
+        Ok(())
     }
+}
+
+/// The header that carries the in-process simulator's secret.
+const SIM_SECRET_HEADER: &str = "x-leasebroker-sim-secret";
+
+/// Serves the in-process simulator on a loopback port that answers only requests carrying a
+/// random secret this process holds, so no other local process can list VMs or switch faults
+/// on. Returns its URL, the headers the client must send, and the task.
+async fn spawn_private_simulator(sim: Simulator) -> anyhow::Result<(String, HeaderMap, JoinHandle<()>)> {
+    let mut secret = [0u8; 32];
+    rand::rng().fill_bytes(&mut secret);
+    let secret = hex::encode(secret);
+    let digest = token_digest(&secret);
+    let router = sim.router().layer(axum::middleware::from_fn(move |req: Request, next: Next| async move {
+        let presented =
+            req.headers().get(SIM_SECRET_HEADER).map(|v| token_digest(&String::from_utf8_lossy(v.as_bytes())));
+        if presented.is_some_and(|p| bool::from(p.ct_eq(&digest))) {
+            next.run(req).await
+        } else {
+            StatusCode::NOT_FOUND.into_response()
+        }
+    }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "in-process hypervisor simulator stopped");
+        }
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert(SIM_SECRET_HEADER, HeaderValue::from_str(&secret).context("simulator secret")?);
+    Ok((url, headers, task))
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -22,7 +22,8 @@ pub struct Cli {
 pub enum Command {
     /// Run the HTTP service.
     Serve(ServeArgs),
-    /// Run the hypervisor simulator on its own (for several `serve` replicas to share).
+    /// Run the hypervisor simulator on its own, for tests: several `serve` replicas can share it.
+    /// It has no authentication; do not expose it.
     HypervisorSim(SimArgs),
     /// Create or upgrade the database schema, then exit.
     Migrate(MigrateArgs),
@@ -36,17 +37,19 @@ pub struct ServeArgs {
     pub listen: SocketAddr,
 
     /// Database URL: `sqlite://PATH` (the embedded default) or `postgres://...`.
-    #[arg(long, env = "LEASEBROKER_DATABASE", default_value = "sqlite://leasebroker.db")]
+    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true, default_value = "sqlite://leasebroker.db")]
     pub database: String,
 
     /// An API token and the principal it authenticates, `TOKEN=PRINCIPAL`; repeatable. From the
     /// environment: `LEASEBROKER_TOKENS=TOKEN=PRINCIPAL,TOKEN=PRINCIPAL`. With none, a random
     /// token is generated and printed.
-    #[arg(long = "token", env = "LEASEBROKER_TOKENS", value_delimiter = ',', value_parser = parse_token)]
+    /// Each token is at least 16 characters and is split from its principal at the last `=`.
+    #[arg(long = "token", env = "LEASEBROKER_TOKENS", hide_env_values = true, value_delimiter = ',', value_parser = TokenParser)]
     pub tokens: Vec<(String, String)>,
 
-    /// The token for /admin routes. With none, the admin routes answer 401 to everyone.
-    #[arg(long, env = "LEASEBROKER_ADMIN_TOKEN")]
+    /// The token for /admin routes (at least 16 characters, and not also a tenant's token). With
+    /// none, the admin routes answer 401 to everyone.
+    #[arg(long, env = "LEASEBROKER_ADMIN_TOKEN", hide_env_values = true, value_parser = AdminTokenParser)]
     pub admin_token: Option<String>,
 
     /// Nodes in the pool.
@@ -62,7 +65,7 @@ pub struct ServeArgs {
     pub node_memory_gb: u32,
 
     /// The hypervisor's base URL. Default: the simulator, run inside this process.
-    #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL")]
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL", hide_env_values = true)]
     pub hypervisor_url: Option<String>,
 
     /// Timeout of each hypervisor call.
@@ -107,11 +110,49 @@ pub struct ServeArgs {
     /// Status for a key reused with a different request: 409 (default), 422 (IETF draft) or 400.
     #[arg(long, env = "LEASEBROKER_MISMATCH_STATUS", default_value_t = 409, value_parser = parse_mismatch_status)]
     pub mismatch_status: u16,
+
+    // Tenants: quotas, rate limits, connection timeouts and the shutdown drain (SPEC 3.1, 3.2).
+    /// The most workers one principal may hold; a create beyond it answers 403 `quota-exceeded`.
+    /// 0: no limit.
+    #[arg(long, env = "LEASEBROKER_MAX_WORKERS_PER_PRINCIPAL", default_value_t = 0)]
+    pub max_workers_per_principal: u32,
+
+    /// Mutating /v1 requests per second allowed to each principal (429 + Retry-After beyond).
+    /// 0: no limit.
+    #[arg(long, env = "LEASEBROKER_RATE_LIMIT", default_value_t = 0)]
+    pub rate_limit: u32,
+
+    /// How many mutating requests a principal may send at once above `--rate-limit`. Default:
+    /// the same as `--rate-limit`.
+    #[arg(long, env = "LEASEBROKER_RATE_LIMIT_BURST")]
+    pub rate_limit_burst: Option<u32>,
+
+    /// A connection whose request headers have not all arrived within this is closed.
+    #[arg(long, env = "LEASEBROKER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub header_timeout: Duration,
+
+    /// A connection with no traffic for this long is shut down; a request body that stalls this
+    /// long is cut.
+    #[arg(long, env = "LEASEBROKER_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    pub idle_timeout: Duration,
+
+    /// On SIGTERM, how long to wait for requests in flight, including handlers whose client
+    /// already hung up, before exiting anyway.
+    #[arg(long, env = "LEASEBROKER_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
 }
 
+/// The shortest token accepted: shorter ones are guessable, or a typo.
+pub const MIN_TOKEN_LEN: usize = 16;
+
 impl ServeArgs {
-    /// Checks the flags that depend on each other.
+    /// Checks what no single flag can: flags that depend on each other.
     pub fn validate(&self) -> Result<(), String> {
+        if let Some(admin) = &self.admin_token
+            && self.tokens.iter().any(|(t, _)| t == admin)
+        {
+            return Err("the admin token must not also be a tenant's --token".to_owned());
+        }
         if self.hypervisor_settle < self.hypervisor_timeout {
             return Err(format!(
                 "--hypervisor-settle ({}) must be at least --hypervisor-timeout ({}): a call may take effect \
@@ -127,7 +168,8 @@ impl ServeArgs {
 /// `leasebroker hypervisor-sim`.
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
-    /// Address to listen on.
+    /// Address to listen on. The simulator has no authentication: anyone who can reach this
+    /// address can list every VM and switch faults on.
     #[arg(long, env = "LEASEBROKER_LISTEN", default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,
     /// Probability that a mutating call fails before doing anything (503).
@@ -145,17 +187,76 @@ pub struct SimArgs {
 #[derive(Debug, Clone, Args)]
 pub struct MigrateArgs {
     /// Database URL: `sqlite://PATH` or `postgres://...`.
-    #[arg(long, env = "LEASEBROKER_DATABASE")]
+    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true)]
     pub database: String,
 }
 
+/// `TOKEN=PRINCIPAL`, split at the last `=` (a token may contain `=`, a principal may not).
 fn parse_token(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
+    match s.rsplit_once('=') {
         Some((token, principal)) if !token.is_empty() && !principal.is_empty() => {
+            check_token_len("--token", token)?;
             Ok((token.to_owned(), principal.to_owned()))
         }
-        // The value is not echoed: it may be a secret typed without its principal.
-        _ => Err("expected TOKEN=PRINCIPAL, both non-empty (the value is not shown)".to_owned()),
+        _ => Err("--token: expected TOKEN=PRINCIPAL, both non-empty (the value is not shown)".to_owned()),
+    }
+}
+
+fn check_token_len(flag: &str, token: &str) -> Result<(), String> {
+    if token.chars().count() < MIN_TOKEN_LEN {
+        return Err(format!("{flag}: a token must be at least {MIN_TOKEN_LEN} characters (the value is not shown)"));
+    }
+    Ok(())
+}
+
+/// Parses `--token` without ever putting the value in the error: clap's own error for a failed
+/// value parser quotes the value, which here may be a secret.
+#[derive(Debug, Clone, Copy)]
+struct TokenParser;
+
+impl clap::builder::TypedValueParser for TokenParser {
+    type Value = (String, String);
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Self::Value, clap::Error> {
+        let value = value.to_str().ok_or_else(|| secret_error("--token: not valid UTF-8 (the value is not shown)"))?;
+        parse_token(value).map_err(|m| secret_error(&m))
+    }
+}
+
+/// Parses `--admin-token`, never echoing the value.
+#[derive(Debug, Clone, Copy)]
+struct AdminTokenParser;
+
+impl clap::builder::TypedValueParser for AdminTokenParser {
+    type Value = String;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Self::Value, clap::Error> {
+        let value =
+            value.to_str().ok_or_else(|| secret_error("--admin-token: not valid UTF-8 (the value is not shown)"))?;
+        check_token_len("--admin-token", value).map_err(|m| secret_error(&m))?;
+        Ok(value.to_owned())
+    }
+}
+
+/// A usage error whose text is `message` alone.
+fn secret_error(message: &str) -> clap::Error {
+    clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{message}\n"))
+}
+
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("must be more than zero".to_owned()),
+        d => Ok(d),
     }
 }
 
@@ -201,18 +302,25 @@ mod tests {
             "leasebroker",
             "serve",
             "--token",
-            "t1=alice",
+            "token-one-0123456789=alice",
             "--token",
-            "t2=bob",
+            "token=two-0123456789=bob",
             "--mismatch-status",
             "422",
         ])
         .unwrap();
         let Command::Serve(s) = cli.command else { panic!("serve") };
-        assert_eq!(s.tokens, vec![("t1".into(), "alice".into()), ("t2".into(), "bob".into())]);
+        assert_eq!(
+            s.tokens,
+            vec![("token-one-0123456789".into(), "alice".into()), ("token=two-0123456789".into(), "bob".into())],
+            "split at the last '='"
+        );
         assert_eq!(s.mismatch_status, 422);
         assert_eq!(s.retention, Duration::from_secs(7 * 86400));
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "nope"]).is_err());
+        assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "short=alice"]).is_err());
+        assert!(Cli::try_parse_from(["leasebroker", "serve", "--admin-token", "short"]).is_err());
+        assert!(Cli::try_parse_from(["leasebroker", "serve", "--header-timeout", "0s"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--mismatch-status", "418"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--sim-fail-after", "1.5"]).is_err());
     }

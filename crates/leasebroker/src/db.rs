@@ -3,13 +3,15 @@
 //! Domain SQL is written once with `$N` placeholders, which both drivers accept; [`with_pool!`]
 //! runs the same code against whichever pool is configured.
 
+use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
 use idempotency::Store;
 use idempotency_sqlx::{PostgresStore, SqliteStore};
+use regex::Regex;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
@@ -48,19 +50,23 @@ impl Db {
             Ok(Self::Postgres(pool))
         } else if url.starts_with("sqlite:") {
             let opts = SqliteConnectOptions::from_str(url)
-                .with_context(|| format!("bad SQLite URL {url:?}"))?
+                .with_context(|| format!("bad SQLite URL {}", redact(url)))?
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal)
-                // NORMAL in WAL mode survives a process crash (SIGKILL), which is the failure
-                // this service is built for; FULL would add an fsync per commit for power loss.
-                .synchronous(SqliteSynchronous::Normal)
+                // FULL: a commit is on disk before it is acknowledged, so a power cut cannot lose
+                // a completed record or a hypervisor intent (NORMAL in WAL mode can lose the last
+                // commits, and the retry would then boot again). Its cost is in docs/security.md.
+                .synchronous(SqliteSynchronous::Full)
                 .busy_timeout(Duration::from_secs(10))
                 .foreign_keys(true);
+            if !url.contains(":memory:") && !url.contains("mode=memory") {
+                create_owner_only(opts.get_filename())?;
+            }
             let pool = idempotency_sqlx::sqlite_pool_options(8)
                 .acquire_timeout(Duration::from_secs(10))
                 .connect_with(opts)
                 .await
-                .with_context(|| format!("cannot open SQLite database {url:?}"))?;
+                .with_context(|| format!("cannot open SQLite database {}", redact(url)))?;
             Ok(Self::Sqlite(pool))
         } else {
             anyhow::bail!("unsupported database URL {:?}: use sqlite://PATH or postgres://...", redact(url))
@@ -100,9 +106,43 @@ impl Db {
     }
 }
 
-/// The URL without its password, for messages.
+/// Creates the SQLite file (and any missing directories) readable by its owner only, before
+/// SQLite opens it: SQLite gives the WAL and shared-memory files the database file's mode, so they
+/// are owner-only too. An existing file or directory is left as it is.
+fn create_owner_only(path: &Path) -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .with_context(|| format!("cannot create the directory {}", dir.display()))?;
+        }
+        match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e).with_context(|| format!("cannot create {}", path.display())),
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// The URL or connection string without its secrets, for messages and logs: the password of
+/// `scheme://user:password@host`, and the value of any `password`-like parameter, whether in a
+/// query (`?password=...&sslpassword=...`) or a libpq `key=value` string (`password='...'`).
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    static PARAM: OnceLock<Regex> = OnceLock::new();
+    let param = PARAM.get_or_init(|| {
+        Regex::new(
+            r#"(?i)((?:^|[?&;\s])[a-z_]*(?:password|passwd|pwd|secret|token)\s*=\s*)('(?:[^'\\]|\\.)*'?|[^&;\s]*)"#,
+        )
+        .expect("a valid pattern")
+    });
+    let url = match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let creds = &url[s + 3..at];
             match creds.split_once(':') {
@@ -111,15 +151,42 @@ pub fn redact(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
-    }
+    };
+    param.replace_all(&url, "${1}***").into_owned()
 }
 
 #[cfg(test)]
 mod tests {
+    use super::redact;
+
     #[test]
     fn redacts_passwords() {
-        assert_eq!(super::redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
-        assert_eq!(super::redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(super::redact("sqlite://x.db"), "sqlite://x.db");
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite://x.db"), "sqlite://x.db");
+        assert_eq!(redact("http://hv:p@ss@h:8090/"), "http://hv:***@h:8090/");
+    }
+
+    #[test]
+    fn redacts_password_parameters_in_queries_and_libpq_strings() {
+        assert_eq!(redact("postgres://u@h/db?password=secret"), "postgres://u@h/db?password=***");
+        assert_eq!(
+            redact("postgres://h/db?sslmode=require&PASSWORD=secret&sslpassword=key2&application_name=lb"),
+            "postgres://h/db?sslmode=require&PASSWORD=***&sslpassword=***&application_name=lb"
+        );
+        assert_eq!(redact("host=h user=u password=secret dbname=lb"), "host=h user=u password=*** dbname=lb");
+        assert_eq!(redact("host=h password = 'se cr\\'et' dbname=lb"), "host=h password = *** dbname=lb");
+        assert_eq!(redact("password=secret"), "password=***");
+        assert_eq!(redact("http://h/hv?token=abc&x=1"), "http://h/hv?token=***&x=1");
+        assert_eq!(redact("host=h dbname=lb"), "host=h dbname=lb");
+    }
+
+    #[tokio::test]
+    async fn sqlite_commits_are_synchronous_full() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = super::Db::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.expect("db");
+        let super::Db::Sqlite(pool) = &db else { panic!("sqlite") };
+        let level: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(pool).await.expect("pragma");
+        assert_eq!(level, 2, "FULL is 2, NORMAL is 1");
     }
 }

@@ -105,6 +105,17 @@ pub struct WorkerRow {
     pub created_at: i64,
 }
 
+/// The outcome of [`Domain::allocate_within`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Allocation {
+    /// The node allocated under the id (now, or by an earlier attempt).
+    Node(Node),
+    /// No node is free.
+    Exhausted,
+    /// The principal holds its quota of nodes already.
+    QuotaExceeded,
+}
+
 /// Counts for the fleet endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Counts {
@@ -181,6 +192,72 @@ impl Domain {
             Ok(node) => Ok(node),
             // A superseded attempt of the same request allocated concurrently: use its node.
             Err(e) if is_unique_violation(&e) => self.allocation(alloc_id).await,
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Like [`Domain::allocate`], but refuses a new allocation that would give `principal` more
+    /// than `quota` nodes. The count and the allocation are one statement (SQLite's single
+    /// writer) or one transaction serialized per principal by an advisory lock (PostgreSQL), so
+    /// concurrent creates, on one replica or several, cannot overshoot it.
+    pub async fn allocate_within(&self, alloc_id: &str, principal: &str, now: i64, quota: u32) -> Result<Allocation> {
+        if quota == 0 {
+            return Ok(self.allocate(alloc_id, principal, now).await?.map_or(Allocation::Exhausted, Allocation::Node));
+        }
+        if let Some(node) = self.allocation(alloc_id).await? {
+            return Ok(Allocation::Node(node));
+        }
+        // One statement: the free node and the principal's count are read by the same write.
+        const CAPPED_PG: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
+             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+             AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
+             RETURNING node_id, cpu, memory_gb";
+        const CAPPED_SQLITE: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
+             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
+             AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
+             RETURNING node_id, cpu, memory_gb";
+        let quota = i64::from(quota);
+        let res = match &self.db {
+            Db::Postgres(p) => {
+                async {
+                    let mut tx = p.begin().await?;
+                    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7541))")
+                        .bind(principal)
+                        .execute(&mut *tx)
+                        .await?;
+                    let node = sqlx::query_as::<_, Node>(CAPPED_PG)
+                        .bind(alloc_id)
+                        .bind(principal)
+                        .bind(now)
+                        .bind(quota)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(node)
+                }
+                .await
+            }
+            Db::Sqlite(p) => {
+                sqlx::query_as::<_, Node>(CAPPED_SQLITE)
+                    .bind(alloc_id)
+                    .bind(principal)
+                    .bind(now)
+                    .bind(quota)
+                    .fetch_optional(p)
+                    .await
+            }
+        };
+        match res {
+            Ok(Some(node)) => Ok(Allocation::Node(node)),
+            Ok(None) => {
+                let held: i64 = with_pool!(&self.db, p => {
+                    sqlx::query_scalar("SELECT COUNT(*) FROM lb_nodes WHERE principal = $1").bind(principal).fetch_one(p).await?
+                });
+                Ok(if held >= quota { Allocation::QuotaExceeded } else { Allocation::Exhausted })
+            }
+            Err(e) if is_unique_violation(&e) => {
+                Ok(self.allocation(alloc_id).await?.map_or(Allocation::Exhausted, Allocation::Node))
+            }
             Err(e) => Err(e.into()),
         }
     }

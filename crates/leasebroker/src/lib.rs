@@ -26,4 +26,5 @@ pub mod domain;
 pub mod hypervisor;
 pub mod openapi;
 pub mod reaper;
+pub mod serve;
 pub mod service;

@@ -24,7 +24,7 @@ use std::time::Duration;
 use idempotency::{Record, SubKey};
 use serde::{Deserialize, Serialize};
 
-use crate::domain::{Domain, DomainError, Intent, OperationRow, WorkerRow};
+use crate::domain::{Allocation, Domain, DomainError, Intent, OperationRow, WorkerRow};
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
 
 /// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
@@ -46,6 +46,9 @@ pub enum ServiceError {
     /// No free node (503 + Retry-After).
     #[error("no free node in the pool")]
     CapacityExhausted,
+    /// The principal holds `--max-workers-per-principal` workers already (403; not stored).
+    #[error("this principal holds its quota of {0} workers; delete one first")]
+    QuotaExceeded(u32),
     /// The hypervisor could not be reached or may not have acted; try again (503 + Retry-After).
     #[error("{reason}")]
     UpstreamUnavailable {
@@ -128,7 +131,7 @@ impl CreateWorker {
                     return invalid(format!("label keys must be 1 to {MAX_LABEL_KEY} characters"));
                 }
                 if v.chars().count() > MAX_LABEL_VALUE {
-                    return invalid(format!("label {k:?}: values must be at most {MAX_LABEL_VALUE} characters"));
+                    return invalid(format!("label values must be at most {MAX_LABEL_VALUE} characters"));
                 }
             }
         }
@@ -233,6 +236,8 @@ pub struct Workers {
     pub settle: Duration,
     /// Field limits.
     pub limits: Limits,
+    /// The most workers one principal may hold (0: no limit).
+    pub quota: u32,
 }
 
 impl Workers {
@@ -252,8 +257,11 @@ impl Workers {
         }
         let now = now_micros();
         self.domain.begin_attempt(&op.row("create", now)).await?;
-        let node =
-            self.domain.allocate(keys.alloc.as_str(), principal, now).await?.ok_or(ServiceError::CapacityExhausted)?;
+        let node = match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota).await? {
+            Allocation::Node(node) => node,
+            Allocation::Exhausted => return Err(ServiceError::CapacityExhausted),
+            Allocation::QuotaExceeded => return Err(ServiceError::QuotaExceeded(self.quota)),
+        };
         let lease_id = keys.lease_id();
         self.domain.insert_lease(&lease_id, &node.node_id, principal, now).await?;
 

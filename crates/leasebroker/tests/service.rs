@@ -12,9 +12,9 @@ use serde_json::{Value, json};
 mod effects;
 
 const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
-const TOKEN: &str = "t-alice";
-const OTHER: &str = "t-bob";
-const ADMIN: &str = "t-admin";
+const TOKEN: &str = "tok-alice-5a8d1c7e90b3";
+const OTHER: &str = "tok-bob-3e7f0a9c2d64b1";
+const ADMIN: &str = "tok-admin-8c1b4d7e2f9a";
 
 /// A child process killed when dropped.
 struct Proc {
@@ -66,9 +66,9 @@ fn serve(db: &str, extra: &[&str]) -> Proc {
         "--database",
         db,
         "--token",
-        "t-alice=alice",
+        "tok-alice-5a8d1c7e90b3=alice",
         "--token",
-        "t-bob=bob",
+        "tok-bob-3e7f0a9c2d64b1=bob",
         "--admin-token",
         ADMIN,
         "--pool-nodes",

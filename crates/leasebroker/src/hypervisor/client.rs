@@ -115,6 +115,16 @@ impl HypervisorClient {
     /// A client for the hypervisor at `base_url` (e.g. `http://127.0.0.1:8090`; a path prefix is
     /// kept), giving each call at most `timeout` from sending the request to reading the answer.
     pub fn new(base_url: &str, timeout: Duration) -> Result<Self, HvError> {
+        Self::with_headers(base_url, timeout, reqwest::header::HeaderMap::new())
+    }
+
+    /// Like [`HypervisorClient::new`], sending `headers` on every call (say, the secret of a
+    /// simulator that only its own service may use).
+    pub fn with_headers(
+        base_url: &str,
+        timeout: Duration,
+        headers: reqwest::header::HeaderMap,
+    ) -> Result<Self, HvError> {
         let invalid = |reason: &str| HvError::InvalidUrl { url: base_url.to_owned(), reason: reason.to_owned() };
         let base = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
         if !matches!(base.scheme(), "http" | "https") {
@@ -127,6 +137,7 @@ impl HypervisorClient {
             return Err(invalid("the URL must not have a query or fragment"));
         }
         let http = reqwest::Client::builder()
+            .default_headers(headers)
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .build()

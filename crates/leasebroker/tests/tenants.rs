@@ -1,0 +1,668 @@
+//! Black-box tests of what keeps the service safe in front of many tenants: quotas, rate limits,
+//! connection timeouts, bounded problem details, secrets, file modes, internal details, the
+//! in-process simulator's reachability, and the shutdown drain of detached handlers. Each starts
+//! the real `leasebroker` binary.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
+const ALICE: &str = "tok-alice-7f3c9e21b5d04a68";
+const BOB: &str = "tok-bob-1d8e6f0a3c5b7924";
+const ADMIN: &str = "tok-admin-90ab4c2e7d1f3865";
+
+/// A child process killed when dropped, with its stderr collected.
+struct Proc {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    fn log(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+
+    /// Sends SIGTERM and waits (up to two minutes) for the exit code.
+    fn sigterm_and_wait(&mut self) -> Option<i32> {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM").success());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            assert!(Instant::now() < deadline, "the server did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Starts `leasebroker ARGS` with `env`, and waits for its "listening on http://ADDR" line.
+fn start_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start leasebroker");
+    let log = Arc::new(Mutex::new(String::new()));
+    let stderr = child.stderr.take().expect("stderr");
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[leasebroker] {line}");
+            let mut s = sink.lock().expect("log");
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("listening on http://") {
+                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
+            }
+        }
+    });
+    let url = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(url) => url,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("the process did not report its address in time; its log:\n{}", log.lock().expect("log"));
+        }
+    };
+    Proc { child, url, log }
+}
+
+fn serve(db: &str, extra: &[&str]) -> Proc {
+    let alice = format!("{ALICE}=alice");
+    let bob = format!("{BOB}=bob");
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database",
+        db,
+        "--token",
+        &alice,
+        "--token",
+        &bob,
+        "--admin-token",
+        ADMIN,
+        "--pool-nodes",
+        "40",
+    ];
+    args.extend_from_slice(extra);
+    start_env(&args, &[])
+}
+
+fn sqlite_url(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}", dir.path().join("lb.db").display())
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client")
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn problem_type(&self) -> String {
+        self.json()["type"].as_str().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_owned()
+    }
+}
+
+async fn send(method: reqwest::Method, url: &str, token: &str, key: Option<&str>, body: Option<Vec<u8>>) -> Reply {
+    let mut req = http().request(method, url).bearer_auth(token);
+    if let Some(k) = key {
+        req = req.header("Idempotency-Key", k);
+    }
+    if let Some(b) = body {
+        req = req.header("content-type", "application/json").body(b);
+    }
+    let resp = req.send().await.expect("request");
+    Reply { status: resp.status(), headers: resp.headers().clone(), body: resp.bytes().await.expect("body").to_vec() }
+}
+
+async fn create(base: &str, token: &str, key: &str) -> Reply {
+    let body = json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4});
+    send(reqwest::Method::POST, &format!("{base}/v1/workers"), token, Some(key), Some(body.to_string().into())).await
+}
+
+async fn fleet(base: &str) -> Value {
+    send(reqwest::Method::GET, &format!("{base}/admin/v1/fleet"), ADMIN, None, None).await.json()
+}
+
+// Quotas and rate limits (issue 17, item 1).
+
+#[tokio::test]
+async fn quota_caps_concurrent_creates_and_a_refused_create_takes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    quota_case(&sqlite_url(&dir)).await;
+}
+
+#[tokio::test]
+async fn quota_caps_concurrent_creates_on_postgres() {
+    let Some((db, cleanup)) = postgres_database().await else { return };
+    quota_case(&db).await;
+    cleanup.await;
+}
+
+/// A fresh PostgreSQL database (from `TEST_POSTGRES_URL`) and a future that drops it.
+async fn postgres_database() -> Option<(String, impl Future<Output = ()>)> {
+    use sqlx::Connection;
+    let Ok(admin_url) = std::env::var("TEST_POSTGRES_URL") else {
+        eprintln!("TEST_POSTGRES_URL not set; skipping");
+        return None;
+    };
+    let name = format!("lb_tenants_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("connect");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.expect("create db");
+    let base = admin_url.rsplit_once('/').expect("a database in the URL").0;
+    let url = format!("{base}/{name}");
+    let cleanup = async move {
+        let _ =
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)"))).execute(&mut admin).await;
+    };
+    Some((url, cleanup))
+}
+
+async fn quota_case(db: &str) {
+    let lb = serve(db, &["--max-workers-per-principal", "5"]);
+    let creates = (0..32).map(|i| {
+        let base = lb.url.clone();
+        tokio::spawn(async move { create(&base, ALICE, &format!("quota-{i}")).await })
+    });
+    let mut created = Vec::new();
+    let mut refused = Vec::new();
+    for (i, task) in creates.enumerate() {
+        let r = task.await.expect("task");
+        match r.status {
+            StatusCode::CREATED => created.push(r.json()["id"].as_str().expect("id").to_owned()),
+            StatusCode::FORBIDDEN => {
+                assert_eq!(r.problem_type(), "quota-exceeded", "{}", r.text());
+                refused.push(i);
+            }
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+    }
+    assert_eq!((created.len(), refused.len()), (5, 27));
+    let f = fleet(&lb.url).await;
+    assert_eq!((f["nodes_allocated"].as_i64(), f["workers_active"].as_i64()), (Some(5), Some(5)), "{f}");
+
+    // Another principal is not held back by alice's quota.
+    assert_eq!(create(&lb.url, BOB, "quota-bob").await.status, StatusCode::CREATED);
+
+    // The refusal was not stored: once alice deletes a worker, a retry of a refused key runs.
+    let del =
+        send(reqwest::Method::DELETE, &format!("{}/v1/workers/{}", lb.url, created[0]), ALICE, Some("quota-del"), None)
+            .await;
+    assert_eq!(del.status, StatusCode::NO_CONTENT);
+    let retry = create(&lb.url, ALICE, &format!("quota-{}", refused[0])).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    let f = fleet(&lb.url).await;
+    assert_eq!(f["nodes_allocated"].as_i64(), Some(6), "{f}");
+}
+
+#[tokio::test]
+async fn the_rate_limit_answers_429_with_retry_after_per_principal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--rate-limit", "1", "--rate-limit-burst", "3"]);
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let r = create(&lb.url, ALICE, &format!("rl-{i}")).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS {
+            assert_eq!(r.problem_type(), "rate-limited", "{}", r.text());
+            let secs: u64 = r.headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+            assert!(secs >= 1, "{secs}");
+        }
+        statuses.push(r.status);
+    }
+    let limited = statuses.iter().filter(|s| **s == StatusCode::TOO_MANY_REQUESTS).count();
+    assert!(limited >= 1, "{statuses:?}");
+    assert!(statuses.iter().filter(|s| **s == StatusCode::CREATED).count() >= 3, "the burst passes: {statuses:?}");
+    // Reads are not limited, and bob has his own budget.
+    let list = send(reqwest::Method::GET, &format!("{}/v1/workers", lb.url), ALICE, None, None).await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert_eq!(create(&lb.url, BOB, "rl-bob").await.status, StatusCode::CREATED);
+}
+
+// Connection timeouts (item 2).
+
+/// Reads until the server closes the socket (EOF or reset), up to `within`. Returns what it read.
+async fn read_until_closed(sock: &mut tokio::net::TcpStream, within: Duration) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, sock.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(got),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_connection_without_headers_or_with_a_stalled_body_is_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--header-timeout", "1s", "--idle-timeout", "2s"]);
+    let addr = lb.url.trim_start_matches("http://").to_owned();
+
+    // Connects and sends nothing at all.
+    let mut silent = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    assert!(read_until_closed(&mut silent, Duration::from_secs(30)).await.is_some(), "still open after 30 s");
+
+    // Sends half a header.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.expect("write");
+    assert!(read_until_closed(&mut slow, Duration::from_secs(30)).await.is_some(), "still open after 30 s");
+
+    // Sends headers that promise a body, then stalls: cut after the idle timeout.
+    let mut stalled = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/workers HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {ALICE}\r\n\
+         Idempotency-Key: stalled-1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"image\""
+    );
+    stalled.write_all(head.as_bytes()).await.expect("write");
+    let answer = read_until_closed(&mut stalled, Duration::from_secs(30)).await;
+    assert!(answer.is_some(), "a stalled body kept the connection open for 30 s");
+
+    // The server still serves.
+    let ok = http().get(format!("{}/healthz", lb.url)).send().await.expect("healthz");
+    assert_eq!(ok.status(), StatusCode::OK);
+    // And the stalled request was not stored as a completed record: a full retry runs.
+    let r = create(&lb.url, ALICE, "stalled-1").await;
+    assert!(r.status == StatusCode::CREATED || r.status == StatusCode::CONFLICT, "{} {}", r.status, r.text());
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--header-timeout", "30s", "--idle-timeout", "1s"]);
+    let addr = lb.url.trim_start_matches("http://").to_owned();
+    let mut sock = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    sock.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes()).await.expect("write");
+    let mut buf = [0u8; 1024];
+    let n = sock.read(&mut buf).await.expect("read");
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
+    // Well before the 30 s header timeout, the idle timeout closes it.
+    let started = Instant::now();
+    assert!(read_until_closed(&mut sock, Duration::from_secs(25)).await.is_some(), "idle connection kept open");
+    assert!(started.elapsed() < Duration::from_secs(25));
+}
+
+// Problem details are bounded (item 3).
+
+#[tokio::test]
+async fn problem_details_are_bounded_and_never_echo_the_body() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let big = "Z".repeat(900 * 1024);
+    let canary = "Z".repeat(64);
+    let url = format!("{}/v1/workers", lb.url);
+    let bodies = [
+        (format!(r#"{{"image": "i", "cpu": "{big}", "memory_gb": 1}}"#), StatusCode::UNPROCESSABLE_ENTITY),
+        (format!(r#"{{"image": "i", "cpu": 1, "memory_gb": 1, "{big}": 1}}"#), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            format!(r#"{{"image": "i", "cpu": 1, "memory_gb": 1, "labels": {{"k": "v"{big}}}}}"#),
+            StatusCode::BAD_REQUEST,
+        ),
+        (format!(r#"{{"image": "{big}", "cpu": 1, "memory_gb": 1}}"#), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            format!(r#"{{"image": "i", "cpu": 1, "memory_gb": 1, "labels": {{"k": "{big}"}}}}"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            format!(r#"{{"image": "i", "cpu": 1, "memory_gb": 1, "labels": {{"{}": "v"}}}}"#, "Z".repeat(300)),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+    ];
+    for (i, (body, want)) in bodies.into_iter().enumerate() {
+        let r = send(reqwest::Method::POST, &url, ALICE, Some(&format!("big-{i}")), Some(body.into_bytes())).await;
+        assert_eq!(r.status, want, "case {i}: {}", &r.text()[..r.text().len().min(500)]);
+        assert!(r.body.len() <= 600, "case {i}: a {}-byte problem", r.body.len());
+        let detail = r.json()["detail"].as_str().expect("detail").to_owned();
+        assert!(!detail.is_empty() && detail.len() <= 300, "case {i}: {detail}");
+        assert!(!r.text().contains(&canary), "case {i} echoes the body: {}", r.text());
+    }
+}
+
+// Secrets (item 4).
+
+#[test]
+fn help_never_prints_secrets_from_the_environment() {
+    let out = Command::new(BIN)
+        .args(["serve", "--help"])
+        .env("LEASEBROKER_TOKENS", "help-canary-token-0a1b2c3d=alice")
+        .env("LEASEBROKER_ADMIN_TOKEN", "help-canary-admin-4e5f6a7b")
+        .env("LEASEBROKER_DATABASE", "postgres://u:help-canary-pw@db.internal/lb")
+        .env("LEASEBROKER_HYPERVISOR_URL", "http://hv:help-canary-hv@hv.internal/")
+        .output()
+        .expect("run");
+    assert!(out.status.success());
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("--token"), "{text}");
+    assert!(!text.contains("help-canary"), "--help shows a secret from the environment:\n{text}");
+}
+
+/// Runs `leasebroker serve ARGS` expecting it to refuse to start; returns its stderr.
+fn refused(args: &[&str], env: &[(&str, &str)]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut err = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve {args:?} started instead of refusing: {err}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "serve {args:?} started: {err}");
+    err
+}
+
+#[test]
+fn bad_tokens_are_refused_in_one_line_without_echoing_them() {
+    // Not TOKEN=PRINCIPAL: the value may be a bare secret; it is never echoed.
+    let err = refused(&["--token", "sekrit-canary-no-principal-0123"], &[]);
+    assert!(!err.contains("sekrit-canary"), "{err}");
+    assert!(err.contains("TOKEN=PRINCIPAL"), "{err}");
+    let err = refused(&[], &[("LEASEBROKER_TOKENS", "sekrit-canary-env-0123456789")]);
+    assert!(!err.contains("sekrit-canary"), "{err}");
+    // Too short.
+    let err = refused(&["--token", "short-canary=alice"], &[]);
+    assert!(!err.contains("short-canary"), "{err}");
+    assert!(err.contains("at least 16"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    let err = refused(&["--token", &format!("{ALICE}=alice"), "--admin-token", "adm-canary"], &[]);
+    assert!(!err.contains("adm-canary"), "{err}");
+    assert!(err.contains("at least 16"), "{err}");
+    // The admin token may not also be a tenant's token.
+    let err = refused(&["--token", &format!("{ALICE}=alice"), "--admin-token", ALICE], &[]);
+    assert!(!err.contains(ALICE), "{err}");
+    assert!(err.contains("admin"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+}
+
+#[tokio::test]
+async fn a_token_is_split_from_its_principal_at_the_last_equals_sign() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let token = "tok-with=equals-0123456789";
+    let arg = format!("{token}=carol");
+    let lb = start_env(&["serve", "--listen", "127.0.0.1:0", "--database", &db, "--token", &arg], &[]);
+    let r = send(reqwest::Method::GET, &format!("{}/v1/workers", lb.url), token, None, None).await;
+    assert_eq!(r.status, StatusCode::OK, "the whole token before the last '=' authenticates");
+    let r = send(reqwest::Method::GET, &format!("{}/v1/workers", lb.url), "tok-with", None, None).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "the part before the first '=' is not a token");
+}
+
+// Files (item 5).
+
+#[cfg(unix)]
+#[tokio::test]
+async fn the_sqlite_database_and_its_wal_are_owner_only_in_an_owner_only_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("new").join("data");
+    let db = format!("sqlite://{}", data.join("lb.db").display());
+    let lb = serve(&db, &[]);
+    assert_eq!(create(&lb.url, ALICE, "files-1").await.status, StatusCode::CREATED);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).expect("metadata").permissions().mode() & 0o777;
+    for name in ["lb.db", "lb.db-wal", "lb.db-shm"] {
+        let path = data.join(name);
+        assert!(path.exists(), "{name} exists");
+        assert_eq!(mode(&path), 0o600, "{name}: {:o}", mode(&path));
+    }
+    assert_eq!(mode(&data), 0o700, "the directory the service created");
+    assert_eq!(mode(&dir.path().join("new")), 0o700, "and its parent, also created");
+}
+
+// Internal details (item 8).
+
+/// A fake hypervisor that answers every call with `status` and a distinctive body.
+async fn hostile_hypervisor(status: u16) -> String {
+    use axum::http::StatusCode as S;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = axum::Router::new().fallback(move || async move {
+        (S::from_u16(status).expect("status"), "hv-body-canary: internal host db7.hv.internal:5432 failed")
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://hvuser:hv-pass-canary@{addr}/")
+}
+
+#[tokio::test]
+async fn hypervisor_addresses_and_error_bodies_never_reach_tenants_and_the_log_hides_credentials() {
+    for status in [500, 422] {
+        let hv = hostile_hypervisor(status).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv, "--hypervisor-timeout", "2s"]);
+        let r = create(&lb.url, ALICE, "hv-1").await;
+        assert!(r.status == StatusCode::BAD_GATEWAY || r.status == StatusCode::SERVICE_UNAVAILABLE, "{}", r.status);
+        assert_eq!(r.problem_type(), "upstream-unavailable");
+        let text = r.text();
+        for leak in ["hv-body-canary", "127.0.0.1", "hv-pass-canary", "hvuser", "http://"] {
+            assert!(!text.contains(leak), "{status}: a tenant sees {leak:?}: {text}");
+        }
+        assert!(r.json()["detail"].as_str().expect("detail").len() <= 300);
+        let fleet = send(reqwest::Method::GET, &format!("{}/admin/v1/fleet", lb.url), ADMIN, None, None).await;
+        assert!(!fleet.text().contains("hv-body-canary") && !fleet.text().contains("127.0.0.1"), "{}", fleet.text());
+        let log = lb.log();
+        assert!(log.contains("hv-body-canary"), "the log keeps the details: {log}");
+        assert!(!log.contains("hv-pass-canary"), "the log shows the hypervisor's password: {log}");
+    }
+    // Unreachable: the connection error names the address; the tenant never sees it.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = closed.local_addr().expect("addr");
+    drop(closed);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &format!("http://{addr}/")]);
+    let r = create(&lb.url, ALICE, "hv-2").await;
+    assert_eq!(r.problem_type(), "upstream-unavailable", "{}", r.text());
+    assert!(!r.text().contains(&addr.port().to_string()) && !r.text().contains("127.0.0.1"), "{}", r.text());
+}
+
+#[tokio::test]
+async fn database_errors_never_reach_tenants_or_readyz() {
+    let Ok(admin_url) = std::env::var("TEST_POSTGRES_URL") else {
+        eprintln!("TEST_POSTGRES_URL not set; skipping");
+        return;
+    };
+    use sqlx::Connection;
+    let name = format!("lb_tenants_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("connect");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.expect("create db");
+    let base = admin_url.rsplit_once('/').expect("a database in the URL").0;
+    let db = format!("{base}/{name}");
+    let lb = serve(&db, &[]);
+    assert_eq!(create(&lb.url, ALICE, "db-1").await.status, StatusCode::CREATED);
+
+    // Refuse new connections and end the service's current ones.
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false")))
+        .execute(&mut admin)
+        .await
+        .expect("alter");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+    )))
+    .execute(&mut admin)
+    .await
+    .expect("terminate");
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ready = loop {
+        let r = http().get(format!("{}/readyz", lb.url)).send().await.expect("readyz");
+        let status = r.status();
+        let text = r.text().await.expect("body");
+        if status == StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            break (status, text);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ready.0, StatusCode::SERVICE_UNAVAILABLE);
+    for leak in [name.as_str(), "accepting", "pool", "database \"", "error returned"] {
+        assert!(!ready.1.contains(leak), "/readyz shows {leak:?}: {}", ready.1);
+    }
+    for (i, path) in ["/v1/workers", "/v1/workers/wkr-0000000000000000"].iter().enumerate() {
+        let r = if i == 0 {
+            create(&lb.url, ALICE, "db-2").await
+        } else {
+            send(reqwest::Method::GET, &format!("{}{path}", lb.url), ALICE, None, None).await
+        };
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{path}: {}", r.text());
+        for leak in [name.as_str(), "accepting", "pool timed out", "database \"", "error returned", "sqlx"] {
+            assert!(!r.text().contains(leak), "{path} shows {leak:?}: {}", r.text());
+        }
+    }
+    drop(lb);
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")))
+        .execute(&mut admin)
+        .await
+        .expect("alter");
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)"))).execute(&mut admin).await;
+}
+
+// The in-process simulator (item 9).
+
+/// The TCP ports process `pid` listens on (Linux: its socket inodes matched in /proc/net/tcp*).
+#[cfg(target_os = "linux")]
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let mut inodes = std::collections::HashSet::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fds").flatten() {
+        if let Ok(target) = std::fs::read_link(fd.path()) {
+            let t = target.to_string_lossy();
+            if let Some(inode) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')) {
+                inodes.insert(inode.to_owned());
+            }
+        }
+    }
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // local_address is HEX_IP:HEX_PORT, st 0A is LISTEN, inode is column 9.
+            if cols.len() > 9
+                && cols[3] == "0A"
+                && inodes.contains(cols[9])
+                && let Some(port) = cols[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok())
+            {
+                ports.push(port);
+            }
+        }
+    }
+    ports
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_in_process_simulator_cannot_be_used_by_other_processes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    assert_eq!(create(&lb.url, ALICE, "sim-1").await.status, StatusCode::CREATED);
+    let api_port: u16 = lb.url.rsplit(':').next().expect("port").parse().expect("port");
+    let ports = listening_ports(lb.child.id());
+    assert!(ports.contains(&api_port), "found the API port among {ports:?}");
+    for port in ports.into_iter().filter(|p| *p != api_port) {
+        let base = format!("http://127.0.0.1:{port}");
+        let vms = http().get(format!("{base}/v1/vms")).send().await.expect("get");
+        assert!(!vms.status().is_success(), "another process lists every tenant's VMs on port {port}");
+        let faults = http()
+            .put(format!("{base}/v1/faults"))
+            .json(&json!({"fail_before": 1.0, "fail_after": 0.0, "latency_ms": 0}))
+            .send()
+            .await
+            .expect("put");
+        assert!(!faults.status().is_success(), "another process switches faults on, on port {port}");
+    }
+    assert_eq!(create(&lb.url, ALICE, "sim-2").await.status, StatusCode::CREATED, "no fault was switched on");
+}
+
+#[test]
+fn the_standalone_simulator_says_it_is_for_tests() {
+    let out = Command::new(BIN).args(["hypervisor-sim", "--help"]).output().expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.to_lowercase().contains("for tests"), "{text}");
+    assert!(text.contains("no authentication"), "{text}");
+}
+
+// Shutdown drains detached handlers (issue 12, item 4).
+
+#[tokio::test]
+async fn sigterm_waits_for_a_handler_whose_client_hung_up_and_a_retry_after_restart_replays() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let mut lb = serve(&db, &["--sim-latency-ms", "4000"]);
+    let addr = lb.url.trim_start_matches("http://").to_owned();
+    let body = json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4}).to_string();
+    let mut sock = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/workers HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {ALICE}\r\n\
+         Idempotency-Key: drain-1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await.expect("send");
+    // Wait until the request holds its key (a retry is answered 409 in progress), then hang up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = create(&lb.url, ALICE, "drain-1").await;
+        if r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the first request never claimed its key: {} {}", r.status, r.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(sock);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(lb.sigterm_and_wait(), Some(0));
+    drop(lb);
+
+    let lb = serve(&db, &[]);
+    let r = create(&lb.url, ALICE, "drain-1").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(r.headers.get("idempotent-replayed").map(|v| v.to_str().unwrap_or("")), Some("true"));
+    let f = fleet(&lb.url).await;
+    assert_eq!(f["workers_active"].as_i64(), Some(1), "{f}");
+}
