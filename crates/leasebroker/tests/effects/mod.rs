@@ -314,6 +314,7 @@ impl Drop for InProcess {
 async fn in_process() -> InProcess {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
+    let token = format!("{TOKEN}=alice");
     let cli = Cli::parse_from([
         "leasebroker",
         "serve",
@@ -322,7 +323,7 @@ async fn in_process() -> InProcess {
         "--database",
         &db,
         "--token",
-        "t-alice=alice",
+        &token,
         "--admin-token",
         ADMIN,
         "--pool-nodes",
