@@ -723,3 +723,23 @@ async fn debug_logs_never_show_tokens_or_bodies() {
         assert!(at.is_none(), "the log shows {canary}: ...{}...", at.unwrap_or_default());
     }
 }
+
+#[tokio::test]
+async fn every_spelling_of_a_workers_path_is_one_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = &lb.url;
+    let created = create(base, TOKEN, "c-1", &worker_body()).await;
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let first = send(reqwest::Method::POST, &format!("{base}/v1/workers/{id}/reboot"), TOKEN, Some("r-1"), None).await;
+    assert_eq!((first.status, first.json()["reboot_count"].as_i64()), (StatusCode::ACCEPTED, Some(1)));
+    // The same worker, its first letter percent-encoded: axum decodes the path parameter, so
+    // the handler would reboot the same worker again if the layer saw another endpoint.
+    let escaped = format!("%{:02X}{}", id.as_bytes()[0], &id[1..]);
+    for path in [format!("/v1/workers/{escaped}/reboot"), format!("/v1/workers/{}/reboot", id.replace('-', "%2d"))] {
+        let again = send(reqwest::Method::POST, &format!("{base}{path}"), TOKEN, Some("r-1"), None).await;
+        assert_eq!((again.status, again.replayed()), (StatusCode::ACCEPTED, true), "{path}");
+        assert_eq!(again.body, first.body, "{path}");
+    }
+    assert_eq!(fleet(base).await["reboots_total"], 1, "one reboot per key, whatever the spelling");
+}
