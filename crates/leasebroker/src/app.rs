@@ -88,6 +88,7 @@ impl Application {
             .in_flight_ttl(args.in_flight_ttl)
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
+            .max_stored_response(args.max_stored_response)
             .build();
         background.push(idempotency_tower::spawn_sweeper(store.clone(), args.sweep_interval));
 

@@ -83,6 +83,11 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub retention: Duration,
 
+    /// The largest response stored for replay, in bytes. A larger one still reaches its client
+    /// whole, but a retry with its key gets `410 response-too-large` instead of the response.
+    #[arg(long, env = "LEASEBROKER_MAX_STORED_RESPONSE", default_value_t = 1024 * 1024)]
+    pub max_stored_response: usize,
+
     /// How long an in-flight request owns its key before a retry may reclaim it.
     #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse_duration)]
     pub in_flight_ttl: Duration,
@@ -184,6 +189,7 @@ mod tests {
         assert_eq!(s.tokens, vec![("t1".into(), "alice".into()), ("t2".into(), "bob".into())]);
         assert_eq!(s.mismatch_status, 422);
         assert_eq!(s.retention, Duration::from_secs(7 * 86400));
+        assert_eq!(s.max_stored_response, 1024 * 1024);
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "nope"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--mismatch-status", "418"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--sim-fail-after", "1.5"]).is_err());

@@ -743,3 +743,19 @@ async fn every_spelling_of_a_workers_path_is_one_record() {
     }
     assert_eq!(fleet(base).await["reboots_total"], 1, "one reboot per key, whatever the spelling");
 }
+
+#[tokio::test]
+async fn a_response_above_max_stored_response_runs_once_and_a_retry_gets_410() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A worker's JSON is a few hundred bytes: more than this.
+    let lb = serve(&sqlite_url(&dir), &["--max-stored-response", "100"]);
+    let base = &lb.url;
+    let created = create(base, TOKEN, "c-big", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert!(created.body.len() > 100 && created.json()["id"].is_string(), "the client gets the whole response");
+    let retry = create(base, TOKEN, "c-big", &worker_body()).await;
+    assert_problem(&retry, StatusCode::GONE, "response-too-large");
+    assert!(retry.replayed());
+    assert_one_worker_node_and_lease(base).await;
+    assert_eq!(fleet(base).await["vm_boots_total"], 1, "the create ran once");
+}
