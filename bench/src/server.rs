@@ -6,7 +6,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use clap::{Args, ValueEnum};
-use idempotency::{MemoryStore, Store};
+use idempotency::{MemoryStore, Principal, Store};
 use idempotency_sqlx::{PostgresStore, SqliteStore};
 use idempotency_tower::IdempotencyLayer;
 
@@ -41,8 +41,10 @@ async fn create() -> (StatusCode, [(&'static str, &'static str); 1], &'static st
 }
 
 fn ours(store: Arc<dyn Store>) -> Router {
-    // Every default: raw-body fingerprint, in-flight claims, 24 h retention.
-    Router::new().route("/v1/workers", post(create)).layer(IdempotencyLayer::new(store))
+    // Every default: raw-body fingerprint, in-flight claims, 24 h retention. The benchmark has
+    // no authentication, so every request shares one (explicitly allowed) anonymous scope.
+    let layer = IdempotencyLayer::builder(store).allow_anonymous(Principal::new("bench")).build();
+    Router::new().route("/v1/workers", post(create)).layer(layer)
 }
 
 fn peer() -> Router {

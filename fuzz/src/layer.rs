@@ -178,7 +178,9 @@ fn scope_of(req: &Request<Body>) -> Option<(String, String, String, String)> {
         return None;
     }
     let user = req.headers().get(USER)?.to_str().ok()?.to_owned();
-    Some((user, req.method().to_string(), path.to_owned(), key.as_str().to_owned()))
+    // Every spelling of one path is one record: the layer files it under the normalized path.
+    let path = idempotency::normalize_path(path).into_owned();
+    Some((user, req.method().to_string(), path, key.as_str().to_owned()))
 }
 
 fn app(canonical: bool) -> Router {

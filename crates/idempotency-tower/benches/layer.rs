@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::BodyExt;
-use idempotency::MemoryStore;
+use idempotency::{MemoryStore, Principal};
 use idempotency_tower::IdempotencyLayer;
 use tower::ServiceExt;
 
@@ -25,7 +25,9 @@ fn bare() -> Router {
 }
 
 fn layered() -> Router {
-    bare().layer(IdempotencyLayer::new(Arc::new(MemoryStore::new())))
+    // No authentication here: every request shares one (explicitly allowed) anonymous scope.
+    bare()
+        .layer(IdempotencyLayer::builder(Arc::new(MemoryStore::new())).allow_anonymous(Principal::new("bench")).build())
 }
 
 fn request(key: &str) -> Request<Body> {

@@ -39,6 +39,17 @@ pub(crate) struct Config {
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) compression_threshold: usize,
     pub(crate) problem_base: &'static str,
+    pub(crate) max_stored_response: usize,
+    pub(crate) completion_retry: CompletionRetry,
+    pub(crate) anonymous: Option<Principal>,
+}
+
+/// How a failed `complete` is retried in the background.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CompletionRetry {
+    pub(crate) times: usize,
+    pub(crate) first_delay: Duration,
+    pub(crate) max_delay: Duration,
 }
 
 impl fmt::Debug for Config {
@@ -55,14 +66,18 @@ impl fmt::Debug for Config {
             .field("in_progress_retry_after", &self.in_progress_retry_after)
             .field("compression_threshold", &self.compression_threshold)
             .field("problem_base", &self.problem_base)
+            .field("max_stored_response", &self.max_stored_response)
+            .field("completion_retry", &self.completion_retry)
+            .field("anonymous", &self.anonymous)
             .finish_non_exhaustive()
     }
 }
 
 /// The default principal: one an authentication middleware outside the layer put into the
-/// request's extensions, else `anonymous`.
+/// request's extensions, else none (the request is refused unless the layer was told to share
+/// an anonymous scope).
 pub(crate) fn default_principal(parts: &Parts) -> Option<Principal> {
-    Some(parts.extensions.get::<Principal>().cloned().unwrap_or_else(|| Principal::new("anonymous")))
+    parts.extensions.get::<Principal>().cloned()
 }
 
 /// The default route policy: every mutating route requires a key.

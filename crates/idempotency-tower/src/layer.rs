@@ -10,7 +10,7 @@ use http::{HeaderName, Method, StatusCode};
 use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, ResponsePolicy, Store};
 use tower::Layer;
 
-use crate::config::{Config, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal};
+use crate::config::{CompletionRetry, Config, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal};
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
 
@@ -24,6 +24,14 @@ pub const DEFAULT_BODY_LIMIT: usize = DEFAULT_MAX_BODY;
 pub const DEFAULT_COMPRESSION_THRESHOLD: usize = 1024;
 /// The default `Retry-After` ceiling for `409 request-in-progress`.
 pub const DEFAULT_IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The default largest response stored for replay (1 MiB).
+pub const DEFAULT_MAX_STORED_RESPONSE: usize = 1024 * 1024;
+/// The default number of times a failed completion is retried.
+pub const DEFAULT_COMPLETION_RETRIES: usize = 8;
+/// The default wait before the first retry of a failed completion; each wait doubles, up to
+/// 5 seconds.
+pub const DEFAULT_COMPLETION_RETRY_DELAY: Duration = Duration::from_millis(100);
+const MAX_COMPLETION_RETRY_DELAY: Duration = Duration::from_secs(5);
 
 /// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
 /// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
@@ -56,6 +64,13 @@ impl IdempotencyLayer {
             in_progress_retry_after: DEFAULT_IN_PROGRESS_RETRY_AFTER,
             compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
             problem_base: DEFAULT_PROBLEM_BASE,
+            max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
+            completion_retry: CompletionRetry {
+                times: DEFAULT_COMPLETION_RETRIES,
+                first_delay: DEFAULT_COMPLETION_RETRY_DELAY,
+                max_delay: MAX_COMPLETION_RETRY_DELAY,
+            },
+            anonymous: None,
         }
     }
 
@@ -89,6 +104,9 @@ pub struct IdempotencyLayerBuilder {
     in_progress_retry_after: Duration,
     compression_threshold: usize,
     problem_base: &'static str,
+    max_stored_response: usize,
+    completion_retry: CompletionRetry,
+    anonymous: Option<Principal>,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -99,6 +117,8 @@ impl fmt::Debug for IdempotencyLayerBuilder {
             .field("in_flight_ttl", &self.in_flight_ttl)
             .field("retention", &self.retention)
             .field("body_limit", &self.body_limit)
+            .field("max_stored_response", &self.max_stored_response)
+            .field("anonymous", &self.anonymous)
             .finish_non_exhaustive()
     }
 }
@@ -107,11 +127,22 @@ impl IdempotencyLayerBuilder {
     /// Who the request runs as; records are scoped to it, so two principals never share one.
     ///
     /// Default: a [`Principal`] found in the request's extensions (put there by an authentication
-    /// middleware outside this layer), else `Principal::new("anonymous")`. When the function
-    /// returns `None` on a protected request, the layer answers `401 unauthenticated` and does
-    /// not run the handler: a key it cannot scope would let two callers share a record.
+    /// middleware outside this layer). When the function returns `None` on a protected request,
+    /// the layer answers `401 principal-missing` and does not run the handler: a key it cannot
+    /// scope would let two callers share a record, and anyone who learns a key could replay
+    /// another caller's response. See [`allow_anonymous`](Self::allow_anonymous) for the
+    /// explicit opt-in to one shared scope.
     pub fn principal(mut self, f: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static) -> Self {
         self.principal = Box::new(f);
+        self
+    }
+
+    /// Opt-in: a protected request for which the principal function yields none runs under
+    /// `principal` instead of being refused. Every such request shares that one scope, so two
+    /// callers that send the same key share one record and one response: only for a service
+    /// with no notion of callers (or where every caller is trusted with every response).
+    pub fn allow_anonymous(mut self, principal: Principal) -> Self {
+        self.anonymous = Some(principal);
         self
     }
 
@@ -146,8 +177,11 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// How long an in-flight claim is honoured; after that the next request with the key takes
-    /// it over and runs the handler again. Default 5 minutes; set it above the slowest handler.
+    /// How long an in-flight claim is honoured without renewal; after that the next request with
+    /// the key takes it over and runs the handler again. Default 5 minutes. While a handler runs
+    /// the layer renews its claim every quarter of this (a fenced `Store::heartbeat`), so a slow
+    /// handler is never run twice at once: the TTL only bounds how long a dead attempt (a
+    /// crashed process) blocks its key, and can be short.
     pub fn in_flight_ttl(mut self, ttl: Duration) -> Self {
         self.in_flight_ttl = ttl;
         self
@@ -204,6 +238,29 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// The largest response body stored for replay, in bytes (default 1 MiB). The layer never
+    /// holds more than this of a terminal response in memory. A terminal response that is larger
+    /// is still sent whole to the client that made the request (streamed, not buffered), but
+    /// its record completes with a short `410 response-too-large` problem in its place: the
+    /// handler's side effects happened and must not happen twice, so a retry with the key gets
+    /// that problem, replayed, and never runs the handler again.
+    pub fn max_stored_response(mut self, bytes: usize) -> Self {
+        self.max_stored_response = bytes;
+        self
+    }
+
+    /// How often storing a response is retried when the store fails (default 8 times, the first
+    /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
+    /// client is answered at once; the retries run in a task of their own, renewing the claim
+    /// meanwhile. When all of them fail, the record stays in flight until its claim goes stale,
+    /// and the next retry after that runs the handler again (resuming through its sub-keys).
+    pub fn completion_retries(mut self, times: usize, first_delay: Duration) -> Self {
+        self.completion_retry.times = times;
+        self.completion_retry.first_delay = first_delay;
+        self.completion_retry.max_delay = MAX_COMPLETION_RETRY_DELAY.max(first_delay);
+        self
+    }
+
     /// Builds the layer.
     pub fn build(self) -> IdempotencyLayer {
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
@@ -224,6 +281,9 @@ impl IdempotencyLayerBuilder {
                 in_progress_retry_after: self.in_progress_retry_after,
                 compression_threshold: self.compression_threshold,
                 problem_base: self.problem_base,
+                max_stored_response: self.max_stored_response,
+                completion_retry: self.completion_retry,
+                anonymous: self.anonymous,
             }),
         }
     }

@@ -46,6 +46,22 @@
 //! # }
 //! ```
 //!
+//! The edges, briefly (each is a builder option or a default):
+//!
+//! - Records are scoped to a principal; a protected request without one is refused with
+//!   `401 principal-missing` unless the layer was built with
+//!   [`allow_anonymous`](IdempotencyLayerBuilder::allow_anonymous).
+//! - The endpoint and the fingerprint use the normalized path ([`idempotency::normalize_path`]),
+//!   so `/v1/workers/wkr-1` and `/v1/workers/%77kr-1` are one record.
+//! - While the handler runs, its claim is renewed every quarter of the in-flight TTL, so a slow
+//!   handler is never taken for a dead one and run twice.
+//! - A store error while storing the response is retried in the background
+//!   ([`completion_retries`](IdempotencyLayerBuilder::completion_retries)); the client is
+//!   answered at once.
+//! - A terminal response larger than
+//!   [`max_stored_response`](IdempotencyLayerBuilder::max_stored_response) reaches its client
+//!   whole, and a retry gets `410 response-too-large` instead of a second execution.
+//!
 //! Inside a handler, `axum::Extension<`[`IdempotencyContext`]`>` gives the record's key,
 //! principal and [`derive`](IdempotencyContext::derive)d sub-keys for each side effect. Run the
 //! core [`idempotency::Sweeper`] with [`spawn_sweeper`] to delete expired records.
@@ -68,8 +84,9 @@ pub use config::RoutePolicy;
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
 pub use layer::{
-    DEFAULT_BODY_LIMIT, DEFAULT_COMPRESSION_THRESHOLD, DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER,
-    DEFAULT_RETENTION, IdempotencyLayer, IdempotencyLayerBuilder,
+    DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
+    DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_RETENTION,
+    IdempotencyLayer, IdempotencyLayerBuilder,
 };
 pub use metrics::{
     RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics, spawn_sweeper, sweeper,

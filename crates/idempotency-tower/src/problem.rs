@@ -147,13 +147,14 @@ pub(crate) enum Rejection {
     InvalidKey(KeyError),
     BodyTooLarge { limit: usize },
     BodyUnreadable(String),
-    Unauthenticated,
+    PrincipalMissing,
     Mismatch,
     InProgress { retry_after: Duration },
     StoreUnavailable(StoreError),
     HandlerPanicked,
     ResponseBodyFailed(String),
     StoredResponseCorrupt(String),
+    ResponseTooLarge { limit: usize },
 }
 
 /// How long a client is told to wait after the store failed: long enough not to hammer a
@@ -168,13 +169,14 @@ impl Rejection {
             Self::InvalidKey(_) => "invalid_key",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::BodyUnreadable(_) => "body_unreadable",
-            Self::Unauthenticated => "unauthenticated",
+            Self::PrincipalMissing => "principal_missing",
             Self::Mismatch => "mismatch",
             Self::InProgress { .. } => "in_progress",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::HandlerPanicked => "panicked",
             Self::ResponseBodyFailed(_) => "handler_failed",
             Self::StoredResponseCorrupt(_) => "replay_failed",
+            Self::ResponseTooLarge { .. } => "response_too_large",
         }
     }
 
@@ -205,11 +207,11 @@ impl Rejection {
                 "Request body could not be read",
                 format!("reading the request body failed: {e}"),
             ),
-            Self::Unauthenticated => Problem::new(
+            Self::PrincipalMissing => Problem::new(
                 StatusCode::UNAUTHORIZED,
-                "unauthenticated",
-                "Unauthenticated",
-                "the request carries no identity to scope its idempotency key to",
+                "principal-missing",
+                "Principal missing",
+                "the request carries no identity to scope its idempotency key to; authenticate and retry",
             ),
             Self::Mismatch => Problem::new(
                 cfg.mismatch_status,
@@ -253,6 +255,16 @@ impl Rejection {
                 "stored-response-corrupt",
                 "Stored response unreadable",
                 format!("the response stored under this key cannot be replayed: {e}"),
+            ),
+            Self::ResponseTooLarge { limit } => Problem::new(
+                StatusCode::GONE,
+                "response-too-large",
+                "Response not stored",
+                format!(
+                    "the request with this key was executed, but its response was larger than the {limit} bytes \
+                     kept for replay, so it cannot be replayed; it will not run again; read the resulting state \
+                     instead"
+                ),
             ),
         };
         p.with_base(cfg.problem_base)

@@ -5,8 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use backon::{BackoffBuilder, ExponentialBuilder};
 use bytes::Bytes;
-use futures::FutureExt;
+use bytes::BytesMut;
+use futures::future::Either;
+use futures::{FutureExt, StreamExt};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -15,6 +18,7 @@ use idempotency::{
     StoredResponse, Timestamp, now,
 };
 use tower::{Service, ServiceExt};
+use tracing::Instrument;
 
 use crate::BoxError;
 use crate::config::{Config, never_replayed};
@@ -32,6 +36,8 @@ const MAX_RACES: u32 = 8;
 /// The first and the longest sleep between polls while waiting for an in-flight request.
 const FIRST_POLL: Duration = Duration::from_millis(10);
 const MAX_POLL: Duration = Duration::from_millis(100);
+/// The shortest time between two renewals of a claim, whatever the in-flight TTL.
+const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
 pub(crate) struct Protected<S> {
     pub(crate) cfg: Arc<Config>,
@@ -139,7 +145,13 @@ where
 
 /// What the handler produced, caught whole so that every way it ends is recorded in the store.
 enum Handled<E> {
-    Response(http::response::Parts, Bytes),
+    /// A terminal response, read whole (at most `max_stored_response` bytes).
+    Terminal(http::response::Parts, Bytes),
+    /// A terminal response whose body outgrew `max_stored_response`: what was read, and the
+    /// unread rest.
+    TooLarge(http::response::Parts, Bytes, Body),
+    /// A response that is not stored (5xx, 401, ...), body unread.
+    NotTerminal(http::response::Parts, Body),
     ServiceError(E),
     BodyError(BoxError),
 }
@@ -159,25 +171,59 @@ where
     let claim = ctx.claim_arc();
     parts.extensions.insert(ctx);
     let req = Request::from_parts(parts, Body::from(body));
+    let limit = cfg.max_stored_response;
+    let policy = cfg.response_policy.clone();
     let handled = AssertUnwindSafe(async move {
         match inner.oneshot(req).await {
             Err(e) => Handled::ServiceError(e),
             Ok(res) => {
                 let (parts, body) = res.into_parts();
-                // Buffer the whole response: it is stored as one value before anyone sees it.
-                match body.collect().await {
-                    Ok(collected) => Handled::Response(parts, collected.to_bytes()),
-                    Err(e) => Handled::BodyError(e.into()),
+                let body = Body::new(body);
+                if !policy.is_terminal(parts.status.as_u16()) {
+                    return Handled::NotTerminal(parts, body);
+                }
+                // A terminal response is stored as one value before anyone sees it, so it is
+                // read whole, but never more than can be stored.
+                match collect_bounded(body, limit).await {
+                    Collected::Whole(bytes) => Handled::Terminal(parts, bytes),
+                    Collected::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
+                    Collected::Failed(e) => Handled::BodyError(e),
                 }
             }
         }
     })
-    .catch_unwind()
-    .await;
+    .catch_unwind();
+    // The claim is renewed while the handler runs, so a handler slower than the in-flight TTL
+    // is not taken for a dead one and run a second time.
+    let handled = with_heartbeat(&cfg, &claim, handled).await;
 
-    let store = &cfg.store;
-    let (parts, bytes) = match handled {
-        Ok(Handled::Response(parts, bytes)) => (parts, bytes),
+    let (parts, body) = match handled {
+        Ok(Handled::Terminal(parts, bytes)) => {
+            let stored = StoredResponse {
+                status: parts.status.as_u16(),
+                headers: replayable_headers(&cfg, &parts.headers),
+                body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
+            };
+            complete(&cfg, &claim, stored).await;
+            (parts, Body::from(bytes))
+        }
+        Ok(Handled::TooLarge(parts, read, rest)) => {
+            // The side effects happened, so the record must not run again: it completes with a
+            // short problem that says so, and this client gets the whole response, streamed.
+            tracing::warn!(
+                limit = cfg.max_stored_response,
+                status = parts.status.as_u16(),
+                "the response is larger than a stored response may be; a retry gets 410 response-too-large"
+            );
+            complete(&cfg, &claim, too_large_response(&cfg)).await;
+            let stream =
+                futures::stream::once(async move { Ok::<_, axum::Error>(read) }).chain(rest.into_data_stream());
+            (parts, Body::from_stream(stream))
+        }
+        Ok(Handled::NotTerminal(parts, body)) => {
+            fail(&cfg, &claim, "the response is not terminal").await;
+            (parts, body)
+        }
         Ok(Handled::ServiceError(e)) => {
             fail(&cfg, &claim, "the inner service returned an error").await;
             count(outcome(how));
@@ -194,34 +240,142 @@ where
     };
 
     let status = parts.status;
-    if cfg.response_policy.is_terminal(status.as_u16()) {
-        let stored = StoredResponse {
-            status: status.as_u16(),
-            headers: replayable_headers(&cfg, &parts.headers),
-            body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
-        };
-        let expires_at = after(now(), cfg.retention);
-        match timed("complete", store.complete(&claim, &stored, expires_at)).await {
-            Ok(()) => {}
-            Err(StoreError::Fenced { generation }) => tracing::warn!(
-                generation,
-                "a newer attempt owns this key; its response is the one replayed, this client gets its own"
-            ),
-            Err(e) => tracing::error!(
-                error = %e,
-                "storing the response failed; the key stays in flight until its claim goes stale"
-            ),
-        }
-    } else {
-        fail(&cfg, &claim, "the response is not terminal").await;
-    }
     let outcome = outcome(how);
     count(outcome);
     let span = tracing::Span::current();
     span.record("outcome", outcome);
     span.record("status", status.as_u16());
     tracing::debug!(outcome, status = status.as_u16(), "handler ran");
-    Ok(Response::from_parts(parts, Body::from(bytes)))
+    Ok(Response::from_parts(parts, body))
+}
+
+/// A response body read up to a limit.
+enum Collected {
+    Whole(Bytes),
+    /// More than the limit: what was read (at most the limit) and the rest, unread.
+    TooLarge(Bytes, Body),
+    Failed(BoxError),
+}
+
+/// Reads `body` whole if it is at most `limit` bytes; never holds more than `limit` bytes of it
+/// (besides the one frame that crossed the limit, which the handler had already made).
+async fn collect_bounded(mut body: Body, limit: usize) -> Collected {
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Collected::TooLarge(Bytes::new(), body);
+    }
+    let mut read = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Collected::Failed(e.into()),
+        };
+        // Trailers are not stored or replayed.
+        let Ok(data) = frame.into_data() else { continue };
+        if read.len() + data.len() > limit {
+            let rest = Body::from_stream(
+                futures::stream::once(async move { Ok::<_, axum::Error>(data) }).chain(body.into_data_stream()),
+            );
+            return Collected::TooLarge(read.freeze(), rest);
+        }
+        read.extend_from_slice(&data);
+    }
+    Collected::Whole(read.freeze())
+}
+
+/// What a retry of a request whose response was too large to store gets: a short problem,
+/// stored in the response's place.
+fn too_large_response(cfg: &Config) -> StoredResponse {
+    let problem = Rejection::ResponseTooLarge { limit: cfg.max_stored_response }.into_problem(cfg);
+    StoredResponse {
+        status: problem.status().as_u16(),
+        headers: vec![(http::header::CONTENT_TYPE.as_str().to_owned(), crate::problem::PROBLEM_JSON.to_owned())],
+        body: StoredBody::encode(Bytes::from(problem.to_json()), cfg.compression_threshold),
+    }
+}
+
+/// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
+/// with backoff in a task of its own, so the client is answered at once; the claim is renewed
+/// while it retries. If every retry fails, the record stays in flight until its claim goes
+/// stale, and the next retry after that runs the handler again, which resumes through its
+/// sub-keys.
+async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse) {
+    let expires_at = after(now(), cfg.retention);
+    let first = timed("complete", cfg.store.complete(claim, &stored, expires_at)).await;
+    let error = match first {
+        Ok(()) => return,
+        Err(StoreError::Fenced { generation }) => {
+            tracing::warn!(
+                generation,
+                "a newer attempt owns this key; its response is the one replayed, this client gets its own"
+            );
+            return;
+        }
+        Err(e) => e,
+    };
+    let retry = cfg.completion_retry;
+    tracing::warn!(error = %error, retries = retry.times, "storing the response failed; retrying in the background");
+    let (cfg, claim) = (cfg.clone(), claim.clone());
+    let task = async move {
+        let delays = ExponentialBuilder::default()
+            .with_min_delay(retry.first_delay)
+            .with_max_delay(retry.max_delay)
+            .with_max_times(retry.times)
+            .with_jitter()
+            .build();
+        let retried = async {
+            let mut last = error;
+            for delay in delays {
+                tokio::time::sleep(delay).await;
+                match timed("complete", cfg.store.complete(&claim, &stored, expires_at)).await {
+                    Ok(()) => return Ok(()),
+                    Err(e @ StoreError::Fenced { .. }) => return Err(e),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "storing the response failed again");
+                        last = e;
+                    }
+                }
+            }
+            Err(last)
+        };
+        match with_heartbeat(&cfg, &claim, retried).await {
+            Ok(()) => tracing::info!("the response was stored on a retry"),
+            Err(StoreError::Fenced { generation }) => {
+                tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
+            }
+            Err(e) => tracing::error!(
+                error = %e,
+                "storing the response failed on every retry; the key stays in flight until its claim goes stale"
+            ),
+        }
+    };
+    tokio::spawn(task.instrument(tracing::Span::current()));
+}
+
+/// Runs `work` while renewing `claim` every quarter of the in-flight TTL, so a live attempt
+/// never goes stale. A fenced heartbeat (the claim was taken over, or the record is final)
+/// stops the renewal; `work` still runs to its end.
+async fn with_heartbeat<F: Future>(cfg: &Config, claim: &Claim, work: F) -> F::Output {
+    let every = (cfg.in_flight_ttl / 4).max(MIN_HEARTBEAT);
+    let beat = async {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match timed("heartbeat", cfg.store.heartbeat(claim, now())).await {
+                Ok(()) => {}
+                Err(StoreError::Fenced { generation }) => {
+                    tracing::warn!(generation, "the claim is no longer this attempt's; renewal stops");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing the claim failed; trying again at the next beat"),
+            }
+        }
+    };
+    let work = std::pin::pin!(work);
+    match futures::future::select(work, std::pin::pin!(beat)).await {
+        Either::Left((out, _)) => out,
+        Either::Right(((), work)) => work.await,
+    }
 }
 
 fn outcome(how: Run) -> &'static str {

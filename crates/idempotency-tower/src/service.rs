@@ -88,8 +88,8 @@ where
             Ok(None) => return reject(cfg, Rejection::MissingKey, None),
             Err(e) => return reject(cfg, Rejection::InvalidKey(e), None),
         };
-        let Some(principal) = (cfg.principal)(&parts) else {
-            return reject(cfg, Rejection::Unauthenticated, Some(&key));
+        let Some(principal) = (cfg.principal)(&parts).or_else(|| cfg.anonymous.clone()) else {
+            return reject(cfg, Rejection::PrincipalMissing, Some(&key));
         };
         let endpoint = Endpoint::new(parts.method.as_str(), &path);
         let span = tracing::info_span!(

@@ -61,8 +61,18 @@ fn store() -> Arc<MemoryStore> {
     Arc::new(MemoryStore::new())
 }
 
+/// A layer over `store` where requests without a principal share the scope `anonymous`
+/// (the explicit opt-in; without it they are refused).
 fn builder(store: &Arc<MemoryStore>) -> IdempotencyLayerBuilder {
-    IdempotencyLayer::builder(store.clone() as Arc<dyn Store>)
+    IdempotencyLayer::builder(store.clone() as Arc<dyn Store>).allow_anonymous(idempotency::Principal::new("anonymous"))
+}
+
+/// `store`, but every claim renewal fails: a claim goes stale after its TTL even while its
+/// handler still runs, as a hung or partitioned attempt's would.
+fn unrenewed<S: Store>(store: S) -> Arc<dyn Store> {
+    let faulty = idempotency::faulty::FaultyStore::new(store);
+    faulty.fail_always(idempotency::faulty::Op::Heartbeat);
+    Arc::new(faulty)
 }
 
 /// A router whose POST /v1/things and /v1/other count calls and answer 201 with the count.
@@ -388,7 +398,7 @@ mod scope {
 
     #[tokio::test]
     async fn the_same_key_from_two_principals_runs_twice() {
-        let layer = builder(&store())
+        let layer = IdempotencyLayer::builder(store())
             .principal(|parts| parts.headers.get("x-user")?.to_str().ok().map(idempotency::Principal::new))
             .build();
         let (app, calls) = counting_app(layer);
@@ -408,7 +418,7 @@ mod scope {
         // No identity: refused, never run unscoped.
         let anon = send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
         assert_eq!(anon.status, StatusCode::UNAUTHORIZED);
-        assert_eq!(anon.problem_type(), "/problems/unauthenticated");
+        assert_eq!(anon.problem_type(), "/problems/principal-missing");
         assert_eq!(calls.load(Ordering::SeqCst), 2);
     }
 
@@ -429,7 +439,7 @@ mod scope {
         b.headers_mut().insert("x-user", HeaderValue::from_static("bob"));
         assert!(!send(&app, a).await.replayed());
         assert!(!send(&app, b).await.replayed());
-        // Without one, everyone is "anonymous" and shares the key.
+        // Without one, everyone shares the opted-in "anonymous" scope.
         assert!(!send(&app, post_req("/v1/things", Some("k1"), "{}")).await.replayed());
         assert!(send(&app, post_req("/v1/things", Some("k1"), "{}")).await.replayed());
         assert_eq!(calls.load(Ordering::SeqCst), 3);
@@ -660,7 +670,11 @@ mod outcomes {
 
     #[tokio::test]
     async fn a_panic_outside_the_handler_is_a_500_problem_and_the_service_stays_up() {
-        let (app, calls) = counting_app(IdempotencyLayer::new(Arc::new(PanickingStore)));
+        let (app, calls) = counting_app(
+            IdempotencyLayer::builder(Arc::new(PanickingStore))
+                .allow_anonymous(idempotency::Principal::new("a"))
+                .build(),
+        );
         for key in ["k1", "k2"] {
             let a = send(&app, post_req("/v1/things", Some(key), "{}")).await;
             assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
@@ -671,7 +685,9 @@ mod outcomes {
 
     #[tokio::test]
     async fn an_unavailable_store_gets_503_and_the_handler_never_runs() {
-        let (app, calls) = counting_app(IdempotencyLayer::new(Arc::new(DownStore)));
+        let (app, calls) = counting_app(
+            IdempotencyLayer::builder(Arc::new(DownStore)).allow_anonymous(idempotency::Principal::new("a")).build(),
+        );
         let a = send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(a.problem_type(), "/problems/store-unavailable");
@@ -785,7 +801,12 @@ mod concurrency {
                     }
                 }),
             )
-            .layer(builder(&store()).in_flight_ttl(Duration::from_millis(200)).build());
+            .layer(
+                IdempotencyLayer::builder(unrenewed(MemoryStore::new()))
+                    .allow_anonymous(idempotency::Principal::new("a"))
+                    .in_flight_ttl(Duration::from_millis(200))
+                    .build(),
+            );
         let a2 = app.clone();
         let slow = tokio::spawn(async move { send(&a2, post_req("/v1/op", Some("k1"), "{}")).await });
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1016,7 +1037,7 @@ mod sqlite {
                     (StatusCode::CREATED, [("location", "/v1/slow/1")], format!("call {n}"))
                 }),
             )
-            .layer(IdempotencyLayer::new(store));
+            .layer(IdempotencyLayer::builder(store).allow_anonymous(idempotency::Principal::new("a")).build());
         let tasks: Vec<_> = (0..16)
             .map(|_| {
                 let app = app.clone();
@@ -1061,7 +1082,12 @@ mod sqlite {
                     }
                 }),
             )
-            .layer(IdempotencyLayer::builder(store).in_flight_ttl(Duration::from_millis(200)).build());
+            .layer(
+                IdempotencyLayer::builder(unrenewed(store))
+                    .allow_anonymous(idempotency::Principal::new("a"))
+                    .in_flight_ttl(Duration::from_millis(200))
+                    .build(),
+            );
         assert_eq!(send(&app, post_req("/v1/op", Some("k1"), "{}")).await.status, StatusCode::SERVICE_UNAVAILABLE);
         let a2 = app.clone();
         let slow = tokio::spawn(async move { send(&a2, post_req("/v1/op", Some("k1"), "{}")).await });

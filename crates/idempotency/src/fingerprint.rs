@@ -31,7 +31,9 @@ pub enum FingerprintMode {
 pub struct RequestParts<'a> {
     /// The method, e.g. `POST`.
     pub method: &'a str,
-    /// The path, without the query string.
+    /// The path, without the query string. It enters the fingerprint normalized
+    /// ([`crate::normalize_path`]), as it enters the record's endpoint: two spellings of one path
+    /// are one request.
     pub path: &'a str,
     /// The query string without the `?`, or `""`.
     pub query: &'a str,
@@ -112,13 +114,14 @@ impl Fingerprinter {
             FingerprintMode::Raw => None,
             FingerprintMode::CanonicalJson => canonical_json(parts.body),
         };
+        let path = crate::normalize_path(parts.path);
         let mut h = Sha256::new();
         // Each field is length-prefixed, so no two different requests can hash the same bytes.
         let tag: &[u8] = if canonical.is_some() { b"idempotency/fp/v1/json" } else { b"idempotency/fp/v1/raw" };
         for field in [
             tag,
             parts.method.as_bytes(),
-            parts.path.as_bytes(),
+            path.as_bytes(),
             parts.query.as_bytes(),
             parts.content_type,
             canonical.as_deref().unwrap_or(parts.body),
@@ -203,6 +206,20 @@ mod tests {
         assert_ne!(base, fp(FingerprintMode::Raw, "POST", "", b"text/plain", b"{}"));
         assert_ne!(base, fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{ }"));
         assert_eq!(base, fp(FingerprintMode::Raw, "POST", "", b"application/json", b"{}"));
+    }
+
+    #[test]
+    fn the_path_counts_normalized() {
+        let at = |path| {
+            Fingerprinter::default()
+                .fingerprint(&RequestParts { method: "POST", path, query: "", content_type: b"", body: b"{}" })
+                .unwrap()
+        };
+        let plain = at("/v1/workers/wkr-1/reboot");
+        assert_eq!(plain, at("/v1/workers/wkr-1/%72eboot"));
+        assert_eq!(plain, at("/v1/workers/wkr%2d1/reboot"));
+        assert_ne!(plain, at("/v1/workers/wkr-2/reboot"));
+        assert_ne!(at("/a%2Fb"), at("/a/b"));
     }
 
     #[test]

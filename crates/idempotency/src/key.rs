@@ -45,6 +45,10 @@ pub enum KeyError {
     /// The header was sent more than once.
     #[error("the Idempotency-Key header was sent more than once")]
     Repeated,
+    /// A bare (unquoted) key holds a comma, which cannot be told apart from two header lines
+    /// merged into one (RFC 9110 5.3). The quoted form may carry commas.
+    #[error("the unquoted key holds a comma at position {0}; send a key with commas as a quoted string")]
+    CommaInBareKey(usize),
 }
 
 impl IdempotencyKey {
@@ -52,7 +56,9 @@ impl IdempotencyKey {
     ///
     /// A value that starts with `"` is parsed as an RFC 9651 Structured Field Item that must be a
     /// String without parameters (the IETF draft's form); anything else is taken as the bare key
-    /// that Stripe-style clients send. Either way the key must then be 1-128 visible ASCII.
+    /// that Stripe-style clients send, which may not hold a comma: a proxy may join two header
+    /// lines into one with a comma (RFC 9110 5.3), and `a,b` could be the keys `a` and `b`. Either
+    /// way the key must then be 1-128 visible ASCII.
     pub fn parse_header(raw: &[u8]) -> Result<Self, KeyError> {
         let trimmed = trim_ows(raw);
         if trimmed.first() == Some(&b'"') {
@@ -67,7 +73,11 @@ impl IdempotencyKey {
             Self::try_from(s.as_str())
         } else {
             let s = std::str::from_utf8(trimmed).map_err(|e| KeyError::InvalidCharacter(e.valid_up_to()))?;
-            Self::try_from(s)
+            let key = Self::try_from(s)?;
+            match s.find(',') {
+                Some(pos) => Err(KeyError::CommaInBareKey(pos)),
+                None => Ok(key),
+            }
         }
     }
 
@@ -161,6 +171,18 @@ mod tests {
         assert!(matches!(parse("\"unterminated"), Err(KeyError::Malformed(_))));
         assert_eq!(parse("\"abc\";x=1"), Err(KeyError::NotAString));
         assert!(matches!(parse("\"abc\" trailing"), Err(KeyError::Malformed(_))));
+    }
+
+    #[test]
+    fn a_bare_key_may_not_hold_a_comma_a_quoted_one_may() {
+        assert_eq!(parse("a,b"), Err(KeyError::CommaInBareKey(1)));
+        assert_eq!(parse(","), Err(KeyError::CommaInBareKey(0)));
+        assert_eq!(parse("abc,"), Err(KeyError::CommaInBareKey(3)));
+        // Two quoted lines merged by a proxy are not one String item either.
+        assert!(matches!(parse(r#""a", "b""#), Err(KeyError::Malformed(_))));
+        assert_eq!(parse(r#""a,b""#).unwrap().as_str(), "a,b");
+        // The comma check comes after the usual ones: a too-long key is still TooLong.
+        assert_eq!(parse(&format!("{},", "k".repeat(128))), Err(KeyError::TooLong(129)));
     }
 
     #[test]

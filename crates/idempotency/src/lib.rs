@@ -62,6 +62,6 @@ pub use record::{
     BodyEncoding, Claim, ClaimOutcome, ClaimRequest, Decision, Record, RecordId, RecordState, StoredBody,
     StoredResponse, Timestamp, now, stale_after,
 };
-pub use scope::{Endpoint, Principal, Scope};
+pub use scope::{Endpoint, Principal, Scope, normalize_path};
 pub use store::{Store, StoreError};
 pub use sweeper::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_PAUSE, Sweeper};

@@ -100,6 +100,7 @@ impl Application {
             .in_flight_ttl(args.in_flight_ttl)
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
+            .max_stored_response(args.max_stored_response)
             .build();
         let reaper = Reaper {
             store: store.clone(),

@@ -99,6 +99,11 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub retention: Duration,
 
+    /// The largest response stored for replay, in bytes. A larger one still reaches its client
+    /// whole, but a retry with its key gets `410 response-too-large` instead of the response.
+    #[arg(long, env = "LEASEBROKER_MAX_STORED_RESPONSE", default_value_t = 1024 * 1024)]
+    pub max_stored_response: usize,
+
     /// How long an in-flight request owns its key before a retry may reclaim it.
     #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse_duration)]
     pub in_flight_ttl: Duration,
@@ -317,6 +322,7 @@ mod tests {
         );
         assert_eq!(s.mismatch_status, 422);
         assert_eq!(s.retention, Duration::from_secs(7 * 86400));
+        assert_eq!(s.max_stored_response, 1024 * 1024);
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "nope"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "short=alice"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--admin-token", "short"]).is_err());

@@ -729,3 +729,39 @@ async fn debug_logs_never_show_tokens_or_bodies() {
         assert!(at.is_none(), "the log shows {canary}: ...{}...", at.unwrap_or_default());
     }
 }
+
+#[tokio::test]
+async fn every_spelling_of_a_workers_path_is_one_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let base = &lb.url;
+    let created = create(base, TOKEN, "c-1", &worker_body()).await;
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let first = send(reqwest::Method::POST, &format!("{base}/v1/workers/{id}/reboot"), TOKEN, Some("r-1"), None).await;
+    assert_eq!((first.status, first.json()["reboot_count"].as_i64()), (StatusCode::ACCEPTED, Some(1)));
+    // The same worker, its first letter percent-encoded: axum decodes the path parameter, so
+    // the handler would reboot the same worker again if the layer saw another endpoint.
+    let escaped = format!("%{:02X}{}", id.as_bytes()[0], &id[1..]);
+    for path in [format!("/v1/workers/{escaped}/reboot"), format!("/v1/workers/{}/reboot", id.replace('-', "%2d"))] {
+        let again = send(reqwest::Method::POST, &format!("{base}{path}"), TOKEN, Some("r-1"), None).await;
+        assert_eq!((again.status, again.replayed()), (StatusCode::ACCEPTED, true), "{path}");
+        assert_eq!(again.body, first.body, "{path}");
+    }
+    assert_eq!(fleet(base).await["reboots_total"], 1, "one reboot per key, whatever the spelling");
+}
+
+#[tokio::test]
+async fn a_response_above_max_stored_response_runs_once_and_a_retry_gets_410() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A worker's JSON is a few hundred bytes: more than this.
+    let lb = serve(&sqlite_url(&dir), &["--max-stored-response", "100"]);
+    let base = &lb.url;
+    let created = create(base, TOKEN, "c-big", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert!(created.body.len() > 100 && created.json()["id"].is_string(), "the client gets the whole response");
+    let retry = create(base, TOKEN, "c-big", &worker_body()).await;
+    assert_problem(&retry, StatusCode::GONE, "response-too-large");
+    assert!(retry.replayed());
+    assert_one_worker_node_and_lease(base).await;
+    assert_eq!(fleet(base).await["vm_boots_total"], 1, "the create ran once");
+}
