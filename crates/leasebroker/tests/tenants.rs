@@ -170,28 +170,8 @@ async fn quota_caps_concurrent_creates_and_a_refused_create_takes_nothing() {
 
 #[tokio::test]
 async fn quota_caps_concurrent_creates_on_postgres() {
-    let Some((db, cleanup)) = postgres_database().await else { return };
-    quota_case(&db).await;
-    cleanup.await;
-}
-
-/// A fresh PostgreSQL database (from `TEST_POSTGRES_URL`) and a future that drops it.
-async fn postgres_database() -> Option<(String, impl Future<Output = ()>)> {
-    use sqlx::Connection;
-    let Ok(admin_url) = std::env::var("TEST_POSTGRES_URL") else {
-        eprintln!("TEST_POSTGRES_URL not set; skipping");
-        return None;
-    };
-    let name = format!("lb_tenants_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("connect");
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.expect("create db");
-    let base = admin_url.rsplit_once('/').expect("a database in the URL").0;
-    let url = format!("{base}/{name}");
-    let cleanup = async move {
-        let _ =
-            sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)"))).execute(&mut admin).await;
-    };
-    Some((url, cleanup))
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    quota_case(pg.url()).await;
 }
 
 async fn quota_case(db: &str) {
@@ -519,16 +499,12 @@ async fn hypervisor_addresses_and_error_bodies_never_reach_tenants_and_the_log_h
 
 #[tokio::test]
 async fn database_errors_never_reach_tenants_or_readyz() {
-    let Ok(admin_url) = std::env::var("TEST_POSTGRES_URL") else {
-        eprintln!("TEST_POSTGRES_URL not set; skipping");
-        return;
-    };
     use sqlx::Connection;
-    let name = format!("lb_tenants_{}", uuid::Uuid::new_v4().simple());
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let admin_url = idempotency_sqlx::testing::postgres_server_url().expect("the server URL");
     let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("connect");
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.expect("create db");
-    let base = admin_url.rsplit_once('/').expect("a database in the URL").0;
-    let db = format!("{base}/{name}");
+    let name = pg.name().to_owned();
+    let db = pg.url().to_owned();
     let lb = serve(&db, &[]);
     assert_eq!(create(&lb.url, ALICE, "db-1").await.status, StatusCode::CREATED);
 
@@ -570,11 +546,11 @@ async fn database_errors_never_reach_tenants_or_readyz() {
         }
     }
     drop(lb);
+    // Let the test database be dropped again.
     sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")))
         .execute(&mut admin)
         .await
         .expect("alter");
-    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)"))).execute(&mut admin).await;
 }
 
 // The in-process simulator (item 9).
