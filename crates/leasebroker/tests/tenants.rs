@@ -165,19 +165,21 @@ async fn fleet(base: &str) -> Value {
 #[tokio::test]
 async fn quota_caps_concurrent_creates_and_a_refused_create_takes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
-    quota_case(&sqlite_url(&dir)).await;
+    quota_case(&sqlite_url(&dir), 1).await;
 }
 
 #[tokio::test]
 async fn quota_caps_concurrent_creates_on_postgres() {
     let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
-    quota_case(pg.url()).await;
+    // Two replicas on one database: the quota holds across processes.
+    quota_case(pg.url(), 2).await;
 }
 
-async fn quota_case(db: &str) {
-    let lb = serve(db, &["--max-workers-per-principal", "5"]);
+async fn quota_case(db: &str, replicas: usize) {
+    let servers: Vec<Proc> = (0..replicas).map(|_| serve(db, &["--max-workers-per-principal", "5"])).collect();
+    let lb = &servers[0];
     let creates = (0..32).map(|i| {
-        let base = lb.url.clone();
+        let base = servers[i % replicas].url.clone();
         tokio::spawn(async move { create(&base, ALICE, &format!("quota-{i}")).await })
     });
     let mut created = Vec::new();
@@ -655,4 +657,43 @@ async fn sigterm_waits_for_a_handler_whose_client_hung_up_and_a_retry_after_rest
     assert_eq!(r.headers.get("idempotent-replayed").map(|v| v.to_str().unwrap_or("")), Some("true"));
     let f = fleet(&lb.url).await;
     assert_eq!(f["workers_active"].as_i64(), Some(1), "{f}");
+}
+
+/// The quota check at the domain level, with no HTTP in between: 64 allocations for one principal
+/// race on one database through two pools (two "replicas").
+async fn concurrent_allocations_case(url: &str) {
+    use leasebroker::db::Db;
+    use leasebroker::domain::{Allocation, Domain};
+    let first = Db::connect(url).await.expect("connect");
+    first.migrate().await.expect("migrate");
+    let domains = [Domain::new(first), Domain::new(Db::connect(url).await.expect("connect"))];
+    domains[0].seed_nodes(200, 64, 512).await.expect("seed");
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let domain = domains[i % 2].clone();
+            tokio::spawn(async move { domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5).await })
+        })
+        .collect();
+    let mut nodes = 0;
+    for task in tasks {
+        match task.await.expect("task").expect("allocate") {
+            Allocation::Node(_) => nodes += 1,
+            Allocation::QuotaExceeded => {}
+            Allocation::Exhausted => panic!("200 nodes cannot run out"),
+        }
+    }
+    assert_eq!(nodes, 5);
+    assert_eq!(domains[0].counts().await.expect("counts").nodes_allocated, 5);
+}
+
+#[tokio::test]
+async fn concurrent_allocations_never_overshoot_the_quota_on_postgres() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    concurrent_allocations_case(pg.url()).await;
+}
+
+#[tokio::test]
+async fn concurrent_allocations_never_overshoot_the_quota_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    concurrent_allocations_case(&sqlite_url(&dir)).await;
 }
