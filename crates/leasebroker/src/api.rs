@@ -357,6 +357,14 @@ pub fn json_error_detail(e: &serde_json::Error) -> String {
     static QUOTED: OnceLock<Regex> = OnceLock::new();
     let quoted = QUOTED.get_or_init(|| Regex::new(r#""(?:[^"\\]|\\.)*"?|`[^`]*`?"#).expect("a valid pattern"));
     let text = e.to_string();
+    // serde puts the unknown name between backquotes unescaped, so it is not cut out reliably.
+    if text.starts_with("unknown field") {
+        return format!(
+            "unknown field, expected one of `image`, `cpu`, `memory_gb`, `labels` at line {} column {}",
+            e.line(),
+            e.column()
+        );
+    }
     let cleaned = quoted.replace_all(&text, |c: &regex::Captures<'_>| {
         let q = &c[0];
         let inner = q.trim_matches('`');
@@ -379,11 +387,13 @@ pub fn json_error_detail(e: &serde_json::Error) -> String {
          headers(("Location" = String, description = "/v1/workers/{id}"))),
         (status = 400, description = "Malformed JSON, or a missing or invalid key", content_type = "application/problem+json"),
         (status = 401, description = "Unauthorized", content_type = "application/problem+json"),
+        (status = 403, description = "The principal holds its worker quota (not stored)", content_type = "application/problem+json"),
         (status = 409, description = "Key reused with another request, or in progress", content_type = "application/problem+json"),
         (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
         (status = 415, description = "Not JSON", content_type = "application/problem+json"),
         (status = 410, description = "The worker this key created was deleted since", content_type = "application/problem+json"),
         (status = 422, description = "Invalid fields", content_type = "application/problem+json"),
+        (status = 429, description = "Over the principal's rate limit (with --rate-limit)", content_type = "application/problem+json"),
         (status = 502, description = "Hypervisor refused (nothing held; not stored)", content_type = "application/problem+json"),
         (status = 503, description = "No free node, or hypervisor unavailable", content_type = "application/problem+json"),
     ),
@@ -473,6 +483,7 @@ pub async fn list_workers(
     params(("id" = String, Path, description = "Worker id"),
            ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
     responses((status = 204, description = "Deleted (replayed on every retry)"), (status = 401, description = "Unauthorized"),
+              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
               (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
     security(("bearer" = [])))]
 pub async fn delete_worker(
@@ -497,6 +508,7 @@ pub async fn delete_worker(
     params(("id" = String, Path, description = "Worker id"),
            ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
     responses((status = 202, body = RebootResult), (status = 401, description = "Unauthorized"),
+              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
               (status = 404, description = "No such worker"), (status = 502, description = "Hypervisor refused"),
               (status = 503, description = "Hypervisor unavailable")),
     security(("bearer" = [])))]
@@ -624,7 +636,47 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
 mod tests {
     use std::cell::Cell;
 
+    use rand::Rng;
+
     use super::*;
+
+    /// Many bodies with a random string put where serde quotes it (a value of the wrong type, an
+    /// unknown field name, a label, a broken document): every detail is bounded and none quotes
+    /// the string.
+    #[test]
+    fn json_error_details_are_bounded_and_never_quote_the_body() {
+        let templates = [
+            r#"{"image": "i", "cpu": "S", "memory_gb": 1}"#,
+            r#"{"image": "i", "cpu": 1, "memory_gb": 1, "S": 1}"#,
+            r#"{"image": "i", "cpu": 1, "memory_gb": 1, "labels": {"S": 1}}"#,
+            r#"{"image": "i", "cpu": 1, "memory_gb": 1, "labels": {"k": "v" "S"}}"#,
+            r#"{"image": ["S"], "cpu": 1, "memory_gb": 1}"#,
+            r#"{"image": "i", "cpu": S, "memory_gb": 1}"#,
+            r#"["S"]"#,
+            r#""S""#,
+        ];
+        let mut rng = rand::rng();
+        let alphabet: Vec<char> = "abcXYZ019 `\"'\\,:{}[]éß€😀".chars().collect();
+        for round in 0..1000 {
+            let len = if round % 50 == 0 { rng.random_range(1000..20_000) } else { rng.random_range(24..200) };
+            let mut secret: String = (0..len).map(|_| alphabet[rng.random_range(0..alphabet.len())]).collect();
+            secret.insert_str(0, "canary");
+            let escaped = serde_json::to_string(&secret).expect("json");
+            let escaped = &escaped[1..escaped.len() - 1];
+            for t in templates {
+                let body = t.replace('S', escaped);
+                let Err(e) = serde_json::from_slice::<crate::service::CreateWorker>(body.as_bytes()) else { continue };
+                let detail = json_error_detail(&e);
+                assert!(!detail.is_empty() && detail.len() <= MAX_DETAIL, "{} bytes for {t}", detail.len());
+                assert!(!detail.contains("canary"), "{t}: {detail}");
+                let chars: Vec<char> = secret.chars().take(400).collect();
+                for w in chars.windows(12) {
+                    let w: String = w.iter().collect();
+                    assert!(!detail.contains(&w), "{t}: {detail} quotes {w:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn every_configured_token_is_compared_whichever_matches() {

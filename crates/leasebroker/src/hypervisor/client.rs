@@ -222,7 +222,8 @@ impl HypervisorClient {
         }
         let result = request.send().await;
         if let Err(err) = &result {
-            tracing::debug!(%method, error = %err, "hypervisor call failed");
+            // reqwest's error names the URL, which may carry credentials.
+            tracing::debug!(%method, error = %crate::db::redact(&err.to_string()), "hypervisor call failed");
         }
         result.map_err(HvError::from_transport)
     }
