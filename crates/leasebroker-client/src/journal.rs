@@ -7,6 +7,10 @@
 //! timeout, and the insert is one atomic `INSERT .. ON CONFLICT DO NOTHING`, so processes racing
 //! on one op id all get the key of whichever insert won.
 //!
+//! The journal holds keys and the responses they got, so on Unix its file (and SQLite's WAL and
+//! shared-memory files, which SQLite gives the database file's mode) is created readable by its
+//! owner only (0600), and a directory [`Journal::open`] creates is 0700.
+//!
 //! ```no_run
 //! use leasebroker_client::journal::{Journal, RequestFingerprint};
 //! # async fn demo() -> Result<(), leasebroker_client::journal::JournalError> {
@@ -26,6 +30,10 @@ use backon::{ExponentialBuilder, Retryable};
 use sha2::{Digest, Sha256};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 
+use reqwest::StatusCode;
+use reqwest::header::HeaderMap;
+
+use crate::error::Error;
 use crate::retry::OpKey;
 
 /// How long a writer waits for another process's lock before failing.
@@ -91,10 +99,10 @@ pub enum JournalError {
     /// The stored key is not a valid key (the file was edited or damaged).
     #[error("operation {0:?} has a corrupt key in the journal")]
     Corrupt(String),
-    /// The journal's directory could not be created.
-    #[error("cannot create the journal directory {}: {source}", path.display())]
+    /// The journal's directory or file could not be created.
+    #[error("cannot create {}: {source}", path.display())]
     Io {
-        /// The directory.
+        /// The directory or file.
         path: PathBuf,
         /// Why.
         #[source]
@@ -114,6 +122,36 @@ pub struct Outcome {
     pub body: Vec<u8>,
     /// When it was recorded (RFC 3339, UTC).
     pub finished_at: String,
+}
+
+impl Outcome {
+    /// The error the recorded response was, as the client would have reported it live; `None` for
+    /// a success (2xx).
+    pub fn error(&self) -> Option<Error> {
+        let status = StatusCode::from_u16(self.status).ok()?;
+        Error::from_response(status, &HeaderMap::new(), &self.body)
+    }
+}
+
+/// Creates the journal's missing directories (0700) and its file (0600) before SQLite opens it, so
+/// the keys and responses in it are never readable by others, not even for a moment. An existing
+/// directory or file keeps the mode it has.
+fn create_private(path: &Path) -> Result<(), JournalError> {
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JournalError + '_ {
+        move |source| JournalError::Io { path: path.to_path_buf(), source }
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        let mut builder = std::fs::DirBuilder::new();
+        builder.recursive(true);
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+        builder.create(dir).map_err(io(dir))?;
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(path).map(drop).map_err(io(path))
 }
 
 /// One journal entry.
@@ -150,9 +188,7 @@ impl Journal {
     /// Opens (creating it and its directory if needed) the journal at `path`.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, JournalError> {
         let path = path.as_ref().to_path_buf();
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| JournalError::Io { path: dir.to_path_buf(), source })?;
-        }
+        create_private(&path)?;
         // Processes opening a fresh file together race to switch it to WAL and to create the
         // table, and SQLite answers some of those races with SQLITE_BUSY at once, without waiting
         // on the busy timeout. Opening again a moment later always finds the winner's work done.

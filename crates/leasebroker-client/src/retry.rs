@@ -6,8 +6,10 @@
 //!
 //! Retried: connection errors, timeouts, cut-short bodies, 5xx, 429 and `409 request-in-progress`,
 //! with capped exponential backoff and full jitter, waiting at least as long as `Retry-After` asks,
-//! within [`RetryPolicy::max_attempts`] and [`RetryPolicy::max_elapsed`]. Never retried:
-//! `idempotency-key-reused`, 401/403 and every other 4xx.
+//! until [`RetryPolicy::max_elapsed`] is spent: the time budget is what ends retrying (an attempt
+//! cap, [`RetryPolicy::max_attempts`], is off unless set). Never retried: `idempotency-key-reused`,
+//! 401/403 and every other 4xx, and a TLS failure (an untrusted certificate does not become trusted
+//! by asking again).
 //!
 //! ```no_run
 //! use leasebroker_client::retry::{OpKey, Retrier, RetryPolicy};
@@ -97,7 +99,9 @@ pub struct InvalidKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// Most requests to send, the first included (at least 1).
+    /// Most requests to send, the first included (at least 1). [`u32::MAX`] by default, i.e. no
+    /// cap: [`RetryPolicy::max_elapsed`] is the budget. Set it only to end retrying earlier on
+    /// purpose; a cap that runs out first ends the operation before its time budget is spent.
     pub max_attempts: u32,
     /// Total budget from the first attempt: no wait or attempt reaches past it.
     pub max_elapsed: Duration,
@@ -110,10 +114,11 @@ pub struct RetryPolicy {
 }
 
 impl Default for RetryPolicy {
-    /// 16 attempts within 10 minutes, backoff caps from 200 ms doubling to 30 s, 30 s per attempt.
+    /// Retries for 10 minutes (no attempt cap), backoff caps from 200 ms doubling to 30 s, 30 s per
+    /// attempt.
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 16,
+            max_attempts: u32::MAX,
             max_elapsed: Duration::from_secs(600),
             min_delay: Duration::from_millis(200),
             max_delay: Duration::from_secs(30),
@@ -147,12 +152,15 @@ impl RetryPolicy {
 
     /// The backoff caps: exponential, capped, one per retry.
     fn caps(&self) -> impl Iterator<Item = Duration> {
-        ExponentialBuilder::default()
+        let builder = ExponentialBuilder::default()
             .with_min_delay(self.min_delay)
             .with_max_delay(self.max_delay.max(self.min_delay))
-            .with_factor(2.0)
-            .with_max_times(self.max_attempts.saturating_sub(1) as usize)
-            .build()
+            .with_factor(2.0);
+        match self.max_attempts {
+            u32::MAX => builder.without_max_times(),
+            n => builder.with_max_times(n.saturating_sub(1) as usize),
+        }
+        .build()
     }
 }
 

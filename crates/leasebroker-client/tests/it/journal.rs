@@ -97,3 +97,47 @@ async fn racing_journals_on_one_file_agree_on_one_key() {
         assert!(keys.iter().all(|k| *k == keys[0]), "round {round}: racers got different keys: {keys:?}");
     }
 }
+
+#[cfg(unix)]
+#[tokio::test]
+async fn the_journal_and_its_wal_are_private_in_a_private_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state/lbctl/j.db");
+    let journal = Journal::open(&path).await.unwrap();
+    journal.begin("op-1", &create(2)).await.unwrap();
+    // While it is open, SQLite's WAL and shared-memory files exist beside it.
+    for file in [path.clone(), path.with_extension("db-wal"), path.with_extension("db-shm")] {
+        assert_eq!(mode(&file), 0o600, "{} is {:o}", file.display(), mode(&file));
+    }
+    for created in [dir.path().join("state"), dir.path().join("state/lbctl")] {
+        assert_eq!(mode(&created), 0o700, "{} is {:o}", created.display(), mode(&created));
+    }
+    journal.close().await;
+
+    // A directory that already exists keeps its mode: it is the user's.
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let journal = Journal::open(shared.join("j.db")).await.unwrap();
+    assert_eq!((mode(&shared), mode(&shared.join("j.db"))), (0o755, 0o600));
+    journal.close().await;
+}
+
+#[tokio::test]
+async fn a_recorded_refusal_reads_back_as_the_error_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path().join("j.db")).await.unwrap();
+    journal.begin("op-ok", &create(2)).await.unwrap();
+    journal.finish("op-ok", 201, br#"{"id":"wkr-1"}"#).await.unwrap();
+    journal.begin("op-404", &create(3)).await.unwrap();
+    let problem = br#"{"type":"https://leasebroker.test/problems/not-found","status":404}"#;
+    journal.finish("op-404", 404, problem).await.unwrap();
+    assert!(journal.entry("op-ok").await.unwrap().unwrap().outcome.unwrap().error().is_none());
+    let err = journal.entry("op-404").await.unwrap().unwrap().outcome.unwrap().error().expect("a refusal");
+    assert!(
+        matches!(&err, leasebroker_client::Error::Refused { status, problem: Some(p) } if *status == 404 && p.is("not-found")),
+        "{err:?}"
+    );
+}
