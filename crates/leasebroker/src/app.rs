@@ -66,6 +66,7 @@ impl Application {
                     fail_before: args.sim_fail_before,
                     fail_after: args.sim_fail_after,
                     latency: Duration::from_millis(args.sim_latency_ms),
+                    ..SimConfig::default()
                 });
                 let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
                 let addr = listener.local_addr()?;
