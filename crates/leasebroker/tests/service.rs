@@ -14,6 +14,9 @@ const TOKEN: &str = "t-alice";
 const OTHER: &str = "t-bob";
 const ADMIN: &str = "t-admin";
 
+#[path = "service/database.rs"]
+mod database;
+
 /// A child process killed when dropped.
 struct Proc {
     child: Child,
