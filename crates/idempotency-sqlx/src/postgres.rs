@@ -123,7 +123,8 @@ const SELECT: &str = concat!(
 );
 
 const RECLAIM: &str = concat!(
-    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = $6 \
+    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = $6, \
+       expires_at = GREATEST(expires_at, $8) \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
        AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
      RETURNING ",
@@ -136,6 +137,15 @@ const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', resp
        AND state = 'in_flight'";
 
 const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+// Renews a live claim; started_at never moves backwards (replicas' clocks differ a little).
+const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6) \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+const REMOVE: &str = "DELETE FROM idempotency_records \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
        AND state = 'in_flight'";
 
@@ -228,6 +238,7 @@ impl Store for PostgresStore {
         record: &Record,
         now: Timestamp,
         in_flight_ttl: Duration,
+        expires_at: Timestamp,
     ) -> Result<Option<Claim>, StoreError> {
         let row = sqlx::query(RECLAIM)
             .bind(record.scope.principal.as_str())
@@ -238,6 +249,7 @@ impl Store for PostgresStore {
             .bind(now)
             // NULL when no claim can be that old: `started_at <= NULL` is never true.
             .bind(stale_cutoff(now, in_flight_ttl))
+            .bind(expires_at)
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
@@ -271,6 +283,35 @@ impl Store for PostgresStore {
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(FAIL)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(HEARTBEAT)
+            .bind(r.scope.principal.as_str())
+            .bind(r.scope.endpoint.as_str())
+            .bind(r.scope.key.as_str())
+            .bind(r.record_id.as_bytes().as_slice())
+            .bind(r.generation)
+            .bind(now)
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = sqlx::query(REMOVE)
             .bind(r.scope.principal.as_str())
             .bind(r.scope.endpoint.as_str())
             .bind(r.scope.key.as_str())

@@ -38,8 +38,20 @@ mod support {
         async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
             self.store.claim(req).await
         }
-        async fn reclaim(&self, r: &Record, now: Timestamp, ttl: Duration) -> Result<Option<Claim>, StoreError> {
-            self.store.reclaim(r, now, ttl).await
+        async fn reclaim(
+            &self,
+            r: &Record,
+            now: Timestamp,
+            ttl: Duration,
+            exp: Timestamp,
+        ) -> Result<Option<Claim>, StoreError> {
+            self.store.reclaim(r, now, ttl, exp).await
+        }
+        async fn heartbeat(&self, c: &Claim, now: Timestamp) -> Result<(), StoreError> {
+            self.store.heartbeat(c, now).await
+        }
+        async fn remove(&self, c: &Claim) -> Result<(), StoreError> {
+            self.store.remove(c).await
         }
         async fn complete(&self, c: &Claim, resp: &StoredResponse, exp: Timestamp) -> Result<(), StoreError> {
             self.store.complete(c, resp, exp).await

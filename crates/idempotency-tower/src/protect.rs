@@ -113,7 +113,7 @@ where
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-                match timed("reclaim", store.reclaim(&record, t, cfg.in_flight_ttl)).await {
+                match timed("reclaim", store.reclaim(&record, t, cfg.in_flight_ttl, after(t, cfg.retention))).await {
                     Ok(Some(claim)) => {
                         if matches!(how, Run::StaleReclaimed) {
                             tracing::warn!(

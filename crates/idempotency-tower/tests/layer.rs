@@ -570,7 +570,18 @@ mod outcomes {
             _: &idempotency::Record,
             _: idempotency::Timestamp,
             _: Duration,
+            _: idempotency::Timestamp,
         ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn heartbeat(
+            &self,
+            _: &idempotency::Claim,
+            _: idempotency::Timestamp,
+        ) -> Result<(), idempotency::StoreError> {
+            Err(down())
+        }
+        async fn remove(&self, _: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
             Err(down())
         }
         async fn complete(
@@ -611,8 +622,19 @@ mod outcomes {
             r: &idempotency::Record,
             t: idempotency::Timestamp,
             d: Duration,
+            e: idempotency::Timestamp,
         ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
-            DownStore.reclaim(r, t, d).await
+            DownStore.reclaim(r, t, d, e).await
+        }
+        async fn heartbeat(
+            &self,
+            c: &idempotency::Claim,
+            t: idempotency::Timestamp,
+        ) -> Result<(), idempotency::StoreError> {
+            DownStore.heartbeat(c, t).await
+        }
+        async fn remove(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            DownStore.remove(c).await
         }
         async fn complete(
             &self,

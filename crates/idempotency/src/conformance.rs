@@ -25,6 +25,8 @@ use crate::{
     StoreError, StoredBody, StoredResponse, Timestamp, now,
 };
 
+pub use crate::faulty::{FaultyStore, InjectedFault, Op};
+
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.
 #[derive(Clone)]
@@ -166,7 +168,8 @@ pub async fn failed_record_is_reclaimed(fx: Fixture) {
     let r = existing(&*fx.store, request(&scope, &fp("a"), t + Span::seconds(1))).await;
     assert_eq!(r.state, RecordState::Failed);
     assert_eq!(r.decide(&fp("a"), t, TTL), Decision::Reclaim);
-    let again = fx.store.reclaim(&r, t + Span::seconds(1), TTL).await.expect("reclaim").expect("reclaimed");
+    let again =
+        fx.store.reclaim(&r, t + Span::seconds(1), TTL, t + Span::hours(1)).await.expect("reclaim").expect("reclaimed");
     assert_eq!(again.generation(), 2);
     assert_eq!(again.record().record_id, first.record().record_id);
     assert_eq!(again.record().started_at, t + Span::seconds(1));
@@ -212,13 +215,13 @@ pub async fn stale_reclaim_has_exactly_one_winner(fx: Fixture) {
     let first = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let record = first.record().clone();
     let early = t + Span::seconds(299);
-    assert!(fx.store.reclaim(&record, early, TTL).await.expect("reclaim").is_none(), "not stale yet");
+    assert!(fx.store.reclaim(&record, early, TTL, early).await.expect("reclaim").is_none(), "not stale yet");
     let late = t + Span::seconds(300);
     let tasks: Vec<_> = (0..32)
         .map(|i| {
             let store = if i % 2 == 0 { fx.store.clone() } else { fx.peer.clone() };
             let record = record.clone();
-            tokio::spawn(async move { store.reclaim(&record, late, TTL).await })
+            tokio::spawn(async move { store.reclaim(&record, late, TTL, late).await })
         })
         .collect();
     let winners: Vec<_> =
@@ -235,7 +238,7 @@ pub async fn superseded_claim_is_fenced(fx: Fixture) {
     let slow = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let newer = fx
         .peer
-        .reclaim(slow.record(), t + Span::seconds(301), TTL)
+        .reclaim(slow.record(), t + Span::seconds(301), TTL, t + Span::hours(1))
         .await
         .expect("reclaim")
         .expect("stale claim is reclaimable");
@@ -253,7 +256,7 @@ pub async fn superseded_claim_is_fenced(fx: Fixture) {
     assert!(matches!(fx.store.complete(&newer, &response(200, b"x"), t).await, Err(StoreError::Fenced { .. })));
     assert!(
         fx.store
-            .reclaim(&fx.store.get(&scope).await.expect("get").expect("row"), t + Span::days(1), TTL)
+            .reclaim(&fx.store.get(&scope).await.expect("get").expect("row"), t + Span::days(1), TTL, t + Span::days(2))
             .await
             .expect("reclaim")
             .is_none()
@@ -383,6 +386,132 @@ pub async fn compressed_and_binary_bodies_round_trip(fx: Fixture) {
     }
 }
 
+/// A reclaim moves `expires_at` to at least the new attempt's expiry (never earlier): a retry
+/// near the end of the retention window is neither swept nor replaced by a new record while it
+/// runs.
+pub async fn reclaim_extends_expiry(fx: Fixture) {
+    let t = now();
+    let retention = Span::hours(1);
+    let scope = fresh_scope();
+    let first = owned(
+        &*fx.store,
+        ClaimRequest { scope: scope.clone(), fingerprint: fp("a"), now: t, expires_at: t + retention },
+    )
+    .await;
+    fx.store.fail(&first).await.expect("fail");
+    let old_expiry = t + retention;
+
+    // A retry a minute before the record expires takes it over...
+    let at = old_expiry - Span::minutes(1);
+    let failed = fx.store.get(&scope).await.expect("get").expect("row");
+    let retry =
+        fx.peer.reclaim(&failed, at, TTL, at + retention).await.expect("reclaim").expect("failed is reclaimable");
+    assert_eq!(retry.record().expires_at, at + retention, "the claim must carry the new expiry");
+    let stored = fx.store.get(&scope).await.expect("get").expect("row");
+    assert_eq!(stored.expires_at, at + retention);
+
+    // ...so at the old expiry the sweeper leaves it alone and a claim finds it, not a free key.
+    fx.store.sweep_expired(old_expiry, 1000).await.expect("sweep");
+    let seen = existing(&*fx.store, request(&scope, &fp("a"), old_expiry)).await;
+    assert_eq!((seen.record_id, seen.generation), (first.record().record_id, 2));
+    assert_eq!(
+        seen.decide(&fp("a"), old_expiry, TTL),
+        Decision::InProgress { retry_after: TTL - Duration::from_secs(60) }
+    );
+
+    // A stale claim taken over extends it the same way; an earlier expiry never shortens it.
+    let stale_at = at + Span::seconds(300);
+    let again = fx.store.reclaim(&seen, stale_at, TTL, t).await.expect("reclaim").expect("stale is reclaimable");
+    assert_eq!(again.record().expires_at, at + retention, "an earlier expiry must not shorten the record's");
+    let later = stale_at + Span::seconds(300);
+    let third = fx.peer.reclaim(again.record(), later, TTL, later + retention).await.expect("reclaim").expect("stale");
+    assert_eq!(third.record().expires_at, later + retention);
+    assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").expires_at, later + retention);
+}
+
+/// A heartbeat renews a live claim: after it, the claim is not stale when the old TTL ends,
+/// and `started_at` never moves backwards.
+pub async fn heartbeat_keeps_a_claim_live(fx: Fixture) {
+    let scope = fresh_scope();
+    let t = now();
+    let claim = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let beat = t + Span::seconds(200);
+    fx.peer.heartbeat(&claim, beat).await.expect("heartbeat");
+    // An older heartbeat (another replica's clock) does not move it back.
+    fx.store.heartbeat(&claim, t + Span::seconds(100)).await.expect("heartbeat");
+    let r = fx.store.get(&scope).await.expect("get").expect("row");
+    assert_eq!((r.state, r.generation, r.started_at, r.created_at), (RecordState::InFlight, 1, beat, t));
+
+    let old_stale = t + Span::seconds(300);
+    assert_eq!(r.decide(&fp("a"), old_stale, TTL), Decision::InProgress { retry_after: Duration::from_secs(200) });
+    // The reclaim compares against the stored started_at, not the caller's copy.
+    assert!(fx.peer.reclaim(claim.record(), old_stale, TTL, old_stale).await.expect("reclaim").is_none());
+    assert!(fx.peer.reclaim(&r, old_stale, TTL, old_stale).await.expect("reclaim").is_none(), "renewed: not stale");
+    // The renewed claim still completes; it goes stale only a TTL after its last heartbeat.
+    let next = fx.peer.reclaim(&r, beat + Span::seconds(300), TTL, beat).await.expect("reclaim");
+    assert!(next.is_some(), "a TTL after the last heartbeat the claim is stale");
+}
+
+/// A heartbeat of a claim that is no longer current is fenced and writes nothing: superseded,
+/// completed, failed or gone.
+pub async fn heartbeat_is_fenced(fx: Fixture) {
+    let t = now();
+    let scope = fresh_scope();
+    let slow = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    let stale = t + Span::seconds(301);
+    let newer = fx.peer.reclaim(slow.record(), stale, TTL, stale).await.expect("reclaim").expect("stale");
+    let late = fx.store.heartbeat(&slow, stale + Span::seconds(1)).await;
+    assert!(matches!(late, Err(StoreError::Fenced { generation: 1 })), "{late:?}");
+    assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").started_at, stale, "nothing written");
+    fx.peer.heartbeat(&newer, stale + Span::seconds(2)).await.expect("the current claim renews");
+
+    fx.peer.complete(&newer, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    assert!(matches!(fx.store.heartbeat(&newer, stale + Span::seconds(3)).await, Err(StoreError::Fenced { .. })));
+
+    let failed = owned(&*fx.store, request(&fresh_scope(), &fp("a"), t)).await;
+    fx.store.fail(&failed).await.expect("fail");
+    assert!(matches!(fx.store.heartbeat(&failed, t).await, Err(StoreError::Fenced { .. })));
+
+    let gone_scope = fresh_scope();
+    let gone = owned(&*fx.store, request(&gone_scope, &fp("a"), t)).await;
+    fx.store.remove(&gone).await.expect("remove");
+    assert!(matches!(fx.store.heartbeat(&gone, t).await, Err(StoreError::Fenced { .. })));
+    assert!(fx.store.get(&gone_scope).await.expect("get").is_none(), "a fenced heartbeat must not recreate the row");
+}
+
+/// `remove` deletes the record of the current claim, so the key's next claim creates a new
+/// record (new record id, new sub-keys); a superseded or finished claim cannot remove it.
+pub async fn remove_frees_the_key(fx: Fixture) {
+    let t = now();
+    let scope = fresh_scope();
+    let first = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
+    fx.store.fail(&first).await.expect("fail");
+    // A reaper takes the claim first, then removes the record.
+    let failed = fx.store.get(&scope).await.expect("get").expect("row");
+    let reaper = fx.peer.reclaim(&failed, t + Span::seconds(1), TTL, t + Span::hours(1)).await.expect("reclaim");
+    let reaper = reaper.expect("failed is reclaimable");
+    assert!(matches!(fx.store.remove(&first).await, Err(StoreError::Fenced { generation: 1 })), "superseded");
+    assert!(fx.store.get(&scope).await.expect("get").is_some(), "a fenced remove deletes nothing");
+    fx.peer.remove(&reaper).await.expect("remove");
+    assert!(fx.store.get(&scope).await.expect("get").is_none());
+    assert!(matches!(fx.store.remove(&reaper).await, Err(StoreError::Fenced { .. })), "already gone");
+
+    let fresh = owned(&*fx.store, request(&scope, &fp("b"), t + Span::seconds(2))).await;
+    assert_ne!(fresh.record().record_id, first.record().record_id);
+    assert_eq!(fresh.generation(), 1);
+    assert_ne!(fresh.derive("alloc"), first.derive("alloc"), "a new record has new sub-keys");
+
+    // A completed record is final: its claim cannot remove it.
+    fx.store.complete(&fresh, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    assert!(matches!(fx.store.remove(&fresh).await, Err(StoreError::Fenced { .. })));
+    assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").state, RecordState::Completed);
+    // Other records are untouched by a remove.
+    let other = owned(&*fx.store, request(&fresh_scope(), &fp("a"), t)).await;
+    let victim = owned(&*fx.store, request(&fresh_scope(), &fp("a"), t)).await;
+    fx.store.remove(&victim).await.expect("remove");
+    assert!(fx.store.get(other.scope()).await.expect("get").is_some());
+}
+
 /// `get` of an unknown scope is `None`; `ping` answers.
 pub async fn unknown_scope_is_absent(fx: Fixture) {
     assert!(fx.store.get(&fresh_scope()).await.expect("get").is_none());
@@ -422,6 +551,10 @@ macro_rules! store_conformance_suite {
                 scopes_never_share_a_record,
                 compressed_and_binary_bodies_round_trip,
                 unknown_scope_is_absent,
+                reclaim_extends_expiry,
+                heartbeat_keeps_a_claim_live,
+                heartbeat_is_fenced,
+                remove_frees_the_key,
             );
         }
     };

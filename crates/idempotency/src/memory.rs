@@ -90,6 +90,7 @@ impl Store for MemoryStore {
         record: &Record,
         now: Timestamp,
         in_flight_ttl: Duration,
+        expires_at: Timestamp,
     ) -> Result<Option<Claim>, StoreError> {
         let mut shard = self.shard(&record.scope);
         let Some(current) = shard.get_mut(&record.scope) else { return Ok(None) };
@@ -106,7 +107,22 @@ impl Store for MemoryStore {
         current.state = RecordState::InFlight;
         current.generation += 1;
         current.started_at = now;
+        current.expires_at = current.expires_at.max(expires_at);
         Ok(Some(Claim::new(current.clone())))
+    }
+
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+        let mut shard = self.shard(claim.scope());
+        let current = current_claim(&mut shard, claim)?;
+        current.started_at = current.started_at.max(now);
+        Ok(())
+    }
+
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+        let mut shard = self.shard(claim.scope());
+        current_claim(&mut shard, claim)?;
+        shard.remove(claim.scope());
+        Ok(())
     }
 
     async fn complete(

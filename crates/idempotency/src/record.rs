@@ -24,7 +24,11 @@ pub fn now() -> Timestamp {
 ///   none --claim--> in_flight --complete--> completed --expiry--> none
 ///                    |   ^  \--fail--> failed --reclaim--> in_flight
 ///                    |   '--reclaim (stale)--'
+///                    '--remove--> none
 /// ```
+///
+/// While its handler runs, the claim's owner renews it with `heartbeat` (a new `started_at`),
+/// so only a dead attempt goes stale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecordState {
     /// A claim owns the request and its handler is (or was) running.
@@ -285,9 +289,9 @@ pub fn stale_after(started_at: Timestamp, ttl: Duration) -> Timestamp {
         .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-/// Proof that the caller owns a record's current attempt. `complete` and `fail` take it and only
-/// succeed while its generation is still the record's: a claim that went stale and was
-/// re-claimed by another attempt can no longer write.
+/// Proof that the caller owns a record's current attempt. `complete`, `fail`, `heartbeat` and
+/// `remove` take it and only succeed while its generation is still the record's and the record is
+/// in flight: a claim that went stale and was re-claimed by another attempt can no longer write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     record: Record,

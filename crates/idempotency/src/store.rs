@@ -51,12 +51,30 @@ pub trait Store: Send + Sync + 'static {
     /// generation. Succeeds (with generation + 1 and `started_at = now`) only if the record still
     /// has `record.generation` and is failed, or in flight with
     /// `started_at + in_flight_ttl <= now`. Of concurrent callers exactly one gets `Some`.
+    ///
+    /// The record's `expires_at` becomes the later of its own and `expires_at` (the new attempt's
+    /// `now + retention`), so the sweeper never removes a record while an attempt runs, and a
+    /// claim near the end of the retention window is not replaced by a new record.
     async fn reclaim(
         &self,
         record: &Record,
         now: Timestamp,
         in_flight_ttl: Duration,
+        expires_at: Timestamp,
     ) -> Result<Option<Claim>, StoreError>;
+
+    /// Renews a live claim: sets the in-flight record's `started_at` to `now` (never earlier than
+    /// it was), so the claim does not go stale while its handler still runs. Fenced like
+    /// `complete`: [`StoreError::Fenced`] when the claim was superseded, or the record completed,
+    /// failed or is gone; nothing is written then.
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError>;
+
+    /// Deletes the claim's record, fenced like `complete` (the record must still be in flight
+    /// under this claim's generation; [`StoreError::Fenced`] otherwise, and nothing is deleted).
+    /// A later claim of the key creates a new record, with a new record id and so new sub-keys.
+    /// For a reaper that rolled back an abandoned operation after taking its claim with
+    /// `reclaim`.
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError>;
 
     /// in_flight -> completed, storing `response`, fenced by the claim's generation. Returns
     /// [`StoreError::Fenced`] and writes nothing when the claim is no longer current.
@@ -81,8 +99,20 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(req).await
     }
-    async fn reclaim(&self, record: &Record, now: Timestamp, ttl: Duration) -> Result<Option<Claim>, StoreError> {
-        (**self).reclaim(record, now, ttl).await
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        ttl: Duration,
+        expires_at: Timestamp,
+    ) -> Result<Option<Claim>, StoreError> {
+        (**self).reclaim(record, now, ttl, expires_at).await
+    }
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+        (**self).heartbeat(claim, now).await
+    }
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+        (**self).remove(claim).await
     }
     async fn complete(
         &self,

@@ -18,7 +18,7 @@ use subtle::ConstantTimeEq;
 
 use crate::domain::WorkerRow;
 use crate::hypervisor::client::HypervisorClient;
-use crate::service::{CreateKeys, CreateWorker, ServiceError, Workers};
+use crate::service::{CreateWorker, Operation, ServiceError, Workers};
 
 /// Shared state of the handlers.
 #[derive(Clone)]
@@ -167,6 +167,7 @@ impl IntoResponse for ServiceError {
             Self::UpstreamRefused(_) => {
                 Problem::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "Hypervisor refused the call", detail)
             }
+            Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", detail),
             Self::Database(e) => {
                 tracing::error!(error = %e, "database error");
                 Problem::new(
@@ -283,8 +284,9 @@ fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: &Bytes)
         (status = 409, description = "Key reused with another request, or in progress", content_type = "application/problem+json"),
         (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
         (status = 415, description = "Not JSON", content_type = "application/problem+json"),
+        (status = 410, description = "The worker this key created was deleted since", content_type = "application/problem+json"),
         (status = 422, description = "Invalid fields", content_type = "application/problem+json"),
-        (status = 502, description = "Hypervisor refused", content_type = "application/problem+json"),
+        (status = 502, description = "Hypervisor refused (nothing held; not stored)", content_type = "application/problem+json"),
         (status = 503, description = "No free node, or hypervisor unavailable", content_type = "application/problem+json"),
     ),
     security(("bearer" = [])))]
@@ -303,13 +305,8 @@ pub async fn create_worker(
         Ok(r) => r,
         Err(p) => return p.into_response(),
     };
-    let keys = CreateKeys {
-        alloc: ctx.derive("alloc"),
-        lease: ctx.derive("lease"),
-        boot: ctx.derive("boot"),
-        worker: ctx.derive("worker"),
-    };
-    match state.workers.create(principal.as_str(), &req, &keys).await {
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.create(principal.as_str(), &req, &op).await {
         Ok(row) => {
             let worker = Worker::from(row);
             let location = format!("/v1/workers/{}", worker.id);
@@ -383,9 +380,15 @@ pub async fn list_workers(
 pub async fn delete_worker(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
     Path(id): Path<String>,
 ) -> Response {
-    match state.workers.delete(principal.as_str(), &id).await {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.delete(principal.as_str(), &id, &op).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
@@ -409,7 +412,8 @@ pub async fn reboot_worker(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
-    match state.workers.reboot(principal.as_str(), &id, &ctx.derive("reboot")).await {
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.reboot(principal.as_str(), &id, &op).await {
         Ok(reboot_count) => (StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response(),
         Err(e) => e.into_response(),
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::http::StatusCode;
-use idempotency::{Principal, ResponsePolicy};
+use idempotency::{Principal, ResponsePolicy, Store};
 use idempotency_tower::IdempotencyLayer;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use rand::RngCore;
@@ -19,6 +19,7 @@ use crate::db::{Db, redact};
 use crate::domain::Domain;
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::sim::{SimConfig, Simulator};
+use crate::reaper::Reaper;
 use crate::service::{Limits, Workers};
 
 /// A built, listening service.
@@ -42,6 +43,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .context("metrics buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
+    crate::reaper::describe_metrics();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
@@ -49,6 +51,16 @@ impl Application {
     /// Connects and migrates the database, seeds the node pool, starts the in-process
     /// hypervisor simulator when no URL is given, and binds the listener.
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
+        Self::build_with_store(args, |store| store).await
+    }
+
+    /// [`build`](Self::build), with the idempotency store passed through `wrap` first (tests
+    /// wrap it in a fault-injecting store).
+    pub async fn build_with_store(
+        args: ServeArgs,
+        wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
+    ) -> anyhow::Result<Self> {
+        args.validate().map_err(anyhow::Error::msg)?;
         let metrics = metrics_handle()?;
         let db = Db::connect(&args.database).await?;
         db.migrate().await?;
@@ -81,7 +93,7 @@ impl Application {
         let hypervisor = HypervisorClient::new(&hypervisor_url, args.hypervisor_timeout)
             .map_err(|e| anyhow::anyhow!("hypervisor client: {e}"))?;
 
-        let store = db.idempotency_store();
+        let store = wrap(db.idempotency_store());
         let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())
@@ -90,7 +102,20 @@ impl Application {
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
             .build();
-        background.push(idempotency_tower::spawn_sweeper(store.clone(), args.sweep_interval));
+        let reaper = Reaper {
+            store: store.clone(),
+            domain: domain.clone(),
+            hypervisor: hypervisor.clone(),
+            settle: args.hypervisor_settle,
+            abandon_after: args.abandon_after,
+            in_flight_ttl: args.in_flight_ttl,
+            retention: args.retention,
+        };
+        background.push(crate::reaper::spawn_with_sweeper(
+            idempotency_tower::sweeper(store.clone(), args.sweep_interval),
+            reaper,
+            args.sweep_interval,
+        ));
 
         let mut generated_token = None;
         let mut tokens: Vec<([u8; 32], Principal)> =
@@ -107,7 +132,7 @@ impl Application {
             workers: Workers {
                 domain,
                 hypervisor: hypervisor.clone(),
-                grace: args.hypervisor_timeout,
+                settle: args.hypervisor_settle,
                 limits: Limits { node_cpu: i64::from(args.node_cpu), node_memory_gb: i64::from(args.node_memory_gb) },
             },
             tokens: Arc::new(tokens),

@@ -16,6 +16,8 @@ pub struct Cli {
 }
 
 /// The subcommands.
+// Parsed once at start; boxing `ServeArgs` would buy nothing but a deref at every use.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the HTTP service.
@@ -63,9 +65,20 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL")]
     pub hypervisor_url: Option<String>,
 
-    /// Timeout of each hypervisor call; also the reconcile grace window.
+    /// Timeout of each hypervisor call.
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub hypervisor_timeout: Duration,
+
+    /// How long a sent hypervisor call may still take effect after its caller gave up (at least
+    /// the timeout). Until it has passed since the last call was sent, a retry that finds nothing
+    /// answers 503 + Retry-After instead of calling again.
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_SETTLE", default_value = "30s", value_parser = parse_duration)]
+    pub hypervisor_settle: Duration,
+
+    /// Roll back a create nobody retried for this long (its record failed or its claim went
+    /// stale): VM deleted, lease and node freed, record removed. Checked every --sweep-interval.
+    #[arg(long, env = "LEASEBROKER_ABANDON_AFTER", default_value = "1h", value_parser = parse_duration)]
+    pub abandon_after: Duration,
 
     /// In-process simulator: probability that a mutating call fails before doing anything.
     #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse_probability)]
@@ -87,13 +100,28 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse_duration)]
     pub in_flight_ttl: Duration,
 
-    /// How often expired idempotency records are swept.
+    /// How often expired idempotency records are swept (and abandoned operations reaped).
     #[arg(long, env = "LEASEBROKER_SWEEP_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub sweep_interval: Duration,
 
     /// Status for a key reused with a different request: 409 (default), 422 (IETF draft) or 400.
     #[arg(long, env = "LEASEBROKER_MISMATCH_STATUS", default_value_t = 409, value_parser = parse_mismatch_status)]
     pub mismatch_status: u16,
+}
+
+impl ServeArgs {
+    /// Checks the flags that depend on each other.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.hypervisor_settle < self.hypervisor_timeout {
+            return Err(format!(
+                "--hypervisor-settle ({}) must be at least --hypervisor-timeout ({}): a call may take effect \
+                 until its timeout, so a shorter settle window would let a retry call twice",
+                humantime::format_duration(self.hypervisor_settle),
+                humantime::format_duration(self.hypervisor_timeout)
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `leasebroker hypervisor-sim`.
@@ -212,5 +240,22 @@ mod tests {
         let Command::HypervisorSim(s) = cli.command else { panic!("hypervisor-sim") };
         assert_eq!((s.slow, s.slow_ms, s.refuse), (0.2, 1500, 0.1));
         assert!(Cli::try_parse_from(["leasebroker", "hypervisor-sim", "--refuse", "2"]).is_err());
+    }
+
+    #[test]
+    fn settle_defaults_and_must_cover_the_timeout() {
+        let serve = |args: &[&str]| {
+            let Command::Serve(s) = Cli::try_parse_from([&["leasebroker", "serve"], args].concat()).unwrap().command
+            else {
+                panic!("serve")
+            };
+            s
+        };
+        let s = serve(&[]);
+        assert_eq!((s.hypervisor_settle, s.abandon_after), (Duration::from_secs(30), Duration::from_secs(3600)));
+        assert!(s.validate().is_ok());
+        assert!(serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "2s"]).validate().is_ok());
+        let err = serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "1s"]).validate().unwrap_err();
+        assert!(err.contains("--hypervisor-settle") && err.contains("--hypervisor-timeout"), "{err}");
     }
 }

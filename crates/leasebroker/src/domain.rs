@@ -1,4 +1,5 @@
-//! leasebroker's tables: the node pool, leases, hypervisor intents and workers.
+//! leasebroker's tables: the node pool, leases, hypervisor intents, workers, and what the
+//! reaper needs (operations, tombstones of deleted workers, counters).
 //!
 //! Every write that a retry could repeat is keyed by a sub-key derived from the request's
 //! idempotency record and lands on a UNIQUE column, so a second attempt finds the first one's
@@ -44,6 +45,37 @@ pub struct Intent {
     pub last_attempt_at: i64,
 }
 
+/// A protected operation and the idempotency record it runs under, written at the start of
+/// every attempt so the reaper can map the operation back to its record.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct OperationRow {
+    /// The record's derived sub-key `op`.
+    pub op_id: String,
+    /// `create` or `reboot`.
+    pub kind: String,
+    /// The record's principal.
+    pub principal: String,
+    /// The record's endpoint (`POST /v1/workers`).
+    pub endpoint: String,
+    /// The client's idempotency key.
+    pub idem_key: String,
+    /// The record's id, hex.
+    pub record_id: String,
+    /// When the last attempt started (µs since the epoch).
+    pub last_attempt_at: i64,
+}
+
+/// What the reaper freed when it rolled back a create.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Leases deleted (0 or 1).
+    pub leases: u64,
+    /// Nodes freed (0 or 1).
+    pub nodes: u64,
+    /// Operation rows deleted (0 when another replica's reaper got there first).
+    pub operations: u64,
+}
+
 /// A worker row.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct WorkerRow {
@@ -84,9 +116,9 @@ pub struct Counts {
     pub leases_active: i64,
     /// Workers that exist.
     pub workers_active: i64,
-    /// Boot intents that completed.
+    /// Boot intents that completed, ever.
     pub boots_done: i64,
-    /// Reboot intents that completed.
+    /// Reboot intents that completed, ever.
     pub reboots_done: i64,
 }
 
@@ -176,11 +208,11 @@ impl Domain {
 
     /// Records the intent `intent_id` as pending if it is new; returns it as stored and whether
     /// this call created it.
-    pub async fn begin_intent(&self, intent_id: &str, kind: &str, now: i64) -> Result<(Intent, bool)> {
+    pub async fn begin_intent(&self, intent_id: &str, kind: &str, op_id: &str, now: i64) -> Result<(Intent, bool)> {
         let inserted = with_pool!(&self.db, p => {
-            sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at) \
-                         VALUES ($1, $2, 'pending', $3, $3) ON CONFLICT (intent_id) DO NOTHING")
-                .bind(intent_id).bind(kind).bind(now)
+            sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
+                         VALUES ($1, $2, 'pending', $3, $3, $4) ON CONFLICT (intent_id) DO NOTHING")
+                .bind(intent_id).bind(kind).bind(now).bind(op_id)
                 .execute(p).await?.rows_affected() == 1
         });
         let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
@@ -196,7 +228,8 @@ impl Domain {
         }))
     }
 
-    /// Marks that the hypervisor is about to be called (again) for a pending or failed intent.
+    /// Marks that the hypervisor call for a pending or failed intent is about to be sent: the
+    /// settle window runs from here. Called right before every send, the first one included.
     pub async fn touch_intent(&self, intent_id: &str, now: i64) -> Result<()> {
         with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $2 WHERE intent_id = $1 AND state <> 'done'")
@@ -217,8 +250,13 @@ impl Domain {
     /// Marks a boot intent done with its VM; returns the VM recorded (the first one wins).
     pub async fn finish_boot(&self, intent_id: &str, vm_id: &str) -> Result<String> {
         with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
-                .bind(intent_id).bind(vm_id).execute(p).await?;
+            let mut tx = p.begin().await?;
+            let changed = sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
+                .bind(intent_id).bind(vm_id).execute(&mut *tx).await?.rows_affected();
+            if changed == 1 {
+                sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'boots'").execute(&mut *tx).await?;
+            }
+            tx.commit().await?;
         });
         let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
         Ok(intent.vm_id.unwrap_or_else(|| vm_id.to_owned()))
@@ -234,6 +272,7 @@ impl Domain {
             if changed == 1 {
                 sqlx::query("UPDATE lb_workers SET reboot_count = reboot_count + 1 WHERE worker_id = $1")
                     .bind(worker_id).execute(&mut *tx).await?;
+                sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'reboots'").execute(&mut *tx).await?;
             }
             let count: i64 = sqlx::query("SELECT reboot_count FROM lb_workers WHERE worker_id = $1")
                 .bind(worker_id).fetch_optional(&mut *tx).await?
@@ -243,16 +282,22 @@ impl Domain {
         }))
     }
 
-    /// Inserts a worker, or finds the one a previous attempt inserted under the same id.
-    pub async fn insert_worker(&self, w: &WorkerRow) -> Result<WorkerRow> {
+    /// Inserts a worker, or finds the one a previous attempt inserted under the same id. The
+    /// create `op_id` is finished with it: its intents and its row are deleted in the same
+    /// transaction (a retry answers from the worker row).
+    pub async fn insert_worker(&self, w: &WorkerRow, op_id: &str) -> Result<WorkerRow> {
         with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
             sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
                          vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (worker_id) DO NOTHING")
                 .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
                 .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
                 .bind(w.reboot_count).bind(w.created_at)
-                .execute(p).await?;
+                .execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            tx.commit().await?;
         });
         self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))
     }
@@ -275,9 +320,9 @@ impl Domain {
         }))
     }
 
-    /// Deletes a worker, its lease, and frees its node, in one transaction. False if it was
-    /// already gone.
-    pub async fn delete_worker(&self, principal: &str, worker_id: &str) -> Result<bool> {
+    /// Deletes a worker, its lease, and frees its node, and leaves the tombstone
+    /// `tombstone_id`, in one transaction. False if it was already gone.
+    pub async fn delete_worker(&self, principal: &str, worker_id: &str, tombstone_id: &str, now: i64) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let row = sqlx::query("DELETE FROM lb_workers WHERE worker_id = $1 AND principal = $2 RETURNING node_id, lease_id")
@@ -289,6 +334,9 @@ impl Domain {
                     sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1").bind(&lease_id).execute(&mut *tx).await?;
                     sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE node_id = $1")
                         .bind(&node_id).execute(&mut *tx).await?;
+                    sqlx::query("INSERT INTO lb_tombstones (tombstone_id, worker_id, principal, deleted_at) \
+                                 VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING")
+                        .bind(tombstone_id).bind(worker_id).bind(principal).bind(now).execute(&mut *tx).await?;
                     true
                 }
                 None => false,
@@ -306,8 +354,8 @@ impl Domain {
                         (SELECT COUNT(*) FROM lb_nodes WHERE alloc_id IS NOT NULL), \
                         (SELECT COUNT(*) FROM lb_leases), \
                         (SELECT COUNT(*) FROM lb_workers), \
-                        (SELECT COUNT(*) FROM lb_intents WHERE kind = 'boot' AND state = 'done'), \
-                        (SELECT COUNT(*) FROM lb_intents WHERE kind = 'reboot' AND state = 'done')")
+                        (SELECT value FROM lb_counters WHERE name = 'boots'), \
+                        (SELECT value FROM lb_counters WHERE name = 'reboots')")
                 .fetch_one(p).await?;
             Counts {
                 nodes_total: row.try_get(0)?,
@@ -317,6 +365,113 @@ impl Domain {
                 boots_done: row.try_get(4)?,
                 reboots_done: row.try_get(5)?,
             }
+        }))
+    }
+
+    /// The worker a delete under `tombstone_id` deleted, if one did.
+    pub async fn tombstone(&self, tombstone_id: &str) -> Result<Option<String>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT worker_id FROM lb_tombstones WHERE tombstone_id = $1")
+                .bind(tombstone_id).fetch_optional(p).await?.map(|r| r.try_get::<String, _>(0)).transpose()?
+        }))
+    }
+
+    /// Whether the worker `worker_id` was deleted (within the tombstones' retention).
+    pub async fn is_deleted(&self, worker_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_tombstones WHERE worker_id = $1").bind(worker_id).fetch_optional(p).await?.is_some()
+        }))
+    }
+
+    /// Gives back what a create took (its lease, and the node allocated under `alloc_id`) and
+    /// marks its boot intent failed, in one transaction: the hypervisor definitely refused.
+    pub async fn release_refused(&self, alloc_id: &str, lease_id: &str, intent_id: &str) -> Result<Released> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let leases = sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1")
+                .bind(lease_id).execute(&mut *tx).await?.rows_affected();
+            let nodes = sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE alloc_id = $1")
+                .bind(alloc_id).execute(&mut *tx).await?.rows_affected();
+            sqlx::query("UPDATE lb_intents SET state = 'failed' WHERE intent_id = $1 AND state = 'pending'")
+                .bind(intent_id).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Released { leases, nodes, operations: 0 }
+        }))
+    }
+
+    /// Rolls back an abandoned create in one transaction: deletes its lease, frees its node,
+    /// and forgets the operation (its intents and its row).
+    pub async fn release_abandoned(&self, op_id: &str, alloc_id: &str, lease_id: &str) -> Result<Released> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let leases = sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1")
+                .bind(lease_id).execute(&mut *tx).await?.rows_affected();
+            let nodes = sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE alloc_id = $1")
+                .bind(alloc_id).execute(&mut *tx).await?.rows_affected();
+            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            let operations = sqlx::query("DELETE FROM lb_operations WHERE op_id = $1")
+                .bind(op_id).execute(&mut *tx).await?.rows_affected();
+            tx.commit().await?;
+            Released { leases, nodes, operations }
+        }))
+    }
+
+    /// Records that an attempt of `op` starts now (inserts the operation or moves its
+    /// `last_attempt_at`).
+    pub async fn begin_attempt(&self, op: &OperationRow) -> Result<()> {
+        with_pool!(&self.db, p => {
+            sqlx::query("INSERT INTO lb_operations (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                         ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at")
+                .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
+                .bind(&op.record_id).bind(op.last_attempt_at)
+                .execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Up to `limit` operations whose last attempt started at or before `before`, oldest first,
+    /// after the position `after` (`(last_attempt_at, op_id)` of the previous page's last row).
+    pub async fn operations_before(
+        &self,
+        before: i64,
+        after: Option<&(i64, String)>,
+        limit: u32,
+    ) -> Result<Vec<OperationRow>> {
+        let (at, id) = after.map_or((i64::MIN, ""), |(at, id)| (*at, id.as_str()));
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, OperationRow>(
+                "SELECT op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at FROM lb_operations \
+                 WHERE last_attempt_at <= $1 AND (last_attempt_at > $2 OR (last_attempt_at = $2 AND op_id > $3)) \
+                 ORDER BY last_attempt_at, op_id LIMIT $4")
+                .bind(before).bind(at).bind(id).bind(i64::from(limit)).fetch_all(p).await?
+        }))
+    }
+
+    /// Forgets a finished operation: its intents and its row.
+    pub async fn forget_operation(&self, op_id: &str) -> Result<()> {
+        with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            tx.commit().await?;
+        });
+        Ok(())
+    }
+
+    /// Deletes tombstones, and intents that belong to no operation, older than `before`.
+    pub async fn prune(&self, before: i64) -> Result<u64> {
+        Ok(with_pool!(&self.db, p => {
+            let t = sqlx::query("DELETE FROM lb_tombstones WHERE deleted_at < $1").bind(before).execute(p).await?;
+            let i = sqlx::query("DELETE FROM lb_intents WHERE op_id IS NULL AND created_at < $1").bind(before).execute(p).await?;
+            t.rows_affected() + i.rows_affected()
+        }))
+    }
+
+    /// Whether a worker runs on the VM `vm_id`.
+    pub async fn vm_in_use(&self, vm_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $1").bind(vm_id).fetch_optional(p).await?.is_some()
         }))
     }
 

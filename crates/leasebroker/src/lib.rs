@@ -25,4 +25,5 @@ pub mod db;
 pub mod domain;
 pub mod hypervisor;
 pub mod openapi;
+pub mod reaper;
 pub mod service;

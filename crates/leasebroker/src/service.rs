@@ -4,21 +4,35 @@
 //! Create, as the design describes it:
 //! 1. `allocate(derive("alloc"))` returns the node already allocated under that id, if any;
 //! 2. `insert_lease(derive("lease"))` likewise;
-//! 3. the boot goes through an intent keyed by `derive("boot")`: record it, then call the
-//!    hypervisor with the sub-key as the VM's `tag`, then record the VM. A retry that finds the
-//!    intent pending lists the hypervisor's VMs by that tag and adopts what exists; it boots
-//!    again only when nothing exists and the last call is older than the hypervisor timeout (a
-//!    call from a dead attempt may still land; before then it answers 503 + Retry-After).
+//! 3. the boot goes through an intent keyed by `derive("boot")`: record it, stamp the moment
+//!    the call is sent, call the hypervisor with the sub-key as the VM's `tag`, then record the
+//!    VM. A retry that finds the intent pending lists the hypervisor's VMs by that tag and adopts
+//!    what exists (deleting any second VM a late landing made); it boots again only when nothing
+//!    exists and the settle window (`--hypervisor-settle`) has passed since the last call was
+//!    sent: a call from an earlier attempt may still land until then, so the retry answers
+//!    503 + Retry-After instead of calling twice.
 //! 4. the worker row, keyed by `derive("worker")`.
+//!
+//! A definite refusal (the hypervisor answered 4xx, or could not be reached at all) gives back
+//! the node and the lease before answering. A create nobody finishes is rolled back by the
+//! [`crate::reaper`]. A delete leaves a tombstone keyed by its own sub-key (its retry answers
+//! 204) and by the worker id (a retry of the worker's create answers 410, never runs again).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use idempotency::SubKey;
+use idempotency::{Record, SubKey};
 use serde::{Deserialize, Serialize};
 
-use crate::domain::{Domain, DomainError, Intent, WorkerRow};
+use crate::domain::{Domain, DomainError, Intent, OperationRow, WorkerRow};
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
+
+/// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
+/// (a call that landed after the settle window; the window is set too short).
+pub const DUPLICATE_VMS_DESTROYED_TOTAL: &str = "leasebroker_duplicate_vms_destroyed_total";
+/// Counter: creates whose node and lease were given back because the hypervisor definitely
+/// refused the boot.
+pub const REFUSALS_RELEASED_TOTAL: &str = "leasebroker_refusals_released_total";
 
 /// Why an operation did not succeed; each maps to one problem+json response.
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +54,12 @@ pub enum ServiceError {
         /// Seconds to wait.
         retry_after: u64,
     },
-    /// The hypervisor refused the call (502).
+    /// The hypervisor refused the call (502, not stored: nothing is held, a retry runs again).
     #[error("the hypervisor refused the call: {0}")]
     UpstreamRefused(String),
+    /// The worker this create made was deleted since (410, stored): a retry never brings it back.
+    #[error("worker {0} was deleted since this request created it; use a new key to create another")]
+    Gone(String),
     /// The database failed (500; not stored, so the retry runs again).
     #[error(transparent)]
     Database(#[from] DomainError),
@@ -119,9 +136,44 @@ impl CreateWorker {
     }
 }
 
+/// The idempotency record an operation runs under: every side effect derives its sub-key from
+/// it, and the reaper finds the record again through it.
+#[derive(Debug, Clone)]
+pub struct Operation {
+    record: Record,
+}
+
+impl Operation {
+    /// The operation of `record` (the claim's record, in a handler).
+    pub fn new(record: Record) -> Self {
+        Self { record }
+    }
+
+    /// The sub-key of the side effect `label`.
+    pub fn derive(&self, label: &str) -> SubKey {
+        idempotency::derive(&self.record, label)
+    }
+
+    /// The operation's row, for an attempt starting at `now`.
+    fn row(&self, kind: &str, now: i64) -> OperationRow {
+        let scope = &self.record.scope;
+        OperationRow {
+            op_id: self.derive("op").as_str().to_owned(),
+            kind: kind.to_owned(),
+            principal: scope.principal.as_str().to_owned(),
+            endpoint: scope.endpoint.as_str().to_owned(),
+            idem_key: scope.key.as_str().to_owned(),
+            record_id: self.record.record_id.to_hex(),
+            last_attempt_at: now,
+        }
+    }
+}
+
 /// The sub-keys of one create request.
 #[derive(Debug, Clone)]
 pub struct CreateKeys {
+    /// The operation (and its row in `lb_operations`).
+    pub op: SubKey,
     /// The node allocation.
     pub alloc: SubKey,
     /// The lease.
@@ -132,14 +184,42 @@ pub struct CreateKeys {
     pub worker: SubKey,
 }
 
+impl CreateKeys {
+    /// The sub-keys of the create `op` (the same on every retry of its record).
+    pub fn of(op: &Operation) -> Self {
+        Self::of_record(&op.record)
+    }
+
+    /// The sub-keys of the create whose record is `record`.
+    pub fn of_record(record: &Record) -> Self {
+        let d = |label| idempotency::derive(record, label);
+        Self { op: d("op"), alloc: d("alloc"), lease: d("lease"), boot: d("boot"), worker: d("worker") }
+    }
+
+    /// The lease's public id.
+    pub fn lease_id(&self) -> String {
+        public_id("lse", &self.lease)
+    }
+
+    /// The worker's public id.
+    pub fn worker_id(&self) -> String {
+        public_id("wkr", &self.worker)
+    }
+}
+
 /// Public ids are a prefix and 16 hex digits of a sub-key.
 pub fn public_id(prefix: &str, sub: &SubKey) -> String {
     let hex = sub.as_str().trim_start_matches("sk-");
     format!("{prefix}-{}", &hex[..16.min(hex.len())])
 }
 
-fn now_micros() -> i64 {
+pub(crate) fn now_micros() -> i64 {
     idempotency::now().timestamp_micros()
+}
+
+/// Microseconds in `d`, saturating.
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// The workers service.
@@ -149,50 +229,45 @@ pub struct Workers {
     pub domain: Domain,
     /// The hypervisor.
     pub hypervisor: HypervisorClient,
-    /// The hypervisor timeout: also the reconcile grace window.
-    pub grace: Duration,
+    /// How long a sent hypervisor call may still take effect (`--hypervisor-settle`).
+    pub settle: Duration,
     /// Field limits.
     pub limits: Limits,
 }
 
-/// How a pending intent's call is resolved: the VM it made, or an error to answer with.
-enum Resolved {
-    Vm(String),
-    CallNow,
-}
-
 impl Workers {
     /// Creates a worker, resuming whatever an earlier attempt of the same record did.
-    pub async fn create(
-        &self,
-        principal: &str,
-        req: &CreateWorker,
-        keys: &CreateKeys,
-    ) -> Result<WorkerRow, ServiceError> {
+    pub async fn create(&self, principal: &str, req: &CreateWorker, op: &Operation) -> Result<WorkerRow, ServiceError> {
         req.validate(self.limits)?;
-        let worker_id = public_id("wkr", &keys.worker);
+        let keys = CreateKeys::of(op);
+        let worker_id = keys.worker_id();
         // A finished earlier attempt whose response was not stored (say, the process died
         // between the worker insert and the record's completion): answer from the row.
         if let Some(w) = self.domain.worker(principal, &worker_id).await? {
             return Ok(w);
         }
+        // ...unless the worker was deleted since: then the steps must never run again.
+        if self.domain.is_deleted(&worker_id).await? {
+            return Err(ServiceError::Gone(worker_id));
+        }
         let now = now_micros();
+        self.domain.begin_attempt(&op.row("create", now)).await?;
         let node =
             self.domain.allocate(keys.alloc.as_str(), principal, now).await?.ok_or(ServiceError::CapacityExhausted)?;
-        let lease_id = public_id("lse", &keys.lease);
+        let lease_id = keys.lease_id();
         self.domain.insert_lease(&lease_id, &node.node_id, principal, now).await?;
 
         let tag = keys.boot.as_str();
-        let (intent, created) = self.domain.begin_intent(tag, "boot", now).await?;
+        let (intent, created) = self.domain.begin_intent(tag, "boot", keys.op.as_str(), now).await?;
         let vm_id = match intent.state.as_str() {
             "done" => intent.vm_id.clone().unwrap_or_default(),
             _ => {
-                let resolved = if created { Resolved::CallNow } else { self.reconcile_boot(&intent).await? };
-                match resolved {
-                    Resolved::Vm(vm_id) => self.domain.finish_boot(tag, &vm_id).await?,
-                    Resolved::CallNow => {
+                let adopted = if created { None } else { self.adopt_boot(&intent).await? };
+                match adopted {
+                    Some(vm_id) => self.domain.finish_boot(tag, &vm_id).await?,
+                    None => {
                         if !created {
-                            self.domain.touch_intent(tag, now_micros()).await?;
+                            self.settled(&intent)?;
                         }
                         let boot = BootRequest {
                             image: req.image.clone(),
@@ -200,9 +275,10 @@ impl Workers {
                             memory_gb: req.memory_gb,
                             tag: tag.to_owned(),
                         };
+                        self.domain.touch_intent(tag, now_micros()).await?;
                         match self.hypervisor.boot(&boot).await {
                             Ok(vm) => self.domain.finish_boot(tag, &vm.vm_id).await?,
-                            Err(e) => return Err(self.upstream_failure(tag, e).await),
+                            Err(e) => return Err(self.boot_failed(&keys, e).await),
                         }
                     }
                 }
@@ -224,102 +300,171 @@ impl Workers {
             reboot_count: 0,
             created_at: now_micros(),
         };
-        Ok(self.domain.insert_worker(&row).await?)
+        Ok(self.domain.insert_worker(&row, keys.op.as_str()).await?)
     }
 
-    /// A pending boot intent from an earlier attempt: adopt the VM it booted, or decide whether
-    /// booting again is safe yet.
-    async fn reconcile_boot(&self, intent: &Intent) -> Result<Resolved, ServiceError> {
-        let found =
-            self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| ServiceError::UpstreamUnavailable {
-                reason: format!("cannot ask the hypervisor what an earlier attempt did: {e}"),
+    /// A pending boot intent from an earlier attempt: the VM it booted, if one exists. When a
+    /// late landing made a second VM with the same tag, the one adopted is kept (the first by
+    /// id, so every replica picks the same) and the others are deleted.
+    async fn adopt_boot(&self, intent: &Intent) -> Result<Option<String>, ServiceError> {
+        let found = self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| {
+            tracing::warn!(error = %e, "cannot list VMs by tag to reconcile a boot");
+            ServiceError::UpstreamUnavailable {
+                reason: "cannot ask the hypervisor what an earlier attempt did; retry with the same key".into(),
                 retry_after: 1,
-            })?;
-        if let Some(vm) = found.into_iter().min_by(|a, b| a.vm_id.cmp(&b.vm_id)) {
-            return Ok(Resolved::Vm(vm.vm_id));
-        }
-        self.grace_elapsed(intent)?;
-        Ok(Resolved::CallNow)
+            }
+        })?;
+        let keep = match &intent.vm_id {
+            Some(recorded) if found.iter().any(|vm| &vm.vm_id == recorded) => recorded.clone(),
+            _ => match found.iter().map(|vm| &vm.vm_id).min() {
+                Some(first) => first.clone(),
+                None => return Ok(None),
+            },
+        };
+        let extra: Vec<String> = found.into_iter().map(|vm| vm.vm_id).filter(|id| *id != keep).collect();
+        destroy_duplicates(&self.hypervisor, &intent.intent_id, &keep, &extra).await;
+        tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");
+        Ok(Some(keep))
     }
 
-    /// Errs with 503 + Retry-After while a call from an earlier attempt may still land.
-    fn grace_elapsed(&self, intent: &Intent) -> Result<(), ServiceError> {
+    /// Errs with 503 + Retry-After while a call from an earlier attempt may still land: until
+    /// the settle window has passed since that call was sent.
+    fn settled(&self, intent: &Intent) -> Result<(), ServiceError> {
         if intent.state == "failed" {
             return Ok(()); // that call definitely did not happen
         }
-        let grace = i64::try_from(self.grace.as_micros()).unwrap_or(i64::MAX);
+        let settle = micros(self.settle);
         let waited = now_micros().saturating_sub(intent.last_attempt_at);
-        if waited < grace {
-            let left = ((grace - waited) + 999_999) / 1_000_000;
+        if waited < settle {
+            let left = ((settle - waited) + 999_999) / 1_000_000;
+            tracing::info!(tag = %intent.intent_id, left_s = left, "an earlier hypervisor call may still land; waiting");
             return Err(ServiceError::UpstreamUnavailable {
-                reason: "an earlier attempt's hypervisor call may still land; not calling again yet".into(),
-                retry_after: u64::try_from(left).unwrap_or(1),
+                reason: "an earlier attempt's hypervisor call may still take effect; retry with the same key".into(),
+                retry_after: u64::try_from(left).unwrap_or(1).max(1),
             });
         }
         Ok(())
     }
 
-    /// Records the outcome of a failed hypervisor call and turns it into the answer.
-    async fn upstream_failure(&self, intent_id: &str, e: HvError) -> ServiceError {
+    /// A boot that failed: pending (and 503) when it may have happened; otherwise the node and
+    /// the lease are given back and the intent marked failed before answering.
+    async fn boot_failed(&self, keys: &CreateKeys, e: HvError) -> ServiceError {
         if e.may_have_happened() {
-            // Leave the intent pending: the retry looks (by tag) before it calls again, so it can
-            // come at once; if nothing is found it is told how much of the grace window is left.
-            ServiceError::UpstreamUnavailable {
-                reason: format!("the hypervisor call may or may not have happened ({e}); retry with the same key"),
-                retry_after: 1,
+            return Self::ambiguous(e);
+        }
+        match self.domain.release_refused(keys.alloc.as_str(), &keys.lease_id(), keys.boot.as_str()).await {
+            Ok(released) => {
+                metrics::counter!(REFUSALS_RELEASED_TOTAL).increment(1);
+                tracing::info!(error = %e, leases = released.leases, nodes = released.nodes,
+                    "the hypervisor refused the boot; node and lease given back");
             }
-        } else {
-            if let Err(db) = self.domain.fail_intent(intent_id).await {
-                return db.into();
-            }
-            match e {
-                HvError::Status { .. } => ServiceError::UpstreamRefused(e.to_string()),
-                _ => ServiceError::UpstreamUnavailable {
-                    reason: format!("the hypervisor is unreachable: {e}"),
-                    retry_after: 1,
-                },
+            Err(db) => return db.into(),
+        }
+        Self::definite(e)
+    }
+
+    /// The answer to a call that may have taken effect: the intent stays pending.
+    fn ambiguous(e: HvError) -> ServiceError {
+        tracing::warn!(error = %e, "hypervisor call may or may not have taken effect");
+        ServiceError::UpstreamUnavailable {
+            reason: "the hypervisor call may or may not have taken effect; retry with the same key".into(),
+            retry_after: 1,
+        }
+    }
+
+    /// The answer to a call that definitely did not take effect.
+    fn definite(e: HvError) -> ServiceError {
+        tracing::warn!(error = %e, "hypervisor call refused or not sent");
+        match e.status() {
+            Some(status) => ServiceError::UpstreamRefused(format!("status {}", status.as_u16())),
+            None => {
+                ServiceError::UpstreamUnavailable { reason: "the hypervisor is unreachable".into(), retry_after: 1 }
             }
         }
     }
 
     /// Deletes a worker: its VM first (so a failure never leaves a VM without a worker), then
-    /// the worker, its lease and its node in one transaction.
-    pub async fn delete(&self, principal: &str, worker_id: &str) -> Result<(), ServiceError> {
-        let w =
-            self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
+    /// the worker, its lease and its node in one transaction that leaves a tombstone keyed by
+    /// the delete's sub-key. A retry that finds its own tombstone answers 204, not 404.
+    pub async fn delete(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<(), ServiceError> {
+        let tombstone = op.derive("delete");
+        let Some(w) = self.domain.worker(principal, worker_id).await? else {
+            return match self.domain.tombstone(tombstone.as_str()).await? {
+                Some(deleted) if deleted == worker_id => Ok(()),
+                _ => Err(ServiceError::NotFound(worker_id.into())),
+            };
+        };
         // Deleting a VM by id is naturally idempotent: "already gone" is success.
-        self.hypervisor.delete(&w.vm_id).await.map_err(|e| ServiceError::UpstreamUnavailable {
-            reason: format!("cannot delete the VM: {e}"),
-            retry_after: 1,
+        self.hypervisor.delete(&w.vm_id).await.map_err(|e| {
+            tracing::warn!(error = %e, "cannot delete the VM");
+            ServiceError::UpstreamUnavailable {
+                reason: "cannot delete the VM; retry with the same key".into(),
+                retry_after: 1,
+            }
         })?;
-        self.domain.delete_worker(principal, worker_id).await?;
+        self.domain.delete_worker(principal, worker_id, tombstone.as_str(), now_micros()).await?;
         Ok(())
     }
 
-    /// Reboots a worker once per record: the intent keyed by `reboot_key` is reconciled against
-    /// the VM's `reboot_tags` before any second call.
-    pub async fn reboot(&self, principal: &str, worker_id: &str, reboot_key: &SubKey) -> Result<i64, ServiceError> {
+    /// Reboots a worker once per record: the intent keyed by the record's `reboot` sub-key is
+    /// reconciled against the VM's `reboot_tags` before any second call, and a second call waits
+    /// out the settle window of the first.
+    pub async fn reboot(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<i64, ServiceError> {
         let w =
             self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
+        let reboot_key = op.derive("reboot");
         let tag = reboot_key.as_str();
-        let (intent, created) = self.domain.begin_intent(tag, "reboot", now_micros()).await?;
+        let now = now_micros();
+        let row = op.row("reboot", now);
+        self.domain.begin_attempt(&row).await?;
+        let (intent, created) = self.domain.begin_intent(tag, "reboot", &row.op_id, now).await?;
         if intent.state == "done" {
             return Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?);
         }
         if !created {
-            let vm = self.hypervisor.get(&w.vm_id).await.map_err(|e| ServiceError::UpstreamUnavailable {
-                reason: format!("cannot ask the hypervisor whether an earlier reboot happened: {e}"),
-                retry_after: 1,
+            let vm = self.hypervisor.get(&w.vm_id).await.map_err(|e| {
+                tracing::warn!(error = %e, "cannot read the VM to reconcile a reboot");
+                ServiceError::UpstreamUnavailable {
+                    reason: "cannot ask the hypervisor whether an earlier reboot happened; retry with the same key"
+                        .into(),
+                    retry_after: 1,
+                }
             })?;
             if vm.as_ref().is_some_and(|vm| vm.reboot_tags.iter().any(|t| t == tag)) {
                 return Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?);
             }
-            self.grace_elapsed(&intent)?;
-            self.domain.touch_intent(tag, now_micros()).await?;
+            self.settled(&intent)?;
         }
+        self.domain.touch_intent(tag, now_micros()).await?;
         match self.hypervisor.reboot(&w.vm_id, tag).await {
             Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?),
-            Err(e) => Err(self.upstream_failure(tag, e).await),
+            Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),
+            Err(e) => {
+                self.domain.fail_intent(tag).await?;
+                Err(Self::definite(e))
+            }
+        }
+    }
+}
+
+/// Deletes the VMs in `extra`, which carry the tag of a boot whose VM `keep` was adopted:
+/// calls that landed after the settle window. Each one deleted is counted.
+pub(crate) async fn destroy_duplicates(hypervisor: &HypervisorClient, tag: &str, keep: &str, extra: &[String]) {
+    for vm_id in extra {
+        // Counted when the delete was done or may have been (a slow hypervisor's delete can
+        // time out and still land); a VM already gone is not counted again.
+        let deleted = match hypervisor.delete(vm_id).await {
+            Ok(existed) => existed,
+            Err(e) => {
+                tracing::warn!(%tag, %vm_id, error = %e, "deleting a duplicate VM failed; checking again next tick");
+                e.may_have_happened()
+            }
+        };
+        if deleted {
+            metrics::counter!(DUPLICATE_VMS_DESTROYED_TOTAL).increment(1);
+            tracing::warn!(%tag, %vm_id, kept = %keep,
+                "a second VM for one boot (a call landed after the settle window): deleted it; \
+                 --hypervisor-settle is shorter than the hypervisor takes");
         }
     }
 }

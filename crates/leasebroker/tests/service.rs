@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+mod effects;
+
 const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
 const TOKEN: &str = "t-alice";
 const OTHER: &str = "t-bob";
@@ -308,7 +310,11 @@ async fn fail_after_the_retry_adopts_the_vm_instead_of_booting_again() {
 async fn fail_before_leaks_nothing_and_the_retry_succeeds() {
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&[]);
-    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s"]);
+    // The sim's 503 may have been an answer after the work: the retry waits out the settle window.
+    let lb = serve(
+        &sqlite_url(&dir),
+        &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s", "--hypervisor-settle", "1s"],
+    );
     set_faults(&hv.url, 1.0, 0.0, 0).await;
     let first = create(&lb.url, TOKEN, "fb-1", &worker_body()).await;
     assert!(first.status.is_server_error(), "{}", first.status);

@@ -1,0 +1,276 @@
+//! A fault-injecting [`Store`] wrapper for tests (feature `conformance`).
+//!
+//! [`FaultyStore`] wraps any store and makes chosen operations fail on demand, without touching
+//! the inner store, so a test can check what a caller does when, say, `complete` fails after the
+//! handler's side effects ran. It also counts the calls of each operation.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use idempotency::MemoryStore;
+//! use idempotency::faulty::{FaultyStore, Op};
+//!
+//! let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+//! store.fail_next(Op::Complete, 2); // the next two `complete` calls return `Unavailable`
+//! assert_eq!(store.failures_left(Op::Complete), 2);
+//! assert_eq!(store.calls(Op::Complete), 0);
+//! ```
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+
+/// One method of the [`Store`] trait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Op {
+    /// [`Store::claim`].
+    Claim,
+    /// [`Store::reclaim`].
+    Reclaim,
+    /// [`Store::heartbeat`].
+    Heartbeat,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::fail`].
+    Fail,
+    /// [`Store::remove`].
+    Remove,
+    /// [`Store::get`].
+    Get,
+    /// [`Store::sweep_expired`].
+    SweepExpired,
+    /// [`Store::ping`].
+    Ping,
+}
+
+impl Op {
+    /// Every operation, in trait order.
+    pub const ALL: [Op; 9] = [
+        Op::Claim,
+        Op::Reclaim,
+        Op::Heartbeat,
+        Op::Complete,
+        Op::Fail,
+        Op::Remove,
+        Op::Get,
+        Op::SweepExpired,
+        Op::Ping,
+    ];
+
+    /// The method's name, e.g. `complete`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Claim => "claim",
+            Op::Reclaim => "reclaim",
+            Op::Heartbeat => "heartbeat",
+            Op::Complete => "complete",
+            Op::Fail => "fail",
+            Op::Remove => "remove",
+            Op::Get => "get",
+            Op::SweepExpired => "sweep_expired",
+            Op::Ping => "ping",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The cause inside the [`StoreError::Unavailable`] that [`FaultyStore`] returns for an
+/// injected failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("injected fault: {op} failed on purpose")]
+pub struct InjectedFault {
+    /// The operation that failed.
+    pub op: Op,
+}
+
+const OPS: usize = Op::ALL.len();
+
+/// Wraps a [`Store`]; [`fail_next`](Self::fail_next) makes the next calls of one operation
+/// return [`StoreError::Unavailable`] (with an [`InjectedFault`] cause) without reaching the
+/// inner store. Every call is counted, failed or not.
+#[derive(Debug)]
+pub struct FaultyStore<S> {
+    inner: S,
+    pending: Mutex<[u64; OPS]>,
+    calls: [AtomicU64; OPS],
+    injected: [AtomicU64; OPS],
+}
+
+impl<S: Store> FaultyStore<S> {
+    /// Wraps `inner`; nothing fails until told to.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            pending: Mutex::new([0; OPS]),
+            calls: std::array::from_fn(|_| AtomicU64::new(0)),
+            injected: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Makes the next `n` calls of `op` fail (added to any failures still pending for it).
+    pub fn fail_next(&self, op: Op, n: u64) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending[op.index()] = pending[op.index()].saturating_add(n);
+    }
+
+    /// Makes every call of `op` fail from now on, until [`heal`](Self::heal).
+    pub fn fail_always(&self, op: Op) {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())[op.index()] = u64::MAX;
+    }
+
+    /// Cancels every pending failure of `op`.
+    pub fn heal(&self, op: Op) {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())[op.index()] = 0;
+    }
+
+    /// How many failures of `op` are still to come.
+    pub fn failures_left(&self, op: Op) -> u64 {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())[op.index()]
+    }
+
+    /// How many times `op` was called, failed or not.
+    pub fn calls(&self, op: Op) -> u64 {
+        self.calls[op.index()].load(Ordering::SeqCst)
+    }
+
+    /// How many calls of `op` failed on purpose.
+    pub fn injected(&self, op: Op) -> u64 {
+        self.injected[op.index()].load(Ordering::SeqCst)
+    }
+
+    /// Counts a call of `op` and decides whether it fails.
+    fn enter(&self, op: Op) -> Result<(), StoreError> {
+        self.calls[op.index()].fetch_add(1, Ordering::SeqCst);
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let left = &mut pending[op.index()];
+        if *left == 0 {
+            return Ok(());
+        }
+        if *left != u64::MAX {
+            *left -= 1;
+        }
+        self.injected[op.index()].fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::unavailable(InjectedFault { op }))
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for FaultyStore<S> {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.enter(Op::Claim)?;
+        self.inner.claim(req).await
+    }
+
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+        expires_at: Timestamp,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.enter(Op::Reclaim)?;
+        self.inner.reclaim(record, now, in_flight_ttl, expires_at).await
+    }
+
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+        self.enter(Op::Heartbeat)?;
+        self.inner.heartbeat(claim, now).await
+    }
+
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.enter(Op::Complete)?;
+        self.inner.complete(claim, response, expires_at).await
+    }
+
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.enter(Op::Fail)?;
+        self.inner.fail(claim).await
+    }
+
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.enter(Op::Remove)?;
+        self.inner.remove(claim).await
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        self.enter(Op::Get)?;
+        self.inner.get(scope).await
+    }
+
+    async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+        self.enter(Op::SweepExpired)?;
+        self.inner.sweep_expired(now, batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.enter(Op::Ping)?;
+        self.inner.ping().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Endpoint, Fingerprint, IdempotencyKey, MemoryStore, Principal, StoredBody, now};
+
+    #[tokio::test]
+    async fn fails_the_next_n_calls_of_one_op_only() {
+        let store = FaultyStore::new(MemoryStore::new());
+        let scope =
+            Scope::new(Principal::new("p"), Endpoint::new("POST", "/x"), IdempotencyKey::try_from("k").unwrap());
+        let t = now();
+        let req = ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::from_stored("sha256:a"),
+            now: t,
+            expires_at: t + chrono::Duration::hours(1),
+        };
+        let ClaimOutcome::Owned(claim) = store.claim(req).await.unwrap() else { panic!("owned") };
+        let resp = StoredResponse { status: 201, headers: vec![], body: StoredBody::encode("{}".into(), 1024) };
+        store.fail_next(Op::Complete, 2);
+        for _ in 0..2 {
+            match store.complete(&claim, &resp, t).await {
+                Err(StoreError::Unavailable(cause)) => {
+                    assert_eq!(cause.downcast_ref::<InjectedFault>(), Some(&InjectedFault { op: Op::Complete }));
+                }
+                other => panic!("expected an injected failure, got {other:?}"),
+            }
+            // Untouched: still in flight.
+            assert_eq!(store.inner().get(&scope).await.unwrap().unwrap().state, crate::RecordState::InFlight);
+        }
+        store.get(&scope).await.unwrap();
+        store.complete(&claim, &resp, t).await.unwrap();
+        assert_eq!((store.calls(Op::Complete), store.injected(Op::Complete)), (3, 2));
+        assert_eq!((store.calls(Op::Get), store.injected(Op::Get), store.calls(Op::Claim)), (1, 0, 1));
+        assert_eq!(store.failures_left(Op::Complete), 0);
+
+        store.fail_always(Op::Ping);
+        assert!(store.ping().await.is_err() && store.ping().await.is_err());
+        store.heal(Op::Ping);
+        store.ping().await.unwrap();
+        assert_eq!(Op::ALL.iter().map(|op| op.index()).collect::<Vec<_>>(), (0..OPS).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,380 @@
+//! The reaper (SPEC 1.5): rolls back what operations nobody finished still hold, cleans up after
+//! finished ones, and destroys VMs that landed twice for one boot. It runs on the sweeper's tick
+//! (`--sweep-interval`), on every replica; each step is safe to race.
+//!
+//! Every attempt of a create or a reboot writes the operation's row (`lb_operations`: its record's
+//! scope and id, and when the attempt started). On each tick the reaper reads the record of every
+//! operation whose last attempt is older than the settle window:
+//! - the record completed: the operation finished; its intents and its row are deleted;
+//! - an attempt holds the record (in flight, not stale): nothing to do yet;
+//! - a create whose record failed or whose claim went stale, with no attempt for
+//!   `--abandon-after`: it is rolled back. The reaper takes the record's claim by compare-and-set
+//!   (so it never races a retry, on any replica), waits out the settle window of the last call
+//!   (if it has not passed, it looks again next tick), deletes the VM by tag if one exists,
+//!   removes the record (so a later retry with that key runs as a new operation), then frees the
+//!   lease and the node and forgets the operation;
+//! - the record is gone (expired, or removed by a rollback that stopped half-way): a create that
+//!   made no worker is rolled back the same way (nothing can resume it: a new record derives new
+//!   sub-keys); anything else is forgotten.
+//!
+//! Reboots hold nothing, and a reboot cannot be undone: an abandoned reboot keeps its record and
+//! intent until the record expires, so a late retry still finds what it did.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{Endpoint, IdempotencyKey, Principal, Record, RecordState, Scope, Store, Sweeper};
+use tokio::task::JoinHandle;
+
+use crate::domain::{Domain, OperationRow};
+use crate::hypervisor::client::HypervisorClient;
+use crate::service::{CreateKeys, destroy_duplicates, micros, now_micros};
+
+/// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
+pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
+/// Counter: finished operations whose intents and row the reaper deleted.
+pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
+
+/// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
+pub fn describe_metrics() {
+    use crate::service::{DUPLICATE_VMS_DESTROYED_TOTAL, REFUSALS_RELEASED_TOTAL};
+    metrics::describe_counter!(
+        DUPLICATE_VMS_DESTROYED_TOTAL,
+        "Second VMs of one boot deleted: calls that landed after --hypervisor-settle (set it longer)"
+    );
+    metrics::describe_counter!(REFUSALS_RELEASED_TOTAL, "Creates whose node and lease were given back on a refusal");
+    metrics::describe_counter!(
+        ROLLED_BACK_TOTAL,
+        "What the reaper rolled back, by resource (operation, vm, lease, node)"
+    );
+    metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
+}
+
+/// Operations read per page, and the most one tick reads.
+const PAGE: u32 = 200;
+const MAX_PER_TICK: usize = 2000;
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReapReport {
+    /// Abandoned creates rolled back.
+    pub rolled_back: u64,
+    /// VMs deleted: those of abandoned creates and second VMs of one boot.
+    pub vms_deleted: u64,
+    /// Finished operations forgotten.
+    pub forgotten: u64,
+    /// Operations left for a later tick (an attempt holds them, or a call may still land).
+    pub waiting: u64,
+}
+
+/// The reaper's settings and handles.
+#[derive(Clone)]
+pub struct Reaper {
+    /// The idempotency store the service runs on.
+    pub store: Arc<dyn Store>,
+    /// The domain tables.
+    pub domain: Domain,
+    /// The hypervisor.
+    pub hypervisor: HypervisorClient,
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`.
+    pub abandon_after: Duration,
+    /// `--in-flight-ttl`: when a claim is stale.
+    pub in_flight_ttl: Duration,
+    /// `--retention`: how long tombstones are kept (longer than any record that could need them).
+    pub retention: Duration,
+}
+
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reaper")
+            .field("settle", &self.settle)
+            .field("abandon_after", &self.abandon_after)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What to do with one operation.
+enum Verdict {
+    Forget,
+    RollBack(Option<Record>),
+    Wait,
+}
+
+impl Reaper {
+    /// One pass: late landings, then operations, then old tombstones.
+    pub async fn run_once(&self) -> ReapReport {
+        let mut report = ReapReport::default();
+        report.vms_deleted += self.destroy_late_landings().await;
+        self.reap_operations(&mut report).await;
+        match self.domain.prune(now_micros().saturating_sub(micros(self.retention))).await {
+            Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones and intents deleted"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "pruning tombstones failed; trying again next tick"),
+        }
+        report
+    }
+
+    /// A tag that carries two VMs: a boot call landed after a retry booted again (the settle
+    /// window is shorter than the hypervisor takes). Keeps the VM the service adopted (recorded
+    /// in the intent, or the one a worker runs on) and deletes the others.
+    async fn destroy_late_landings(&self) -> u64 {
+        let vms = match self.hypervisor.list_all().await {
+            Ok(vms) => vms,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list VMs to look for late landings");
+                return 0;
+            }
+        };
+        let mut by_tag: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for vm in vms.into_iter().filter(|vm| vm.tag.starts_with("sk-")) {
+            by_tag.entry(vm.tag).or_default().push(vm.vm_id);
+        }
+        let mut deleted = 0;
+        for (tag, ids) in by_tag.into_iter().filter(|(_, ids)| ids.len() > 1) {
+            let keep = match self.adopted(&tag, &ids).await {
+                Ok(Some(keep)) => keep,
+                Ok(None) => continue, // not decided yet: the create's own retry adopts one
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot check a tag with two VMs");
+                    continue;
+                }
+            };
+            let extra: Vec<String> = ids.into_iter().filter(|id| *id != keep).collect();
+            destroy_duplicates(&self.hypervisor, &tag, &keep, &extra).await;
+            deleted += extra.len() as u64;
+        }
+        deleted
+    }
+
+    /// Which of `ids` (all tagged `tag`) the service adopted, if it decided.
+    async fn adopted(&self, tag: &str, ids: &[String]) -> Result<Option<String>, crate::domain::DomainError> {
+        if let Some(intent) = self.domain.intent(tag).await? {
+            return Ok(match (intent.state.as_str(), intent.vm_id) {
+                ("done", Some(vm_id)) if ids.contains(&vm_id) => Some(vm_id),
+                _ => None,
+            });
+        }
+        let mut used = Vec::new();
+        for id in ids {
+            if self.domain.vm_in_use(id).await? {
+                used.push(id.clone());
+            }
+        }
+        Ok(if used.len() == 1 { used.pop() } else { None })
+    }
+
+    async fn reap_operations(&self, report: &mut ReapReport) {
+        let now = now_micros();
+        let before = now.saturating_sub(micros(self.settle));
+        let mut seen = 0usize;
+        let mut after: Option<(i64, String)> = None;
+        while seen < MAX_PER_TICK {
+            let page = match self.domain.operations_before(before, after.as_ref(), PAGE).await {
+                Ok(page) => page,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reaper cannot read operations; trying again next tick");
+                    return;
+                }
+            };
+            let full = page.len() == PAGE as usize;
+            seen += page.len();
+            after = page.last().map(|op| (op.last_attempt_at, op.op_id.clone()));
+            for op in page {
+                if let Err(e) = self.reap(&op, now, report).await {
+                    tracing::warn!(op = %op.op_id, error = %e, "reaper step failed; trying again next tick");
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+    }
+
+    /// Decides on one operation and acts on it.
+    async fn reap(&self, op: &OperationRow, now: i64, report: &mut ReapReport) -> anyhow::Result<()> {
+        let scope = scope_of(op)?;
+        let record = self.store.get(&scope).await?.filter(|r| r.record_id.to_hex() == op.record_id);
+        let abandoned = op.last_attempt_at <= now.saturating_sub(micros(self.abandon_after));
+        let verdict = match &record {
+            None if op.kind == "create" => Verdict::RollBack(None),
+            None => Verdict::Forget,
+            Some(r) if r.state == RecordState::Completed => Verdict::Forget,
+            Some(r) if op.kind == "create" && abandoned && self.claimable(r) => Verdict::RollBack(Some(r.clone())),
+            Some(_) => Verdict::Wait,
+        };
+        match verdict {
+            Verdict::Wait => report.waiting += 1,
+            Verdict::Forget => {
+                self.domain.forget_operation(&op.op_id).await?;
+                metrics::counter!(FORGOTTEN_TOTAL).increment(1);
+                report.forgotten += 1;
+            }
+            Verdict::RollBack(record) => self.roll_back(op, record, scope, report).await?,
+        }
+        Ok(())
+    }
+
+    /// Whether the record is failed, or in flight with a stale claim.
+    fn claimable(&self, r: &Record) -> bool {
+        match r.state {
+            RecordState::Failed => true,
+            RecordState::InFlight => r.is_stale(idempotency::now(), self.in_flight_ttl),
+            RecordState::Completed => false,
+        }
+    }
+
+    /// Rolls back an abandoned create: VM by tag, record, lease and node, intents.
+    async fn roll_back(
+        &self,
+        op: &OperationRow,
+        record: Option<Record>,
+        scope: Scope,
+        report: &mut ReapReport,
+    ) -> anyhow::Result<()> {
+        let Some(keys) = keys_of(op, record.as_ref(), &scope) else {
+            return Ok(());
+        };
+        // A create that made its worker finished: the worker is its result, never rolled back.
+        if self.domain.worker(&op.principal, &keys.worker_id()).await?.is_some()
+            || self.domain.is_deleted(&keys.worker_id()).await?
+        {
+            self.domain.forget_operation(&op.op_id).await?;
+            report.forgotten += 1;
+            return Ok(());
+        }
+        if !self.settled(keys.boot.as_str()).await? {
+            report.waiting += 1;
+            return Ok(());
+        }
+        let t = idempotency::now();
+        let claim = match &record {
+            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
+                Some(claim) => Some(claim),
+                None => {
+                    report.waiting += 1; // a retry (or another replica's reaper) took it first
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        // Holding the claim, no attempt can start; but check the window once more in case one
+        // sent a call between the first look and the claim.
+        if !self.settled(keys.boot.as_str()).await? {
+            if let Some(claim) = &claim {
+                self.store.fail(claim).await?;
+            }
+            report.waiting += 1;
+            return Ok(());
+        }
+        let vms = match self.hypervisor.list_by_tag(keys.boot.as_str()).await {
+            Ok(vms) => vms,
+            Err(e) => {
+                if let Some(claim) = &claim {
+                    self.store.fail(claim).await?;
+                }
+                anyhow::bail!("cannot list the abandoned create's VMs: {e}");
+            }
+        };
+        let mut vms_deleted = 0;
+        for vm in &vms {
+            match self.hypervisor.delete(&vm.vm_id).await {
+                Ok(existed) => vms_deleted += u64::from(existed),
+                Err(e) => {
+                    if let Some(claim) = &claim {
+                        self.store.fail(claim).await?;
+                    }
+                    anyhow::bail!("cannot delete the abandoned create's VM {}: {e}", vm.vm_id);
+                }
+            }
+        }
+        // The record first: from here a retry runs as a new operation, with new sub-keys, so
+        // nothing can resume this one while its lease and node are freed.
+        if let Some(claim) = &claim {
+            self.store.remove(claim).await?;
+        }
+        let released = self.domain.release_abandoned(&op.op_id, keys.alloc.as_str(), &keys.lease_id()).await?;
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "vm").increment(vms_deleted);
+        if released.operations == 0 {
+            return Ok(()); // another replica's reaper finished this rollback first
+        }
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "lease").increment(released.leases);
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "node").increment(released.nodes);
+        tracing::info!(
+            op = %op.op_id, key = %op.idem_key, principal = %op.principal,
+            vms = vms_deleted, leases = released.leases, nodes = released.nodes,
+            "abandoned create rolled back"
+        );
+        report.rolled_back += 1;
+        report.vms_deleted += vms_deleted;
+        Ok(())
+    }
+
+    /// Whether the settle window of the last call for the intent `tag` has passed (or no call
+    /// may still land: none was made, it was refused, or it is done).
+    async fn settled(&self, tag: &str) -> anyhow::Result<bool> {
+        let Some(intent) = self.domain.intent(tag).await? else { return Ok(true) };
+        if intent.state != "pending" {
+            return Ok(true);
+        }
+        let left = intent.last_attempt_at.saturating_add(micros(self.settle)).saturating_sub(now_micros());
+        if left > 0 {
+            tracing::info!(%tag, left_ms = left / 1000, "abandoned create's last call may still land; waiting");
+        }
+        Ok(left <= 0)
+    }
+}
+
+/// `t + d`, saturating.
+fn after(t: idempotency::Timestamp, d: Duration) -> idempotency::Timestamp {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| t.checked_add_signed(d))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
+}
+
+/// The record scope an operation row names.
+fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
+    let key = IdempotencyKey::try_from(op.idem_key.as_str()).map_err(|e| anyhow::anyhow!("stored key: {e}"))?;
+    Ok(Scope::new(Principal::new(op.principal.as_str()), Endpoint::from_stored(op.endpoint.as_str()), key))
+}
+
+/// The sub-keys of the create `op`: from its record, or, when the record is gone, from a record
+/// rebuilt from the row (the derivation needs only the scope and the record id).
+fn keys_of(op: &OperationRow, record: Option<&Record>, scope: &Scope) -> Option<CreateKeys> {
+    if let Some(r) = record {
+        return Some(CreateKeys::of_record(r));
+    }
+    let record_id = idempotency::RecordId::from_hex(&op.record_id)?;
+    let t = idempotency::now();
+    let mut r = idempotency::ClaimRequest {
+        scope: scope.clone(),
+        fingerprint: idempotency::Fingerprint::from_stored("sha256:"),
+        now: t,
+        expires_at: t,
+    }
+    .new_record();
+    r.record_id = record_id;
+    Some(CreateKeys::of_record(&r))
+}
+
+/// Runs `sweeper` and then `reaper` on one tick, every `interval`. Abort the handle to stop.
+pub fn spawn_with_sweeper(sweeper: Sweeper, reaper: Reaper, interval: Duration) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(e) = sweeper.run_once().await {
+                tracing::warn!(error = %e, "idempotency sweeper pass failed; retrying next interval");
+            }
+            let report = reaper.run_once().await;
+            if report != ReapReport::default() {
+                tracing::debug!(?report, "reaper pass");
+            }
+        }
+    })
+}

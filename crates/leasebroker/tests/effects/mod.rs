@@ -1,0 +1,480 @@
+//! Issue 11: one boot, one reboot, nothing held, when the hypervisor is slow, refuses, or the
+//! client walks away. Each test runs the real binary against an independent hypervisor (the
+//! standalone simulator, or a fake one served from the test) and counts side effects from ground
+//! truth: the simulator's stats and the fleet endpoint.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use idempotency::Store;
+use idempotency::conformance::{FaultyStore, Op};
+use leasebroker::app::Application;
+use leasebroker::config::{Cli, Command};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use super::{
+    ADMIN, BIN, Reply, TOKEN, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, serve,
+    set_faults, sim, sim_stats, sqlite_url, worker_body,
+};
+
+/// Polls `check` every 200 ms until it returns true or `within` has passed; returns the last answer.
+async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The sum of a counter's series on `/metrics` (0 when absent); `name` may end in a label
+/// (`name{label="value"`).
+async fn metric(base: &str, name: &str) -> f64 {
+    let text = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && (name.ends_with('"') || l[name.len()..].starts_with([' ', '{'])))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// (workers, allocated nodes, leases, running VMs) as the fleet endpoint counts them.
+async fn held(base: &str) -> (i64, i64, i64, i64) {
+    let f = fleet(base).await;
+    let n = |k: &str| f[k].as_i64().unwrap_or(-1);
+    (n("workers_active"), n("nodes_allocated"), n("leases_active"), n("vms_running"))
+}
+
+async fn reboot(base: &str, id: &str, key: &str) -> Reply {
+    send(reqwest::Method::POST, &format!("{base}/v1/workers/{id}/reboot"), TOKEN, Some(key), None).await
+}
+
+/// Item 1: the first boot times out after 1 s but lands after 2.5 s. The retries that come
+/// before it lands find nothing by tag and must wait (503 + Retry-After), not boot again.
+#[tokio::test]
+async fn a_hypervisor_slower_than_the_timeout_boots_once_per_tag() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&["--latency-ms", "2500"]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s"]);
+    let first = create(&lb.url, TOKEN, "slow-1", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    let early = create(&lb.url, TOKEN, "slow-1", &worker_body()).await;
+    if sim_stats(&hv.url).await["boots_total"] == 0 {
+        // Not landed yet: the retry waits instead of booting.
+        assert_eq!(early.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&early.body));
+        assert!(early.headers.contains_key("retry-after"), "{:?}", early.headers);
+    }
+    let done = create_until_done(&lb.url, "slow-1", &worker_body(), Duration::from_secs(60)).await;
+    assert_eq!(done.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&done.body));
+    // Anything still on its way has landed 2.5 s after it was sent.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64(), stats["running"].as_i64()),
+        (Some(1), Some(0), Some(1)),
+        "{stats}"
+    );
+    assert_one_worker_node_and_lease(&lb.url).await;
+}
+
+/// Item 1, reboot: one reboot per key even when the reboot lands after the caller's timeout.
+#[tokio::test]
+async fn a_slow_reboot_happens_once_per_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s"]);
+    let created = create(&lb.url, TOKEN, "rb-create", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    set_faults(&hv.url, 0.0, 0.0, 2500).await;
+    let first = reboot(&lb.url, &id, "rb-1").await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let last = loop {
+        let r = reboot(&lb.url, &id, "rb-1").await;
+        if r.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(last.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&last.body));
+    assert_eq!(last.json()["reboot_count"], 1);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["reboots_total"].as_i64(), stats["duplicate_reboot_tags"].as_i64()),
+        (Some(1), Some(0)),
+        "{stats}"
+    );
+    assert_eq!(fleet(&lb.url).await["reboots_total"], 1);
+}
+
+/// Item 1: a settle window shorter than the call timeout is refused at start.
+#[tokio::test]
+async fn a_settle_window_shorter_than_the_timeout_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
+        .args(["--hypervisor-timeout", "2s", "--hypervisor-settle", "1s"])
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started: {stderr}");
+    assert!(stderr.contains("--hypervisor-settle") && stderr.contains("at least --hypervisor-timeout"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+}
+
+/// Item 1, the safety net: with a settle window set too short (equal to the timeout, shorter
+/// than the hypervisor takes), a retry boots a second time and the first boot lands later. The
+/// VM that was adopted stays; the other is deleted and counted.
+#[tokio::test]
+async fn a_late_landing_past_a_short_settle_window_is_destroyed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&["--latency-ms", "2500"]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &[
+            "--hypervisor-url",
+            &hv.url,
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+            "--sweep-interval",
+            "1s",
+        ],
+    );
+    let done = create_until_done(&lb.url, "late-1", &worker_body(), Duration::from_secs(60)).await;
+    assert_eq!(done.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&done.body));
+    let vm_id = done.json()["vm_id"].as_str().expect("vm_id").to_owned();
+    let landed = eventually(Duration::from_secs(30), || async {
+        let s = sim_stats(&hv.url).await;
+        s["boots_total"].as_i64() >= Some(2) && s["running"] == 1
+    })
+    .await;
+    let stats = sim_stats(&hv.url).await;
+    assert!(landed, "a second boot landed and was destroyed: {stats}");
+    let vms: Value = http().get(format!("{}/v1/vms", hv.url)).send().await.expect("vms").json().await.expect("json");
+    assert_eq!(vms["vms"][0]["vm_id"], vm_id.as_str(), "the adopted VM is the one kept: {vms}");
+    assert!(metric(&lb.url, "leasebroker_duplicate_vms_destroyed_total").await >= 1.0);
+    assert_one_worker_node_and_lease(&lb.url).await;
+}
+
+/// A hypervisor that refuses every boot with a 422 and lists no VMs; counts the boots it refused.
+async fn refusing_hypervisor() -> (String, Arc<AtomicUsize>) {
+    use axum::routing::get;
+    let refused = Arc::new(AtomicUsize::new(0));
+    let counter = refused.clone();
+    let app = axum::Router::new().route(
+        "/v1/vms",
+        get(|| async { axum::Json(json!({"vms": []})) }).post(move || {
+            let counter = counter.clone();
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                (
+                    axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                    "hv-canary-body: image not allowed on this cluster (http://10.9.8.7/internal)",
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, refused)
+}
+
+/// Item 2: a definite refusal (4xx) gives back the node and lease before answering. It is
+/// answered as an unstored 502, so the retry runs again (and is refused again): nothing is held
+/// between or after.
+#[tokio::test]
+async fn a_refused_boot_holds_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (hv, refused) = refusing_hypervisor().await;
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv]);
+    let r = create(&lb.url, TOKEN, "refused-1", &worker_body()).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.problem_type(), "upstream-unavailable");
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0), "nothing stays held after a refusal");
+    let text = String::from_utf8_lossy(&r.body);
+    assert!(!text.contains("hv-canary") && !text.contains("10.9.8.7") && !text.contains(&hv), "{text}");
+    let again = create(&lb.url, TOKEN, "refused-1", &worker_body()).await;
+    assert_eq!(again.status, StatusCode::BAD_GATEWAY);
+    assert!(!again.replayed(), "a refusal is not stored: the retry runs again");
+    assert_eq!(refused.load(Ordering::SeqCst), 2);
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
+}
+
+/// Item 3: a create whose client gives up after a 5xx (the boot happened, its answer was lost)
+/// is rolled back by the reaper once nobody retried it for --abandon-after: VM deleted, lease and
+/// node freed, record removed. The same key afterwards runs as a new operation (new sub-keys: a
+/// new boot tag, not the old one booted again).
+#[tokio::test]
+async fn an_abandoned_create_is_rolled_back_and_its_key_runs_afresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &[
+            "--hypervisor-url",
+            &hv.url,
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+            "--abandon-after",
+            "2s",
+            "--sweep-interval",
+            "1s",
+        ],
+    );
+    set_faults(&hv.url, 0.0, 1.0, 0).await;
+    let first = create(&lb.url, TOKEN, "walk-away", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    assert_eq!(held(&lb.url).await, (0, 1, 1, 1), "the attempt holds a node, a lease and a VM");
+    let rolled_back = eventually(Duration::from_secs(30), || async { held(&lb.url).await == (0, 0, 0, 0) }).await;
+    assert!(rolled_back, "still held: {:?}", held(&lb.url).await);
+    assert!(metric(&lb.url, "leasebroker_reaper_rolled_back_total").await >= 4.0, "operation, vm, lease, node");
+
+    let retry = create(&lb.url, TOKEN, "walk-away", &worker_body()).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retry.body));
+    assert!(!retry.replayed());
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64(), stats["running"].as_i64()),
+        (Some(2), Some(0), Some(1)),
+        "a new operation boots under a new tag: {stats}"
+    );
+    assert_one_worker_node_and_lease(&lb.url).await;
+}
+
+/// Item 3: the reaper never rolls back a create that finished, however short --abandon-after,
+/// and once operations finished their rows and intents are gone: no domain table grows with
+/// every request.
+#[tokio::test]
+async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let lb = serve(
+        &db,
+        &["--hypervisor-timeout", "1s", "--hypervisor-settle", "1s", "--abandon-after", "1s", "--sweep-interval", "1s"],
+    );
+    let done = create(&lb.url, TOKEN, "kept", &worker_body()).await;
+    assert_eq!(done.status, StatusCode::CREATED);
+    let id = done.json()["id"].as_str().expect("id").to_owned();
+    for key in ["rb-a", "rb-b"] {
+        assert_eq!(reboot(&lb.url, &id, key).await.status, StatusCode::ACCEPTED);
+    }
+    let rows = || async {
+        let pool = sqlx::SqlitePool::connect(&db).await.expect("open");
+        let counts: (i64, i64) =
+            sqlx::query_as("SELECT (SELECT COUNT(*) FROM lb_operations), (SELECT COUNT(*) FROM lb_intents)")
+                .fetch_one(&pool)
+                .await
+                .expect("count");
+        pool.close().await;
+        counts
+    };
+    assert!(eventually(Duration::from_secs(30), || async { rows().await == (0, 0) }).await, "{:?}", rows().await);
+    assert_eq!(held(&lb.url).await, (1, 1, 1, 1));
+    let f = fleet(&lb.url).await;
+    assert_eq!((f["vm_boots_total"].as_i64(), f["reboots_total"].as_i64()), (Some(1), Some(2)), "{f}");
+    let again = create(&lb.url, TOKEN, "kept", &worker_body()).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, done.body);
+}
+
+/// A server built in process from the real router, on a store that fails on demand, with the
+/// in-process simulator; a short in-flight TTL so a retry after a failed completion comes soon.
+struct InProcess {
+    url: String,
+    faults: Arc<FaultyStore<Arc<dyn Store>>>,
+    _dir: tempfile::TempDir,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn in_process() -> InProcess {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let cli = Cli::parse_from([
+        "leasebroker",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database",
+        &db,
+        "--token",
+        "t-alice=alice",
+        "--admin-token",
+        ADMIN,
+        "--pool-nodes",
+        "16",
+        "--in-flight-ttl",
+        "1s",
+    ]);
+    let Command::Serve(args) = cli.command else { panic!("serve") };
+    let mut slot = None;
+    let app = Application::build_with_store(args, |store| {
+        let faulty = Arc::new(FaultyStore::new(store));
+        slot = Some(faulty.clone());
+        faulty
+    })
+    .await
+    .expect("build");
+    let url = format!("http://{}", app.local_addr());
+    let server = tokio::spawn(app.run_until_stopped(std::future::pending()));
+    InProcess { url, faults: slot.expect("wrapped"), _dir: dir, server }
+}
+
+/// Sends `send` again while the record is in flight (409 request-in-progress), up to 30 s.
+async fn past_in_progress<F, Fut>(mut send: F) -> Reply
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Reply>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = send().await;
+        let busy = r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress";
+        if !busy || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Item 4: the delete committed, but its record never completed (the store failed at
+/// completion). The retry finds no worker but its own tombstone: 204, never 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_delete_whose_completion_failed_answers_204() {
+    let lb = in_process().await;
+    let created = create(&lb.url, TOKEN, "c-4", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let url = format!("{}/v1/workers/{}", lb.url, created.json()["id"].as_str().expect("id"));
+
+    lb.faults.fail_always(Op::Complete);
+    let first = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None).await;
+    assert_eq!(first.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&first.body));
+    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
+    lb.faults.heal(Op::Complete);
+
+    let retry = past_in_progress(|| send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None)).await;
+    assert_eq!(retry.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&retry.body));
+    assert!(!retry.replayed(), "the retry ran the handler again and found its tombstone");
+    let again = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None).await;
+    assert!(again.replayed() && again.status == StatusCode::NO_CONTENT);
+    let other = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4b"), None).await;
+    assert_eq!(other.status, StatusCode::NOT_FOUND, "another delete's tombstone is not this one's");
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
+}
+
+/// Item 5: the create's record never completed (the store failed at completion), then the
+/// worker was deleted. The retry of the create must not bring it back: it answers 410
+/// worker-deleted (stored) and takes no node, lease or VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_retried_after_its_worker_was_deleted_is_gone() {
+    let lb = in_process().await;
+    lb.faults.fail_always(Op::Complete);
+    let created = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
+    lb.faults.heal(Op::Complete);
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let deleted = send(reqwest::Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("d-5"), None).await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    let boots = fleet(&lb.url).await["vm_boots_total"].clone();
+
+    let body = worker_body();
+    let retry = past_in_progress(|| create(&lb.url, TOKEN, "c-5", &body)).await;
+    assert_eq!(retry.status, StatusCode::GONE, "{}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(retry.problem_type(), "worker-deleted");
+    assert_eq!(held(&lb.url).await, (0, 0, 0, 0), "no node, lease, worker or VM came back");
+    assert_eq!(fleet(&lb.url).await["vm_boots_total"], boots, "nothing booted");
+    let again = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
+    assert!(again.replayed() && again.status == StatusCode::GONE, "the 410 is stored");
+}
+
+/// Item 3, raced: two replicas on one PostgreSQL database both run the reaper while clients
+/// come back to their abandoned creates, some before the reaper, some while it works, some
+/// after. Whoever takes the record's claim first wins; the other never acts on the same
+/// operation: each key ends with one worker on one node, one lease and one running VM, and no
+/// tag is booted twice.
+#[tokio::test]
+async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let hv = sim(&[]);
+    let args = [
+        "--hypervisor-url",
+        hv.url.as_str(),
+        "--hypervisor-timeout",
+        "1s",
+        "--hypervisor-settle",
+        "1s",
+        "--abandon-after",
+        "1s",
+        "--in-flight-ttl",
+        "1s",
+        "--sweep-interval",
+        "300ms",
+    ];
+    let a = serve(pg.url(), &args);
+    let b = serve(pg.url(), &args);
+    const KEYS: usize = 12;
+    set_faults(&hv.url, 0.0, 1.0, 0).await;
+    for i in 0..KEYS {
+        let r = create(&a.url, TOKEN, &format!("race-{i}"), &worker_body()).await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
+    }
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    let mut tasks = Vec::new();
+    for i in 0..KEYS {
+        for (j, base) in [&a.url, &b.url].into_iter().enumerate() {
+            let base = base.clone();
+            tasks.push(tokio::spawn(async move {
+                // Spread the retries over the reaper's window: 0 to ~3 s after the abandon.
+                tokio::time::sleep(Duration::from_millis((i * 250 + j * 120) as u64)).await;
+                let r = create_until_done(&base, &format!("race-{i}"), &worker_body(), Duration::from_secs(60)).await;
+                (i, r)
+            }));
+        }
+    }
+    let mut ids: Vec<std::collections::HashSet<String>> = vec![Default::default(); KEYS];
+    for t in tasks {
+        let (i, r) = t.await.expect("task");
+        assert_eq!(r.status, StatusCode::CREATED, "race-{i}: {}", String::from_utf8_lossy(&r.body));
+        ids[i].insert(r.json()["id"].as_str().expect("id").to_owned());
+    }
+    for (i, set) in ids.iter().enumerate() {
+        assert_eq!(set.len(), 1, "race-{i} made workers {set:?}");
+    }
+    // A few more reaper ticks: nothing a finished worker holds may be rolled back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let n = KEYS as i64;
+    assert_eq!(held(&a.url).await, (n, n, n, n), "one worker, node, lease and VM per key");
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(stats["duplicate_boot_tags"], 0, "{stats}");
+    let rolled_back = metric(&a.url, "leasebroker_reaper_rolled_back_total{resource=\"operation\"").await
+        + metric(&b.url, "leasebroker_reaper_rolled_back_total{resource=\"operation\"").await;
+    eprintln!("abandoned creates rolled back: {rolled_back} of {KEYS} (the rest resumed by a retry); {stats}");
+    // Each key booted once before it was abandoned; a key rolled back booted once more, under its
+    // new operation's tag; a key resumed by a retry adopted its VM.
+    assert_eq!(stats["boots_total"].as_f64(), Some(KEYS as f64 + rolled_back), "{stats}");
+}
