@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::proxy::ProxyCounts;
-use crate::verify::{Damage, Invariant, SimStats};
+use crate::verify::{Damage, Invariant, ServerCounters, SimStats};
 use crate::workload::ClientKind;
 
 /// The set-up of a run.
@@ -125,6 +125,8 @@ pub struct RunReport {
     pub fleet: Fleet,
     /// The simulator's counters at the end.
     pub hypervisor: SimStats,
+    /// The replicas' counters at the end.
+    pub server: ServerCounters,
     /// Every invariant checked.
     pub invariants: Vec<Invariant>,
     /// All invariants held.
@@ -133,6 +135,8 @@ pub struct RunReport {
     pub failures: Vec<String>,
     /// The first refusal reasons.
     pub refusals: Vec<String>,
+    /// Listed workers whose VM does not run, and what the clients know of each.
+    pub workers_without_vm: Vec<String>,
     /// Seconds spent running operations.
     pub workload_secs: f64,
     /// Seconds for the whole run (start-up, settling and checks included).
@@ -188,6 +192,13 @@ pub fn table(runs: &[RunReport]) -> String {
             Box::new(|r| format!("{}/{}/{}", r.outcomes.creates_ok, r.outcomes.reboots_ok, r.outcomes.deletes_ok)),
         ),
         ("replayed answers", Box::new(|r| r.outcomes.replayed.to_string())),
+        (
+            "server: refusals released / late VMs destroyed / ops reaped",
+            Box::new(|r| {
+                let s = r.server;
+                format!("{}/{}/{}", s.refusals_released, s.duplicate_vms_destroyed, s.operations_reaped)
+            }),
+        ),
         ("workers active (server)", Box::new(|r| r.fleet.workers_active.to_string())),
         ("PHANTOM WORKERS", Box::new(|r| r.damage.phantom_workers.to_string())),
         ("lost workers", Box::new(|r| r.damage.lost_workers.to_string())),

@@ -422,10 +422,12 @@ async fn run_in(
             damage,
             fleet: truth.fleet.clone(),
             hypervisor: truth.sim,
+            server: truth.server,
             passed: invariants.iter().all(|i| i.ok),
             invariants,
             failures: ledger.failures.clone(),
             refusals: ledger.refusals.clone(),
+            workers_without_vm: verify::workers_without_vm(&ledger, &truth),
             workload_secs,
             elapsed_secs: started.elapsed().as_secs_f64(),
         }

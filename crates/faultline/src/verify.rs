@@ -1,7 +1,7 @@
 //! Ground truth and the invariants: what the servers and the hypervisor hold once they have
 //! settled, compared with what the clients were told.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow};
@@ -28,6 +28,32 @@ pub struct SimStats {
     pub duplicate_reboot_tags: u64,
 }
 
+/// What the servers say they did about refusals, late landings and abandoned operations, summed
+/// over the replicas' `/metrics` (a replica killed mid-run forgot what it counted before).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ServerCounters {
+    /// `leasebroker_refusals_released_total`: creates that gave back node and lease on a refusal.
+    pub refusals_released: u64,
+    /// `leasebroker_duplicate_vms_destroyed_total`: late landings past the settle window destroyed.
+    pub duplicate_vms_destroyed: u64,
+    /// `leasebroker_reaper_rolled_back_total{resource="operation"}`: abandoned operations rolled back.
+    pub operations_reaped: u64,
+}
+
+/// The value of the first sample of `name` whose labels contain `labels` (Prometheus text).
+fn sample(metrics: &str, name: &str, labels: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(series, _)| {
+            series.strip_prefix(name).is_some_and(|rest| rest.is_empty() || rest.starts_with('{'))
+                && series.contains(labels)
+        })
+        .and_then(|(_, value)| value.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// What the servers and the hypervisor hold.
 #[derive(Debug, Clone)]
 pub struct GroundTruth {
@@ -37,6 +63,10 @@ pub struct GroundTruth {
     pub sim: SimStats,
     /// Every worker each principal lists, by id, with its principal's index.
     pub workers: HashMap<WorkerId, (usize, Worker)>,
+    /// The replicas' own counters.
+    pub server: ServerCounters,
+    /// The ids of the VMs the simulator runs.
+    pub vms: HashSet<String>,
 }
 
 /// Direct (unproxied, fault-free) reads of the servers and the simulator.
@@ -122,7 +152,28 @@ impl Reader {
                 }
             }
         }
-        Ok(GroundTruth { fleet, sim, workers })
+        let mut server = ServerCounters::default();
+        for replica in &self.replicas {
+            let text = match self.http.get(format!("{replica}/metrics")).send().await {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            server.refusals_released += sample(&text, "leasebroker_refusals_released_total", "");
+            server.duplicate_vms_destroyed += sample(&text, "leasebroker_duplicate_vms_destroyed_total", "");
+            server.operations_reaped += sample(&text, "leasebroker_reaper_rolled_back_total", "resource=\"operation\"");
+        }
+        #[derive(Deserialize)]
+        struct VmList {
+            vms: Vec<VmId>,
+        }
+        #[derive(Deserialize)]
+        struct VmId {
+            vm_id: String,
+        }
+        let vms: VmList =
+            self.get(&format!("{}/v1/vms", self.hypervisor), "").await?.ok_or_else(|| anyhow!("no VM list"))?;
+        let vms = vms.vms.into_iter().map(|v| v.vm_id).collect();
+        Ok(GroundTruth { fleet, sim, workers, server, vms })
     }
 
     /// GETs each of `workers` as its principal, spread over the replicas.
@@ -191,6 +242,27 @@ pub struct Damage {
 /// The create operation a listed worker belongs to, from its label.
 fn op_of(worker: &Worker) -> Option<u64> {
     worker.labels.get(crate::workload::OP_LABEL)?.parse().ok()
+}
+
+/// The listed workers whose VM the hypervisor does not run, each with what the clients know of
+/// it (for the report: a worker without its VM holds a node and a lease for nothing).
+pub fn workers_without_vm(ledger: &Ledger, truth: &GroundTruth) -> Vec<String> {
+    let mut out: Vec<String> = truth
+        .workers
+        .iter()
+        .filter(|(_, (_, w))| w.vm_id.as_ref().is_none_or(|vm| !truth.vms.contains(vm)))
+        .map(|(id, (_, w))| {
+            let known = match ledger.workers.get(id) {
+                Some(k) if k.delete_abandoned => "its delete was abandoned",
+                Some(k) if k.delete_unknown => "its delete did not succeed",
+                Some(_) => "held by a client",
+                None => "no client knows it",
+            };
+            format!("{id} (vm {}): {known}", w.vm_id.as_deref().unwrap_or("none"))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// Compares the ground truth with the clients' ledger.
@@ -323,4 +395,21 @@ pub fn check(
         fleet.reboots_total,
     );
     (damage, invariants)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sample;
+
+    #[test]
+    fn reads_a_sample_by_name_and_labels() {
+        let text = "# HELP leasebroker_reaper_rolled_back_total x\n\
+                    leasebroker_reaper_rolled_back_total{resource=\"vm\"} 3\n\
+                    leasebroker_reaper_rolled_back_total{resource=\"operation\"} 7\n\
+                    leasebroker_refusals_released_total_other 9\n\
+                    leasebroker_refusals_released_total 4\n";
+        assert_eq!(sample(text, "leasebroker_reaper_rolled_back_total", "resource=\"operation\""), 7);
+        assert_eq!(sample(text, "leasebroker_refusals_released_total", ""), 4);
+        assert_eq!(sample(text, "leasebroker_duplicate_vms_destroyed_total", ""), 0);
+    }
 }

@@ -95,6 +95,8 @@ pub struct Known {
     pub delete_unknown: bool,
     /// Reboot operations abandoned on it (each may or may not have happened; never twice).
     pub reboots_abandoned: u64,
+    /// Its delete was abandoned by the client (so `delete_unknown` too).
+    pub delete_abandoned: bool,
 }
 
 /// The clients' view of the world.
@@ -442,6 +444,7 @@ impl Workload {
                         deleted: false,
                         delete_unknown: false,
                         reboots_abandoned: 0,
+                        delete_abandoned: false,
                     };
                     ledger.workers.insert(worker.id.clone(), known);
                     ledger.idle.push((principal, worker.id));
@@ -472,6 +475,12 @@ impl Workload {
                 ledger.abandoned_reboots += 1;
                 if let Some(known) = ledger.workers.get_mut(&id) {
                     known.reboots_abandoned += 1;
+                }
+            }
+            (Op::Delete { id, .. }, Outcome::Abandoned) => {
+                if let Some(known) = ledger.workers.get_mut(&id) {
+                    known.delete_unknown = true;
+                    known.delete_abandoned = true;
                 }
             }
             (op, outcome) => {
