@@ -77,6 +77,41 @@ pub struct Scenario {
     /// Hypervisor simulator: latency before each mutating call, in milliseconds.
     #[arg(long, default_value_t = 0)]
     pub hv_latency_ms: u64,
+    /// Hypervisor simulator: probability that a mutating call is slow (`--hv-slow-ms` more), so
+    /// it lands after the server's `--hypervisor-timeout` gave up on it (late landings).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    pub hv_slow: f64,
+    /// Hypervisor simulator: the extra latency of a slow call, in milliseconds (make it longer
+    /// than `--hypervisor-timeout` for the calls to land late).
+    #[arg(long, default_value_t = 2500)]
+    pub hv_slow_ms: u64,
+    /// Hypervisor simulator: probability that a mutating call is refused for good (a 4xx, nothing
+    /// done: a definite refusal).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    pub hv_refuse: f64,
+    /// Probability that an operation's client abandons it for good: one attempt, cut short at a
+    /// random point, and no retry after an error or a hang-up. The run then waits out
+    /// `--abandon-after` and checks that nothing is held.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    pub abandon: f64,
+    /// Passed to the servers as --abandon-after (when they have it) if `--abandon` is set.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    pub abandon_after: Duration,
+    /// Passed to the servers as --sweep-interval if `--abandon` is set: how often the reaper looks.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub sweep_interval: Duration,
+    /// Passed to the servers as --hypervisor-settle (when they have it) [default: the simulator's
+    /// latency plus its slow latency plus 1s, and at least --hypervisor-timeout plus 1s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub hypervisor_settle: Option<Duration>,
+    /// Stop and start the database this many times during the run (spread over it). Uses a
+    /// PostgreSQL cluster of faultline's own (initdb and pg_ctl, run as user `postgres` when
+    /// faultline runs as root, on a free port, removed after), never the `--postgres` server.
+    #[arg(long, default_value_t = 0)]
+    pub postgres_restarts: u32,
+    /// How long the database stays down at each restart.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub postgres_down: Duration,
     /// A PostgreSQL server URL: a fresh database is created in it for each run and dropped after.
     /// Without it, one replica runs on SQLite in a temporary directory.
     #[arg(long, env = "FAULTLINE_POSTGRES")]
@@ -99,7 +134,7 @@ pub struct Scenario {
     /// Passed to the servers as --in-flight-ttl.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub in_flight_ttl: Duration,
-    /// Passed to the servers as --hypervisor-timeout (also their reconcile grace window).
+    /// Passed to the servers as --hypervisor-timeout (each call's timeout).
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub hypervisor_timeout: Duration,
     /// Nodes in the pool [default: enough for every operation to be a create, twice over].
@@ -138,5 +173,38 @@ mod tests {
         assert_eq!(s.scenario.ops, 10);
         assert!(Cli::try_parse_from(["faultline", "sweep", "--rates", "0,1.5"]).is_err());
         assert!(Cli::try_parse_from(["faultline", "run", "--naive", "--no-naive"]).is_err());
+    }
+
+    #[test]
+    fn parses_the_slow_refusing_abandoning_and_restarting_modes() {
+        let cli = Cli::try_parse_from([
+            "faultline",
+            "run",
+            "--hv-slow",
+            "0.1",
+            "--hv-slow-ms",
+            "1500",
+            "--hv-refuse",
+            "0.05",
+            "--abandon",
+            "0.1",
+            "--abandon-after",
+            "2s",
+            "--hypervisor-settle",
+            "4s",
+            "--postgres-restarts",
+            "2",
+        ])
+        .unwrap();
+        let Command::Run(r) = cli.command else { panic!("run") };
+        let s = r.scenario;
+        assert_eq!((s.hv_slow, s.hv_slow_ms, s.hv_refuse, s.abandon), (0.1, 1500, 0.05, 0.1));
+        assert_eq!((s.abandon_after, s.hypervisor_settle), (Duration::from_secs(2), Some(Duration::from_secs(4))));
+        assert_eq!(s.postgres_restarts, 2);
+        // Off by default.
+        let Command::Run(r) = Cli::try_parse_from(["faultline", "run"]).unwrap().command else { panic!("run") };
+        let s = r.scenario;
+        assert_eq!((s.hv_slow, s.hv_refuse, s.abandon, s.postgres_restarts), (0.0, 0.0, 0.0, 0));
+        assert!(Cli::try_parse_from(["faultline", "run", "--abandon", "1.1"]).is_err());
     }
 }

@@ -73,6 +73,23 @@ async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, Soc
     Ok((Running { child }, addr))
 }
 
+/// The simulator's faults (`leasebroker hypervisor-sim` flags).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SimFaults {
+    /// `--fail-before`.
+    pub fail_before: f64,
+    /// `--fail-after`.
+    pub fail_after: f64,
+    /// `--latency-ms`.
+    pub latency_ms: u64,
+    /// `--slow`.
+    pub slow: f64,
+    /// `--slow-ms`.
+    pub slow_ms: u64,
+    /// `--refuse`.
+    pub refuse: f64,
+}
+
 /// The standalone hypervisor simulator.
 #[derive(Debug)]
 pub struct Hypervisor {
@@ -83,17 +100,19 @@ pub struct Hypervisor {
 
 impl Hypervisor {
     /// Starts `leasebroker hypervisor-sim` on a free port.
-    pub async fn start(
-        binary: &Path,
-        dir: &Path,
-        fail_before: f64,
-        fail_after: f64,
-        latency_ms: u64,
-    ) -> anyhow::Result<Self> {
+    pub async fn start(binary: &Path, dir: &Path, faults: SimFaults) -> anyhow::Result<Self> {
         let mut command = Command::new(binary);
         command.args(["hypervisor-sim", "--listen", "127.0.0.1:0"]);
-        command.args(["--fail-before", &fail_before.to_string(), "--fail-after", &fail_after.to_string()]);
-        command.args(["--latency-ms", &latency_ms.to_string()]);
+        command.args(["--fail-before", &faults.fail_before.to_string()]);
+        command.args(["--fail-after", &faults.fail_after.to_string()]);
+        command.args(["--latency-ms", &faults.latency_ms.to_string()]);
+        // Only when asked for, so a simulator without these flags still runs the other modes.
+        if faults.slow > 0.0 {
+            command.args(["--slow", &faults.slow.to_string(), "--slow-ms", &faults.slow_ms.to_string()]);
+        }
+        if faults.refuse > 0.0 {
+            command.args(["--refuse", &faults.refuse.to_string()]);
+        }
         let (process, addr) = start(command, &dir.join("hypervisor-sim.log")).await.context("hypervisor-sim")?;
         Ok(Hypervisor { _process: process, url: format!("http://{addr}") })
     }
@@ -116,6 +135,8 @@ pub struct ServeConfig {
     pub hypervisor_timeout: Duration,
     /// `--in-flight-ttl`.
     pub in_flight_ttl: Duration,
+    /// More `serve` flags (`--hypervisor-settle`, `--abandon-after`, `--sweep-interval`).
+    pub extra: Vec<String>,
     /// Where the logs go.
     pub dir: PathBuf,
 }
@@ -162,6 +183,7 @@ impl Replica {
             command.args(["--hypervisor-url", &c.hypervisor_url]);
             command.args(["--hypervisor-timeout", &format!("{}ms", c.hypervisor_timeout.as_millis())]);
             command.args(["--in-flight-ttl", &format!("{}ms", c.in_flight_ttl.as_millis())]);
+            command.args(&c.extra);
             match start(command, &log).await {
                 Ok((process, addr)) if addr == self.addr => {
                     self.process = Some(process);

@@ -5,9 +5,12 @@
 //! fault-injecting TCP proxy in front of each replica, and drives a mix of create, reboot and
 //! delete operations through it, with the four client-side failure modes of the design (the
 //! request never arrives, the response is lost after the work, the client gives up mid-flight,
-//! the client process is killed and rerun), server replicas killed with SIGKILL mid-request, and
-//! the simulator failing before or after doing the work. Then it reads the ground truth (the
-//! fleet, the simulator's counters, every worker) and checks that nothing was duplicated or lost.
+//! the client process is killed and rerun), server replicas killed with SIGKILL mid-request, the
+//! simulator failing before or after doing the work, calls slower than the server's timeout
+//! (landing after it gave up), definite refusals, clients that abandon an operation for good, and
+//! a database that restarts mid-run. Then it waits out the servers' abandon window, reads the
+//! ground truth (the fleet, the simulator's counters, every worker) and checks that nothing was
+//! duplicated, lost or left held.
 //!
 //! The same workload runs twice: with clients that keep one key per logical operation (the SDK,
 //! `lbctl --op-id`), where every invariant must hold, and with naive clients that make a fresh

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::proxy::ProxyCounts;
-use crate::verify::{Damage, Invariant, SimStats};
+use crate::verify::{Damage, Invariant, ServerCounters, SimStats};
 use crate::workload::ClientKind;
 
 /// The set-up of a run.
@@ -35,6 +35,22 @@ pub struct Setup {
     pub hv_fail_after: f64,
     /// Simulator latency.
     pub hv_latency_ms: u64,
+    /// Simulator: share of slow calls (landing after the server's timeout).
+    pub hv_slow: f64,
+    /// Simulator: extra latency of a slow call.
+    pub hv_slow_ms: u64,
+    /// Simulator: share of calls refused for good (4xx, nothing done).
+    pub hv_refuse: f64,
+    /// The servers' `--hypervisor-timeout`, in milliseconds.
+    pub hypervisor_timeout_ms: u64,
+    /// The servers' `--hypervisor-settle`, in milliseconds (absent when they lack the flag).
+    pub hypervisor_settle_ms: Option<u64>,
+    /// Share of operations whose client walks away.
+    pub abandon: f64,
+    /// The servers' `--abandon-after`, in milliseconds (absent when not passed).
+    pub abandon_after_ms: Option<u64>,
+    /// Database restarts asked for.
+    pub postgres_restarts: u32,
     /// `--pool-nodes`.
     pub pool_nodes: u32,
 }
@@ -68,6 +84,8 @@ pub struct Outcomes {
     pub refused: u64,
     /// Gave up or anything else.
     pub failed: u64,
+    /// The client walked away for good.
+    pub abandoned: u64,
     /// Successful creates.
     pub creates_ok: u64,
     /// Successful reboots.
@@ -97,6 +115,8 @@ pub struct RunReport {
     pub proxy: ProxyCounts,
     /// Replicas killed with SIGKILL and restarted.
     pub server_kills: u32,
+    /// Times the database was stopped and started again.
+    pub postgres_restarts: u32,
     /// How the operations ended.
     pub outcomes: Outcomes,
     /// What was duplicated or lost.
@@ -105,6 +125,8 @@ pub struct RunReport {
     pub fleet: Fleet,
     /// The simulator's counters at the end.
     pub hypervisor: SimStats,
+    /// The replicas' counters at the end.
+    pub server: ServerCounters,
     /// Every invariant checked.
     pub invariants: Vec<Invariant>,
     /// All invariants held.
@@ -113,6 +135,8 @@ pub struct RunReport {
     pub failures: Vec<String>,
     /// The first refusal reasons.
     pub refusals: Vec<String>,
+    /// Listed workers whose VM does not run, and what the clients know of each.
+    pub workers_without_vm: Vec<String>,
     /// Seconds spent running operations.
     pub workload_secs: f64,
     /// Seconds for the whole run (start-up, settling and checks included).
@@ -139,20 +163,49 @@ pub fn table(runs: &[RunReport]) -> String {
         ("  (c) client gave up mid-flight", Box::new(|r| r.faults.gave_up_mid_flight.to_string())),
         ("  (d) client killed + rerun", Box::new(|r| r.faults.client_killed.to_string())),
         ("server kills (SIGKILL)", Box::new(|r| r.server_kills.to_string())),
+        ("database restarts", Box::new(|r| r.postgres_restarts.to_string())),
         ("hypervisor fail before/after", Box::new(|r| format!("{}/{}", r.setup.hv_fail_before, r.setup.hv_fail_after))),
+        (
+            "hypervisor slow (late landings) / refuse",
+            Box::new(|r| {
+                let late = if r.setup.hv_slow > 0.0 { format!(" (+{}ms)", r.setup.hv_slow_ms) } else { String::new() };
+                format!("{}{late}/{}", r.setup.hv_slow, r.setup.hv_refuse)
+            }),
+        ),
+        (
+            "hypervisor timeout / settle",
+            Box::new(|r| {
+                let settle = r.setup.hypervisor_settle_ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms}ms"));
+                format!("{}ms/{settle}", r.setup.hypervisor_timeout_ms)
+            }),
+        ),
         (
             "succeeded / refused / failed",
             Box::new(|r| format!("{}/{}/{}", r.outcomes.succeeded, r.outcomes.refused, r.outcomes.failed)),
+        ),
+        (
+            "abandoned by client (server finished)",
+            Box::new(|r| format!("{} ({})", r.outcomes.abandoned, r.damage.abandoned_creates_finished)),
         ),
         (
             "creates / reboots / deletes ok",
             Box::new(|r| format!("{}/{}/{}", r.outcomes.creates_ok, r.outcomes.reboots_ok, r.outcomes.deletes_ok)),
         ),
         ("replayed answers", Box::new(|r| r.outcomes.replayed.to_string())),
+        (
+            "server: refusals released / late VMs destroyed / ops reaped",
+            Box::new(|r| {
+                let s = r.server;
+                format!("{}/{}/{}", s.refusals_released, s.duplicate_vms_destroyed, s.operations_reaped)
+            }),
+        ),
         ("workers active (server)", Box::new(|r| r.fleet.workers_active.to_string())),
         ("PHANTOM WORKERS", Box::new(|r| r.damage.phantom_workers.to_string())),
         ("lost workers", Box::new(|r| r.damage.lost_workers.to_string())),
-        ("leaked leases / nodes", Box::new(|r| format!("{}/{}", r.damage.leaked_leases, r.damage.leaked_nodes))),
+        (
+            "leaked leases / nodes / VMs",
+            Box::new(|r| format!("{}/{}/{}", r.damage.leaked_leases, r.damage.leaked_nodes, r.damage.leaked_vms)),
+        ),
         ("DUPLICATE BOOTS (extra boots)", Box::new(|r| r.damage.extra_boots.to_string())),
         ("  duplicate boot tags", Box::new(|r| r.damage.duplicate_boot_tags.to_string())),
         ("DOUBLE REBOOTS (extra reboots)", Box::new(|r| r.damage.extra_reboots.to_string())),
@@ -200,10 +253,11 @@ pub fn broken(runs: &[RunReport]) -> String {
         for i in r.invariants.iter().filter(|i| !i.ok) {
             let _ = writeln!(
                 out,
-                "  {} @{}: {}: expected {}, got {}",
+                "  {} @{}: {}: expected {}{}, got {}",
                 r.clients.name(),
                 r.setup.client_fault_rate,
                 i.name,
+                if i.at_most { "at most " } else { "" },
                 i.expected,
                 i.actual
             );

@@ -15,8 +15,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::cli::{Cli, Command, Scenario};
-use crate::cluster::{self, Hypervisor, Replica, ServeConfig};
-use crate::pg::TempDatabase;
+use crate::cluster::{self, Hypervisor, Replica, ServeConfig, SimFaults};
+use crate::pg::{LocalCluster, TempDatabase};
 use crate::proxy::{FaultPlan, Proxy, ProxyCounts};
 use crate::report::{self, Faults, Outcomes, RunReport, Setup};
 use crate::verify::{self, Reader};
@@ -85,6 +85,8 @@ pub async fn main(cli: Cli) -> anyhow::Result<bool> {
 struct Binaries {
     leasebroker: PathBuf,
     lbctl: PathBuf,
+    /// `leasebroker serve --help`: which flags this server has.
+    serve_help: String,
 }
 
 impl Binaries {
@@ -108,18 +110,72 @@ impl Binaries {
                 );
             }
         }
-        Ok(Binaries { leasebroker, lbctl })
+        let help = std::process::Command::new(&leasebroker)
+            .args(["serve", "--help"])
+            .output()
+            .with_context(|| format!("running {} serve --help", leasebroker.display()))?;
+        let serve_help = String::from_utf8_lossy(&help.stdout).into_owned();
+        Ok(Binaries { leasebroker, lbctl, serve_help })
     }
+
+    fn serve_has(&self, flag: &str) -> bool {
+        self.serve_help.contains(flag)
+    }
+}
+
+/// The `serve` flags for the settle window and the reaper, those the server has, and the settle
+/// window passed (if any). Asking explicitly for a flag the server lacks is an error; the modes
+/// that need one run without it (and their invariants show what that costs).
+fn serve_extra(sc: &Scenario, bin: &Binaries) -> anyhow::Result<(Vec<String>, Option<Duration>, Option<Duration>)> {
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    let mut extra = Vec::new();
+    let settle = if bin.serve_has("--hypervisor-settle") {
+        // The longest a sent call may take to land, with a margin.
+        let longest = Duration::from_millis(sc.hv_latency_ms + if sc.hv_slow > 0.0 { sc.hv_slow_ms } else { 0 });
+        let settle = sc
+            .hypervisor_settle
+            .unwrap_or_else(|| (longest + Duration::from_secs(1)).max(sc.hypervisor_timeout + Duration::from_secs(1)));
+        extra.extend(["--hypervisor-settle".to_owned(), ms(settle)]);
+        Some(settle)
+    } else if sc.hypervisor_settle.is_some() {
+        bail!("--hypervisor-settle: {} serve has no such flag", bin.leasebroker.display());
+    } else {
+        if sc.hv_slow > 0.0 {
+            eprintln!("faultline: warning: the server has no --hypervisor-settle; slow calls may land twice");
+        }
+        None
+    };
+    let abandon_after = if sc.abandon > 0.0 {
+        extra.extend(["--sweep-interval".to_owned(), ms(sc.sweep_interval)]);
+        if bin.serve_has("--abandon-after") {
+            extra.extend(["--abandon-after".to_owned(), ms(sc.abandon_after)]);
+            Some(sc.abandon_after)
+        } else {
+            eprintln!("faultline: warning: the server has no --abandon-after; abandoned operations stay held");
+            None
+        }
+    } else {
+        None
+    };
+    Ok((extra, settle, abandon_after))
 }
 
 /// One run with fresh processes and a fresh database; everything it started is stopped and the
 /// database dropped, also on error or Ctrl-C.
 async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: ClientKind) -> anyhow::Result<RunReport> {
     let temp = tempfile::Builder::new().prefix("faultline-").tempdir().context("temporary directory")?;
-    let database = match &scenario.postgres {
+    // A run that restarts the database gets a cluster of its own: never restart a shared server.
+    let own = if scenario.postgres_restarts > 0 {
+        Some(LocalCluster::start().await.context("starting a PostgreSQL cluster of faultline's own")?)
+    } else {
+        None
+    };
+    let server = own.as_ref().map(|c| c.url.clone()).or_else(|| scenario.postgres.clone());
+    let database = match &server {
         Some(url) => Some(TempDatabase::create(url).await?),
         None => None,
     };
+    let own = own.map(|c| Arc::new(Mutex::new(c)));
     let url = match &database {
         Some(db) => db.url.clone(),
         None => format!("sqlite://{}", temp.path().join("leasebroker.db").display()),
@@ -127,7 +183,7 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     // Dropping the run's future (Ctrl-C, time limit) kills its processes (kill_on_drop) and aborts
     // its tasks; the database is dropped below either way.
     let result = tokio::select! {
-        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url)) => {
+        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, own.clone())) => {
             r.unwrap_or_else(|_| Err(anyhow!("the run took longer than --max-duration {:?}", scenario.max_duration)))
         }
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
@@ -137,6 +193,8 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     {
         eprintln!("faultline: warning: {e:#}");
     }
+    // The cluster of our own is stopped and removed when its last handle goes (run_in's are gone).
+    drop(own);
     if scenario.keep_temp {
         eprintln!("faultline: kept {}", temp.keep().display());
     }
@@ -150,15 +208,25 @@ async fn run_in(
     kind: ClientKind,
     dir: &Path,
     database: &str,
+    own_cluster: Option<Arc<Mutex<LocalCluster>>>,
 ) -> anyhow::Result<RunReport> {
     let started = Instant::now();
-    let replicas_n = if sc.postgres.is_some() { sc.replicas } else { 1 };
+    let on_postgres = database.starts_with("postgres");
+    let replicas_n = if on_postgres { sc.replicas } else { 1 };
     let pool_nodes =
         sc.pool_nodes.unwrap_or_else(|| u32::try_from(sc.ops.saturating_mul(2) + 64).unwrap_or(100_000).min(100_000));
     let principals = cluster::principals(sc.principals);
 
-    let hypervisor =
-        Hypervisor::start(&bin.leasebroker, dir, sc.hv_fail_before, sc.hv_fail_after, sc.hv_latency_ms).await?;
+    let faults = SimFaults {
+        fail_before: sc.hv_fail_before,
+        fail_after: sc.hv_fail_after,
+        latency_ms: sc.hv_latency_ms,
+        slow: sc.hv_slow,
+        slow_ms: sc.hv_slow_ms,
+        refuse: sc.hv_refuse,
+    };
+    let hypervisor = Hypervisor::start(&bin.leasebroker, dir, faults).await?;
+    let (extra, settle, abandon_after) = serve_extra(sc, bin)?;
     let config = ServeConfig {
         binary: bin.leasebroker.clone(),
         database: database.to_owned(),
@@ -167,6 +235,7 @@ async fn run_in(
         hypervisor_url: hypervisor.url.clone(),
         hypervisor_timeout: sc.hypervisor_timeout,
         in_flight_ttl: sc.in_flight_ttl,
+        extra,
         dir: dir.to_path_buf(),
     };
     let ports = (0..replicas_n).map(|_| cluster::free_port()).collect::<anyhow::Result<Vec<_>>>()?;
@@ -194,6 +263,7 @@ async fn run_in(
         attempt_timeout: sc.attempt_timeout,
         op_max_elapsed: sc.op_max_elapsed,
         run_tag: format!("{}-{rate}", kind.name()),
+        abandon_rate: sc.abandon,
     })?);
     let proxies = Arc::new(proxies);
     let replicas = Arc::new(Mutex::new(replicas));
@@ -217,6 +287,17 @@ async fn run_in(
     }
     let mut killer = JoinSet::new();
     killer.spawn(kill_replicas(sc.server_kills, sc.ops, workload.clone(), replicas.clone(), proxies.clone()));
+    let mut restarter = JoinSet::new();
+    if let Some(cluster) = &own_cluster {
+        restarter.spawn(restart_database(
+            sc.postgres_restarts,
+            sc.postgres_down,
+            sc.ops,
+            workload.clone(),
+            cluster.clone(),
+        ));
+    }
+    let mut restarts_done = 0;
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let mut kills_done = 0;
     let kill_error = loop {
@@ -227,13 +308,31 @@ async fn run_in(
             },
             Some(joined) = killer.join_next() => match joined.context("the killer task panicked")? {
                 Ok(n) => kills_done = n,
-                Err(e) => break Some(e),
+                Err(e) => break Some(e.context("killing and restarting a replica")),
+            },
+            Some(joined) = restarter.join_next() => match joined.context("the database restart task panicked")? {
+                Ok(n) => restarts_done = n,
+                Err(e) => break Some(e.context("restarting the database")),
             },
             _ = ticker.tick() => progress.set_message(status(&workload, &proxies, &replicas).await),
         }
     };
     if let Some(e) = kill_error {
-        return Err(e.context("killing and restarting a replica"));
+        return Err(e);
+    }
+    // A restart still pending (ops finished before its milestone) is not made; one under way ends.
+    restarter.abort_all();
+    while let Some(joined) = restarter.join_next().await {
+        if let Ok(Ok(n)) = joined {
+            restarts_done = n;
+        }
+    }
+    if let Some(cluster) = &own_cluster {
+        let mut cluster = cluster.lock().await;
+        if !cluster.is_running() {
+            cluster.start_again().await.context("starting the database after the workload")?;
+        }
+        restarts_done = restarts_done.max(cluster.restarts);
     }
     // Every client is done; a kill still pending (ops finished before its milestone) is not made.
     killer.abort_all();
@@ -249,9 +348,14 @@ async fn run_in(
     for p in proxies.iter() {
         p.set_faults(false);
     }
-    // Let cut-off handlers finish and stale in-flight records age out before reading the truth.
-    let quiet = sc.in_flight_ttl + sc.hypervisor_timeout + Duration::from_secs(1);
-    reader.settle(quiet, Duration::from_secs(30)).await?;
+    // Let cut-off handlers finish, late calls land, stale in-flight records age out and the
+    // reaper roll back what was abandoned before reading the truth.
+    let mut quiet = sc.in_flight_ttl + sc.hypervisor_timeout + Duration::from_secs(1);
+    quiet += settle.unwrap_or_default().max(Duration::from_millis(sc.hv_latency_ms + sc.hv_slow_ms));
+    if let Some(after) = abandon_after {
+        quiet += after + settle.unwrap_or_default() + 2 * sc.sweep_interval;
+    }
+    reader.settle(quiet, Duration::from_secs(60)).await?;
     let truth = reader.ground_truth().await?;
     let lock_ledger = || workload.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let held: Vec<_> = lock_ledger()
@@ -273,7 +377,7 @@ async fn run_in(
         RunReport {
             clients: kind,
             setup: Setup {
-                database: if sc.postgres.is_some() { "postgres" } else { "sqlite" },
+                database: if on_postgres { "postgres" } else { "sqlite" },
                 replicas: replicas_n,
                 ops: sc.ops,
                 concurrency: sc.concurrency,
@@ -283,6 +387,14 @@ async fn run_in(
                 hv_fail_before: sc.hv_fail_before,
                 hv_fail_after: sc.hv_fail_after,
                 hv_latency_ms: sc.hv_latency_ms,
+                hv_slow: sc.hv_slow,
+                hv_slow_ms: sc.hv_slow_ms,
+                hv_refuse: sc.hv_refuse,
+                hypervisor_timeout_ms: millis(sc.hypervisor_timeout),
+                hypervisor_settle_ms: settle.map(millis),
+                abandon: sc.abandon,
+                abandon_after_ms: abandon_after.map(millis),
+                postgres_restarts: sc.postgres_restarts,
                 pool_nodes,
             },
             attempts: load(&c.attempts),
@@ -294,10 +406,12 @@ async fn run_in(
             },
             proxy,
             server_kills: kills_done,
+            postgres_restarts: restarts_done,
             outcomes: Outcomes {
                 succeeded: load(&c.succeeded),
                 refused: load(&c.refused),
                 failed,
+                abandoned: load(&c.abandoned),
                 creates_ok: load(&c.creates_ok),
                 reboots_ok,
                 deletes_ok: load(&c.deletes_ok),
@@ -308,10 +422,12 @@ async fn run_in(
             damage,
             fleet: truth.fleet.clone(),
             hypervisor: truth.sim,
+            server: truth.server,
             passed: invariants.iter().all(|i| i.ok),
             invariants,
             failures: ledger.failures.clone(),
             refusals: ledger.refusals.clone(),
+            workers_without_vm: verify::workers_without_vm(&ledger, &truth),
             workload_secs,
             elapsed_secs: started.elapsed().as_secs_f64(),
         }
@@ -348,6 +464,35 @@ async fn kill_replicas(
         done += 1;
     }
     Ok(done)
+}
+
+/// Stops the database `restarts` times, at evenly spread points of the workload (offset from the
+/// replica kills), keeps it down for `down`, and starts it again. Returns the restarts made.
+async fn restart_database(
+    restarts: u32,
+    down: Duration,
+    ops: u64,
+    workload: Arc<Workload>,
+    cluster: Arc<Mutex<LocalCluster>>,
+) -> anyhow::Result<u32> {
+    let mut done = 0;
+    for k in 1..=u64::from(restarts) {
+        let milestone = (ops * (2 * k - 1) / (2 * u64::from(restarts) + 1)).max(1);
+        while workload.counters.ops_done.load(Ordering::Relaxed) < milestone {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut cluster = cluster.lock().await;
+        cluster.stop().await?;
+        tokio::time::sleep(down).await;
+        cluster.start_again().await?;
+        cluster.restarts += 1;
+        done += 1;
+    }
+    Ok(done)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn progress_bar(sc: &Scenario, kind: ClientKind, rate: f64) -> ProgressBar {

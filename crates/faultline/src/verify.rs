@@ -1,7 +1,7 @@
 //! Ground truth and the invariants: what the servers and the hypervisor hold once they have
 //! settled, compared with what the clients were told.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow};
@@ -28,6 +28,32 @@ pub struct SimStats {
     pub duplicate_reboot_tags: u64,
 }
 
+/// What the servers say they did about refusals, late landings and abandoned operations, summed
+/// over the replicas' `/metrics` (a replica killed mid-run forgot what it counted before).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ServerCounters {
+    /// `leasebroker_refusals_released_total`: creates that gave back node and lease on a refusal.
+    pub refusals_released: u64,
+    /// `leasebroker_duplicate_vms_destroyed_total`: late landings past the settle window destroyed.
+    pub duplicate_vms_destroyed: u64,
+    /// `leasebroker_reaper_rolled_back_total{resource="operation"}`: abandoned operations rolled back.
+    pub operations_reaped: u64,
+}
+
+/// The value of the first sample of `name` whose labels contain `labels` (Prometheus text).
+fn sample(metrics: &str, name: &str, labels: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(series, _)| {
+            series.strip_prefix(name).is_some_and(|rest| rest.is_empty() || rest.starts_with('{'))
+                && series.contains(labels)
+        })
+        .and_then(|(_, value)| value.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// What the servers and the hypervisor hold.
 #[derive(Debug, Clone)]
 pub struct GroundTruth {
@@ -37,6 +63,10 @@ pub struct GroundTruth {
     pub sim: SimStats,
     /// Every worker each principal lists, by id, with its principal's index.
     pub workers: HashMap<WorkerId, (usize, Worker)>,
+    /// The replicas' own counters.
+    pub server: ServerCounters,
+    /// The ids of the VMs the simulator runs.
+    pub vms: HashSet<String>,
 }
 
 /// Direct (unproxied, fault-free) reads of the servers and the simulator.
@@ -122,7 +152,28 @@ impl Reader {
                 }
             }
         }
-        Ok(GroundTruth { fleet, sim, workers })
+        let mut server = ServerCounters::default();
+        for replica in &self.replicas {
+            let text = match self.http.get(format!("{replica}/metrics")).send().await {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            server.refusals_released += sample(&text, "leasebroker_refusals_released_total", "");
+            server.duplicate_vms_destroyed += sample(&text, "leasebroker_duplicate_vms_destroyed_total", "");
+            server.operations_reaped += sample(&text, "leasebroker_reaper_rolled_back_total", "resource=\"operation\"");
+        }
+        #[derive(Deserialize)]
+        struct VmList {
+            vms: Vec<VmId>,
+        }
+        #[derive(Deserialize)]
+        struct VmId {
+            vm_id: String,
+        }
+        let vms: VmList =
+            self.get(&format!("{}/v1/vms", self.hypervisor), "").await?.ok_or_else(|| anyhow!("no VM list"))?;
+        let vms = vms.vms.into_iter().map(|v| v.vm_id).collect();
+        Ok(GroundTruth { fleet, sim, workers, server, vms })
     }
 
     /// GETs each of `workers` as its principal, spread over the replicas.
@@ -140,15 +191,18 @@ impl Reader {
     }
 }
 
-/// One checked invariant.
+/// One checked invariant: `actual` must equal `expected`, or with `at_most` must not exceed it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Invariant {
     /// What is checked.
     pub name: String,
-    /// What it should be.
+    /// What it should be (or its upper bound).
     pub expected: u64,
     /// What it is.
     pub actual: u64,
+    /// `expected` is an upper bound, not the exact value.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub at_most: bool,
     /// Whether they agree.
     pub ok: bool,
 }
@@ -156,7 +210,7 @@ pub struct Invariant {
 /// The damage counts of one run: all zero when idempotency held.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Damage {
-    /// Workers the server has that no client was told about.
+    /// Workers the server has that no client was told about (beyond one per abandoned create).
     pub phantom_workers: u64,
     /// Workers a client holds that the server does not have (or answers differently about).
     pub lost_workers: u64,
@@ -164,21 +218,51 @@ pub struct Damage {
     pub leaked_leases: i64,
     /// `nodes_allocated - workers_active`.
     pub leaked_nodes: i64,
+    /// `VMs running - workers_active`.
+    pub leaked_vms: i64,
     /// Boots of a tag that had been booted before.
     pub duplicate_boot_tags: u64,
-    /// Boots beyond the workers clients were told they created.
+    /// Boots beyond the workers clients were told they created and the creates they abandoned.
     pub extra_boots: i64,
     /// Reboots with a tag already in that VM's reboot tags.
     pub duplicate_reboot_tags: u64,
-    /// Reboots beyond the reboot operations that succeeded.
+    /// Reboots beyond the reboot operations that succeeded or were abandoned.
     pub extra_reboots: i64,
-    /// Workers whose `reboot_count` differs from the reboots that succeeded on them, plus reboot
-    /// answers that did.
+    /// Workers whose `reboot_count` differs from the reboots that succeeded on them (beyond the
+    /// abandoned ones), plus reboot answers that did.
     pub reboot_count_mismatches: u64,
     /// Create operations told the id of a worker another operation was told about.
     pub same_id_twice: u64,
     /// Workers whose delete did not succeed (existence unknown to the client; not counted above).
     pub delete_unknown: u64,
+    /// Abandoned creates the server finished anyway (their worker is listed; not a phantom).
+    pub abandoned_creates_finished: u64,
+}
+
+/// The create operation a listed worker belongs to, from its label.
+fn op_of(worker: &Worker) -> Option<u64> {
+    worker.labels.get(crate::workload::OP_LABEL)?.parse().ok()
+}
+
+/// The listed workers whose VM the hypervisor does not run, each with what the clients know of
+/// it (for the report: a worker without its VM holds a node and a lease for nothing).
+pub fn workers_without_vm(ledger: &Ledger, truth: &GroundTruth) -> Vec<String> {
+    let mut out: Vec<String> = truth
+        .workers
+        .iter()
+        .filter(|(_, (_, w))| w.vm_id.as_ref().is_none_or(|vm| !truth.vms.contains(vm)))
+        .map(|(id, (_, w))| {
+            let known = match ledger.workers.get(id) {
+                Some(k) if k.delete_abandoned => "its delete was abandoned",
+                Some(k) if k.delete_unknown => "its delete did not succeed",
+                Some(_) => "held by a client",
+                None => "no client knows it",
+            };
+            format!("{id} (vm {}): {known}", w.vm_id.as_deref().unwrap_or("none"))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// Compares the ground truth with the clients' ledger.
@@ -196,17 +280,34 @@ pub fn check(
     let known_created = ledger.workers.len() as u64;
     let delete_unknown = ledger.workers.values().filter(|k| k.delete_unknown && !k.deleted).count() as u64;
 
-    let phantom_workers = truth.workers.keys().filter(|id| !ledger.workers.contains_key(*id)).count() as u64;
+    // A listed worker no client knows: the one worker of an abandoned create the server finished
+    // anyway, or a phantom (a second worker for one operation, or one nobody asked for).
+    let mut finished_abandoned: HashMap<u64, u64> = HashMap::new();
+    let mut phantom_workers = 0;
+    for (id, (_, w)) in &truth.workers {
+        if ledger.workers.contains_key(id) {
+            continue;
+        }
+        match op_of(w).filter(|op| ledger.abandoned_creates.contains(op)) {
+            Some(op) => *finished_abandoned.entry(op).or_default() += 1,
+            None => phantom_workers += 1,
+        }
+    }
+    let abandoned_creates_finished = finished_abandoned.len() as u64;
+    phantom_workers += finished_abandoned.values().map(|n| n - 1).sum::<u64>();
+
     let mut lost_workers = 0;
     let mut reboot_count_mismatches = ledger.reboot_count_mismatches;
     let mut listed_wrong = 0;
+    let count_fits =
+        |k: &crate::workload::Known, count: u64| (k.reboots_ok..=k.reboots_ok + k.reboots_abandoned).contains(&count);
     for (id, known) in ledger.workers.iter().filter(|(_, k)| held(k)) {
         match truth.workers.get(id) {
             Some((principal, w)) => {
                 if *principal != known.principal {
                     listed_wrong += 1;
                 }
-                if w.reboot_count != known.reboots_ok {
+                if !count_fits(known, w.reboot_count) {
                     reboot_count_mismatches += 1;
                 }
             }
@@ -218,27 +319,31 @@ pub fn check(
         ledger.workers.iter().filter(|(id, k)| k.deleted && truth.workers.contains_key(*id)).count() as u64;
     let get_mismatches = gets
         .iter()
-        .filter(|(id, got)| !matches!(got, Ok(Some(w)) if w.id == *id && ledger.workers.get(id).is_some_and(|k| k.reboots_ok == w.reboot_count)))
+        .filter(|(id, got)| !matches!(got, Ok(Some(w)) if w.id == *id && ledger.workers.get(id).is_some_and(|k| count_fits(k, w.reboot_count))))
         .count() as u64;
 
+    let abandoned_creates = ledger.abandoned_creates.len() as u64;
+    let abandoned_reboots = ledger.abandoned_reboots;
     let diff = |a: u64, b: u64| a as i64 - b as i64;
     let damage = Damage {
         phantom_workers,
         lost_workers,
         leaked_leases: diff(fleet.leases_active, fleet.workers_active),
         leaked_nodes: diff(fleet.nodes_allocated, fleet.workers_active),
+        leaked_vms: diff(sim.running, fleet.workers_active),
         duplicate_boot_tags: sim.duplicate_boot_tags,
-        extra_boots: diff(sim.boots_total, known_created),
+        extra_boots: diff(sim.boots_total, known_created + abandoned_creates).max(0),
         duplicate_reboot_tags: sim.duplicate_reboot_tags,
-        extra_reboots: diff(sim.reboots_total, reboots_ok),
+        extra_reboots: diff(sim.reboots_total, reboots_ok + abandoned_reboots).max(0),
         reboot_count_mismatches,
         same_id_twice: ledger.same_id_twice,
         delete_unknown,
+        abandoned_creates_finished,
     };
 
     let mut invariants = Vec::new();
     let mut eq = |name: &str, expected: u64, actual: u64| {
-        invariants.push(Invariant { name: name.to_owned(), expected, actual, ok: expected == actual });
+        invariants.push(Invariant { name: name.to_owned(), expected, actual, at_most: false, ok: expected == actual });
     };
     eq("workers listed that no client created (phantoms)", 0, phantom_workers);
     // A worker whose delete did not succeed may or may not exist; the ones listed count as held.
@@ -247,22 +352,64 @@ pub fn check(
         .iter()
         .filter(|(id, k)| k.delete_unknown && !k.deleted && truth.workers.contains_key(*id))
         .count() as u64;
-    eq("workers_active == created - deleted by clients", known_active + unknown_listed, fleet.workers_active);
+    eq(
+        "workers_active == created - deleted by clients (+ abandoned creates finished)",
+        known_active + unknown_listed + abandoned_creates_finished,
+        fleet.workers_active,
+    );
     eq("workers a client holds that the server lacks", 0, lost_workers);
     eq("workers a client deleted that are still listed", 0, deleted_but_listed);
     eq("workers listed under another principal", 0, listed_wrong);
     eq("nodes_allocated == workers_active", fleet.workers_active, fleet.nodes_allocated);
     eq("leases_active == workers_active", fleet.workers_active, fleet.leases_active);
     eq("duplicate_boot_tags", 0, sim.duplicate_boot_tags);
-    eq("hypervisor boots == workers created", known_created, sim.boots_total);
     eq("VMs running == workers_active", fleet.workers_active, sim.running);
     eq("fleet vms_running == workers_active", fleet.workers_active, fleet.vms_running);
     eq("duplicate_reboot_tags", 0, sim.duplicate_reboot_tags);
-    eq("hypervisor reboots == successful reboot ops", reboots_ok, sim.reboots_total);
-    eq("fleet reboots_total == successful reboot ops", reboots_ok, fleet.reboots_total);
     eq("reboot_count mismatches", 0, reboot_count_mismatches);
     eq("ops told another op's worker id", 0, ledger.same_id_twice);
     eq("GET of each held worker returns it with its id", 0, get_mismatches);
     eq("operations that gave up or failed", 0, failed_ops);
+    let mut within = |name: &str, low: u64, high: u64, actual: u64| {
+        let exact = low == high;
+        let ok = (low..=high).contains(&actual);
+        invariants.push(Invariant { name: name.to_owned(), expected: high, actual, at_most: !exact, ok });
+    };
+    // An abandoned create booted at most once (its VM since rolled back, or kept with its worker).
+    within(
+        "hypervisor boots == workers created (+ at most one per abandoned create)",
+        known_created + abandoned_creates_finished,
+        known_created + abandoned_creates,
+        sim.boots_total,
+    );
+    within(
+        "hypervisor reboots == successful reboot ops (+ at most one per abandoned reboot)",
+        reboots_ok,
+        reboots_ok + abandoned_reboots,
+        sim.reboots_total,
+    );
+    within(
+        "fleet reboots_total == successful reboot ops (+ at most one per abandoned reboot)",
+        reboots_ok,
+        reboots_ok + abandoned_reboots,
+        fleet.reboots_total,
+    );
     (damage, invariants)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sample;
+
+    #[test]
+    fn reads_a_sample_by_name_and_labels() {
+        let text = "# HELP leasebroker_reaper_rolled_back_total x\n\
+                    leasebroker_reaper_rolled_back_total{resource=\"vm\"} 3\n\
+                    leasebroker_reaper_rolled_back_total{resource=\"operation\"} 7\n\
+                    leasebroker_refusals_released_total_other 9\n\
+                    leasebroker_refusals_released_total 4\n";
+        assert_eq!(sample(text, "leasebroker_reaper_rolled_back_total", "resource=\"operation\""), 7);
+        assert_eq!(sample(text, "leasebroker_refusals_released_total", ""), 4);
+        assert_eq!(sample(text, "leasebroker_duplicate_vms_destroyed_total", ""), 0);
+    }
 }

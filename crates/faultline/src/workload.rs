@@ -1,7 +1,7 @@
 //! The clients and the workload: create (most), reboot and delete of workers a client created,
 //! each logical operation with one key (protected) or a fresh key per attempt (naive).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Mutex;
@@ -32,6 +32,11 @@ const LBCTL_MAX_KILLS: u32 = 6;
 const LBCTL_KILL_WINDOW_MS: std::ops::Range<u64> = 1..60;
 /// Failure reasons kept for the report.
 const KEPT_FAILURES: usize = 20;
+/// An abandoning client hangs up this long after sending, at the latest (sooner when its attempt
+/// times out or fails): before, during or after the server's work.
+const ABANDON_WINDOW_MS: std::ops::Range<u64> = 5..400;
+/// The label every create carries: the index of its logical operation.
+pub const OP_LABEL: &str = "faultline-op";
 
 /// Which clients run the workload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -71,6 +76,8 @@ enum Outcome {
     Refused(String),
     /// Gave up, or an answer that is neither success nor a clean refusal.
     Failed(String),
+    /// The client walked away for good (after an error or mid-flight) and never retried.
+    Abandoned,
 }
 
 /// What the clients know about one worker.
@@ -86,6 +93,10 @@ pub struct Known {
     pub deleted: bool,
     /// A delete operation ended without success: whether it exists is not known.
     pub delete_unknown: bool,
+    /// Reboot operations abandoned on it (each may or may not have happened; never twice).
+    pub reboots_abandoned: u64,
+    /// Its delete was abandoned by the client (so `delete_unknown` too).
+    pub delete_abandoned: bool,
 }
 
 /// The clients' view of the world.
@@ -103,6 +114,11 @@ pub struct Ledger {
     pub failures: Vec<String>,
     /// The first refusal reasons.
     pub refusals: Vec<String>,
+    /// Create operations whose client walked away: the server may have finished them (a worker
+    /// labelled with the op no client was told about) or rolled them back, never both or twice.
+    pub abandoned_creates: HashSet<u64>,
+    /// Reboot operations whose client walked away.
+    pub abandoned_reboots: u64,
 }
 
 /// The workload's counters.
@@ -132,6 +148,8 @@ pub struct Counters {
     pub lbctl_runs: AtomicU64,
     /// lbctl processes killed with SIGKILL before they finished.
     pub lbctl_kills: AtomicU64,
+    /// Operations whose client walked away for good.
+    pub abandoned: AtomicU64,
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -161,6 +179,8 @@ pub struct WorkloadConfig {
     pub op_max_elapsed: Duration,
     /// Distinguishes this run's op ids.
     pub run_tag: String,
+    /// Probability that an operation (through the SDK) is abandoned by its client.
+    pub abandon_rate: f64,
 }
 
 /// The clients and what they learned.
@@ -207,9 +227,10 @@ impl Workload {
 
     /// Runs logical operation `index`: picks its kind, runs it to the end, records the outcome.
     pub async fn run_op(&self, index: u64) {
-        let (op, via_lbctl) = {
+        let (op, via_lbctl, abandon) = {
             let mut rng = rand::rng();
             let via_lbctl = rng.random::<f64>() < self.config.lbctl_share;
+            let abandon = !via_lbctl && rng.random::<f64>() < self.config.abandon_rate;
             let roll: f64 = rng.random();
             let mut ledger = self.ledger();
             let op = if roll < REBOOT_SHARE + DELETE_SHARE && !ledger.idle.is_empty() {
@@ -219,11 +240,13 @@ impl Workload {
             } else {
                 Op::Create { principal: rng.random_range(0..self.config.principals.len()), index }
             };
-            (op, via_lbctl)
+            (op, via_lbctl, abandon)
         };
         let outcome = if via_lbctl {
             add(&self.counters.lbctl_ops, 1);
             self.via_lbctl(&op, index).await
+        } else if abandon {
+            self.abandoning(&op).await
         } else {
             self.via_sdk(&op).await
         };
@@ -233,8 +256,31 @@ impl Workload {
 
     fn create_body(index: u64) -> CreateWorker {
         let mut request = CreateWorker::new("worker-base:2025.11", 2, 4);
-        request.labels = Some(BTreeMap::from([("faultline-op".to_owned(), index.to_string())]));
+        request.labels = Some(BTreeMap::from([(OP_LABEL.to_owned(), index.to_string())]));
         request
+    }
+
+    fn body(op: &Op) -> Vec<u8> {
+        match op {
+            Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// A client that walks away: one attempt (protected or naive alike: a key used once), cut
+    /// short at a random point, and no retry whatever happened. A success or a clean refusal
+    /// that arrives in time counts as such.
+    async fn abandoning(&self, op: &Op) -> Outcome {
+        let body = Self::body(op);
+        let key = OpKey::new_v4();
+        let hang_up = Duration::from_millis(rand::rng().random_range(ABANDON_WINDOW_MS));
+        let once = Retrier::new(self.policy.with_max_attempts(1).with_attempt_timeout(hang_up));
+        add(&self.counters.attempts, 1);
+        match once.send(Some(&key), || self.request(op, &body)).await {
+            Ok(response) => decode(op, &response.body),
+            Err(e @ Error::Refused { .. }) => classify(&e),
+            Err(_) => Outcome::Abandoned,
+        }
     }
 
     /// One attempt's request, to a replica picked at random.
@@ -255,10 +301,7 @@ impl Workload {
     }
 
     async fn via_sdk(&self, op: &Op) -> Outcome {
-        let body = match op {
-            Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
-            _ => Vec::new(),
-        };
+        let body = Self::body(op);
         let result = match self.config.kind {
             ClientKind::Protected => {
                 // One key for the logical operation, made before the first attempt.
@@ -385,6 +428,7 @@ impl Workload {
             Outcome::Created(_) | Outcome::Rebooted(_) | Outcome::Deleted => add(&c.succeeded, 1),
             Outcome::Refused(_) => add(&c.refused, 1),
             Outcome::Failed(_) => add(&c.failed, 1),
+            Outcome::Abandoned => add(&c.abandoned, 1),
         }
         let mut ledger = self.ledger();
         match (op, outcome) {
@@ -393,7 +437,15 @@ impl Workload {
                 if ledger.workers.contains_key(&worker.id) {
                     ledger.same_id_twice += 1;
                 } else {
-                    let known = Known { principal, op: index, reboots_ok: 0, deleted: false, delete_unknown: false };
+                    let known = Known {
+                        principal,
+                        op: index,
+                        reboots_ok: 0,
+                        deleted: false,
+                        delete_unknown: false,
+                        reboots_abandoned: 0,
+                        delete_abandoned: false,
+                    };
                     ledger.workers.insert(worker.id.clone(), known);
                     ledger.idle.push((principal, worker.id));
                 }
@@ -413,6 +465,22 @@ impl Workload {
                 add(&c.deletes_ok, 1);
                 if let Some(known) = ledger.workers.get_mut(&id) {
                     known.deleted = true;
+                }
+            }
+            (Op::Create { index, .. }, Outcome::Abandoned) => {
+                ledger.abandoned_creates.insert(index);
+            }
+            // The worker is retired: its reboot count is now known only within one.
+            (Op::Reboot { id, .. }, Outcome::Abandoned) => {
+                ledger.abandoned_reboots += 1;
+                if let Some(known) = ledger.workers.get_mut(&id) {
+                    known.reboots_abandoned += 1;
+                }
+            }
+            (Op::Delete { id, .. }, Outcome::Abandoned) => {
+                if let Some(known) = ledger.workers.get_mut(&id) {
+                    known.delete_unknown = true;
+                    known.delete_abandoned = true;
                 }
             }
             (op, outcome) => {

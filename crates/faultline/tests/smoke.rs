@@ -46,6 +46,8 @@ fn run_faultline(extra: &[&str]) -> (i32, Value) {
         .arg(&lbctl)
         .args(["--ops", "150", "--concurrency", "8", "--client-faults", "0.3", "--server-kills", "1"])
         .args(["--hv-fail-before", "0.1", "--hv-fail-after", "0.1", "--lbctl-share", "0.2"])
+        // A small share of the slow, refusing and abandoning modes (the full run has more).
+        .args(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "2s"])
         .args(["--no-progress", "--max-duration", "150s", "--out"])
         .arg(out.path())
         .args(extra)
@@ -97,7 +99,12 @@ fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {
         assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
     }
     assert_eq!(num(protected, &["outcomes", "failed"]), 0);
-    assert_eq!(num(protected, &["outcomes", "succeeded"]) + num(protected, &["outcomes", "refused"]), 150);
+    let abandoned = num(protected, &["outcomes", "abandoned"]);
+    assert!(abandoned > 0, "no client abandoned an operation");
+    assert_eq!(num(protected, &["outcomes", "succeeded"]) + num(protected, &["outcomes", "refused"]) + abandoned, 150);
+    for field in ["leaked_vms", "duplicate_boot_tags", "duplicate_reboot_tags"] {
+        assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
+    }
     assert!(num(protected, &["fleet", "workers_active"]) > 0);
 
     // The naive clients ran into the same faults and paid for it.

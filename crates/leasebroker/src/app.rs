@@ -84,6 +84,7 @@ impl Application {
                     fail_before: args.sim_fail_before,
                     fail_after: args.sim_fail_after,
                     latency: Duration::from_millis(args.sim_latency_ms),
+                    ..SimConfig::default()
                 });
                 let (url, headers, task) = spawn_private_simulator(sim).await?;
                 background.push(task);

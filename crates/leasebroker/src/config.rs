@@ -186,6 +186,16 @@ pub struct SimArgs {
     /// Latency added before each mutating call, in milliseconds.
     #[arg(long, env = "LEASEBROKER_LATENCY_MS", default_value_t = 0)]
     pub latency_ms: u64,
+    /// Probability that a mutating call is slow: `--slow-ms` more latency, so a caller with a
+    /// shorter timeout gives up and the call lands after it.
+    #[arg(long, env = "LEASEBROKER_SLOW", default_value_t = 0.0, value_parser = parse_probability)]
+    pub slow: f64,
+    /// The extra latency of a slow call, in milliseconds.
+    #[arg(long, env = "LEASEBROKER_SLOW_MS", default_value_t = 0)]
+    pub slow_ms: u64,
+    /// Probability that a mutating call is refused for good: `409`, nothing done.
+    #[arg(long, env = "LEASEBROKER_REFUSE", default_value_t = 0.0, value_parser = parse_probability)]
+    pub refuse: f64,
 }
 
 /// `leasebroker migrate`.
@@ -329,6 +339,21 @@ mod tests {
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--header-timeout", "0s"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--mismatch-status", "418"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--sim-fail-after", "1.5"]).is_err());
+
+        let cli = Cli::try_parse_from([
+            "leasebroker",
+            "hypervisor-sim",
+            "--slow",
+            "0.2",
+            "--slow-ms",
+            "1500",
+            "--refuse",
+            "0.1",
+        ])
+        .unwrap();
+        let Command::HypervisorSim(s) = cli.command else { panic!("hypervisor-sim") };
+        assert_eq!((s.slow, s.slow_ms, s.refuse), (0.2, 1500, 0.1));
+        assert!(Cli::try_parse_from(["leasebroker", "hypervisor-sim", "--refuse", "2"]).is_err());
     }
 
     #[test]

@@ -44,6 +44,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 fail_before: args.fail_before,
                 fail_after: args.fail_after,
                 latency: Duration::from_millis(args.latency_ms),
+                slow: args.slow,
+                slow_latency: Duration::from_millis(args.slow_ms),
+                refuse: args.refuse,
             });
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
         }

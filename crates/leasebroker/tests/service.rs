@@ -16,6 +16,9 @@ const TOKEN: &str = "tok-alice-5a8d1c7e90b3";
 const OTHER: &str = "tok-bob-3e7f0a9c2d64b1";
 const ADMIN: &str = "tok-admin-8c1b4d7e2f9a";
 
+#[path = "service/database.rs"]
+mod database;
+
 /// A child process killed when dropped.
 struct Proc {
     child: Child,

@@ -11,14 +11,18 @@
 //! - `DELETE /v1/vms/{vm_id}` -> `204` or `404`
 //! - `GET /v1/stats` -> [`SimStats`]
 //! - Simulator extension, for tests and the harness: `GET /v1/faults` and
-//!   `PUT /v1/faults` `{"fail_before", "fail_after", "latency_ms"}` read and replace the faults at
-//!   runtime (`204`; a probability outside 0.0-1.0 is a `422`).
+//!   `PUT /v1/faults` `{"fail_before", "fail_after", "latency_ms", "slow", "slow_ms", "refuse"}`
+//!   read and replace the faults at runtime (`204`; a probability outside 0.0-1.0 is a `422`;
+//!   absent fields are 0).
 //!
 //! Faults apply to the mutating requests (`POST`, `DELETE`) only, after the body was validated:
-//! `latency` is slept first, then `fail_before` answers `503` without doing anything, or the work
-//! is done and `fail_after` drops the connection without answering. The work (with its latency)
-//! runs in its own task, so a client that times out and hangs up does not cancel it: like a real
-//! hypervisor, the VM still boots, which is exactly the ambiguity callers must reconcile.
+//! `refuse` answers `409` (problem `refused`) at once without doing anything, a definite refusal;
+//! otherwise `latency` is slept first (plus `slow_ms` for the share `slow` of the calls, so a
+//! caller with a shorter timeout gives up and the call lands after it), then `fail_before`
+//! answers `503` without doing anything, or the work is done and `fail_after` drops the connection
+//! without answering. The work (with its latency) runs in its own task, so a client that times out
+//! and hangs up does not cancel it: like a real hypervisor, the VM still boots, which is exactly
+//! the ambiguity callers must reconcile.
 //!
 //! Errors are JSON: `{"type": "/problems/<name>", "title", "status", "detail"}` with
 //! `Content-Type: application/problem+json`.
@@ -52,18 +56,39 @@ pub struct SimConfig {
     pub fail_after: f64,
     /// Slept before each mutating request does its work.
     pub latency: Duration,
+    /// Probability (0.0-1.0) that a mutating request is slow: [`SimConfig::slow_latency`] is slept
+    /// on top of `latency`. With a caller whose timeout is shorter, its call lands late.
+    pub slow: f64,
+    /// The extra latency of a slow request.
+    pub slow_latency: Duration,
+    /// Probability (0.0-1.0) that a mutating request is refused for good: answered `409` at once,
+    /// nothing done (a definite failure, unlike `fail_before`'s `503`).
+    pub refuse: f64,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        Self { fail_before: 0.0, fail_after: 0.0, latency: Duration::ZERO }
+        Self {
+            fail_before: 0.0,
+            fail_after: 0.0,
+            latency: Duration::ZERO,
+            slow: 0.0,
+            slow_latency: Duration::ZERO,
+            refuse: 0.0,
+        }
     }
 }
 
 impl SimConfig {
     /// Checks that both probabilities lie within 0.0-1.0.
     pub fn validate(&self) -> Result<(), String> {
-        for (name, p) in [("fail_before", self.fail_before), ("fail_after", self.fail_after)] {
+        let probabilities = [
+            ("fail_before", self.fail_before),
+            ("fail_after", self.fail_after),
+            ("slow", self.slow),
+            ("refuse", self.refuse),
+        ];
+        for (name, p) in probabilities {
             if !(0.0..=1.0).contains(&p) {
                 return Err(format!("{name} must be a probability between 0.0 and 1.0, got {p}"));
             }
@@ -74,7 +99,13 @@ impl SimConfig {
     /// The same faults with each probability forced into 0.0-1.0 (NaN counts as 0.0).
     fn clamped(self) -> Self {
         let clamp = |p: f64| if p.is_nan() { 0.0 } else { p.clamp(0.0, 1.0) };
-        Self { fail_before: clamp(self.fail_before), fail_after: clamp(self.fail_after), latency: self.latency }
+        Self {
+            fail_before: clamp(self.fail_before),
+            fail_after: clamp(self.fail_after),
+            slow: clamp(self.slow),
+            refuse: clamp(self.refuse),
+            ..self
+        }
     }
 }
 
@@ -152,8 +183,8 @@ impl Simulator {
     }
 
     /// Runs one mutating request's work under the faults in force: `Ok` with the work's result,
-    /// or `Err` with what to answer instead (the `fail_before` 503, the `fail_after` dropped
-    /// connection).
+    /// or `Err` with what to answer instead (the `refuse` 409, the `fail_before` 503, the
+    /// `fail_after` dropped connection).
     ///
     /// The work runs in a task of its own so that a caller who hangs up during the latency does
     /// not cancel it; `work` itself is synchronous under the lock, so it is all-or-nothing.
@@ -163,12 +194,17 @@ impl Simulator {
         F: FnOnce(&mut SimState) -> T + Send + 'static,
     {
         let faults = self.faults();
+        if roll(faults.refuse) {
+            tracing::debug!("hypervisor-sim: refuse fault, refusing for good");
+            return Err(problem(StatusCode::CONFLICT, "refused", "simulated fault: refused, nothing was done"));
+        }
         let fail_before = roll(faults.fail_before);
         let fail_after = roll(faults.fail_after);
+        let latency = if roll(faults.slow) { faults.latency + faults.slow_latency } else { faults.latency };
         let sim = self.clone();
         let task = tokio::spawn(async move {
-            if !faults.latency.is_zero() {
-                tokio::time::sleep(faults.latency).await;
+            if !latency.is_zero() {
+                tokio::time::sleep(latency).await;
             }
             if fail_before {
                 return None;
@@ -369,6 +405,16 @@ struct FaultsBody {
     fail_after: f64,
     #[serde(default)]
     latency_ms: u64,
+    #[serde(default)]
+    slow: f64,
+    #[serde(default)]
+    slow_ms: u64,
+    #[serde(default)]
+    refuse: f64,
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 async fn get_faults(State(sim): State<Simulator>) -> Json<FaultsBody> {
@@ -376,7 +422,10 @@ async fn get_faults(State(sim): State<Simulator>) -> Json<FaultsBody> {
     Json(FaultsBody {
         fail_before: faults.fail_before,
         fail_after: faults.fail_after,
-        latency_ms: u64::try_from(faults.latency.as_millis()).unwrap_or(u64::MAX),
+        latency_ms: millis(faults.latency),
+        slow: faults.slow,
+        slow_ms: millis(faults.slow_latency),
+        refuse: faults.refuse,
     })
 }
 
@@ -389,6 +438,9 @@ async fn put_faults(State(sim): State<Simulator>, body: Result<Json<FaultsBody>,
         fail_before: body.fail_before,
         fail_after: body.fail_after,
         latency: Duration::from_millis(body.latency_ms),
+        slow: body.slow,
+        slow_latency: Duration::from_millis(body.slow_ms),
+        refuse: body.refuse,
     };
     if let Err(detail) = config.validate() {
         return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
@@ -682,12 +734,82 @@ mod tests {
             .await
             .expect("put");
         assert_eq!(response.status(), 204);
-        assert_eq!(sim.faults(), SimConfig { fail_before: 0.25, fail_after: 0.5, latency: Duration::from_millis(7) });
+        let set =
+            SimConfig { fail_before: 0.25, fail_after: 0.5, latency: Duration::from_millis(7), ..SimConfig::default() };
+        assert_eq!(sim.faults(), set);
         let faults: Value = reqwest::get(format!("{url}/v1/faults")).await.expect("get").json().await.expect("json");
-        assert_eq!(faults, json!({"fail_before": 0.25, "fail_after": 0.5, "latency_ms": 7}));
+        assert_eq!(
+            faults,
+            json!({"fail_before": 0.25, "fail_after": 0.5, "latency_ms": 7, "slow": 0.0, "slow_ms": 0, "refuse": 0.0})
+        );
 
-        sim.set_faults(SimConfig { fail_before: f64::NAN, fail_after: 3.0, latency: Duration::ZERO });
-        assert_eq!(sim.faults(), SimConfig { fail_before: 0.0, fail_after: 1.0, latency: Duration::ZERO });
+        let all = json!({"fail_before": 0.0, "fail_after": 0.0, "latency_ms": 0, "slow": 0.5, "slow_ms": 1500, "refuse": 0.125});
+        let response = http.put(format!("{url}/v1/faults")).json(&all).send().await.expect("put");
+        assert_eq!(response.status(), 204);
+        let faults: Value = reqwest::get(format!("{url}/v1/faults")).await.expect("get").json().await.expect("json");
+        assert_eq!(faults, all);
+        let response = http.put(format!("{url}/v1/faults")).json(&json!({"refuse": 1.5})).send().await.expect("put");
+        assert_eq!(response.status(), 422);
+
+        sim.set_faults(SimConfig {
+            fail_before: f64::NAN,
+            fail_after: 3.0,
+            slow: -1.0,
+            refuse: 2.0,
+            ..SimConfig::default()
+        });
+        assert_eq!(
+            sim.faults(),
+            SimConfig { fail_before: 0.0, fail_after: 1.0, slow: 0.0, refuse: 1.0, ..SimConfig::default() }
+        );
+    }
+
+    #[tokio::test]
+    async fn refuse_answers_409_at_once_and_does_nothing() {
+        let (sim, url) =
+            start(SimConfig { refuse: 1.0, latency: Duration::from_secs(60), ..SimConfig::default() }).await;
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+        let response = http.post(format!("{url}/v1/vms")).json(&boot_body("r")).send().await.expect("not delayed");
+        assert_eq!(response.status(), 409);
+        assert_eq!(response.headers()["content-type"], "application/problem+json");
+        let problem: Value = response.json().await.expect("json");
+        assert_eq!(problem["type"], "/problems/refused");
+        let response = http.delete(format!("{url}/v1/vms/vm-0")).send().await.expect("delete");
+        assert_eq!(response.status(), 409, "refused before looking the VM up");
+        assert_eq!(sim.stats(), SimStats::default());
+        assert!(sim.state().list(Some("r")).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_slow_call_lands_after_its_caller_gave_up() {
+        let (sim, url) =
+            start(SimConfig { slow: 1.0, slow_latency: Duration::from_millis(800), ..SimConfig::default() }).await;
+        let err = reqwest::Client::new()
+            .post(format!("{url}/v1/vms"))
+            .json(&boot_body("late"))
+            .timeout(Duration::from_millis(100))
+            .send()
+            .await
+            .expect_err("times out");
+        assert!(err.is_timeout(), "{err:?}");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while sim.stats().boots_total == 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(sim.state().list(Some("late")).len(), 1, "the slow boot landed late");
+
+        // With no slow share, the same latency is never added.
+        sim.set_faults(SimConfig { slow: 0.0, slow_latency: Duration::from_secs(60), ..SimConfig::default() });
+        let response = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("client")
+            .post(format!("{url}/v1/vms"))
+            .json(&boot_body("fast"))
+            .send()
+            .await
+            .expect("answered without the slow latency");
+        assert_eq!(response.status(), 201);
     }
 
     #[tokio::test]
