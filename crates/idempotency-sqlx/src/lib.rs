@@ -63,8 +63,9 @@
 //!
 //! A database error is [`StoreError::Unavailable`](idempotency::StoreError::Unavailable); a row
 //! that cannot be read back is [`StoreError::Corrupt`](idempotency::StoreError::Corrupt); a
-//! fenced `complete`/`fail` is [`StoreError::Fenced`](idempotency::StoreError::Fenced). No error
-//! is ever reported as ownership.
+//! fenced `complete`/`fail`/`heartbeat`/`remove` is
+//! [`StoreError::Fenced`](idempotency::StoreError::Fenced). No error is ever reported as
+//! ownership.
 
 mod migrate;
 mod pool;

@@ -409,6 +409,29 @@ mod large_responses {
         assert_eq!((calls.load(Ordering::SeqCst), calls2.load(Ordering::SeqCst)), (1, 1));
     }
 
+    /// A body whose size is known up front (a `Vec`; the layer refuses to store it before reading
+    /// any of it) still reaches the client whole, and the retry gets the 410.
+    #[tokio::test]
+    async fn a_body_of_known_size_above_the_limit_still_reaches_its_client() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/big",
+                post(move || async move {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::OK, vec![b'x'; 200_000])
+                }),
+            )
+            .layer(layer(Arc::new(MemoryStore::new())).max_stored_response(100_000).build());
+        let first = send(&app, post_req("/v1/big", "k1")).await;
+        assert_eq!((first.status, first.body.len()), (StatusCode::OK, 200_000));
+        assert!(first.body.iter().all(|&b| b == b'x'));
+        let retry = send(&app, post_req("/v1/big", "k1")).await;
+        assert_eq!((retry.status, retry.problem_type().as_str()), (StatusCode::GONE, "/problems/response-too-large"));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
     #[tokio::test]
     async fn a_large_response_that_is_not_stored_passes_through_and_reruns() {
         let (app, calls) =

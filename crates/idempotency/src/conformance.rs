@@ -13,6 +13,9 @@
 //! Each case becomes a `#[tokio::test]` named `<module>::<case>`, so a test run shows which
 //! backend passed what. Cases pass explicit timestamps instead of sleeping, so expiry and
 //! staleness are tested exactly and quickly.
+//!
+//! Beside the suite, [`FaultyStore`] wraps any store and fails chosen operations on demand, for
+//! testing what a store's caller does when the store errors (see [`crate::faulty`]).
 
 use std::sync::Arc;
 use std::time::Duration;
