@@ -121,18 +121,19 @@ impl<T: Send + 'static> Future for Detach<T> {
 static DETACHED: AtomicUsize = AtomicUsize::new(0);
 
 /// How many handlers are still running detached, in this process: requests whose client hung up
-/// after their key was claimed, finishing in the background so their responses are stored. A
+/// after their key was claimed, finishing in the background so their responses are stored, and
+/// completions being retried in the background after the store failed to take them. A
 /// server that shuts down waits for this to reach zero (bounded by its own timeout) so that a
 /// retry after a restart replays instead of finding the key in flight.
 pub fn detached_handlers() -> usize {
     DETACHED.load(Ordering::Acquire)
 }
 
-/// Counts one detached handler while it lives.
-struct DetachedGuard;
+/// Counts one detached handler (or completion retry) while it lives.
+pub(crate) struct DetachedGuard;
 
 impl DetachedGuard {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         DETACHED.fetch_add(1, Ordering::AcqRel);
         Self
     }

@@ -348,7 +348,15 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
             ),
         }
     };
-    tokio::spawn(task.instrument(tracing::Span::current()));
+    // Counted like a detached handler, so a shutdown drain waits for the response to be stored.
+    let guard = crate::future::DetachedGuard::new();
+    tokio::spawn(
+        async move {
+            let _guard = guard;
+            task.await
+        }
+        .instrument(tracing::Span::current()),
+    );
 }
 
 /// Runs `work` while renewing `claim` every quarter of the in-flight TTL, so a live attempt
