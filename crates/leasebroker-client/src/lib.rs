@@ -25,7 +25,7 @@ pub mod journal;
 pub mod retry;
 mod types;
 
-pub use client::{Client, Mutation, Response};
+pub use client::{Client, ClientBuilder, Mutation, Response};
 pub use error::{Error, IN_PROGRESS, KEY_REUSED, Problem, retry_after};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{CreateWorker, Fleet, InvalidWorkerId, RebootResult, Worker, WorkerId, WorkerPage, WorkerState};

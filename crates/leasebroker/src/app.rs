@@ -77,8 +77,12 @@ impl Application {
                 format!("http://{addr}")
             }
         };
-        let hypervisor = HypervisorClient::new(&hypervisor_url, args.hypervisor_timeout)
-            .map_err(|e| anyhow::anyhow!("hypervisor client: {e}"))?;
+        let hypervisor = HypervisorClient::with_ca_cert(
+            &hypervisor_url,
+            args.hypervisor_timeout,
+            args.hypervisor_ca_cert.as_deref(),
+        )
+        .map_err(|e| anyhow::anyhow!("hypervisor client: {e}"))?;
 
         let store = db.idempotency_store();
         let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
