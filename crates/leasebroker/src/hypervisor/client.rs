@@ -383,13 +383,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_timeout_is_ambiguous() {
-        let (sim, patient) = start(SimConfig { latency: Duration::from_millis(400), ..SimConfig::default() }).await;
-        let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(100)).expect("client");
+        // The client's timeout leaves a busy machine time to send the request; the latency makes
+        // sure the answer comes after it.
+        let (sim, patient) = start(SimConfig { latency: Duration::from_millis(2000), ..SimConfig::default() }).await;
+        let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(500)).expect("client");
         let err = client.boot(&boot_req("slow")).await.expect_err("timeout");
         assert!(matches!(err, HvError::Timeout(_)), "{err:?}");
         assert!(err.may_have_happened());
         // And it does happen, after the client gave up (polled: the machine may be busy).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while sim.stats().boots_total == 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
