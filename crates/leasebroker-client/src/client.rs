@@ -90,12 +90,22 @@ impl fmt::Debug for Client {
 ///     .build()?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
 pub struct ClientBuilder {
     base_url: String,
     token: String,
     roots: Vec<reqwest::Certificate>,
     retrier: Retrier,
+}
+
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The token is a credential: never print it.
+        f.debug_struct("ClientBuilder")
+            .field("base_url", &self.base_url)
+            .field("ca_certificates", &self.roots.len())
+            .field("retrier", &self.retrier)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ClientBuilder {
