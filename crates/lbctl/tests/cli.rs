@@ -63,7 +63,8 @@ impl Server {
                 .stderr(log.try_clone().expect("log"))
                 .spawn()
                 .expect("spawn leasebroker");
-            let deadline = Instant::now() + Duration::from_secs(30);
+            // Generous: on a busy machine start-up (and SQLite migrations) can take a while.
+            let deadline = Instant::now() + Duration::from_secs(90);
             while Instant::now() < deadline {
                 if healthy(addr) {
                     return Server { child, url: format!("http://{addr}"), dir };
