@@ -1,11 +1,16 @@
 //! lbctl: the leasebroker command line, on the [`leasebroker_client`] SDK.
 //!
-//! Every mutating command sends one `Idempotency-Key` on all of its retries. With `--op-id` the key
-//! is also written to a durable journal before the first attempt, so running the same command again
-//! after a crash, a kill or a give-up reuses the key and gets the original result back; running a
-//! *different* request under the same op id is refused locally (exit 4) without sending anything.
+//! Every mutating command sends one `Idempotency-Key` on all of its retries, until `--max-elapsed`
+//! is spent. With `--op-id` the key is also written to a durable journal before the first attempt,
+//! so running the same command again after a crash, a kill or a give-up reuses the key and gets the
+//! original result back; once the journal holds the operation's final outcome, a rerun answers
+//! from the journal without contacting the server. Running a *different* request under the same op
+//! id is refused locally (exit 4) without sending anything.
 //!
-//! Exit codes (SPEC 4): 0 success, 1 local failure (journal, unexpected response), 2 usage,
+//! `https` URLs are verified against the system's roots and, with `--ca-cert`, a private CA.
+//! Text that came from the server is printed to stderr with control characters removed.
+//!
+//! Exit codes (SPEC 4): 0 success, 1 local failure (journal, TLS, unexpected response), 2 usage,
 //! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized.
 //!
 //! ```
@@ -42,9 +47,12 @@ pub struct Cli {
     /// The op-id journal [default: $XDG_STATE_HOME/lbctl/journal.db or ~/.local/state/lbctl/journal.db].
     #[arg(long, env = "LBCTL_JOURNAL", global = true)]
     pub journal: Option<PathBuf>,
-    /// Give up retrying after this long (e.g. 30s, 10m).
+    /// The retry budget: keep retrying until this much time has passed (e.g. 30s, 10m).
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, global = true)]
     pub max_elapsed: Duration,
+    /// A PEM file of CA certificates to trust for https URLs, besides the system's roots.
+    #[arg(long, env = "LBCTL_CA_CERT", value_name = "PATH", global = true)]
+    pub ca_cert: Option<PathBuf>,
     /// Print every attempt and the wait before the next one to stderr.
     #[arg(long, short, global = true)]
     pub verbose: bool,
@@ -169,7 +177,7 @@ impl Exit {
             Error::Refused { .. } => Exit::Refused,
             Error::Unauthorized { .. } => Exit::Unauthorized,
             Error::InvalidRequest(_) => Exit::Usage,
-            Error::Decode { .. } => Exit::Failure,
+            Error::Decode { .. } | Error::Tls(_) => Exit::Failure,
             // Retryable errors only end a command through the retry budget.
             _ => Exit::GaveUp,
         }
@@ -193,8 +201,37 @@ impl Failure {
 
 impl From<Error> for Failure {
     fn from(err: Error) -> Self {
-        Failure::new(Exit::for_error(&err), err.to_string())
+        let exit = Exit::for_error(&err);
+        match err {
+            Error::Tls(_) => Failure::new(exit, format!("{err} (for a private CA, pass --ca-cert PATH)")),
+            err => Failure::new(exit, err.to_string()),
+        }
     }
+}
+
+/// The longest stderr line lbctl prints: a server's text is not allowed to flood the terminal.
+const MAX_LINE: usize = 2000;
+
+/// `text` made safe for a terminal, as one line: every control character (newlines, ESC and so
+/// the ANSI sequences it starts, BEL, C1 controls) and every bidirectional-override character is
+/// dropped (whitespace ones become a space), and the result is cut at [`MAX_LINE`] characters.
+/// Server-supplied text passes through here before it reaches stderr.
+pub fn one_line(text: &str) -> String {
+    let is_bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    let mut line = String::with_capacity(text.len().min(MAX_LINE));
+    for (n, c) in text.chars().filter(|&c| (!c.is_control() || c.is_whitespace()) && !is_bidi(c)).enumerate() {
+        if n == MAX_LINE {
+            line.push_str("...");
+            break;
+        }
+        line.push(if c.is_whitespace() && c != ' ' { ' ' } else { c });
+    }
+    line
+}
+
+/// Prints `text` as one stderr line after `lbctl: `.
+fn warn(text: &str) {
+    eprintln!("lbctl: {}", one_line(text));
 }
 
 /// Runs the command: the response JSON to stdout, a one-line reason to stderr, and the exit code.
@@ -209,7 +246,7 @@ pub async fn run(cli: Cli) -> ExitCode {
             Exit::Success.into()
         }
         Err(failure) => {
-            eprintln!("lbctl: {}", failure.message.replace('\n', " "));
+            warn(&failure.message);
             failure.exit.into()
         }
     }
@@ -221,12 +258,17 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
         return Err(Failure::new(Exit::Usage, "no token: pass --token or set LBCTL_TOKEN"));
     };
     let verbose = cli.verbose;
+    // The time budget alone ends retrying: the default policy has no attempt cap.
     let mut retrier = Retrier::new(RetryPolicy::default().with_max_elapsed(cli.max_elapsed));
     if verbose {
-        retrier = retrier.on_attempt(|attempt| eprintln!("lbctl: {attempt}"));
+        retrier = retrier.on_attempt(|attempt| warn(&attempt.to_string()));
     }
-    let client =
-        Client::new(&cli.url, token).map_err(|e| Failure::new(Exit::Usage, e.to_string()))?.with_retrier(retrier);
+    let usage = |e: Error| Failure::new(Exit::Usage, e.to_string());
+    let mut builder = Client::builder(&cli.url, token).retrier(retrier);
+    if let Some(path) = &cli.ca_cert {
+        builder = builder.ca_certificates_file(path).map_err(usage)?;
+    }
+    let client = builder.build().map_err(usage)?;
 
     let Command::Workers(command) = cli.command;
     let (mutation, op_id) = match command {
@@ -274,6 +316,26 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
             None => eprintln!("lbctl: key {key} (not journaled: no --op-id)"),
         }
     }
+    // A final outcome on record is the answer: resending could run the operation again once the
+    // server has forgotten the key (its retention), and the answer would be the same before that.
+    if let Some((journal, op_id)) = &journal {
+        let entry = journal.entry(op_id).await.map_err(|e| Failure::new(Exit::Failure, e.to_string()))?;
+        if let Some(outcome) = entry.and_then(|e| e.outcome) {
+            if verbose {
+                eprintln!(
+                    "lbctl: op {op_id:?} answered from the journal (status {}, recorded {}); nothing sent",
+                    outcome.status, outcome.finished_at
+                );
+            }
+            return match outcome.error() {
+                None => Ok(outcome.body),
+                Some(err) => {
+                    let failure = Failure::from(err);
+                    Err(Failure::new(failure.exit, format!("{} (recorded in the journal)", failure.message)))
+                }
+            };
+        }
+    }
 
     let result = client.mutate(&mutation, &key).await;
     if let Some((journal, op_id)) = &journal {
@@ -289,7 +351,7 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
         if let Some((status, body)) = outcome
             && let Err(e) = journal.finish(op_id, status, &body).await
         {
-            eprintln!("lbctl: warning: could not record the outcome in the journal: {e}");
+            warn(&format!("warning: could not record the outcome in the journal: {e}"));
         }
     }
     Ok(result?.body.to_vec())
@@ -308,4 +370,17 @@ fn journal_path(explicit: Option<PathBuf>) -> Result<PathBuf, Failure> {
     state
         .map(|dir| dir.join("lbctl").join("journal.db"))
         .ok_or_else(|| Failure::new(Exit::Failure, "no journal location: pass --journal or set HOME"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_drops_controls_and_bidi_overrides_and_bounds_the_length() {
+        assert_eq!(one_line("a\r\nb\tc\u{1b}[31md\u{7}e\u{9b}f\u{202e}g\u{85}h"), "a  b c[31mdefg h");
+        let long = one_line(&"x".repeat(MAX_LINE * 2));
+        assert_eq!(long.len(), MAX_LINE + "...".len());
+        assert_eq!(one_line("plain text, kept: é ü 中"), "plain text, kept: é ü 中");
+    }
 }

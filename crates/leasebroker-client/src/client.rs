@@ -1,6 +1,7 @@
 //! The typed leasebroker client.
 
 use std::fmt;
+use std::path::Path;
 
 use bytes::Bytes;
 use reqwest::header::{ACCEPT, CONTENT_TYPE};
@@ -79,11 +80,67 @@ impl fmt::Debug for Client {
     }
 }
 
-impl Client {
-    /// A client for the service at `base_url` (`http://127.0.0.1:8080`), authenticating with `token`,
-    /// retrying with the default [`crate::retry::RetryPolicy`].
-    pub fn new(base_url: &str, token: impl Into<String>) -> Result<Self, Error> {
-        let url = Url::parse(base_url).map_err(|e| Error::InvalidRequest(format!("base URL {base_url:?}: {e}")))?;
+/// Builds a [`Client`]: the base URL and token, plus the CA certificates to trust beyond the
+/// system's roots and the retrier.
+///
+/// ```no_run
+/// # fn demo(pem: &[u8]) -> Result<(), leasebroker_client::Error> {
+/// let client = leasebroker_client::Client::builder("https://leasebroker.internal:8443", "secret-token")
+///     .ca_certificates_pem(pem)? // a private CA, trusted in addition to the system's roots
+///     .build()?;
+/// # Ok(()) }
+/// ```
+pub struct ClientBuilder {
+    base_url: String,
+    token: String,
+    roots: Vec<reqwest::Certificate>,
+    retrier: Retrier,
+}
+
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The token is a credential: never print it.
+        f.debug_struct("ClientBuilder")
+            .field("base_url", &self.base_url)
+            .field("ca_certificates", &self.roots.len())
+            .field("retrier", &self.retrier)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientBuilder {
+    /// Trusts the CA certificates of a PEM bundle (one or more `CERTIFICATE` blocks) for `https`
+    /// URLs, in addition to the system's roots.
+    pub fn ca_certificates_pem(mut self, pem: &[u8]) -> Result<Self, Error> {
+        let certs = reqwest::Certificate::from_pem_bundle(pem)
+            .map_err(|e| Error::InvalidRequest(format!("CA certificates: {e}")))?;
+        if certs.is_empty() {
+            return Err(Error::InvalidRequest("CA certificates: no PEM CERTIFICATE block found".to_owned()));
+        }
+        self.roots.extend(certs);
+        Ok(self)
+    }
+
+    /// [`ClientBuilder::ca_certificates_pem`] with the contents of the file at `path`.
+    pub fn ca_certificates_file(self, path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        let pem = std::fs::read(path).map_err(|e| Error::InvalidRequest(format!("{}: {e}", path.display())))?;
+        self.ca_certificates_pem(&pem).map_err(|e| match e {
+            Error::InvalidRequest(reason) => Error::InvalidRequest(format!("{}: {reason}", path.display())),
+            other => other,
+        })
+    }
+
+    /// Uses `retrier` (policy and attempt hook) for every call.
+    pub fn retrier(mut self, retrier: Retrier) -> Self {
+        self.retrier = retrier;
+        self
+    }
+
+    /// The client.
+    pub fn build(self) -> Result<Client, Error> {
+        let ClientBuilder { base_url, token, roots, retrier } = self;
+        let url = Url::parse(&base_url).map_err(|e| Error::InvalidRequest(format!("base URL {base_url:?}: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
             return Err(Error::InvalidRequest(format!("base URL {base_url:?} is not an http(s) URL")));
         }
@@ -94,10 +151,34 @@ impl Client {
             // A redirect would re-send a mutation somewhere else; report it instead.
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("leasebroker-client/", env!("CARGO_PKG_VERSION")))
+            .tls_backend_rustls();
+        // rustls with the system's roots (rustls-platform-verifier), plus the caller's CAs. Redirects
+        // are off, so an http base never needs TLS: skip loading the system's roots (a host without
+        // them can still use one).
+        let http = if url.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }
             .build()
             .map_err(Error::from_reqwest)?;
         let base = url.as_str().trim_end_matches('/').to_owned();
-        Ok(Client { http, base, token: token.into(), retrier: Retrier::default() })
+        Ok(Client { http, base, token, retrier })
+    }
+}
+
+impl Client {
+    /// A client for the service at `base_url` (`http://127.0.0.1:8080` or `https://...`),
+    /// authenticating with `token`, retrying with the default [`crate::retry::RetryPolicy`], and
+    /// trusting the system's roots for `https`. [`Client::builder`] sets more.
+    pub fn new(base_url: &str, token: impl Into<String>) -> Result<Self, Error> {
+        Client::builder(base_url, token).build()
+    }
+
+    /// A [`ClientBuilder`] for the service at `base_url`, authenticating with `token`.
+    pub fn builder(base_url: &str, token: impl Into<String>) -> ClientBuilder {
+        ClientBuilder {
+            base_url: base_url.to_owned(),
+            token: token.into(),
+            roots: Vec::new(),
+            retrier: Retrier::default(),
+        }
     }
 
     /// Uses `http` for every call instead of the default client: to set timeouts, a proxy, TLS

@@ -116,6 +116,11 @@ pub enum Error {
     /// The request may or may not have been processed. Retried by the retry core.
     #[error("transport error: {}", chain(.0))]
     Transport(#[source] reqwest::Error),
+    /// The TLS handshake failed (most often: the server's certificate is not trusted; a private CA
+    /// needs [`crate::ClientBuilder::ca_certificates_pem`]). Nothing was sent. Never retried: asking
+    /// again meets the same certificate.
+    #[error("TLS handshake failed: {}", chain(.0))]
+    Tls(#[source] reqwest::Error),
     /// The retry core stopped: the attempt or time budget ran out while the errors were retryable.
     #[error("gave up after {attempts} attempts in {:.1}s; last error: {last}", elapsed.as_secs_f64())]
     GaveUp {
@@ -160,6 +165,23 @@ fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// The rustls error somewhere in `err`'s chain. rustls reaches reqwest wrapped in `io::Error`s
+/// (two of them), and an `io::Error`'s `source()` skips the error it wraps, so each one is opened
+/// with `get_ref()` instead.
+fn tls_cause<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut next = Some(err);
+    while let Some(current) = next {
+        if let Some(tls) = current.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        next = match current.downcast_ref::<std::io::Error>() {
+            Some(io) => io.get_ref().map(|inner| inner as &(dyn std::error::Error + 'static)),
+            None => current.source(),
+        };
+    }
+    None
+}
+
 impl Error {
     /// Whether sending the same request again (with the same key) may succeed.
     pub fn is_retryable(&self) -> bool {
@@ -184,7 +206,7 @@ impl Error {
             | Error::Decode { status, .. } => Some(*status),
             Error::InProgress { .. } => Some(StatusCode::CONFLICT),
             Error::GaveUp { last, .. } => last.status(),
-            Error::Transport(_) | Error::InvalidRequest(_) => None,
+            Error::Transport(_) | Error::Tls(_) | Error::InvalidRequest(_) => None,
         }
     }
 
@@ -201,7 +223,14 @@ impl Error {
     }
 
     pub(crate) fn from_reqwest(err: reqwest::Error) -> Self {
-        if err.is_builder() { Error::InvalidRequest(chain(&err)) } else { Error::Transport(err) }
+        if err.is_builder() {
+            Error::InvalidRequest(chain(&err))
+        } else if err.is_connect() && tls_cause(&err).is_some() {
+            // The handshake is part of connecting, so the request never went out.
+            Error::Tls(err)
+        } else {
+            Error::Transport(err)
+        }
     }
 
     /// Classifies a complete response. `None` for success (2xx); every other status is an error.

@@ -3,7 +3,9 @@
 //!
 //! Three parts:
 //! - [`Client`]: the typed API of SPEC 3.2 (workers and the admin fleet view), reporting whether
-//!   a success was a replay of an earlier attempt ([`Response::replayed`]);
+//!   a success was a replay of an earlier attempt ([`Response::replayed`]); `https` is verified
+//!   with rustls against the system's roots, and [`ClientBuilder::ca_certificates_pem`] adds a
+//!   private CA;
 //! - [`retry`]: the retry core, usable for any HTTP request made idempotent by a key: the key is
 //!   made once per logical operation and sent on every attempt, with backoff and full jitter;
 //! - [`journal`]: a durable SQLite journal of op id -> key, so a process killed mid-request reruns
@@ -25,7 +27,7 @@ pub mod journal;
 pub mod retry;
 mod types;
 
-pub use client::{Client, Mutation, Response};
+pub use client::{Client, ClientBuilder, Mutation, Response};
 pub use error::{Error, IN_PROGRESS, KEY_REUSED, Problem, retry_after};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{CreateWorker, Fleet, InvalidWorkerId, RebootResult, Worker, WorkerId, WorkerPage, WorkerState};

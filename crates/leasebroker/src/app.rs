@@ -78,7 +78,9 @@ impl Application {
 
         let mut background = Vec::new();
         let hypervisor = match &args.hypervisor_url {
-            Some(url) => HypervisorClient::new(url, args.hypervisor_timeout),
+            Some(url) => {
+                HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
+            }
             None => {
                 let sim = Simulator::new(SimConfig {
                     fail_before: args.sim_fail_before,

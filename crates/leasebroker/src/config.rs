@@ -83,6 +83,10 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_ABANDON_AFTER", default_value = "1h", value_parser = parse_duration)]
     pub abandon_after: Duration,
 
+    /// A PEM file of CA certificates to trust for an https hypervisor, besides the system's roots.
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_CA_CERT", value_name = "PATH")]
+    pub hypervisor_ca_cert: Option<std::path::PathBuf>,
+
     /// In-process simulator: probability that a mutating call fails before doing anything.
     #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse_probability)]
     pub sim_fail_before: f64,

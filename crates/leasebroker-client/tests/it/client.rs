@@ -147,6 +147,22 @@ fn fingerprints_follow_method_path_and_body() {
 }
 
 #[test]
+fn debug_output_never_shows_the_token() {
+    let builder = Client::builder("https://leasebroker.test", "tok-secret-123");
+    assert!(!format!("{builder:?}").contains("tok-secret-123"), "{builder:?}");
+    let client = builder.build().expect("client");
+    assert!(!format!("{client:?}").contains("tok-secret-123"), "{client:?}");
+}
+
+#[test]
+fn a_ca_bundle_without_certificates_is_refused() {
+    for pem in [&b""[..], b"not a certificate", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"] {
+        let err = Client::builder("https://leasebroker.test", "t").ca_certificates_pem(pem).expect_err("no CA in it");
+        assert!(matches!(err, Error::InvalidRequest(_)), "{err:?}");
+    }
+}
+
+#[test]
 fn bad_ids_and_urls_are_rejected_at_the_edge() {
     for bad in ["", "../admin", "wkr/1", "wkr 1", "wkr%2F1", "wkr.1"] {
         assert!(bad.parse::<WorkerId>().is_err(), "{bad:?} accepted");

@@ -4,6 +4,7 @@
 //! because that decides what the service does with a pending intent: an ambiguous failure leaves it
 //! pending for reconciliation by tag, only a definite one marks it failed.
 
+use std::path::Path;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode, Url};
@@ -29,6 +30,14 @@ pub enum HvError {
     InvalidUrl {
         /// The URL as given.
         url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The CA certificate file given to [`HypervisorClient::with_ca_cert`] is unusable. Definite.
+    #[error("hypervisor CA certificate {}: {reason}", path.display())]
+    InvalidCaCert {
+        /// The file as given.
+        path: std::path::PathBuf,
         /// What is wrong with it.
         reason: String,
     },
@@ -70,7 +79,7 @@ impl HvError {
     /// caller must reconcile before concluding the work did not happen.
     pub fn may_have_happened(&self) -> bool {
         match self {
-            Self::InvalidUrl { .. } | Self::Connect(_) => false,
+            Self::InvalidUrl { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => false,
             Self::Status { status, .. } => !status.is_client_error(),
             Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => true,
         }
@@ -80,15 +89,19 @@ impl HvError {
     pub fn status(&self) -> Option<StatusCode> {
         match self {
             Self::Status { status, .. } => Some(*status),
-            Self::InvalidUrl { .. } | Self::Connect(_) | Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => {
-                None
-            }
+            Self::InvalidUrl { .. }
+            | Self::InvalidCaCert { .. }
+            | Self::Connect(_)
+            | Self::Timeout(_)
+            | Self::Transport(_)
+            | Self::Decode(_) => None,
         }
     }
 
     /// Classifies a transport-level error by whether the request could have reached the server.
     fn from_transport(err: reqwest::Error) -> Self {
-        // Connect first: a connect timeout is also a timeout, but nothing was sent.
+        // Connect first: a connect timeout is also a timeout, but nothing was sent. A failed TLS
+        // handshake (an untrusted certificate) is part of connecting, so it lands here too.
         if err.is_connect() || err.is_builder() {
             Self::Connect(err)
         } else if err.is_timeout() {
@@ -105,6 +118,8 @@ impl HvError {
 ///
 /// Cheap to clone (the connection pool is shared). Redirects are not followed: a hypervisor that
 /// redirects a `POST` gets an ambiguous [`HvError::Status`] rather than a silently re-sent request.
+/// An `https` hypervisor is verified with rustls against the system's roots and, with
+/// [`HypervisorClient::with_ca_cert`], a private CA.
 #[derive(Debug, Clone)]
 pub struct HypervisorClient {
     http: reqwest::Client,
@@ -115,7 +130,7 @@ impl HypervisorClient {
     /// A client for the hypervisor at `base_url` (e.g. `http://127.0.0.1:8090`; a path prefix is
     /// kept), giving each call at most `timeout` from sending the request to reading the answer.
     pub fn new(base_url: &str, timeout: Duration) -> Result<Self, HvError> {
-        Self::with_headers(base_url, timeout, reqwest::header::HeaderMap::new())
+        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), None)
     }
 
     /// Like [`HypervisorClient::new`], sending `headers` on every call (say, the secret of a
@@ -125,6 +140,33 @@ impl HypervisorClient {
         timeout: Duration,
         headers: reqwest::header::HeaderMap,
     ) -> Result<Self, HvError> {
+        Self::build(base_url, timeout, headers, None)
+    }
+
+    /// [`HypervisorClient::new`], also trusting the CA certificates in the PEM file `ca_cert` (when
+    /// given) for an `https` hypervisor, besides the system's roots.
+    pub fn with_ca_cert(base_url: &str, timeout: Duration, ca_cert: Option<&Path>) -> Result<Self, HvError> {
+        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), ca_cert)
+    }
+
+    fn build(
+        base_url: &str,
+        timeout: Duration,
+        headers: reqwest::header::HeaderMap,
+        ca_cert: Option<&Path>,
+    ) -> Result<Self, HvError> {
+        let roots = match ca_cert {
+            Some(path) => {
+                let invalid = |reason: String| HvError::InvalidCaCert { path: path.to_path_buf(), reason };
+                let pem = std::fs::read(path).map_err(|e| invalid(e.to_string()))?;
+                let roots = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| invalid(e.to_string()))?;
+                if roots.is_empty() {
+                    return Err(invalid("no PEM CERTIFICATE block found".to_owned()));
+                }
+                roots
+            }
+            None => Vec::new(),
+        };
         let invalid = |reason: &str| HvError::InvalidUrl { url: base_url.to_owned(), reason: reason.to_owned() };
         let base = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
         if !matches!(base.scheme(), "http" | "https") {
@@ -140,6 +182,10 @@ impl HypervisorClient {
             .default_headers(headers)
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
+            .tls_backend_rustls();
+        // Redirects are off, so an http hypervisor never needs TLS: skip loading the system's roots
+        // (a host without them can still use one).
+        let http = if base.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }
             .build()
             .map_err(|e| invalid(&e.to_string()))?;
         Ok(Self { http, base })
@@ -358,13 +404,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_timeout_is_ambiguous() {
-        let (sim, patient) = start(SimConfig { latency: Duration::from_millis(400), ..SimConfig::default() }).await;
-        let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(100)).expect("client");
+        // The client's timeout leaves a busy machine time to send the request; the latency makes
+        // sure the answer comes after it.
+        let (sim, patient) = start(SimConfig { latency: Duration::from_millis(2000), ..SimConfig::default() }).await;
+        let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(500)).expect("client");
         let err = client.boot(&boot_req("slow")).await.expect_err("timeout");
         assert!(matches!(err, HvError::Timeout(_)), "{err:?}");
         assert!(err.may_have_happened());
         // And it does happen, after the client gave up (polled: the machine may be busy).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while sim.stats().boots_total == 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -422,6 +470,71 @@ mod tests {
             assert!(!err.may_have_happened());
         }
         assert!(HypervisorClient::new("http://127.0.0.1:8090/", TIMEOUT).is_ok());
+    }
+
+    /// Serves a fresh simulator over TLS on an ephemeral loopback port, with a certificate for
+    /// 127.0.0.1 from a fresh private CA: its URL, the simulator and the CA's PEM file.
+    async fn start_tls(dir: &Path) -> (String, Simulator, std::path::PathBuf) {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().expect("key");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, "hypervisor test CA");
+        let ca_cert = ca_params.self_signed(&ca_key).expect("CA");
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf_key = KeyPair::generate().expect("key");
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .expect("params")
+            .signed_by(&leaf_key, &issuer)
+            .expect("leaf");
+        let ca_file = dir.join("ca.pem");
+        std::fs::write(&ca_file, ca_cert.pem()).expect("write CA");
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(leaf_key.serialize_der());
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![leaf.der().clone()], key.into())
+            .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+
+        // The simulator on a plain port, behind a TLS-terminating proxy.
+        let plain = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let upstream = plain.local_addr().expect("addr");
+        let sim = Simulator::new(SimConfig::default());
+        tokio::spawn(serve(plain, sim.clone(), std::future::pending()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("https://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                    let Ok(mut plain) = tokio::net::TcpStream::connect(upstream).await else { return };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                });
+            }
+        });
+        (url, sim, ca_file)
+    }
+
+    #[tokio::test]
+    async fn an_https_hypervisor_works_with_its_ca_and_an_untrusted_one_is_definite() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (url, sim, ca_file) = start_tls(dir.path()).await;
+        let client = HypervisorClient::with_ca_cert(&url, TIMEOUT, Some(&ca_file)).expect("client");
+        let vm = client.boot(&boot_req("tls-1")).await.expect("boot over https");
+        assert_eq!(client.list_by_tag("tls-1").await.expect("list"), [vm]);
+
+        // Without the CA the handshake fails: nothing was sent, so it is definite.
+        let untrusted = HypervisorClient::new(&url, TIMEOUT).expect("client");
+        let err = untrusted.boot(&boot_req("tls-2")).await.expect_err("untrusted certificate");
+        assert!(matches!(err, HvError::Connect(_)), "{err:?}");
+        assert!(!err.may_have_happened());
+        assert_eq!(sim.stats().boots_total, 1);
+
+        for bad in [Path::new("/dev/null"), &dir.path().join("missing.pem")] {
+            let err = HypervisorClient::with_ca_cert(&url, TIMEOUT, Some(bad)).expect_err("not a CA file");
+            assert!(matches!(err, HvError::InvalidCaCert { .. }), "{err:?}");
+        }
     }
 
     #[tokio::test]
