@@ -396,7 +396,15 @@ async fn a_create_retried_after_its_worker_was_deleted_is_gone() {
     lb.faults.fail_always(Op::Complete);
     let created = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
-    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
+    // The layer retries a failed completion in the background (once, then
+    // DEFAULT_COMPLETION_RETRIES more times): let every one of them fail, so the record stays in
+    // flight, as after a store outage that outlasted the retries.
+    let all = 1 + idempotency_tower::DEFAULT_COMPLETION_RETRIES as u64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while lb.faults.injected(Op::Complete) < all {
+        assert!(tokio::time::Instant::now() < deadline, "the completion retries did not run");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     lb.faults.heal(Op::Complete);
     let id = created.json()["id"].as_str().expect("id").to_owned();
     let deleted = send(reqwest::Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("d-5"), None).await;
