@@ -51,7 +51,7 @@ pub struct Intent {
 pub struct OperationRow {
     /// The record's derived sub-key `op`.
     pub op_id: String,
-    /// `create` or `reboot`.
+    /// `create`, `delete` or `reboot`.
     pub kind: String,
     /// The record's principal.
     pub principal: String,

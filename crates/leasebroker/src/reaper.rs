@@ -17,8 +17,10 @@
 //!   made no worker is rolled back the same way (nothing can resume it: a new record derives new
 //!   sub-keys); anything else is forgotten.
 //!
-//! Reboots hold nothing, and a reboot cannot be undone: an abandoned reboot keeps its record and
-//! intent until the record expires, so a late retry still finds what it did.
+//! A delete cannot be rolled back (its VM may be gone already), so an abandoned delete is
+//! finished instead: VM, worker, lease and node, with its tombstone, and the `204` stored under
+//! its record. Reboots hold nothing, and a reboot cannot be undone: an abandoned reboot keeps its
+//! record and intent until the record expires, so a late retry still finds what it did.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,6 +35,8 @@ use crate::service::{CreateKeys, destroy_duplicates, micros, now_micros};
 
 /// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
 pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
+/// Counter: abandoned deletes the reaper finished (VM, worker, lease, node; 204 stored).
+pub const DELETES_FINISHED_TOTAL: &str = "leasebroker_reaper_deletes_finished_total";
 /// Counter: finished operations whose intents and row the reaper deleted.
 pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
 
@@ -48,6 +52,7 @@ pub fn describe_metrics() {
         ROLLED_BACK_TOTAL,
         "What the reaper rolled back, by resource (operation, vm, lease, node)"
     );
+    metrics::describe_counter!(DELETES_FINISHED_TOTAL, "Abandoned deletes the reaper finished");
     metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
 }
 
@@ -100,6 +105,7 @@ impl std::fmt::Debug for Reaper {
 enum Verdict {
     Forget,
     RollBack(Option<Record>),
+    FinishDelete(Option<Record>),
     Wait,
 }
 
@@ -200,9 +206,11 @@ impl Reaper {
         let abandoned = op.last_attempt_at <= now.saturating_sub(micros(self.abandon_after));
         let verdict = match &record {
             None if op.kind == "create" => Verdict::RollBack(None),
+            None if op.kind == "delete" => Verdict::FinishDelete(None),
             None => Verdict::Forget,
             Some(r) if r.state == RecordState::Completed => Verdict::Forget,
             Some(r) if op.kind == "create" && abandoned && self.claimable(r) => Verdict::RollBack(Some(r.clone())),
+            Some(r) if op.kind == "delete" && abandoned && self.claimable(r) => Verdict::FinishDelete(Some(r.clone())),
             Some(_) => Verdict::Wait,
         };
         match verdict {
@@ -213,6 +221,7 @@ impl Reaper {
                 report.forgotten += 1;
             }
             Verdict::RollBack(record) => self.roll_back(op, record, scope, report).await?,
+            Verdict::FinishDelete(record) => self.finish_delete(op, record, scope, report).await?,
         }
         Ok(())
     }
@@ -313,6 +322,71 @@ impl Reaper {
         Ok(())
     }
 
+    /// Finishes an abandoned delete (a delete cannot be rolled back: its VM may be gone already):
+    /// takes the record's claim, deletes the VM and then the worker, lease and node with the
+    /// delete's tombstone, and stores the `204` the handler would have, so a late retry with
+    /// the same key replays it.
+    async fn finish_delete(
+        &self,
+        op: &OperationRow,
+        record: Option<Record>,
+        scope: Scope,
+        report: &mut ReapReport,
+    ) -> anyhow::Result<()> {
+        let t = idempotency::now();
+        let claim = match &record {
+            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
+                Some(claim) => Some(claim),
+                None => {
+                    report.waiting += 1;
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        let tombstone = match &record {
+            Some(r) => idempotency::derive(r, "delete"),
+            None => match rebuilt_record(op, &scope) {
+                Some(r) => idempotency::derive(&r, "delete"),
+                None => return Ok(()),
+            },
+        };
+        // The delete's endpoint is `DELETE /v1/workers/{id}`.
+        let worker_id = op.endpoint.rsplit('/').next().unwrap_or_default();
+        let mut finished = false;
+        if let Some(w) = self.domain.worker(&op.principal, worker_id).await? {
+            if let Err(e) = self.hypervisor.delete(&w.vm_id).await {
+                if let Some(claim) = &claim {
+                    self.store.fail(claim).await?;
+                }
+                anyhow::bail!("cannot delete the abandoned delete's VM: {e}");
+            }
+            finished = self.domain.delete_worker(&op.principal, worker_id, tombstone.as_str(), now_micros()).await?;
+        }
+        let ours = self.domain.tombstone(tombstone.as_str()).await?.is_some_and(|w| w == worker_id);
+        if let Some(claim) = &claim {
+            if ours {
+                let no_content = idempotency::StoredResponse {
+                    status: 204,
+                    headers: Vec::new(),
+                    body: idempotency::StoredBody::encode(Default::default(), usize::MAX),
+                };
+                self.store.complete(claim, &no_content, after(idempotency::now(), self.retention)).await?;
+            } else {
+                // It never found the worker: nothing was done, so the key runs afresh.
+                self.store.remove(claim).await?;
+            }
+        }
+        self.domain.forget_operation(&op.op_id).await?;
+        if finished {
+            metrics::counter!(DELETES_FINISHED_TOTAL).increment(1);
+            tracing::info!(op = %op.op_id, key = %op.idem_key, principal = %op.principal, worker = %worker_id,
+                "abandoned delete finished");
+        }
+        report.forgotten += 1;
+        Ok(())
+    }
+
     /// Whether the settle window of the last call for the intent `tag` has passed (or no call
     /// may still land: none was made, it was refused, or it is done).
     async fn settled(&self, tag: &str) -> anyhow::Result<bool> {
@@ -345,9 +419,15 @@ fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
 /// The sub-keys of the create `op`: from its record, or, when the record is gone, from a record
 /// rebuilt from the row (the derivation needs only the scope and the record id).
 fn keys_of(op: &OperationRow, record: Option<&Record>, scope: &Scope) -> Option<CreateKeys> {
-    if let Some(r) = record {
-        return Some(CreateKeys::of_record(r));
+    match record {
+        Some(r) => Some(CreateKeys::of_record(r)),
+        None => rebuilt_record(op, scope).as_ref().map(CreateKeys::of_record),
     }
+}
+
+/// The record an operation row names, rebuilt for sub-key derivation (which needs only the scope
+/// and the record id) when the record itself is gone.
+fn rebuilt_record(op: &OperationRow, scope: &Scope) -> Option<Record> {
     let record_id = idempotency::RecordId::from_hex(&op.record_id)?;
     let t = idempotency::now();
     let mut r = idempotency::ClaimRequest {
@@ -358,7 +438,7 @@ fn keys_of(op: &OperationRow, record: Option<&Record>, scope: &Scope) -> Option<
     }
     .new_record();
     r.record_id = record_id;
-    Some(CreateKeys::of_record(&r))
+    Some(r)
 }
 
 /// Runs `sweeper` and then `reaper` on one tick, every `interval`. Abort the handle to stop.

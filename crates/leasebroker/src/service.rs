@@ -394,6 +394,7 @@ impl Workers {
                 _ => Err(ServiceError::NotFound(worker_id.into())),
             };
         };
+        self.domain.begin_attempt(&op.row("delete", now_micros())).await?;
         // Deleting a VM by id is naturally idempotent: "already gone" is success.
         self.hypervisor.delete(&w.vm_id).await.map_err(|e| {
             tracing::warn!(error = %e, "cannot delete the VM");

@@ -478,3 +478,40 @@ async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
     // new operation's tag; a key resumed by a retry adopted its VM.
     assert_eq!(stats["boots_total"].as_f64(), Some(KEYS as f64 + rolled_back), "{stats}");
 }
+
+/// Item 3, deletes: a delete whose VM was deleted but whose answer was lost, and whose client
+/// never came back, would leave a worker without a VM holding its node and lease. A delete cannot
+/// be rolled back, so the reaper finishes it, and a late retry with the key replays 204.
+#[tokio::test]
+async fn an_abandoned_delete_is_finished() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &[
+            "--hypervisor-url",
+            &hv.url,
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+            "--abandon-after",
+            "2s",
+            "--sweep-interval",
+            "1s",
+        ],
+    );
+    let created = create(&lb.url, TOKEN, "c-del", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let url = format!("{}/v1/workers/{}", lb.url, created.json()["id"].as_str().expect("id"));
+    set_faults(&hv.url, 0.0, 1.0, 0).await;
+    let first = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-walk-away"), None).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    set_faults(&hv.url, 0.0, 0.0, 0).await;
+    assert_eq!(held(&lb.url).await, (1, 1, 1, 0), "the VM is gone, the worker, node and lease are not");
+    let finished = eventually(Duration::from_secs(30), || async { held(&lb.url).await == (0, 0, 0, 0) }).await;
+    assert!(finished, "still held: {:?}", held(&lb.url).await);
+    let retry = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-walk-away"), None).await;
+    assert_eq!(retry.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&retry.body));
+    assert!(retry.replayed(), "the reaper stored the delete's 204");
+}
