@@ -94,6 +94,9 @@ pub struct Scenario {
     /// `--abandon-after` and checks that nothing is held.
     #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
     pub abandon: f64,
+    /// The kinds of operation `--abandon` applies to, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "create,reboot,delete")]
+    pub abandon_ops: Vec<crate::workload::OpKind>,
     /// Passed to the servers as --abandon-after (when they have it) if `--abandon` is set.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
     pub abandon_after: Duration,
@@ -101,7 +104,7 @@ pub struct Scenario {
     #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,
     /// Passed to the servers as --hypervisor-settle (when they have it) [default: the simulator's
-    /// latency plus its slow latency plus 1s, and at least --hypervisor-timeout plus 1s].
+    /// latency plus its slow latency plus 2s, and at least --hypervisor-timeout plus 2s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub hypervisor_settle: Option<Duration>,
     /// Stop and start the database this many times during the run (spread over it). Uses a

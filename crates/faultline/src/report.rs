@@ -47,6 +47,8 @@ pub struct Setup {
     pub hypervisor_settle_ms: Option<u64>,
     /// Share of operations whose client walks away.
     pub abandon: f64,
+    /// The kinds of operation that may be abandoned.
+    pub abandon_ops: Vec<crate::workload::OpKind>,
     /// The servers' `--abandon-after`, in milliseconds (absent when not passed).
     pub abandon_after_ms: Option<u64>,
     /// Database restarts asked for.

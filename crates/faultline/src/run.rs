@@ -130,11 +130,11 @@ fn serve_extra(sc: &Scenario, bin: &Binaries) -> anyhow::Result<(Vec<String>, Op
     let ms = |d: Duration| format!("{}ms", d.as_millis());
     let mut extra = Vec::new();
     let settle = if bin.serve_has("--hypervisor-settle") {
-        // The longest a sent call may take to land, with a margin.
+        // The longest a sent call may take to land, with a margin for a busy machine.
         let longest = Duration::from_millis(sc.hv_latency_ms + if sc.hv_slow > 0.0 { sc.hv_slow_ms } else { 0 });
         let settle = sc
             .hypervisor_settle
-            .unwrap_or_else(|| (longest + Duration::from_secs(1)).max(sc.hypervisor_timeout + Duration::from_secs(1)));
+            .unwrap_or_else(|| (longest + Duration::from_secs(2)).max(sc.hypervisor_timeout + Duration::from_secs(2)));
         extra.extend(["--hypervisor-settle".to_owned(), ms(settle)]);
         Some(settle)
     } else if sc.hypervisor_settle.is_some() {
@@ -264,6 +264,7 @@ async fn run_in(
         op_max_elapsed: sc.op_max_elapsed,
         run_tag: format!("{}-{rate}", kind.name()),
         abandon_rate: sc.abandon,
+        abandon_ops: sc.abandon_ops.clone(),
     })?);
     let proxies = Arc::new(proxies);
     let replicas = Arc::new(Mutex::new(replicas));
@@ -393,6 +394,7 @@ async fn run_in(
                 hypervisor_timeout_ms: millis(sc.hypervisor_timeout),
                 hypervisor_settle_ms: settle.map(millis),
                 abandon: sc.abandon,
+                abandon_ops: sc.abandon_ops.clone(),
                 abandon_after_ms: abandon_after.map(millis),
                 postgres_restarts: sc.postgres_restarts,
                 pool_nodes,

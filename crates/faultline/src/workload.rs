@@ -58,12 +58,34 @@ impl ClientKind {
     }
 }
 
+/// The kinds of operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpKind {
+    /// `POST /v1/workers`.
+    Create,
+    /// `POST /v1/workers/{id}/reboot`.
+    Reboot,
+    /// `DELETE /v1/workers/{id}`.
+    Delete,
+}
+
 /// One logical operation.
 #[derive(Debug, Clone)]
 enum Op {
     Create { principal: usize, index: u64 },
     Reboot { principal: usize, id: WorkerId },
     Delete { principal: usize, id: WorkerId },
+}
+
+impl Op {
+    fn kind(&self) -> OpKind {
+        match self {
+            Op::Create { .. } => OpKind::Create,
+            Op::Reboot { .. } => OpKind::Reboot,
+            Op::Delete { .. } => OpKind::Delete,
+        }
+    }
 }
 
 /// How a logical operation ended.
@@ -181,6 +203,8 @@ pub struct WorkloadConfig {
     pub run_tag: String,
     /// Probability that an operation (through the SDK) is abandoned by its client.
     pub abandon_rate: f64,
+    /// The kinds of operation that may be abandoned.
+    pub abandon_ops: Vec<OpKind>,
 }
 
 /// The clients and what they learned.
@@ -240,6 +264,7 @@ impl Workload {
             } else {
                 Op::Create { principal: rng.random_range(0..self.config.principals.len()), index }
             };
+            let abandon = abandon && self.config.abandon_ops.contains(&op.kind());
             (op, via_lbctl, abandon)
         };
         let outcome = if via_lbctl {
