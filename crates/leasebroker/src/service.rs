@@ -153,6 +153,10 @@ pub fn public_id(prefix: &str, sub: &SubKey) -> String {
     format!("{prefix}-{}", &hex[..16.min(hex.len())])
 }
 
+/// How far ahead of the clock a call's send stamp lies: the longest the stamp's write may take
+/// for the call still to be sent ([`Workers::mark_sending`]).
+const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
+
 pub(crate) fn now_micros() -> i64 {
     idempotency::now().timestamp_micros()
 }
@@ -220,7 +224,7 @@ impl Workers {
                             memory_gb: req.memory_gb,
                             tag: tag.to_owned(),
                         };
-                        self.domain.touch_intent(tag, now_micros()).await?;
+                        self.mark_sending(tag).await?;
                         match self.hypervisor.boot(&boot).await {
                             Ok(vm) => self.domain.finish_boot(tag, &vm.vm_id).await?,
                             Err(e) => return Err(self.boot_failed(&keys, e).await),
@@ -270,6 +274,26 @@ impl Workers {
         destroy_duplicates(&self.hypervisor, &intent.intent_id, &keep, &extra).await;
         tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");
         Ok(Some(keep))
+    }
+
+    /// Stamps the intent with the moment its hypervisor call is sent, before sending it. The stamp
+    /// is a promise a little ahead of the clock: the call goes out only if the write came back
+    /// before the stamped moment, so the settle window is never measured from a moment earlier
+    /// than the real send, however slow the database was (a PostgreSQL that restarts can hold a
+    /// write for seconds). A write slower than that answers 503 and sends nothing; the retry
+    /// waits out the settle window from the stamp, which is safe.
+    async fn mark_sending(&self, tag: &str) -> Result<(), ServiceError> {
+        let stamp = now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS);
+        self.domain.touch_intent(tag, stamp).await?;
+        if now_micros() >= stamp {
+            tracing::warn!(tag, "recording the call took too long; not sending it");
+            return Err(ServiceError::UpstreamUnavailable {
+                reason: "the database was too slow to record the hypervisor call before sending it; nothing was sent"
+                    .into(),
+                retry_after: 1,
+            });
+        }
+        Ok(())
     }
 
     /// Errs with 503 + Retry-After while a call from an earlier attempt may still land: until
@@ -381,7 +405,7 @@ impl Workers {
             }
             self.settled(&intent)?;
         }
-        self.domain.touch_intent(tag, now_micros()).await?;
+        self.mark_sending(tag).await?;
         match self.hypervisor.reboot(&w.vm_id, tag).await {
             Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?),
             Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),

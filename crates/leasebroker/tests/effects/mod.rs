@@ -374,8 +374,7 @@ async fn a_retried_delete_whose_completion_failed_answers_204() {
     lb.faults.fail_always(Op::Complete);
     let first = send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None).await;
     assert_eq!(first.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&first.body));
-    assert!(lb.faults.injected(Op::Complete) >= 1, "the completion failed");
-    lb.faults.heal(Op::Complete);
+    fail_every_completion_retry(&lb).await;
 
     let retry = past_in_progress(|| send(reqwest::Method::DELETE, &url, TOKEN, Some("d-4"), None)).await;
     assert_eq!(retry.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&retry.body));
@@ -387,6 +386,20 @@ async fn a_retried_delete_whose_completion_failed_answers_204() {
     assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
 }
 
+/// The layer retries a failed completion in the background (once, then
+/// `DEFAULT_COMPLETION_RETRIES` more times): waits until every one of them has failed, then lets
+/// the store work again. The record stays in flight, as after a store outage that outlasted the
+/// retries.
+async fn fail_every_completion_retry(lb: &InProcess) {
+    let all = 1 + idempotency_tower::DEFAULT_COMPLETION_RETRIES as u64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while lb.faults.injected(Op::Complete) < all {
+        assert!(tokio::time::Instant::now() < deadline, "the completion retries did not run");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lb.faults.heal(Op::Complete);
+}
+
 /// Item 5: the create's record never completed (the store failed at completion), then the
 /// worker was deleted. The retry of the create must not bring it back: it answers 410
 /// worker-deleted (stored) and takes no node, lease or VM.
@@ -396,16 +409,7 @@ async fn a_create_retried_after_its_worker_was_deleted_is_gone() {
     lb.faults.fail_always(Op::Complete);
     let created = create(&lb.url, TOKEN, "c-5", &worker_body()).await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
-    // The layer retries a failed completion in the background (once, then
-    // DEFAULT_COMPLETION_RETRIES more times): let every one of them fail, so the record stays in
-    // flight, as after a store outage that outlasted the retries.
-    let all = 1 + idempotency_tower::DEFAULT_COMPLETION_RETRIES as u64;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while lb.faults.injected(Op::Complete) < all {
-        assert!(tokio::time::Instant::now() < deadline, "the completion retries did not run");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    lb.faults.heal(Op::Complete);
+    fail_every_completion_retry(&lb).await;
     let id = created.json()["id"].as_str().expect("id").to_owned();
     let deleted = send(reqwest::Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("d-5"), None).await;
     assert_eq!(deleted.status, StatusCode::NO_CONTENT);
