@@ -636,16 +636,16 @@ async fn sigterm_waits_for_a_handler_whose_client_hung_up_and_a_retry_after_rest
         body.len()
     );
     sock.write_all(head.as_bytes()).await.expect("send");
-    // Wait until the request holds its key (a retry is answered 409 in progress), then hang up.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = create(&lb.url, ALICE, "drain-1").await;
-        if r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the first request never claimed its key: {} {}", r.status, r.text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // Wait until the request is inside its handler (it has allocated a node, before the slow
+    // boot), without sending the key ourselves; then a retry is answered 409 in progress.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while fleet(&lb.url).await["nodes_allocated"].as_i64() != Some(1) {
+        assert!(Instant::now() < deadline, "the first request never reached its handler");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let r = create(&lb.url, ALICE, "drain-1").await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+    assert_eq!(r.problem_type(), "request-in-progress");
     drop(sock);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(lb.sigterm_and_wait(), Some(0));
