@@ -117,7 +117,7 @@ pub struct Scenario {
     pub postgres_down: Duration,
     /// A PostgreSQL server URL: a fresh database is created in it for each run and dropped after.
     /// Without it, one replica runs on SQLite in a temporary directory.
-    #[arg(long, env = "FAULTLINE_POSTGRES")]
+    #[arg(long, env = "FAULTLINE_POSTGRES", hide_env_values = true)]
     pub postgres: Option<String>,
     /// Replicas sharing the PostgreSQL database (SQLite always runs one).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
