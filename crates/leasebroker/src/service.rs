@@ -411,6 +411,12 @@ impl Workers {
             Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),
             Err(e) => {
                 self.domain.fail_intent(tag).await?;
+                // No such VM: a delete of this worker removed it (a delete takes the VM first,
+                // then the row). Nothing was rebooted, and there is nothing left to reboot.
+                if e.status() == Some(reqwest::StatusCode::NOT_FOUND) {
+                    tracing::info!(worker_id, vm_id = %w.vm_id, "reboot of a worker whose VM is gone");
+                    return Err(ServiceError::NotFound(worker_id.into()));
+                }
                 Err(Self::definite(e))
             }
         }

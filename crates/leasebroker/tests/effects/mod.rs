@@ -119,6 +119,29 @@ async fn a_slow_reboot_happens_once_per_key() {
     assert_eq!(fleet(&lb.url).await["reboots_total"], 1);
 }
 
+/// A reboot that races a delete of its worker: the delete removes the VM first, so the reboot
+/// finds the worker row but the hypervisor answers 404 for its VM. That is the worker going
+/// away, not a hypervisor failure: 404 `not-found`, never a 5xx (found by schemathesis with two
+/// workers).
+#[tokio::test]
+async fn a_reboot_whose_vm_is_gone_answers_404() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url]);
+    let created = create(&lb.url, TOKEN, "gone-create", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let id = created.json()["id"].as_str().expect("id").to_owned();
+    let vm_id = created.json()["vm_id"].as_str().expect("vm_id").to_owned();
+    // What a concurrent delete does first.
+    let gone = http().delete(format!("{}/v1/vms/{vm_id}", hv.url)).send().await.expect("delete the VM");
+    assert_eq!(gone.status(), StatusCode::NO_CONTENT);
+
+    let r = reboot(&lb.url, &id, "gone-rb").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.problem_type(), "not-found");
+    assert_eq!(sim_stats(&hv.url).await["reboots_total"], 0);
+}
+
 /// Item 1: a settle window shorter than the call timeout is refused at start.
 #[tokio::test]
 async fn a_settle_window_shorter_than_the_timeout_is_refused() {
