@@ -239,6 +239,24 @@ async fn a_refused_boot_holds_nothing() {
     assert_eq!(held(&lb.url).await, (0, 0, 0, 0));
 }
 
+/// A server on SQLite in `dir` against the simulator `hv`, whose reaper acts soon: settle 1 s,
+/// abandoned after 2 s, looked at every second.
+fn reaping_server(dir: &tempfile::TempDir, hv: &super::Proc) -> super::Proc {
+    let args = [
+        "--hypervisor-url",
+        hv.url.as_str(),
+        "--hypervisor-timeout",
+        "1s",
+        "--hypervisor-settle",
+        "1s",
+        "--abandon-after",
+        "2s",
+        "--sweep-interval",
+        "1s",
+    ];
+    serve(&sqlite_url(dir), &args)
+}
+
 /// Item 3: a create whose client gives up after a 5xx (the boot happened, its answer was lost)
 /// is rolled back by the reaper once nobody retried it for --abandon-after: VM deleted, lease and
 /// node freed, record removed. The same key afterwards runs as a new operation (new sub-keys: a
@@ -247,21 +265,7 @@ async fn a_refused_boot_holds_nothing() {
 async fn an_abandoned_create_is_rolled_back_and_its_key_runs_afresh() {
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&[]);
-    let lb = serve(
-        &sqlite_url(&dir),
-        &[
-            "--hypervisor-url",
-            &hv.url,
-            "--hypervisor-timeout",
-            "1s",
-            "--hypervisor-settle",
-            "1s",
-            "--abandon-after",
-            "2s",
-            "--sweep-interval",
-            "1s",
-        ],
-    );
+    let lb = reaping_server(&dir, &hv);
     set_faults(&hv.url, 0.0, 1.0, 0).await;
     let first = create(&lb.url, TOKEN, "walk-away", &worker_body()).await;
     assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
@@ -522,21 +526,7 @@ async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
 async fn an_abandoned_delete_is_finished() {
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&[]);
-    let lb = serve(
-        &sqlite_url(&dir),
-        &[
-            "--hypervisor-url",
-            &hv.url,
-            "--hypervisor-timeout",
-            "1s",
-            "--hypervisor-settle",
-            "1s",
-            "--abandon-after",
-            "2s",
-            "--sweep-interval",
-            "1s",
-        ],
-    );
+    let lb = reaping_server(&dir, &hv);
     let created = create(&lb.url, TOKEN, "c-del", &worker_body()).await;
     assert_eq!(created.status, StatusCode::CREATED);
     let url = format!("{}/v1/workers/{}", lb.url, created.json()["id"].as_str().expect("id"));
