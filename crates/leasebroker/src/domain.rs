@@ -305,14 +305,18 @@ impl Domain {
         }))
     }
 
-    /// Marks that the hypervisor call for a pending or failed intent is about to be sent: the
-    /// settle window runs from here. Called right before every send, the first one included.
-    pub async fn touch_intent(&self, intent_id: &str, now: i64) -> Result<()> {
-        with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $2 WHERE intent_id = $1 AND state <> 'done'")
-                .bind(intent_id).bind(now).execute(p).await?;
-        });
-        Ok(())
+    /// Takes the right to send the hypervisor call of a pending or failed intent: moves its send
+    /// stamp from `seen` (the stamp the caller read, and decided from) to `stamp`, by
+    /// compare-and-set. False when the stamp moved since it was read: another attempt (one whose
+    /// stale claim was taken over while it still ran, or the reaper) acted on the intent in
+    /// between, so this one must not send. Called right before every send, the first one included;
+    /// the settle window runs from the new stamp.
+    pub async fn stamp_intent(&self, intent_id: &str, seen: i64, stamp: i64) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $3 \
+                         WHERE intent_id = $1 AND state <> 'done' AND last_attempt_at = $2")
+                .bind(intent_id).bind(seen).bind(stamp).execute(p).await?.rows_affected() == 1
+        }))
     }
 
     /// Marks an intent failed: the hypervisor definitely did not act on it.

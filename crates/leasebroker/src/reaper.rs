@@ -270,8 +270,9 @@ impl Reaper {
             None => None,
         };
         // Holding the claim, no attempt can start; but check the window once more in case one
-        // sent a call between the first look and the claim.
-        if !self.settled(keys.boot.as_str()).await? {
+        // sent a call between the first look and the claim, and take the intent from an attempt
+        // that may still run after its claim went stale, so it can never send its call now.
+        if !self.settled(keys.boot.as_str()).await? || !self.fence(keys.boot.as_str()).await? {
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
@@ -385,6 +386,20 @@ impl Reaper {
         }
         report.forgotten += 1;
         Ok(())
+    }
+
+    /// Takes the intent `tag` from any attempt that may still run (one whose claim went stale
+    /// while it waited on a restarting database): moves its send stamp by compare-and-set, so
+    /// that attempt's own stamp ([`crate::service::Workers`] takes it the same way before every
+    /// call) fails and it sends nothing. False when the stamp moved since it was read: an
+    /// attempt sent a call, whose settle window must pass first.
+    async fn fence(&self, tag: &str) -> anyhow::Result<bool> {
+        let Some(intent) = self.domain.intent(tag).await? else { return Ok(true) };
+        if intent.state == "done" {
+            return Ok(true); // nothing left to send
+        }
+        let stamp = now_micros().max(intent.last_attempt_at + 1);
+        Ok(self.domain.stamp_intent(tag, intent.last_attempt_at, stamp).await?)
     }
 
     /// Whether the settle window of the last call for the intent `tag` has passed (or no call

@@ -224,7 +224,7 @@ impl Workers {
                             memory_gb: req.memory_gb,
                             tag: tag.to_owned(),
                         };
-                        self.mark_sending(tag).await?;
+                        self.mark_sending(&intent).await?;
                         match self.hypervisor.boot(&boot).await {
                             Ok(vm) => self.domain.finish_boot(tag, &vm.vm_id).await?,
                             Err(e) => return Err(self.boot_failed(&keys, e).await),
@@ -276,15 +276,28 @@ impl Workers {
         Ok(Some(keep))
     }
 
-    /// Stamps the intent with the moment its hypervisor call is sent, before sending it. The stamp
-    /// is a promise a little ahead of the clock: the call goes out only if the write came back
-    /// before the stamped moment, so the settle window is never measured from a moment earlier
-    /// than the real send, however slow the database was (a PostgreSQL that restarts can hold a
-    /// write for seconds). A write slower than that answers 503 and sends nothing; the retry
-    /// waits out the settle window from the stamp, which is safe.
-    async fn mark_sending(&self, tag: &str) -> Result<(), ServiceError> {
-        let stamp = now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS);
-        self.domain.touch_intent(tag, stamp).await?;
+    /// Stamps the intent with the moment its hypervisor call is sent, before sending it. Two
+    /// guards make the stamp safe to measure the settle window from:
+    /// - It is taken by compare-and-set on `intent`'s stamp, the one this attempt decided from:
+    ///   if another attempt stamped (or the reaper took) the intent since, this one sends nothing
+    ///   and answers 503. Attempts can overlap although the claim is exclusive: a holder whose
+    ///   claim went stale (its heartbeats could not reach a restarting database) still runs when
+    ///   a retry reclaims it.
+    /// - It is a promise a little ahead of the clock: the call goes out only if the write came
+    ///   back before the stamped moment, so the window is never measured from a moment earlier
+    ///   than the real send, however slow the database was (a PostgreSQL that restarts can hold
+    ///   a write for seconds). A write slower than that answers 503 and sends nothing; the retry
+    ///   waits out the settle window from the stamp, which is safe.
+    async fn mark_sending(&self, intent: &Intent) -> Result<(), ServiceError> {
+        let tag = intent.intent_id.as_str();
+        let stamp = now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(intent.last_attempt_at + 1);
+        if !self.domain.stamp_intent(tag, intent.last_attempt_at, stamp).await? {
+            tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
+            return Err(ServiceError::UpstreamUnavailable {
+                reason: "another attempt of this request is calling the hypervisor; retry with the same key".into(),
+                retry_after: 1,
+            });
+        }
         if now_micros() >= stamp {
             tracing::warn!(tag, "recording the call took too long; not sending it");
             return Err(ServiceError::UpstreamUnavailable {
@@ -405,7 +418,7 @@ impl Workers {
             }
             self.settled(&intent)?;
         }
-        self.mark_sending(tag).await?;
+        self.mark_sending(&intent).await?;
         match self.hypervisor.reboot(&w.vm_id, tag).await {
             Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?),
             Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),

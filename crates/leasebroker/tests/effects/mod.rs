@@ -541,3 +541,97 @@ async fn an_abandoned_delete_is_finished() {
     assert_eq!(retry.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&retry.body));
     assert!(retry.replayed(), "the reaper stored the delete's 204");
 }
+
+/// Two or more attempts of one operation that each believe they hold its claim: what a stale
+/// reclaim gives while the first holder still runs (its heartbeats could not reach a database
+/// that was restarting, so its claim went stale and a retry on another replica took it). The
+/// claim cannot keep them apart then; the intent must. Each attempt takes the intent's send
+/// stamp by compare-and-set on the stamp it decided from, so exactly one of them calls.
+mod racing_attempts {
+    use std::time::Duration;
+
+    use idempotency::{ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope};
+    use leasebroker::db::Db;
+    use leasebroker::domain::Domain;
+    use leasebroker::hypervisor::{HypervisorClient, SimConfig, Simulator};
+    use leasebroker::service::{CreateWorker, Limits, Operation, Workers};
+
+    const ATTEMPTS: usize = 16;
+
+    struct Rig {
+        workers: Workers,
+        sim: Simulator,
+        _dir: tempfile::TempDir,
+    }
+
+    /// A service on its own SQLite file and in-process simulator, with a 200 ms settle window.
+    async fn rig() -> Rig {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = Db::connect(&super::sqlite_url(&dir)).await.expect("db");
+        db.migrate().await.expect("migrate");
+        let domain = Domain::new(db);
+        domain.seed_nodes(16, 64, 256).await.expect("nodes");
+        let sim = Simulator::new(SimConfig::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(leasebroker::hypervisor::serve(listener, sim.clone(), std::future::pending()));
+        let workers = Workers {
+            domain,
+            hypervisor: HypervisorClient::new(&url, Duration::from_secs(10)).expect("client"),
+            settle: Duration::from_millis(200),
+            limits: Limits { node_cpu: 64, node_memory_gb: 256 },
+            quota: 0,
+        };
+        Rig { workers, sim, _dir: dir }
+    }
+
+    fn operation(method: &str, path: &str) -> Operation {
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new("alice"),
+            Endpoint::new(method, path),
+            IdempotencyKey::try_from("racing-1").expect("key"),
+        );
+        Operation::new(
+            ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record(),
+        )
+    }
+
+    /// An earlier attempt's call failed without certainty (the intent stays pending): its settle
+    /// window passes (200 ms from a send stamp up to 1 s ahead of the clock), then the hypervisor
+    /// turns slow enough for the racing attempts to overlap.
+    async fn first_call_failed_then_slow(sim: &Simulator) {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        sim.set_faults(SimConfig { latency: Duration::from_millis(300), ..SimConfig::default() });
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_creates_boot_once() {
+        let rig = rig().await;
+        let op = operation("POST", "/v1/workers");
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first call fails");
+        first_call_failed_then_slow(&rig.sim).await;
+        let results = futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.create("alice", &req, &op))).await;
+        let ok = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(rig.sim.stats().boots_total, 1, "one boot for {ATTEMPTS} racing attempts ({ok} answered)");
+        assert!(ok >= 1, "one attempt finished: {results:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_reboots_reboot_once() {
+        let rig = rig().await;
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        let worker = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await.expect("create");
+        let op = operation("POST", &format!("/v1/workers/{}/reboot", worker.worker_id));
+        rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.reboot("alice", &worker.worker_id, &op).await.is_err(), "the first call fails");
+        first_call_failed_then_slow(&rig.sim).await;
+        let results =
+            futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.reboot("alice", &worker.worker_id, &op))).await;
+        let ok = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(rig.sim.stats().reboots_total, 1, "one reboot for {ATTEMPTS} racing attempts ({ok} answered)");
+        assert!(ok >= 1, "one attempt finished: {results:?}");
+    }
+}
