@@ -10,10 +10,17 @@ use sqlx::Row;
 
 use crate::db::{Db, with_pool};
 
-/// A database error in the domain tables.
+/// An error of the domain tables.
 #[derive(Debug, thiserror::Error)]
-#[error("database error: {0}")]
-pub struct DomainError(#[from] sqlx::Error);
+pub enum DomainError {
+    /// The database failed.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// The operation was abandoned and the reaper took it to roll it back: an attempt that still
+    /// runs (its claim went stale while it waited) must not take, call or show anything more.
+    #[error("the operation was abandoned and is rolled back; this attempt stops")]
+    RolledBack,
+}
 
 type Result<T> = std::result::Result<T, DomainError>;
 
@@ -139,6 +146,25 @@ pub struct Domain {
     db: Db,
 }
 
+/// The fence of a create's steps against the reaper: in the step's own transaction, first, the
+/// operation row must still be there and not taken for a rollback. On PostgreSQL the row is
+/// locked FOR SHARE, so a rollback that marks it waits for the step, or the step for the mark
+/// (and then sees it); on SQLite the statement is a write, so the transaction holds the one
+/// write lock from its start.
+const GUARD_PG: &str = "SELECT 1 FROM lb_operations WHERE op_id = $1 AND rolled_back = 0 FOR SHARE";
+const GUARD_SQLITE: &str = "UPDATE lb_operations SET rolled_back = 0 WHERE op_id = $1 AND rolled_back = 0 RETURNING 1";
+
+/// Runs the guard for `$op_id` in the transaction `$tx`: errs with [`DomainError::RolledBack`]
+/// when the operation was taken for a rollback (or finished and forgotten).
+macro_rules! guard {
+    ($self:ident, $tx:ident, $op_id:expr) => {{
+        let sql = if $self.db.is_postgres() { GUARD_PG } else { GUARD_SQLITE };
+        if sqlx::query(sql).bind($op_id).fetch_optional(&mut *$tx).await?.is_none() {
+            return Err(DomainError::RolledBack);
+        }
+    }};
+}
+
 fn is_unique_violation(e: &sqlx::Error) -> bool {
     e.as_database_error().is_some_and(|d| d.is_unique_violation())
 }
@@ -168,9 +194,10 @@ impl Domain {
         Ok(())
     }
 
-    /// Allocates a free node under `alloc_id`, or returns the node already allocated under it.
-    /// `None`: no node is free.
-    pub async fn allocate(&self, alloc_id: &str, principal: &str, now: i64) -> Result<Option<Node>> {
+    /// Allocates a free node under `alloc_id` for the operation `op_id` (fenced: see
+    /// [`DomainError::RolledBack`]), or returns the node already allocated under it. `None`: no
+    /// node is free.
+    pub async fn allocate(&self, alloc_id: &str, principal: &str, now: i64, op_id: &str) -> Result<Option<Node>> {
         if let Some(node) = self.allocation(alloc_id).await? {
             return Ok(Some(node));
         }
@@ -186,13 +213,20 @@ impl Domain {
              RETURNING node_id, cpu, memory_gb"
         };
         let res = with_pool!(&self.db, p => {
-            sqlx::query_as::<_, Node>(sql).bind(alloc_id).bind(principal).bind(now).fetch_optional(p).await
+            async {
+                let mut tx = p.begin().await?;
+                guard!(self, tx, op_id);
+                let node = sqlx::query_as::<_, Node>(sql)
+                    .bind(alloc_id).bind(principal).bind(now).fetch_optional(&mut *tx).await?;
+                tx.commit().await?;
+                Ok::<_, DomainError>(node)
+            }.await
         });
         match res {
             Ok(node) => Ok(node),
             // A superseded attempt of the same request allocated concurrently: use its node.
-            Err(e) if is_unique_violation(&e) => self.allocation(alloc_id).await,
-            Err(e) => Err(e.into()),
+            Err(DomainError::Db(e)) if is_unique_violation(&e) => self.allocation(alloc_id).await,
+            Err(e) => Err(e),
         }
     }
 
@@ -200,9 +234,19 @@ impl Domain {
     /// than `quota` nodes. The count and the allocation are one statement (SQLite's single
     /// writer) or one transaction serialized per principal by an advisory lock (PostgreSQL), so
     /// concurrent creates, on one replica or several, cannot overshoot it.
-    pub async fn allocate_within(&self, alloc_id: &str, principal: &str, now: i64, quota: u32) -> Result<Allocation> {
+    pub async fn allocate_within(
+        &self,
+        alloc_id: &str,
+        principal: &str,
+        now: i64,
+        quota: u32,
+        op_id: &str,
+    ) -> Result<Allocation> {
         if quota == 0 {
-            return Ok(self.allocate(alloc_id, principal, now).await?.map_or(Allocation::Exhausted, Allocation::Node));
+            return Ok(self
+                .allocate(alloc_id, principal, now, op_id)
+                .await?
+                .map_or(Allocation::Exhausted, Allocation::Node));
         }
         if let Some(node) = self.allocation(alloc_id).await? {
             return Ok(Allocation::Node(node));
@@ -221,6 +265,7 @@ impl Domain {
             Db::Postgres(p) => {
                 async {
                     let mut tx = p.begin().await?;
+                    guard!(self, tx, op_id);
                     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7541))")
                         .bind(principal)
                         .execute(&mut *tx)
@@ -233,18 +278,25 @@ impl Domain {
                         .fetch_optional(&mut *tx)
                         .await?;
                     tx.commit().await?;
-                    Ok::<_, sqlx::Error>(node)
+                    Ok::<_, DomainError>(node)
                 }
                 .await
             }
             Db::Sqlite(p) => {
-                sqlx::query_as::<_, Node>(CAPPED_SQLITE)
-                    .bind(alloc_id)
-                    .bind(principal)
-                    .bind(now)
-                    .bind(quota)
-                    .fetch_optional(p)
-                    .await
+                async {
+                    let mut tx = p.begin().await?;
+                    guard!(self, tx, op_id);
+                    let node = sqlx::query_as::<_, Node>(CAPPED_SQLITE)
+                        .bind(alloc_id)
+                        .bind(principal)
+                        .bind(now)
+                        .bind(quota)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok::<_, DomainError>(node)
+                }
+                .await
             }
         };
         match res {
@@ -255,10 +307,10 @@ impl Domain {
                 });
                 Ok(if held >= quota { Allocation::QuotaExceeded } else { Allocation::Exhausted })
             }
-            Err(e) if is_unique_violation(&e) => {
+            Err(DomainError::Db(e)) if is_unique_violation(&e) => {
                 Ok(self.allocation(alloc_id).await?.map_or(Allocation::Exhausted, Allocation::Node))
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 
@@ -271,28 +323,44 @@ impl Domain {
         }))
     }
 
-    /// Inserts the lease `lease_id` on `node_id`, or finds it. Returns the lease's node.
-    pub async fn insert_lease(&self, lease_id: &str, node_id: &str, principal: &str, now: i64) -> Result<String> {
+    /// Inserts the lease `lease_id` on `node_id` for the operation `op_id` (fenced: see
+    /// [`DomainError::RolledBack`]), or finds it. Returns the lease's node.
+    pub async fn insert_lease(
+        &self,
+        lease_id: &str,
+        node_id: &str,
+        principal: &str,
+        now: i64,
+        op_id: &str,
+    ) -> Result<String> {
         Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
             sqlx::query("INSERT INTO lb_leases (lease_id, node_id, principal, created_at) VALUES ($1, $2, $3, $4) \
                          ON CONFLICT (lease_id) DO NOTHING")
                 .bind(lease_id).bind(node_id).bind(principal).bind(now)
-                .execute(p).await?;
-            sqlx::query("SELECT node_id FROM lb_leases WHERE lease_id = $1")
-                .bind(lease_id).fetch_one(p).await?.try_get::<String, _>(0)?
+                .execute(&mut *tx).await?;
+            let node = sqlx::query("SELECT node_id FROM lb_leases WHERE lease_id = $1")
+                .bind(lease_id).fetch_one(&mut *tx).await?.try_get::<String, _>(0)?;
+            tx.commit().await?;
+            node
         }))
     }
 
-    /// Records the intent `intent_id` as pending if it is new; returns it as stored and whether
-    /// this call created it.
+    /// Records the intent `intent_id` of the operation `op_id` as pending if it is new (fenced:
+    /// see [`DomainError::RolledBack`]); returns it as stored and whether this call created it.
     pub async fn begin_intent(&self, intent_id: &str, kind: &str, op_id: &str, now: i64) -> Result<(Intent, bool)> {
         let inserted = with_pool!(&self.db, p => {
-            sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
+            let inserted = sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
                          VALUES ($1, $2, 'pending', $3, $3, $4) ON CONFLICT (intent_id) DO NOTHING")
                 .bind(intent_id).bind(kind).bind(now).bind(op_id)
-                .execute(p).await?.rows_affected() == 1
+                .execute(&mut *tx).await?.rows_affected() == 1;
+            tx.commit().await?;
+            inserted
         });
-        let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
+        let intent = self.intent(intent_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))?;
         Ok((intent, inserted))
     }
 
@@ -305,17 +373,22 @@ impl Domain {
         }))
     }
 
-    /// Takes the right to send the hypervisor call of a pending or failed intent: moves its send
-    /// stamp from `seen` (the stamp the caller read, and decided from) to `stamp`, by
-    /// compare-and-set. False when the stamp moved since it was read: another attempt (one whose
-    /// stale claim was taken over while it still ran, or the reaper) acted on the intent in
-    /// between, so this one must not send. Called right before every send, the first one included;
-    /// the settle window runs from the new stamp.
-    pub async fn stamp_intent(&self, intent_id: &str, seen: i64, stamp: i64) -> Result<bool> {
+    /// Takes the right to send the hypervisor call of a pending or failed intent of the
+    /// operation `op_id` (fenced: see [`DomainError::RolledBack`]): moves its send stamp from
+    /// `seen` (the stamp the caller read, and decided from) to `stamp`, by compare-and-set. False
+    /// when the stamp moved since it was read: another attempt (one whose stale claim was taken
+    /// over while it still ran) acted on the intent in between, so this one must not send.
+    /// Called right before every send, the first one included; the settle window runs from the
+    /// new stamp.
+    pub async fn stamp_intent(&self, intent_id: &str, op_id: &str, seen: i64, stamp: i64) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $3 \
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
+            let stamped = sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $3 \
                          WHERE intent_id = $1 AND state <> 'done' AND last_attempt_at = $2")
-                .bind(intent_id).bind(seen).bind(stamp).execute(p).await?.rows_affected() == 1
+                .bind(intent_id).bind(seen).bind(stamp).execute(&mut *tx).await?.rows_affected() == 1;
+            tx.commit().await?;
+            stamped
         }))
     }
 
@@ -339,7 +412,7 @@ impl Domain {
             }
             tx.commit().await?;
         });
-        let intent = self.intent(intent_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))?;
+        let intent = self.intent(intent_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))?;
         Ok(intent.vm_id.unwrap_or_else(|| vm_id.to_owned()))
     }
 
@@ -369,6 +442,7 @@ impl Domain {
     pub async fn insert_worker(&self, w: &WorkerRow, op_id: &str) -> Result<WorkerRow> {
         with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
             sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
                          vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (worker_id) DO NOTHING")
@@ -380,7 +454,7 @@ impl Domain {
             sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
             tx.commit().await?;
         });
-        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError(sqlx::Error::RowNotFound))
+        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
     }
 
     /// A principal's worker.
@@ -481,7 +555,7 @@ impl Domain {
     }
 
     /// Rolls back an abandoned create in one transaction: deletes its lease, frees its node,
-    /// and forgets the operation (its intents and its row).
+    /// deletes its intents and marks its row rolled back (pruned after the retention).
     pub async fn release_abandoned(&self, op_id: &str, alloc_id: &str, lease_id: &str) -> Result<Released> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
@@ -490,7 +564,9 @@ impl Domain {
             let nodes = sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE alloc_id = $1")
                 .bind(alloc_id).execute(&mut *tx).await?.rows_affected();
             sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            let operations = sqlx::query("DELETE FROM lb_operations WHERE op_id = $1")
+            // The row stays, marked rolled back (pruned after the retention), so an attempt that
+            // still runs can never start the operation again.
+            let operations = sqlx::query("UPDATE lb_operations SET rolled_back = 2 WHERE op_id = $1 AND rolled_back < 2")
                 .bind(op_id).execute(&mut *tx).await?.rows_affected();
             tx.commit().await?;
             Released { leases, nodes, operations }
@@ -498,17 +574,32 @@ impl Domain {
     }
 
     /// Records that an attempt of `op` starts now (inserts the operation or moves its
-    /// `last_attempt_at`).
+    /// `last_attempt_at`). Errs with [`DomainError::RolledBack`] when the reaper took the
+    /// operation for a rollback: an attempt that still runs must not start it again.
     pub async fn begin_attempt(&self, op: &OperationRow) -> Result<()> {
-        with_pool!(&self.db, p => {
+        let written = with_pool!(&self.db, p => {
             sqlx::query("INSERT INTO lb_operations (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) \
                          VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                         ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at")
+                         ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at \
+                         WHERE lb_operations.rolled_back = 0")
                 .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
                 .bind(&op.record_id).bind(op.last_attempt_at)
-                .execute(p).await?;
+                .execute(p).await?.rows_affected()
         });
+        if written == 0 {
+            return Err(DomainError::RolledBack);
+        }
         Ok(())
+    }
+
+    /// Takes the abandoned create `op_id` for a rollback: from here no attempt of it can take,
+    /// call or show anything (every step of a create is fenced on this mark). False when the
+    /// operation row is gone: the create finished (its worker exists) or was forgotten.
+    pub async fn mark_rolling_back(&self, op_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_operations SET rolled_back = 1 WHERE op_id = $1 AND rolled_back < 2")
+                .bind(op_id).execute(p).await?.rows_affected() == 1
+        }))
     }
 
     /// Up to `limit` operations whose last attempt started at or before `before`, oldest first,
@@ -524,6 +615,7 @@ impl Domain {
             sqlx::query_as::<_, OperationRow>(
                 "SELECT op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at FROM lb_operations \
                  WHERE last_attempt_at <= $1 AND (last_attempt_at > $2 OR (last_attempt_at = $2 AND op_id > $3)) \
+                 AND rolled_back < 2 \
                  ORDER BY last_attempt_at, op_id LIMIT $4")
                 .bind(before).bind(at).bind(id).bind(i64::from(limit)).fetch_all(p).await?
         }))
@@ -545,7 +637,9 @@ impl Domain {
         Ok(with_pool!(&self.db, p => {
             let t = sqlx::query("DELETE FROM lb_tombstones WHERE deleted_at < $1").bind(before).execute(p).await?;
             let i = sqlx::query("DELETE FROM lb_intents WHERE op_id IS NULL AND created_at < $1").bind(before).execute(p).await?;
-            t.rows_affected() + i.rows_affected()
+            let o = sqlx::query("DELETE FROM lb_operations WHERE rolled_back = 2 AND last_attempt_at < $1")
+                .bind(before).execute(p).await?;
+            t.rows_affected() + i.rows_affected() + o.rows_affected()
         }))
     }
 

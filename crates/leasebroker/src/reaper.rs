@@ -9,8 +9,10 @@
 //! - an attempt holds the record (in flight, not stale): nothing to do yet;
 //! - a create whose record failed or whose claim went stale, with no attempt for
 //!   `--abandon-after`: it is rolled back. The reaper takes the record's claim by compare-and-set
-//!   (so it never races a retry, on any replica), waits out the settle window of the last call
-//!   (if it has not passed, it looks again next tick), deletes the VM by tag if one exists,
+//!   (so it never races a retry, on any replica), marks the operation as rolling back (every
+//!   step of a create checks that mark in its own transaction, so an attempt still running after
+//!   its claim went stale can take, call or show nothing more), waits out the settle window of
+//!   the last call (if it has not passed, it looks again next tick), deletes the VM by tag if one exists,
 //!   removes the record (so a later retry with that key runs as a new operation), then frees the
 //!   lease and the node and forgets the operation;
 //! - the record is gone (expired, or removed by a rollback that stopped half-way): a create that
@@ -269,10 +271,19 @@ impl Reaper {
             },
             None => None,
         };
-        // Holding the claim, no attempt can start; but check the window once more in case one
-        // sent a call between the first look and the claim, and take the intent from an attempt
-        // that may still run after its claim went stale, so it can never send its call now.
-        if !self.settled(keys.boot.as_str()).await? || !self.fence(keys.boot.as_str()).await? {
+        // Holding the claim, no attempt can start. One that started earlier may still run (its
+        // claim went stale while it waited on a restarting database): taking the operation
+        // fences it off, since every step of a create checks this mark in its own transaction.
+        if !self.domain.mark_rolling_back(&op.op_id).await? {
+            // The row is gone: an attempt finished the create (its worker exists) just now. The
+            // record is given back, failed, so a retry answers from the worker.
+            if let Some(claim) = &claim {
+                self.store.fail(claim).await?;
+            }
+            return Ok(());
+        }
+        // Check the window once more: a step that committed before the mark may have sent a call.
+        if !self.settled(keys.boot.as_str()).await? {
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
@@ -386,20 +397,6 @@ impl Reaper {
         }
         report.forgotten += 1;
         Ok(())
-    }
-
-    /// Takes the intent `tag` from any attempt that may still run (one whose claim went stale
-    /// while it waited on a restarting database): moves its send stamp by compare-and-set, so
-    /// that attempt's own stamp ([`crate::service::Workers`] takes it the same way before every
-    /// call) fails and it sends nothing. False when the stamp moved since it was read: an
-    /// attempt sent a call, whose settle window must pass first.
-    async fn fence(&self, tag: &str) -> anyhow::Result<bool> {
-        let Some(intent) = self.domain.intent(tag).await? else { return Ok(true) };
-        if intent.state == "done" {
-            return Ok(true); // nothing left to send
-        }
-        let stamp = now_micros().max(intent.last_attempt_at + 1);
-        Ok(self.domain.stamp_intent(tag, intent.last_attempt_at, stamp).await?)
     }
 
     /// Whether the settle window of the last call for the intent `tag` has passed (or no call

@@ -13,6 +13,13 @@
 //!    503 + Retry-After instead of calling twice.
 //! 4. the worker row, keyed by `derive("worker")`.
 //!
+//! Attempts of one record can overlap: a holder whose claim went stale (its heartbeats could not
+//! reach a restarting database) still runs when a retry or the reaper takes the record. So the
+//! steps are fenced in the database, not by the claim alone: a call is sent only by the attempt
+//! that moved the intent's send stamp by compare-and-set from the value it decided on, and every
+//! step of a create (allocate, lease, intent, stamp, worker) first checks, in its transaction,
+//! that the reaper has not taken the operation for a rollback.
+//!
 //! A definite refusal (the hypervisor answered 4xx, or could not be reached at all) gives back
 //! the node and the lease before answering. A create nobody finishes is rolled back by the
 //! [`crate::reaper`]. A delete leaves a tombstone keyed by its own sub-key (its retry answers
@@ -198,13 +205,15 @@ impl Workers {
         }
         let now = now_micros();
         self.domain.begin_attempt(&op.row("create", now)).await?;
-        let node = match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota).await? {
-            Allocation::Node(node) => node,
-            Allocation::Exhausted => return Err(ServiceError::CapacityExhausted),
-            Allocation::QuotaExceeded => return Err(ServiceError::QuotaExceeded(self.quota)),
-        };
+        let node =
+            match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota, keys.op.as_str()).await?
+            {
+                Allocation::Node(node) => node,
+                Allocation::Exhausted => return Err(ServiceError::CapacityExhausted),
+                Allocation::QuotaExceeded => return Err(ServiceError::QuotaExceeded(self.quota)),
+            };
         let lease_id = keys.lease_id();
-        self.domain.insert_lease(&lease_id, &node.node_id, principal, now).await?;
+        self.domain.insert_lease(&lease_id, &node.node_id, principal, now, keys.op.as_str()).await?;
 
         let tag = keys.boot.as_str();
         let (intent, created) = self.domain.begin_intent(tag, "boot", keys.op.as_str(), now).await?;
@@ -224,7 +233,7 @@ impl Workers {
                             memory_gb: req.memory_gb,
                             tag: tag.to_owned(),
                         };
-                        self.mark_sending(&intent).await?;
+                        self.mark_sending(&intent, keys.op.as_str()).await?;
                         match self.hypervisor.boot(&boot).await {
                             Ok(vm) => self.domain.finish_boot(tag, &vm.vm_id).await?,
                             Err(e) => return Err(self.boot_failed(&keys, e).await),
@@ -249,7 +258,16 @@ impl Workers {
             reboot_count: 0,
             created_at: now_micros(),
         };
-        Ok(self.domain.insert_worker(&row, keys.op.as_str()).await?)
+        match self.domain.insert_worker(&row, keys.op.as_str()).await {
+            Ok(w) => Ok(w),
+            // The operation row is gone: an overlapping attempt finished it first (or the reaper
+            // took it, and then there is no worker).
+            Err(DomainError::RolledBack) => match self.domain.worker(principal, &row.worker_id).await? {
+                Some(w) => Ok(w),
+                None => Err(DomainError::RolledBack.into()),
+            },
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// A pending boot intent from an earlier attempt: the VM it booted, if one exists. When a
@@ -288,10 +306,10 @@ impl Workers {
     ///   than the real send, however slow the database was (a PostgreSQL that restarts can hold
     ///   a write for seconds). A write slower than that answers 503 and sends nothing; the retry
     ///   waits out the settle window from the stamp, which is safe.
-    async fn mark_sending(&self, intent: &Intent) -> Result<(), ServiceError> {
+    async fn mark_sending(&self, intent: &Intent, op_id: &str) -> Result<(), ServiceError> {
         let tag = intent.intent_id.as_str();
         let stamp = now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(intent.last_attempt_at + 1);
-        if !self.domain.stamp_intent(tag, intent.last_attempt_at, stamp).await? {
+        if !self.domain.stamp_intent(tag, op_id, intent.last_attempt_at, stamp).await? {
             tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
             return Err(ServiceError::UpstreamUnavailable {
                 reason: "another attempt of this request is calling the hypervisor; retry with the same key".into(),
@@ -418,7 +436,7 @@ impl Workers {
             }
             self.settled(&intent)?;
         }
-        self.mark_sending(&intent).await?;
+        self.mark_sending(&intent, &row.op_id).await?;
         match self.hypervisor.reboot(&w.vm_id, tag).await {
             Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?),
             Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),

@@ -671,7 +671,19 @@ async fn concurrent_allocations_case(url: &str) {
     let tasks: Vec<_> = (0..64)
         .map(|i| {
             let domain = domains[i % 2].clone();
-            tokio::spawn(async move { domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5).await })
+            let op = leasebroker::domain::OperationRow {
+                op_id: format!("op-{i}"),
+                kind: "create".into(),
+                principal: "alice".into(),
+                endpoint: "POST /v1/workers".into(),
+                idem_key: format!("k-{i}"),
+                record_id: "00".into(),
+                last_attempt_at: 0,
+            };
+            tokio::spawn(async move {
+                domain.begin_attempt(&op).await?;
+                domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5, &op.op_id).await
+            })
         })
         .collect();
     let mut nodes = 0;

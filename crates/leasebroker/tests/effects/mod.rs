@@ -561,6 +561,7 @@ mod racing_attempts {
     struct Rig {
         workers: Workers,
         sim: Simulator,
+        db: Db,
         _dir: tempfile::TempDir,
     }
 
@@ -569,7 +570,7 @@ mod racing_attempts {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Db::connect(&super::sqlite_url(&dir)).await.expect("db");
         db.migrate().await.expect("migrate");
-        let domain = Domain::new(db);
+        let domain = Domain::new(db.clone());
         domain.seed_nodes(16, 64, 256).await.expect("nodes");
         let sim = Simulator::new(SimConfig::default());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -582,7 +583,7 @@ mod racing_attempts {
             limits: Limits { node_cpu: 64, node_memory_gb: 256 },
             quota: 0,
         };
-        Rig { workers, sim, _dir: dir }
+        Rig { workers, sim, db, _dir: dir }
     }
 
     fn operation(method: &str, path: &str) -> Operation {
@@ -633,5 +634,62 @@ mod racing_attempts {
         let ok = results.iter().filter(|r| r.is_ok()).count();
         assert_eq!(rig.sim.stats().reboots_total, 1, "one reboot for {ATTEMPTS} racing attempts ({ok} answered)");
         assert!(ok >= 1, "one attempt finished: {results:?}");
+    }
+
+    /// The reaper rolled back an abandoned create while an attempt of it still ran (its claim
+    /// went stale while it waited, as on a restarting database, so the reaper could take the
+    /// record). That attempt then takes, calls and shows nothing: no node, lease, VM or worker
+    /// comes back for an operation nobody will finish.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_attempt_that_outlives_its_rollback_does_nothing() {
+        use idempotency::{ClaimOutcome, Store};
+        let rig = rig().await;
+        let store = rig.db.idempotency_store();
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new("alice"),
+            Endpoint::new("POST", "/v1/workers"),
+            IdempotencyKey::try_from("outlived-1").expect("key"),
+        );
+        let claimed = store
+            .claim(ClaimRequest {
+                scope,
+                fingerprint: Fingerprint::from_stored("sha256:"),
+                now,
+                expires_at: now + chrono::Duration::hours(1),
+            })
+            .await
+            .expect("claim");
+        let ClaimOutcome::Owned(claim) = claimed else { panic!("a new key is owned") };
+        let op = Operation::new(claim.record().clone());
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        // The first attempt's boot may or may not have happened; its client never comes back.
+        rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first call fails");
+        store.fail(&claim).await.expect("fail");
+        tokio::time::sleep(Duration::from_millis(1500)).await; // past the settle window
+        let reaper = leasebroker::reaper::Reaper {
+            store: store.clone(),
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            settle: rig.workers.settle,
+            abandon_after: Duration::ZERO,
+            in_flight_ttl: Duration::from_secs(1),
+            retention: Duration::from_secs(3600),
+        };
+        let report = reaper.run_once().await;
+        assert_eq!(report.rolled_back, 1, "{report:?}");
+        // The attempt that still ran goes on, against a healthy hypervisor.
+        rig.sim.set_faults(SimConfig::default());
+        let late = rig.workers.create("alice", &req, &op).await;
+        assert!(late.is_err(), "a rolled-back operation does not finish: {late:?}");
+        let counts = rig.workers.domain.counts().await.expect("counts");
+        assert_eq!(
+            (counts.workers_active, counts.nodes_allocated, counts.leases_active, rig.sim.stats().boots_total),
+            (0, 0, 0, 0),
+            "nothing held after the rollback: {counts:?}"
+        );
+        // The reaper's next tick finds nothing more to roll back.
+        assert_eq!(reaper.run_once().await.rolled_back, 0);
     }
 }
