@@ -117,9 +117,10 @@ pub(crate) fn decode_record(mut f: HashMap<String, Vec<u8>>) -> Result<Record, S
                 .ok()
                 .and_then(|s| s.parse::<u16>().ok())
                 .ok_or_else(|| corrupt("response status"))?;
-            let headers = std::str::from_utf8(&headers)
-                .map_err(|_| corrupt("response headers are not UTF-8"))
-                .and_then(|h| StoredResponse::headers_from_json(h).map_err(|e| corrupt(format!("response headers: {e}"))))?;
+            let headers =
+                std::str::from_utf8(&headers).map_err(|_| corrupt("response headers are not UTF-8")).and_then(|h| {
+                    StoredResponse::headers_from_json(h).map_err(|e| corrupt(format!("response headers: {e}")))
+                })?;
             let encoding = std::str::from_utf8(&encoding)
                 .ok()
                 .and_then(BodyEncoding::from_stored)
@@ -129,7 +130,10 @@ pub(crate) fn decode_record(mut f: HashMap<String, Vec<u8>>) -> Result<Record, S
         _ => return Err(corrupt("a response stored in part")),
     };
     if (state == RecordState::Completed) != response.is_some() {
-        return Err(corrupt(format!("a {state} record {} a response", if response.is_some() { "with" } else { "without" })));
+        return Err(corrupt(format!(
+            "a {state} record {} a response",
+            if response.is_some() { "with" } else { "without" }
+        )));
     }
     Ok(Record {
         scope: Scope::new(Principal::new(principal), Endpoint::from_stored(endpoint), key),

@@ -121,6 +121,8 @@
 //! applied a script (a timeout) leaves the write in place: a claim retried then sees its own
 //! record as existing, a completion retried is fenced; neither is ever a second owner.
 
+#![warn(missing_docs)]
+
 mod codec;
 mod scripts;
 mod store;

@@ -8,7 +8,7 @@ use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, Store
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
@@ -189,6 +189,25 @@ impl Conn {
             }
         }
     }
+}
+
+/// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.
+fn primaries(reply: Value) -> Result<Vec<(String, u16)>, StoreError> {
+    let bad = || StoreError::Corrupt("an unexpected CLUSTER SLOTS reply".to_owned());
+    let Value::Array(ranges) = reply else { return Err(bad()) };
+    let mut primaries = vec![];
+    for range in ranges {
+        let Value::Array(range) = range else { return Err(bad()) };
+        let Some(Value::Array(primary)) = range.get(2) else { return Err(bad()) };
+        let (Some(Value::BulkString(host)), Some(Value::Int(port))) = (primary.first(), primary.get(1)) else {
+            return Err(bad());
+        };
+        let address = (String::from_utf8_lossy(host).into_owned(), u16::try_from(*port).map_err(|_| bad())?);
+        if !primaries.contains(&address) {
+            primaries.push(address);
+        }
+    }
+    Ok(primaries)
 }
 
 fn server_error(v: Value) -> Result<Value, String> {
@@ -524,9 +543,25 @@ impl Store for RedisStore {
         Ok(0)
     }
 
-    /// `PING`; on a cluster every primary must answer.
+    /// `PING`; on a cluster every primary that serves slots must answer on its own
+    /// connection, so a cluster with an unreachable primary is reported unavailable. (The
+    /// cluster client's own fan-out skips a node it has no connection to, and a command routed by
+    /// slot falls back to another node when the slot's node has none: a key-less `PING` would
+    /// then get an answer from the wrong node.)
     async fn ping(&self) -> Result<(), StoreError> {
-        self.conn.query(&redis::cmd("PING")).await.map_err(redis_error)?;
+        match &self.conn {
+            Conn::Server(_) => {
+                self.conn.query(&redis::cmd("PING")).await.map_err(redis_error)?;
+            }
+            Conn::Cluster(c) => {
+                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await;
+                for (host, port) in primaries(slots.map_err(redis_error)?)? {
+                    let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+                    c.clone().route_command(redis::cmd("PING"), node).await.map_err(redis_error)?;
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -156,13 +156,21 @@ mod support {
         let (store, cleanup) = server_store().await?;
         let options = RedisStoreOptions::default().prefix(store.prefix());
         let peer = RedisStore::connect_with(&cleanup.url, options).await.expect("connect the peer");
-        Some(Fixture { store: Arc::new(Holding::new(store, cleanup.clone())), peer: Arc::new(Holding::new(peer, cleanup)) })
+        Some(Fixture {
+            store: Arc::new(Holding::new(store, cleanup.clone())),
+            peer: Arc::new(Holding::new(peer, cleanup)),
+        })
     }
 
     /// True when `redis-server` and `redis-cli` run.
     pub fn have_redis_binaries() -> bool {
         ["redis-server", "redis-cli"].iter().all(|b| {
-            Command::new(b).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+            Command::new(b)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
         })
     }
 
@@ -229,7 +237,10 @@ mod support {
             let node = Node { port, child: std::sync::Mutex::new(Some(child)) };
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
-                let exited = node.child.lock().is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
+                let exited = node
+                    .child
+                    .lock()
+                    .is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
                 if exited {
                     break; // the port was taken meanwhile: try another
                 }
@@ -293,7 +304,8 @@ mod support {
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
                 let ok = self.nodes.iter().all(|n| {
-                    let info: String = ::redis::cmd("CLUSTER").arg("INFO").query(&mut n.connection()).unwrap_or_default();
+                    let info: String =
+                        ::redis::cmd("CLUSTER").arg("INFO").query(&mut n.connection()).unwrap_or_default();
                     info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
                 });
                 if ok {
@@ -313,7 +325,8 @@ mod support {
         pub fn owner_of(&self, key: &str) -> u16 {
             let mut con = self.nodes.iter().find(|n| n.is_alive()).expect("a live node").connection();
             let slot: i64 = ::redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut con).expect("keyslot");
-            let slots: Vec<Vec<::redis::Value>> = ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut con).expect("cluster slots");
+            let slots: Vec<Vec<::redis::Value>> =
+                ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut con).expect("cluster slots");
             for range in slots {
                 let int = |v: &::redis::Value| match v {
                     ::redis::Value::Int(i) => *i,
@@ -455,7 +468,8 @@ async fn cluster_keys_spread_over_every_primary() {
     }
     let mut counts = BTreeMap::new();
     for node in &cluster.nodes {
-        let keys: Vec<String> = ::redis::cmd("KEYS").arg(format!("{prefix}*")).query(&mut node.connection()).expect("keys");
+        let keys: Vec<String> =
+            ::redis::cmd("KEYS").arg(format!("{prefix}*")).query(&mut node.connection()).expect("keys");
         counts.insert(node.port, keys.len());
     }
     assert!(counts.values().all(|&c| c >= n / 10), "every primary holds records: {counts:?}");
@@ -487,6 +501,8 @@ async fn cluster_dead_primary_fails_its_keys_and_spares_the_others() {
             (s, owner)
         })
         .collect();
+
+    store.ping().await.expect("every primary answers before the kill");
 
     // Claims keep running on four tasks while the primary dies.
     let killer = {
@@ -614,9 +630,10 @@ async fn unverifiable_policy_is_refused_unless_allowed() {
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    let store = RedisStore::connect_with(&url, RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn))
-        .await
-        .expect("allowed with a warning");
+    let store =
+        RedisStore::connect_with(&url, RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn))
+            .await
+            .expect("allowed with a warning");
     let s = scope();
     assert!(matches!(store.claim(request(&s)).await.expect("claim"), ClaimOutcome::Owned(_)));
 }
