@@ -342,12 +342,13 @@ mod support {
         }
     }
 
-    /// A cluster of its own; `None` (skipped) without the Redis binaries.
-    pub fn cluster() -> Option<Arc<Cluster>> {
+    /// A cluster of its own; `None` (skipped) without the Redis binaries. Checked here, on
+    /// the test's thread, so that the SKIPPED line names the test.
+    pub async fn cluster() -> Option<Arc<Cluster>> {
         if !have_redis_binaries() {
             return skip("redis-server or redis-cli is not installed");
         }
-        Some(Arc::new(Cluster::start()))
+        Some(Arc::new(tokio::task::spawn_blocking(Cluster::start).await.expect("start the cluster")))
     }
 
     pub async fn cluster_store(cluster: &Cluster, prefix: &str) -> RedisStore {
@@ -358,7 +359,7 @@ mod support {
     /// `store` and `peer` are two cluster clients (each with its own connections) on a fresh
     /// cluster.
     pub async fn cluster_fixture() -> Option<Fixture> {
-        let cluster = tokio::task::spawn_blocking(cluster).await.expect("start the cluster")?;
+        let cluster = cluster().await?;
         let prefix = unique_prefix();
         let store = cluster_store(&cluster, &prefix).await;
         let peer = cluster_store(&cluster, &prefix).await;
@@ -430,7 +431,7 @@ async fn server_script_cache_loss_falls_back_to_eval() {
 /// a claim works and leaves exactly its one script cached on exactly the key's primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_script_cache_loss_falls_back_to_eval() {
-    let Some(cluster) = tokio::task::spawn_blocking(support::cluster).await.expect("cluster") else { return };
+    let Some(cluster) = support::cluster().await else { return };
     let store = support::cluster_store(&cluster, &support::unique_prefix()).await;
     // Load the claim script on every primary first.
     let mut by_port: HashMap<u16, idempotency::Scope> = HashMap::new();
@@ -457,7 +458,7 @@ async fn cluster_script_cache_loss_falls_back_to_eval() {
 /// Records spread over all three primaries: each holds some, and together they hold all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_keys_spread_over_every_primary() {
-    let Some(cluster) = tokio::task::spawn_blocking(support::cluster).await.expect("cluster") else { return };
+    let Some(cluster) = support::cluster().await else { return };
     let prefix = support::unique_prefix();
     let store = support::cluster_store(&cluster, &prefix).await;
     let n = 300;
@@ -480,7 +481,7 @@ async fn cluster_keys_spread_over_every_primary() {
 /// request"), records on the other two keep working, and `ping` reports the cluster unready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_dead_primary_fails_its_keys_and_spares_the_others() {
-    let Some(cluster) = tokio::task::spawn_blocking(support::cluster).await.expect("cluster") else { return };
+    let Some(cluster) = support::cluster().await else { return };
     let prefix = support::unique_prefix();
     let store = Arc::new(support::cluster_store(&cluster, &prefix).await);
     let victim = cluster.nodes[0].port;
