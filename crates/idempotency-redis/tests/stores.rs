@@ -659,3 +659,37 @@ async fn bad_prefix_and_foreign_values() {
     assert!(matches!(store.get(&s).await, Err(StoreError::Corrupt(_))));
     assert!(matches!(store.get(&h).await, Err(StoreError::Corrupt(_))));
 }
+
+/// The key's own expiry follows the record's `expires_at`, rounded up to the millisecond: set
+/// by the claim, moved later (never earlier) by a reclaim, set by `complete`.
+#[tokio::test]
+async fn key_expiry_follows_the_record() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    let s = scope();
+    let key = store.key_of(&s);
+    let mut expiry = || -> i64 { ::redis::cmd("PEXPIRETIME").arg(&key).query(&mut con).expect("pexpiretime") };
+    let millis = |t: idempotency::Timestamp| {
+        let us = t.timestamp_micros();
+        us.div_euclid(1000) + i64::from(us.rem_euclid(1000) != 0)
+    };
+    let req = request(&s);
+    let ClaimOutcome::Owned(first) = store.claim(req.clone()).await.expect("claim") else { panic!("owned") };
+    assert_eq!(expiry(), millis(req.expires_at));
+
+    store.fail(&first).await.expect("fail");
+    let failed = store.get(&s).await.expect("get").expect("record");
+    let ttl = Duration::from_secs(300);
+    let later = req.expires_at + chrono::Duration::hours(1);
+    let second = store.reclaim(&failed, req.now, ttl, later).await.expect("reclaim").expect("failed is reclaimable");
+    assert_eq!(expiry(), millis(later), "a reclaim extends the key's expiry");
+
+    // A stale reclaim with an earlier expiry leaves the key's expiry alone.
+    let stale = req.now + chrono::Duration::seconds(301);
+    let third = store.reclaim(second.record(), stale, ttl, req.now).await.expect("reclaim").expect("stale");
+    assert_eq!(expiry(), millis(later), "an earlier expiry never shortens the key's");
+
+    let done = req.now + chrono::Duration::minutes(10);
+    store.complete(&third, &response(), done).await.expect("complete");
+    assert_eq!(expiry(), millis(done), "complete sets the retention window's end");
+}
