@@ -78,8 +78,9 @@
 //! the request again. [`RedisStore::connect`] reads every primary's `maxmemory-policy` and
 //! refuses anything but `noeviction` ([`ConnectError::EvictingPolicy`]). It reads it with
 //! `CONFIG GET maxmemory-policy`; where `CONFIG` is refused (renamed, or denied by an ACL, as
-//! on several managed services) from `INFO memory`; where both are refused it refuses to
-//! connect ([`ConnectError::UnverifiedPolicy`]) unless told to only warn
+//! on several managed services) from `INFO memory`; where both are refused, or a cluster's
+//! primary does not answer, it refuses to connect ([`ConnectError::UnverifiedPolicy`]) unless
+//! told to only warn
 //! ([`UnverifiedPolicy::Warn`]). The check runs at connect only: a policy changed later, or a
 //! primary added to the cluster later, is not seen. With `noeviction` a full server refuses
 //! writes (`OOM`): claims then fail as unavailable, which is never taken as ownership.

@@ -8,7 +8,7 @@ use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, Store
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
@@ -20,8 +20,9 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// The URL scheme for a Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT]...`.
 pub const CLUSTER_SCHEME: &str = "redis+cluster://";
 
-/// What [`RedisStore::connect`] does when it cannot read a node's `maxmemory-policy` (both
-/// `CONFIG GET` and `INFO` refused, as some managed services and ACLs do).
+/// What [`RedisStore::connect`] does when it cannot read a node's `maxmemory-policy`: both
+/// `CONFIG GET` and `INFO` refused (as some managed services and ACLs do), or a primary of a
+/// cluster unreachable while the others answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum UnverifiedPolicy {
@@ -120,11 +121,11 @@ pub enum ConnectError {
         /// Its policy, as Redis names it.
         policy: String,
     },
-    /// A node's `maxmemory-policy` could not be read: `CONFIG GET` and `INFO` were both refused
-    /// (see [`UnverifiedPolicy`]).
+    /// A node's `maxmemory-policy` could not be read: `CONFIG GET` and `INFO` were both refused,
+    /// or a cluster's primary did not answer (see [`UnverifiedPolicy`]).
     #[error(
-        "cannot verify that Redis node {node} never evicts keys: CONFIG GET maxmemory-policy was refused ({config}) \
-         and so was INFO memory ({info}); allow one of them for this user, or connect with \
+        "cannot verify that Redis node {node} never evicts keys: CONFIG GET maxmemory-policy failed ({config}) \
+         and so did INFO memory ({info}); allow one of them for this user, or connect with \
          UnverifiedPolicy::Warn after checking that the policy is noeviction"
     )]
     UnverifiedPolicy {
@@ -159,41 +160,36 @@ impl Conn {
         }
     }
 
-    /// Runs `cmd` on every primary; each node's reply or error.
-    async fn on_every_primary(&self, cmd: Cmd) -> Result<Vec<(String, Result<Value, String>)>, RedisError> {
+    /// Runs `cmd` on every primary, each on its own connection; each node's reply or error.
+    /// `Err` only when the server, or every node of a cluster, is unreachable.
+    ///
+    /// On a cluster the primaries are those that serve slots in `CLUSTER SLOTS`, each asked by
+    /// address: the client's own fan-out silently skips a node it has no connection to, and a
+    /// command routed by slot falls back to another node when the slot's node has none.
+    async fn on_every_primary(&self, cmd: &Cmd) -> Result<Vec<(String, Result<Value, RedisError>)>, RedisError> {
         match self {
-            Conn::Server(c) => {
-                let reply = cmd.query_async::<Value>(&mut c.clone()).await;
-                match reply {
-                    Ok(v) => Ok(vec![("server".to_owned(), server_error(v))]),
-                    Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
-                    Err(e) => Ok(vec![("server".to_owned(), Err(e.to_string()))]),
-                }
-            }
+            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.clone()).await {
+                Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
+                reply => Ok(vec![("server".to_owned(), reply)]),
+            },
             Conn::Cluster(c) => {
-                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                let reply = c.clone().route_command(cmd, routing).await?;
-                let Value::Map(pairs) = reply else {
-                    return Ok(vec![("cluster".to_owned(), Err(format!("unexpected reply {reply:?}")))]);
-                };
-                Ok(pairs
-                    .into_iter()
-                    .map(|(node, v)| {
-                        let node = match node {
-                            Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                            other => format!("{other:?}"),
-                        };
-                        (node, server_error(v))
-                    })
-                    .collect())
+                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let mut replies = vec![];
+                for (host, port) in primaries(slots)? {
+                    let node = format!("{host}:{port}");
+                    let by_address = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+                    replies.push((node, c.clone().route_command(cmd.clone(), by_address).await));
+                }
+                Ok(replies)
             }
         }
     }
 }
 
 /// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.
-fn primaries(reply: Value) -> Result<Vec<(String, u16)>, StoreError> {
-    let bad = || StoreError::Corrupt("an unexpected CLUSTER SLOTS reply".to_owned());
+fn primaries(reply: Value) -> Result<Vec<(String, u16)>, RedisError> {
+    let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "an unexpected CLUSTER SLOTS reply"));
     let Value::Array(ranges) = reply else { return Err(bad()) };
     let mut primaries = vec![];
     for range in ranges {
@@ -208,13 +204,6 @@ fn primaries(reply: Value) -> Result<Vec<(String, u16)>, StoreError> {
         }
     }
     Ok(primaries)
-}
-
-fn server_error(v: Value) -> Result<Value, String> {
-    match v {
-        Value::ServerError(e) => Err(format!("{}: {}", e.code(), e.details().unwrap_or(""))),
-        v => Ok(v),
-    }
 }
 
 /// An [`idempotency::Store`] in Redis: one server, or a Redis Cluster. See the crate docs for
@@ -310,7 +299,7 @@ impl RedisStore {
     async fn check_eviction_policy(&self, unverified: UnverifiedPolicy) -> Result<(), ConnectError> {
         let config = self
             .conn
-            .on_every_primary(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").clone())
+            .on_every_primary(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"))
             .await
             .map_err(ConnectError::Unreachable)?;
         let mut unread = vec![];
@@ -318,7 +307,7 @@ impl RedisStore {
             match reply.map(config_policy) {
                 Ok(Some(policy)) => refuse_evicting(node, policy)?,
                 Ok(None) => unread.push((node, "no maxmemory-policy in the reply".to_owned())),
-                Err(e) => unread.push((node, e)),
+                Err(e) => unread.push((node, e.to_string())),
             }
         }
         if unread.is_empty() {
@@ -326,14 +315,13 @@ impl RedisStore {
         }
         // CONFIG is refused somewhere: INFO memory carries the policy too, and is allowed more
         // often (managed services that rename CONFIG keep INFO).
-        let info = self
-            .conn
-            .on_every_primary(redis::cmd("INFO").arg("memory").clone())
-            .await
-            .map_err(ConnectError::Unreachable)?;
+        let mut info =
+            self.conn.on_every_primary(redis::cmd("INFO").arg("memory")).await.map_err(ConnectError::Unreachable)?;
         for (node, config_error) in unread {
-            let reply = info.iter().find(|(n, _)| *n == node).map(|(_, r)| r.clone());
-            let reply = reply.unwrap_or_else(|| Err("the node did not answer".to_owned()));
+            let reply = match info.iter().position(|(n, _)| *n == node) {
+                Some(i) => info.swap_remove(i).1.map_err(|e| e.to_string()),
+                None => Err("the node did not answer".to_owned()),
+            };
             match reply.map(info_policy) {
                 Ok(Some(policy)) => {
                     tracing::info!(node, %config_error, "CONFIG GET refused; read maxmemory-policy from INFO");
@@ -343,8 +331,8 @@ impl RedisStore {
                     tracing::warn!(
                         node,
                         %config_error,
-                        "cannot read maxmemory-policy (CONFIG GET and INFO refused): cannot verify that this \
-                         Redis node never evicts idempotency records"
+                        "cannot read maxmemory-policy (CONFIG GET and INFO refused, or the node is unreachable): \
+                         cannot verify that this Redis node never evicts idempotency records"
                     );
                 }
                 Ok(None) => {
@@ -544,23 +532,10 @@ impl Store for RedisStore {
     }
 
     /// `PING`; on a cluster every primary that serves slots must answer on its own
-    /// connection, so a cluster with an unreachable primary is reported unavailable. (The
-    /// cluster client's own fan-out skips a node it has no connection to, and a command routed by
-    /// slot falls back to another node when the slot's node has none: a key-less `PING` would
-    /// then get an answer from the wrong node.)
+    /// connection, so a cluster with an unreachable primary is reported unavailable.
     async fn ping(&self) -> Result<(), StoreError> {
-        match &self.conn {
-            Conn::Server(_) => {
-                self.conn.query(&redis::cmd("PING")).await.map_err(redis_error)?;
-            }
-            Conn::Cluster(c) => {
-                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await;
-                for (host, port) in primaries(slots.map_err(redis_error)?)? {
-                    let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-                    c.clone().route_command(redis::cmd("PING"), node).await.map_err(redis_error)?;
-                }
-            }
+        for (_, reply) in self.conn.on_every_primary(&redis::cmd("PING")).await.map_err(redis_error)? {
+            reply.map_err(redis_error)?;
         }
         Ok(())
     }

@@ -693,3 +693,41 @@ async fn key_expiry_follows_the_record() {
     store.complete(&third, &response(), done).await.expect("complete");
     assert_eq!(expiry(), millis(done), "complete sets the retention window's end");
 }
+
+/// On a cluster the policy is read on every primary: one evicting primary is refused by name,
+/// and a primary that does not answer leaves the policy unverified (refused unless allowed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_policy_is_checked_on_every_primary() {
+    let Some(cluster) = support::cluster().await else { return };
+    let url = cluster.url();
+    RedisStore::connect(&url).await.expect("every primary has noeviction");
+
+    let (evicting, dead) = (&cluster.nodes[2], &cluster.nodes[1]);
+    let set = |policy: &str| {
+        ::redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(policy)
+            .exec(&mut evicting.connection())
+            .expect("config set")
+    };
+    set("allkeys-random");
+    match RedisStore::connect(&url).await {
+        Err(ConnectError::EvictingPolicy { node, policy }) => {
+            assert!(node.ends_with(&format!(":{}", evicting.port)), "{node}");
+            assert_eq!(policy, "allkeys-random");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    set("noeviction");
+
+    dead.kill();
+    match RedisStore::connect(&url).await {
+        Err(ConnectError::UnverifiedPolicy { node, .. }) => {
+            assert!(node.ends_with(&format!(":{}", dead.port)), "{node}");
+        }
+        other => panic!("expected an unverified policy, got {other:?}"),
+    }
+    let options = RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn);
+    RedisStore::connect_with(&url, options).await.expect("allowed with a warning");
+}
