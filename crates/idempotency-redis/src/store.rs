@@ -540,3 +540,39 @@ impl Store for RedisStore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_name_every_node_with_the_credentials() {
+        assert_eq!(
+            cluster_nodes("10.0.0.1:6379,10.0.0.2:6380/").unwrap(),
+            ["redis://10.0.0.1:6379", "redis://10.0.0.2:6380"]
+        );
+        assert_eq!(cluster_nodes("u:p@a@h1:1, h2:2").unwrap(), ["redis://u:p@a@h1:1", "redis://u:p@a@h2:2"]);
+        assert!(matches!(cluster_nodes(" , "), Err(ConnectError::InvalidUrl(_))));
+    }
+
+    #[test]
+    fn policies_are_read_from_config_and_info_replies() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        assert_eq!(
+            config_policy(Value::Array(vec![bulk("maxmemory-policy"), bulk("noeviction")])).as_deref(),
+            Some("noeviction")
+        );
+        assert_eq!(config_policy(Value::Array(vec![])), None);
+        let info = bulk("# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n");
+        assert_eq!(info_policy(info).as_deref(), Some("allkeys-lru"));
+        assert!(refuse_evicting("n".into(), "noeviction".into()).is_ok());
+        assert!(matches!(refuse_evicting("n".into(), "volatile-lfu".into()), Err(ConnectError::EvictingPolicy { .. })));
+    }
+
+    #[test]
+    fn stale_cutoff_is_empty_when_no_claim_can_be_that_old() {
+        let now = idempotency::now();
+        assert_eq!(stale_cutoff(now, Duration::from_secs(300)), encode_ts(now - chrono::Duration::seconds(300)));
+        assert_eq!(stale_cutoff(now, Duration::MAX), "");
+    }
+}
