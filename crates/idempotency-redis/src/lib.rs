@@ -30,8 +30,9 @@
 //! API for a single server (its `ConnectionManager`, which reconnects by itself) and a cluster
 //! (its async cluster client, which follows `MOVED`/`ASK` and refreshes the slot map), both
 //! multiplexing every caller over one connection per node, on tokio. `fred` would serve too;
-//! redis-rs was chosen for its smaller dependency tree and because its `Script` type already
-//! computes the digests that `EVALSHA` needs.
+//! redis-rs was chosen because it is the client most Rust users of Redis already have, its
+//! cluster routing is explicit enough to ask each primary by address (the eviction check and
+//! `ping` need that), and its `Script` type computes the digests that `EVALSHA` names.
 //!
 //! # Layout and atomicity
 //!
