@@ -346,6 +346,56 @@ pub async fn sweep_is_bounded_and_spares_live_records(fx: Fixture) {
     assert!(fx.store.get(&live).await.expect("get").is_some());
 }
 
+/// For a store whose records expire by themselves (the Redis store: a key's own expiry), in
+/// place of [`expiry_frees_the_key`]: a record whose `expires_at` has passed counts as absent to
+/// a claim (new record id, generation 1) even while the store still holds it, and one whose
+/// `expires_at` is already past by the wall clock is gone without a sweep.
+pub async fn expiry_frees_the_key_by_itself(fx: Fixture) {
+    let t = now();
+    let (held, gone) = (fresh_scope(), fresh_scope());
+    let c = owned(&*fx.store, request(&held, &fp("a"), t)).await;
+    fx.store.complete(&c, &response(201, b"old"), t + Span::seconds(60)).await.expect("complete");
+    existing(&*fx.peer, request(&held, &fp("a"), t + Span::seconds(59))).await;
+    let again = owned(&*fx.peer, request(&held, &fp("b"), t + Span::seconds(61))).await;
+    assert_ne!(again.record().record_id, c.record().record_id);
+    assert_eq!((again.generation(), again.record().fingerprint.clone()), (1, fp("b")));
+    assert_ne!(again.derive("alloc"), c.derive("alloc"), "a new record has new sub-keys");
+
+    // Completed an hour ago with a one-minute retention: gone, with no sweep.
+    let past = t - Span::hours(1);
+    let old = owned(&*fx.store, request(&gone, &fp("a"), past)).await;
+    fx.store.complete(&old, &response(201, b"old"), past + Span::seconds(60)).await.expect("complete");
+    assert!(fx.peer.get(&gone).await.expect("get").is_none(), "an expired record must vanish by itself");
+    let fresh = owned(&*fx.peer, request(&gone, &fp("c"), t)).await;
+    assert_ne!(fresh.record().record_id, old.record().record_id);
+    assert!(fx.store.get(&held).await.expect("get").is_some(), "the re-claimed record is live");
+}
+
+/// For a store whose records expire by themselves, in place of
+/// [`sweep_is_bounded_and_spares_live_records`]: expired records vanish without a sweep, and a
+/// sweep stays within its batch and never deletes a live record.
+pub async fn expired_records_vanish_without_a_sweep(fx: Fixture) {
+    let t = now() - Span::hours(2);
+    let live = fresh_scope();
+    let c = owned(&*fx.store, request(&live, &fp("a"), t)).await;
+    fx.store.complete(&c, &response(201, b"{}"), t + Span::days(36500)).await.expect("complete");
+    let mut expired = vec![];
+    for _ in 0..25 {
+        let s = fresh_scope();
+        let c = owned(&*fx.store, request(&s, &fp("a"), t)).await;
+        fx.store.complete(&c, &response(201, b"{}"), t + Span::seconds(1)).await.expect("complete");
+        expired.push(s);
+    }
+    for s in &expired {
+        assert!(fx.peer.get(s).await.expect("get").is_none(), "an expired record must vanish by itself");
+    }
+    for at in [now(), now() + Span::days(1)] {
+        assert!(fx.store.sweep_expired(at, 10).await.expect("sweep") <= 10);
+    }
+    let kept = fx.peer.get(&live).await.expect("get").expect("the live record is kept");
+    assert_eq!((kept.record_id, kept.state), (c.record().record_id, RecordState::Completed));
+}
+
 /// Two principals, or two endpoints, with the same key never share a record.
 pub async fn scopes_never_share_a_record(fx: Fixture) {
     let t = now();
@@ -534,9 +584,31 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
 ///     Some(fixture_on(db).await)
 /// });
 /// ```
+///
+/// A store whose records expire by themselves (a Redis key's own expiry), whose
+/// `sweep_expired` so has nothing to delete, writes `self_expiring optional` instead: its
+/// expiry is then tested by [`expiry_frees_the_key_by_itself`] and
+/// [`expired_records_vanish_without_a_sweep`] in place of [`expiry_frees_the_key`] and
+/// [`sweep_is_bounded_and_spares_live_records`], which need a sweep to delete records that
+/// expire at a time the test names.
 #[macro_export]
 macro_rules! store_conformance_suite {
+    ($name:ident, self_expiring optional $fixture:expr) => {
+        $crate::store_conformance_suite!(@suite $name, $fixture;
+            expiry_frees_the_key_by_itself,
+            expired_records_vanish_without_a_sweep,
+        );
+    };
     ($name:ident, optional $fixture:expr) => {
+        $crate::store_conformance_suite!(@suite $name, $fixture;
+            expiry_frees_the_key,
+            sweep_is_bounded_and_spares_live_records,
+        );
+    };
+    ($name:ident, $fixture:expr) => {
+        $crate::store_conformance_suite!($name, optional async { ::core::option::Option::Some($fixture.await) });
+    };
+    (@suite $name:ident, $fixture:expr; $($expiry:ident),* $(,)?) => {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
@@ -549,8 +621,6 @@ macro_rules! store_conformance_suite {
                 racing_claims_have_exactly_one_owner,
                 stale_reclaim_has_exactly_one_winner,
                 superseded_claim_is_fenced,
-                expiry_frees_the_key,
-                sweep_is_bounded_and_spares_live_records,
                 scopes_never_share_a_record,
                 compressed_and_binary_bodies_round_trip,
                 unknown_scope_is_absent,
@@ -558,11 +628,9 @@ macro_rules! store_conformance_suite {
                 heartbeat_keeps_a_claim_live,
                 heartbeat_is_fenced,
                 remove_frees_the_key,
+                $($expiry,)*
             );
         }
-    };
-    ($name:ident, $fixture:expr) => {
-        $crate::store_conformance_suite!($name, optional async { ::core::option::Option::Some($fixture.await) });
     };
     (@cases $fixture:expr; $($case:ident),* $(,)?) => {
         $(

@@ -1,0 +1,132 @@
+//! A Redis store for idempotency records: on one server, or spread over a Redis Cluster, for
+//! services whose record traffic outgrows one database.
+//!
+//! [`RedisStore`] implements [`idempotency::Store`] and passes the core's conformance suite on
+//! both (the suite's variant for stores whose records expire by themselves; see
+//! [Retention](#retention)).
+//!
+//! ```no_run
+//! use idempotency::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope, Store, now};
+//! use idempotency_redis::{RedisStore, RedisStoreOptions};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // One server; for a cluster: "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379".
+//! let store = RedisStore::connect_with("redis://127.0.0.1:6379", RedisStoreOptions::default().prefix("leasebroker:")).await?;
+//!
+//! let key = IdempotencyKey::try_from("7c3f5d1e-91a4-4b8c")?;
+//! let scope = Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key);
+//! let t = now();
+//! let req = ClaimRequest {
+//!     scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t + chrono::Duration::hours(24),
+//! };
+//! assert!(matches!(store.claim(req.clone()).await?, ClaimOutcome::Owned(_)));
+//! assert!(matches!(store.claim(req).await?, ClaimOutcome::Existing(_)));
+//! # Ok(()) }
+//! ```
+//!
+//! # The client
+//!
+//! The [`redis`] crate (redis-rs): the most used and longest maintained Rust client, with one
+//! API for a single server (its `ConnectionManager`, which reconnects by itself) and a cluster
+//! (its async cluster client, which follows `MOVED`/`ASK` and refreshes the slot map), both
+//! multiplexing every caller over one connection per node, on tokio. `fred` would serve too;
+//! redis-rs was chosen because it is the client most Rust users of Redis already have, its
+//! cluster routing is explicit enough to ask each primary by address (the eviction check and
+//! `ping` need that), and its `Script` type computes the digests that `EVALSHA` names.
+//!
+//! # Layout and atomicity
+//!
+//! A record is one Redis hash at one key: the prefix ([`RedisStoreOptions::prefix`], default
+//! [`DEFAULT_PREFIX`]) followed by the hex SHA-256 of the principal, endpoint and key
+//! ([`RedisStore::key_of`]). Every transition (claim, reclaim, complete, fail, heartbeat,
+//! remove) is one Lua script on that one key, so it is atomic on a server and on a cluster
+//! alike (a cluster runs a script on the primary that owns the key's slot); `get` is one
+//! `HGETALL`. Scripts are called by SHA1 digest (`EVALSHA`); when a server has lost its script
+//! cache (a restart, a failover, `SCRIPT FLUSH`) it answers `NOSCRIPT`, and the store sends the
+//! same call once more as `EVAL` with the source, which caches the script again.
+//!
+//! - **Claim** is insert-or-read in one round trip: a live record is returned whole (a replay
+//!   costs one round trip); no record, or an expired one, is replaced by a new in-flight record
+//!   with a new record id, and the caller owns it. Of any number of concurrent claimers exactly
+//!   one owns a new key.
+//! - **Complete**, **fail**, **heartbeat** and **remove** are fenced on the record id and the
+//!   generation, exactly as in the SQL stores: a claim that was superseded, or a record that is
+//!   no longer in flight, gets [`StoreError::Fenced`](idempotency::StoreError::Fenced) and
+//!   nothing is written (a fenced call never recreates a deleted record).
+//! - **Reclaim** is a compare-and-set on the record id and generation the caller read, for a
+//!   failed record or an in-flight one whose claim is stale; of concurrent reclaimers exactly one
+//!   wins.
+//! - Bodies above the caller's threshold arrive compressed ([`idempotency::StoredBody`]) and are
+//!   stored as they are, binary-safe, with their encoding.
+//!
+//! # Retention
+//!
+//! A record's key expires at the record's `expires_at` (`PEXPIREAT`, rounded up to the
+//! millisecond): set by the claim, moved by `complete`, and moved later (never earlier) by a
+//! `reclaim`, so a retry near the end of the retention window is not removed while it runs.
+//! Redis deletes expired keys itself, so no sweeper pass is needed:
+//! [`sweep_expired`](idempotency::Store::sweep_expired) deletes nothing and returns `Ok(0)`.
+//! A record whose `expires_at` has passed by the caller's clock but not yet by Redis's counts as
+//! absent to a claim, as in every store. The in-flight TTL is separate: it is checked against
+//! the record's `started_at` and never shortens the key's life.
+//!
+//! Expiry follows the Redis server's clock; a server clock ahead of the service's removes
+//! records that much early. `get` reads a record until Redis removes it.
+//!
+//! # Eviction
+//!
+//! An evicted record is a duplicate waiting to happen: the next retry finds no record and runs
+//! the request again. [`RedisStore::connect`] reads every primary's `maxmemory-policy` and
+//! refuses anything but `noeviction` ([`ConnectError::EvictingPolicy`]). It reads it with
+//! `CONFIG GET maxmemory-policy`; where `CONFIG` is refused (renamed, or denied by an ACL, as
+//! on several managed services) from `INFO memory`; where both are refused, or a cluster's
+//! primary does not answer, it refuses to connect ([`ConnectError::UnverifiedPolicy`]) unless
+//! told to only warn
+//! ([`UnverifiedPolicy::Warn`]). The check runs at connect only: a policy changed later, or a
+//! primary added to the cluster later, is not seen. With `noeviction` a full server refuses
+//! writes (`OOM`): claims then fail as unavailable, which is never taken as ownership.
+//!
+//! # Durability: what each guarantee needs from Redis
+//!
+//! Redis acknowledges a write once it is in the primary's memory. What survives a primary's
+//! death depends on its persistence and replication settings; the store cannot check these
+//! (a single server may run without persistence by design), so the operator must choose them.
+//!
+//! | guarantee | needs | lost when a primary dies without it |
+//! |---|---|---|
+//! | one owner per key, fencing | the primary alive, or the record's write persisted before the primary restarts or is replaced | a claim, re-claim or completion written since the last persisted point: a retry finds no record (or an older generation) and runs the request again, with new sub-keys |
+//! | replay for the retention window | `appendonly yes` | without an append-only file a restart loads the last RDB snapshot (minutes old, or nothing with `save ""`): every record since is gone |
+//! | ... across a power loss or kernel crash | `appendfsync always` | with `everysec` (the default) up to about a second of acknowledged writes; with `no`, whatever the OS had not flushed (up to about 30 s). A crash of the Redis process alone loses nothing acknowledged with `everysec` |
+//! | ... across a failover to a replica | replicas, and `WAIT 1 <ms>` (or `WAITAOF` on Redis 7.2+) after each write | replication is asynchronous: the writes the promoted replica had not received. `WAIT` narrows that window but does not close it (Redis is not strongly consistent); `min-replicas-to-write` stops a primary cut off from its replicas from accepting writes that a failover would discard |
+//!
+//! This store does not send `WAIT` itself. For the guarantees of the PostgreSQL store (a
+//! committed record survives any single crash), run Redis with `appendonly yes` and
+//! `appendfsync always`, and on a cluster or with Sentinel accept that a failover may lose the
+//! last writes, or do not fail over automatically.
+//!
+//! # A Redis Cluster
+//!
+//! Connect with `redis+cluster://HOST:PORT[,HOST:PORT]...`. Records spread over all primaries
+//! by their key's slot. When one primary is unreachable, calls for the records it holds fail as
+//! unavailable (never as ownership), after [`RedisStoreOptions::cluster_retries`] retries, and
+//! records on the other primaries keep working, provided the cluster keeps serving without full
+//! slot coverage: set `cluster-require-full-coverage no`, or every node refuses every command
+//! (`CLUSTERDOWN`) once the dead primary is marked failed. [`Store::ping`](idempotency::Store::ping)
+//! asks every primary, so a readiness probe reports a cluster with a dead primary as not ready.
+//!
+//! # Errors
+//!
+//! A Redis error (refused connection, timeout, `OOM`, `CLUSTERDOWN`) is
+//! [`StoreError::Unavailable`](idempotency::StoreError::Unavailable); a value of the wrong type
+//! at a record's key, or a hash that does not decode, is
+//! [`StoreError::Corrupt`](idempotency::StoreError::Corrupt). A reply lost after the server
+//! applied a script (a timeout) leaves the write in place: a claim retried then sees its own
+//! record as existing, a completion retried is fenced; neither is ever a second owner.
+
+#![warn(missing_docs)]
+
+mod codec;
+mod scripts;
+mod store;
+
+pub use store::{CLUSTER_SCHEME, ConnectError, DEFAULT_PREFIX, RedisStore, RedisStoreOptions, UnverifiedPolicy};

@@ -1,0 +1,126 @@
+//! The Lua scripts: one per transition, each on exactly one key (`KEYS[1]`, the record's hash).
+//!
+//! Stored fields: `p`, `e`, `k` (principal, endpoint, key), `rid` (record id, hex), `fp`, `st`
+//! (state), `gen`, `cat`, `sat`, `eat` (created, started, expires: see [`crate::codec`]), and
+//! once completed `rs`, `rh`, `rb`, `re` (status, headers as JSON, body bytes, body encoding).
+//!
+//! Timestamps are fixed-width digit strings that sort in time order, so the scripts compare them
+//! as strings; no script does arithmetic on them (Lua numbers are doubles, and Redis turns a Lua
+//! number into a string with 14 significant digits). Every value a script writes comes from
+//! `ARGV` as the store formatted it, including the next generation.
+
+use redis::Script;
+
+/// The fence shared by `complete`, `fail`, `heartbeat` and `remove`: the record must exist,
+/// carry the claim's record id (`ARGV[1]`) and generation (`ARGV[2]`), and be in flight;
+/// otherwise the script returns 0 and writes nothing. A missing key reads as all-false and
+/// fails the check, so a fenced call never recreates a record.
+macro_rules! fence {
+    () => {
+        "local h = redis.call('HMGET', KEYS[1], 'rid', 'gen', 'st', 'sat')\n\
+         if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= 'in_flight' then return 0 end\n"
+    };
+}
+
+/// Insert-or-read. ARGV: record id, fingerprint, now, expires_at, expires_at in epoch
+/// milliseconds (rounded up), principal, endpoint, key.
+///
+/// A live record (`eat > now`) is returned whole (`HGETALL`) and left unchanged. Otherwise, no
+/// record or an expired one, a new in-flight record replaces it, the key expires at
+/// `expires_at`, and the script returns 1: the caller owns it.
+pub(crate) const CLAIM: &str = "\
+local eat = redis.call('HGET', KEYS[1], 'eat')
+if eat then
+  if eat > ARGV[3] then return redis.call('HGETALL', KEYS[1]) end
+  redis.call('DEL', KEYS[1])
+elseif redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.error_reply('CORRUPT the key holds a hash without expires_at')
+end
+redis.call('HSET', KEYS[1], 'p', ARGV[6], 'e', ARGV[7], 'k', ARGV[8], 'rid', ARGV[1], 'fp', ARGV[2],
+  'st', 'in_flight', 'gen', '1', 'cat', ARGV[3], 'sat', ARGV[3], 'eat', ARGV[4])
+redis.call('PEXPIREAT', KEYS[1], ARGV[5])
+return 1
+";
+
+/// Compare-and-set re-claim. ARGV: record id, generation, now, stale cutoff (the latest
+/// `started_at` that is stale; empty when no claim can be that old), expires_at, expires_at
+/// in epoch milliseconds, the next generation.
+///
+/// Succeeds only for the record id and generation the caller read, when the record is failed or
+/// in flight with `sat <= cutoff`: then it is in flight under the next generation from now, its
+/// expiry moves to `expires_at` if that is later (the key's own expiry with it), and the script
+/// returns the record. Otherwise nil, and nothing is written.
+pub(crate) const RECLAIM: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'gen', 'st', 'sat', 'eat')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then return false end
+local stale = h[3] == 'in_flight' and type(h[4]) == 'string' and ARGV[4] ~= '' and h[4] <= ARGV[4]
+if h[3] ~= 'failed' and not stale then return false end
+redis.call('HSET', KEYS[1], 'st', 'in_flight', 'gen', ARGV[7], 'sat', ARGV[3])
+if type(h[5]) ~= 'string' or ARGV[5] > h[5] then
+  redis.call('HSET', KEYS[1], 'eat', ARGV[5])
+  redis.call('PEXPIREAT', KEYS[1], ARGV[6])
+end
+return redis.call('HGETALL', KEYS[1])
+";
+
+/// in_flight -> completed, fenced. ARGV after the fence: status, headers, body, body encoding,
+/// expires_at, expires_at in epoch milliseconds. Returns 1, or 0 when fenced.
+pub(crate) const COMPLETE: &str = concat!(
+    fence!(),
+    "redis.call('HSET', KEYS[1], 'st', 'completed', 'rs', ARGV[3], 'rh', ARGV[4], 'rb', ARGV[5], \
+       're', ARGV[6], 'eat', ARGV[7])\n\
+     redis.call('PEXPIREAT', KEYS[1], ARGV[8])\n\
+     return 1\n"
+);
+
+/// in_flight -> failed, fenced. Returns 1, or 0 when fenced.
+pub(crate) const FAIL: &str = concat!(fence!(), "redis.call('HSET', KEYS[1], 'st', 'failed')\nreturn 1\n");
+
+/// Renews a claim, fenced. ARGV after the fence: now. `started_at` never moves backwards.
+/// Returns 1, or 0 when fenced.
+pub(crate) const HEARTBEAT: &str = concat!(
+    fence!(),
+    "if type(h[4]) ~= 'string' or ARGV[3] > h[4] then redis.call('HSET', KEYS[1], 'sat', ARGV[3]) end\n\
+     return 1\n"
+);
+
+/// Deletes the record, fenced. Returns 1, or 0 when fenced.
+pub(crate) const REMOVE: &str = concat!(fence!(), "redis.call('DEL', KEYS[1])\nreturn 1\n");
+
+/// The scripts with their SHA1 digests, computed once per store.
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    pub claim: Lua,
+    pub reclaim: Lua,
+    pub complete: Lua,
+    pub fail: Lua,
+    pub heartbeat: Lua,
+    pub remove: Lua,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        Self {
+            claim: Lua::new(CLAIM),
+            reclaim: Lua::new(RECLAIM),
+            complete: Lua::new(COMPLETE),
+            fail: Lua::new(FAIL),
+            heartbeat: Lua::new(HEARTBEAT),
+            remove: Lua::new(REMOVE),
+        }
+    }
+}
+
+/// One script: its source (sent with `EVAL` when the server lost it) and its `redis::Script`
+/// (which knows the SHA1 that `EVALSHA` names).
+#[derive(Debug)]
+pub(crate) struct Lua {
+    pub code: &'static str,
+    pub script: Script,
+}
+
+impl Lua {
+    fn new(code: &'static str) -> Self {
+        Self { code, script: Script::new(code) }
+    }
+}

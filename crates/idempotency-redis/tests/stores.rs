@@ -1,0 +1,733 @@
+//! The Redis store: the shared conformance suite on one server (`::redis::*`) and on a real Redis
+//! Cluster of three primaries that each test starts itself (`redis_cluster::*`), then what is
+//! specific to Redis: the script-cache fallback, the eviction-policy check, keys spread over
+//! every primary, and a primary killed mid-run.
+//!
+//! The one-server tests use `TEST_REDIS_URL` (default `redis://127.0.0.1:6379`), each with a key
+//! prefix of its own, and delete their keys afterwards. The cluster tests need `redis-server`
+//! and `redis-cli` on the PATH. Without them the tests print a loud SKIPPED line and pass,
+//! unless `CI=true`, where they fail.
+//!
+//! Each cluster test starts its own cluster (three `redis-server` processes in a temp dir) and
+//! a guard kills them and removes the dir when the test ends. Not one cluster per process in a
+//! static: statics are never dropped, so its processes would outlive the test run; and nextest
+//! runs each test in a process of its own, where a static would start one cluster per test
+//! anyway. Starting one takes about a second.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{ClaimOutcome, Store, StoreError};
+use idempotency_redis::{ConnectError, RedisStore, RedisStoreOptions, UnverifiedPolicy};
+
+mod support {
+    use std::io::Write;
+    use std::net::TcpListener;
+    use std::path::Path;
+    use std::process::{Child, Command, Stdio};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use async_trait::async_trait;
+    use idempotency::conformance::Fixture;
+    use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+    use idempotency_redis::{RedisStore, RedisStoreOptions};
+
+    pub const TEST_REDIS_URL: &str = "TEST_REDIS_URL";
+
+    fn in_ci() -> bool {
+        std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+    }
+
+    /// Under `CI=true` a skip is a failure; otherwise it prints a loud line and returns `None`.
+    pub fn skip<T>(why: &str) -> Option<T> {
+        let test = std::thread::current().name().unwrap_or("<unnamed>").to_owned();
+        if in_ci() {
+            panic!("{test}: {why}, and CI=true: the Redis tests must run in CI");
+        }
+        // Straight to the stderr handle: the harness captures `eprintln!` of passing tests.
+        let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: the Redis test did not run because {why}");
+        None
+    }
+
+    pub fn server_url() -> String {
+        std::env::var(TEST_REDIS_URL)
+            .ok()
+            .filter(|u| !u.trim().is_empty())
+            .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned())
+    }
+
+    pub fn unique_prefix() -> String {
+        format!("test-{}:", idempotency::RecordId::random().to_hex())
+    }
+
+    /// A store that keeps what it lives on (a cluster, a prefix to clean up) alive as long as
+    /// it is.
+    pub struct Holding<G> {
+        store: RedisStore,
+        _guard: Arc<G>,
+    }
+
+    impl<G> Holding<G> {
+        pub fn new(store: RedisStore, guard: Arc<G>) -> Self {
+            Self { store, _guard: guard }
+        }
+    }
+
+    #[async_trait]
+    impl<G: Send + Sync + 'static> Store for Holding<G> {
+        async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+            self.store.claim(req).await
+        }
+        async fn reclaim(
+            &self,
+            r: &Record,
+            now: Timestamp,
+            ttl: Duration,
+            exp: Timestamp,
+        ) -> Result<Option<Claim>, StoreError> {
+            self.store.reclaim(r, now, ttl, exp).await
+        }
+        async fn heartbeat(&self, c: &Claim, now: Timestamp) -> Result<(), StoreError> {
+            self.store.heartbeat(c, now).await
+        }
+        async fn remove(&self, c: &Claim) -> Result<(), StoreError> {
+            self.store.remove(c).await
+        }
+        async fn complete(&self, c: &Claim, resp: &StoredResponse, exp: Timestamp) -> Result<(), StoreError> {
+            self.store.complete(c, resp, exp).await
+        }
+        async fn fail(&self, c: &Claim) -> Result<(), StoreError> {
+            self.store.fail(c).await
+        }
+        async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+            self.store.get(scope).await
+        }
+        async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+            self.store.sweep_expired(now, batch).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            self.store.ping().await
+        }
+    }
+
+    /// Deletes every key under a prefix on the shared server when dropped.
+    pub struct PrefixCleanup {
+        pub url: String,
+        pub prefix: String,
+    }
+
+    impl Drop for PrefixCleanup {
+        fn drop(&mut self) {
+            let cleaned = (|| -> ::redis::RedisResult<()> {
+                let mut con = ::redis::Client::open(self.url.as_str())?.get_connection()?;
+                let keys: Vec<String> = ::redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query(&mut con)?;
+                for chunk in keys.chunks(500) {
+                    ::redis::cmd("DEL").arg(chunk).exec(&mut con)?;
+                }
+                Ok(())
+            })();
+            if let Err(e) = cleaned {
+                eprintln!("WARNING: could not delete the test keys under {}: {e}", self.prefix);
+            }
+        }
+    }
+
+    /// A store on the shared server with a prefix of its own; `None` (skipped) when the server
+    /// does not answer.
+    pub async fn server_store() -> Option<(RedisStore, Arc<PrefixCleanup>)> {
+        let url = server_url();
+        let prefix = unique_prefix();
+        let options = RedisStoreOptions::default().prefix(prefix.clone()).connect_timeout(Duration::from_secs(2));
+        let store = match RedisStore::connect_with(&url, options).await {
+            Ok(store) => store,
+            Err(idempotency_redis::ConnectError::Unreachable(e)) => {
+                return skip(&format!("no Redis answers at {TEST_REDIS_URL}={url} ({e})"));
+            }
+            Err(e) => panic!("cannot use the Redis server at {url}: {e}"),
+        };
+        Some((store, Arc::new(PrefixCleanup { url, prefix })))
+    }
+
+    /// `store` and `peer` are two connections (two connection managers) to the shared server,
+    /// as two replicas of a service would have.
+    pub async fn server_fixture() -> Option<Fixture> {
+        let (store, cleanup) = server_store().await?;
+        let options = RedisStoreOptions::default().prefix(store.prefix());
+        let peer = RedisStore::connect_with(&cleanup.url, options).await.expect("connect the peer");
+        Some(Fixture {
+            store: Arc::new(Holding::new(store, cleanup.clone())),
+            peer: Arc::new(Holding::new(peer, cleanup)),
+        })
+    }
+
+    /// True when `redis-server` and `redis-cli` run.
+    pub fn have_redis_binaries() -> bool {
+        ["redis-server", "redis-cli"].iter().all(|b| {
+            Command::new(b)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+    }
+
+    /// A port that is free now, whose cluster bus port (+10000) is free too.
+    fn free_port() -> u16 {
+        loop {
+            let l = TcpListener::bind("127.0.0.1:0").expect("bind a port");
+            let port = l.local_addr().expect("local addr").port();
+            if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+                return port;
+            }
+        }
+    }
+
+    /// One `redis-server` process, killed when dropped.
+    pub struct Node {
+        pub port: u16,
+        child: std::sync::Mutex<Option<Child>>,
+    }
+
+    impl Node {
+        pub fn url(&self) -> String {
+            format!("redis://127.0.0.1:{}", self.port)
+        }
+
+        pub fn kill(&self) {
+            let child = self.child.lock().map(|mut c| c.take()).unwrap_or_default();
+            if let Some(mut child) = child {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+
+        pub fn is_alive(&self) -> bool {
+            self.child.lock().is_ok_and(|c| c.is_some())
+        }
+
+        pub fn connection(&self) -> ::redis::Connection {
+            ::redis::Client::open(self.url()).expect("url").get_connection().expect("connect to the node")
+        }
+    }
+
+    impl Drop for Node {
+        fn drop(&mut self) {
+            self.kill();
+        }
+    }
+
+    /// Starts `redis-server` on a free port in `dir` with `extra` arguments and waits until it
+    /// answers.
+    pub fn start_server(dir: &Path, extra: &[&str]) -> Node {
+        for _ in 0..5 {
+            let port = free_port();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--daemonize", "no", "--dir", &dir.display().to_string()])
+                .args(["--logfile", &dir.join(format!("redis-{port}.log")).display().to_string()])
+                .args(extra.iter().map(|a| a.replace("{port}", &port.to_string())))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server");
+            let node = Node { port, child: std::sync::Mutex::new(Some(child)) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                let exited = node
+                    .child
+                    .lock()
+                    .is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
+                if exited {
+                    break; // the port was taken meanwhile: try another
+                }
+                let ok = ::redis::Client::open(node.url())
+                    .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+                    .and_then(|mut c| ::redis::cmd("PING").query::<String>(&mut c));
+                if ok.is_ok() {
+                    return node;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            node.kill();
+        }
+        panic!("redis-server did not start in {}", dir.display());
+    }
+
+    /// Three primaries on free ports in a temp dir, joined into a cluster; killed and removed
+    /// when dropped (nodes first, then the dir).
+    pub struct Cluster {
+        pub nodes: Vec<Node>,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Cluster {
+        pub fn start() -> Cluster {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let nodes: Vec<Node> = (0..3)
+                .map(|_| {
+                    start_server(
+                        dir.path(),
+                        &[
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-config-file",
+                            &dir.path().join("nodes-{port}.conf").display().to_string(),
+                            // Keep serving the slots that are up when a primary is down.
+                            "--cluster-require-full-coverage",
+                            "no",
+                        ],
+                    )
+                })
+                .collect();
+            let mut create = Command::new("redis-cli");
+            create.arg("--cluster").arg("create");
+            for n in &nodes {
+                create.arg(format!("127.0.0.1:{}", n.port));
+            }
+            let out = create.args(["--cluster-replicas", "0", "--cluster-yes"]).output().expect("run redis-cli");
+            assert!(
+                out.status.success(),
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let cluster = Cluster { nodes, _dir: dir };
+            cluster.wait_until_ok();
+            cluster
+        }
+
+        fn wait_until_ok(&self) {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let ok = self.nodes.iter().all(|n| {
+                    let info: String =
+                        ::redis::cmd("CLUSTER").arg("INFO").query(&mut n.connection()).unwrap_or_default();
+                    info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
+                });
+                if ok {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        pub fn url(&self) -> String {
+            let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+            format!("redis+cluster://{}", nodes.join(","))
+        }
+
+        /// The port of the primary that owns `key`'s slot.
+        pub fn owner_of(&self, key: &str) -> u16 {
+            let mut con = self.nodes.iter().find(|n| n.is_alive()).expect("a live node").connection();
+            let slot: i64 = ::redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut con).expect("keyslot");
+            let slots: Vec<Vec<::redis::Value>> =
+                ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut con).expect("cluster slots");
+            for range in slots {
+                let int = |v: &::redis::Value| match v {
+                    ::redis::Value::Int(i) => *i,
+                    other => panic!("unexpected CLUSTER SLOTS item {other:?}"),
+                };
+                let (lo, hi) = (int(&range[0]), int(&range[1]));
+                if (lo..=hi).contains(&slot) {
+                    let ::redis::Value::Array(primary) = &range[2] else { panic!("unexpected CLUSTER SLOTS entry") };
+                    return u16::try_from(int(&primary[1])).expect("port");
+                }
+            }
+            panic!("slot {slot} is not served")
+        }
+    }
+
+    /// A cluster of its own; `None` (skipped) without the Redis binaries. Checked here, on
+    /// the test's thread, so that the SKIPPED line names the test.
+    pub async fn cluster() -> Option<Arc<Cluster>> {
+        if !have_redis_binaries() {
+            return skip("redis-server or redis-cli is not installed");
+        }
+        Some(Arc::new(tokio::task::spawn_blocking(Cluster::start).await.expect("start the cluster")))
+    }
+
+    pub async fn cluster_store(cluster: &Cluster, prefix: &str) -> RedisStore {
+        let options = RedisStoreOptions::default().prefix(prefix).response_timeout(Duration::from_secs(2));
+        RedisStore::connect_with(&cluster.url(), options).await.expect("connect to the cluster")
+    }
+
+    /// `store` and `peer` are two cluster clients (each with its own connections) on a fresh
+    /// cluster.
+    pub async fn cluster_fixture() -> Option<Fixture> {
+        let cluster = cluster().await?;
+        let prefix = unique_prefix();
+        let store = cluster_store(&cluster, &prefix).await;
+        let peer = cluster_store(&cluster, &prefix).await;
+        Some(Fixture {
+            store: Arc::new(Holding::new(store, cluster.clone())),
+            peer: Arc::new(Holding::new(peer, cluster)),
+        })
+    }
+}
+
+idempotency::store_conformance_suite!(redis, self_expiring optional support::server_fixture());
+idempotency::store_conformance_suite!(redis_cluster, self_expiring optional support::cluster_fixture());
+
+/// Requests and responses for the Redis-specific tests.
+mod common {
+    use bytes::Bytes;
+    use idempotency::{
+        ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, RecordId, Scope, StoredBody, StoredResponse,
+        now,
+    };
+
+    pub fn scope() -> Scope {
+        let key = IdempotencyKey::try_from(RecordId::random().to_hex().as_str()).expect("key");
+        Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key)
+    }
+
+    pub fn request(scope: &Scope) -> ClaimRequest {
+        let t = now();
+        ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::from_stored("sha256:aa"),
+            now: t,
+            expires_at: t + chrono::Duration::hours(1),
+        }
+    }
+
+    pub fn response() -> StoredResponse {
+        StoredResponse { status: 201, headers: vec![], body: StoredBody::encode(Bytes::from_static(b"{}"), 1024) }
+    }
+}
+
+use common::{request, response, scope};
+
+fn cached_scripts(con: &mut ::redis::Connection) -> u64 {
+    let info: String = ::redis::cmd("INFO").arg("memory").query(con).expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("number_of_cached_scripts in INFO memory")
+}
+
+/// After `SCRIPT FLUSH` every transition still works: `EVALSHA` answers `NOSCRIPT` and the store
+/// falls back to `EVAL`, which caches the script again.
+#[tokio::test]
+async fn server_script_cache_loss_falls_back_to_eval() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let s = scope();
+    let ClaimOutcome::Owned(claim) = store.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    ::redis::cmd("SCRIPT").arg("FLUSH").exec(&mut con).expect("script flush");
+    store.complete(&claim, &response(), request(&s).expires_at).await.expect("complete after SCRIPT FLUSH");
+    ::redis::cmd("SCRIPT").arg("FLUSH").exec(&mut con).expect("script flush");
+    let again = store.claim(request(&s)).await.expect("claim after SCRIPT FLUSH");
+    assert!(matches!(again, ClaimOutcome::Existing(r) if r.response == Some(response())));
+    assert!(cached_scripts(&mut con) >= 1, "EVAL cached the script again");
+}
+
+/// On a cluster the fallback runs on the key's own primary: after `SCRIPT FLUSH` on every node
+/// a claim works and leaves exactly its one script cached on exactly the key's primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_script_cache_loss_falls_back_to_eval() {
+    let Some(cluster) = support::cluster().await else { return };
+    let store = support::cluster_store(&cluster, &support::unique_prefix()).await;
+    // Load the claim script on every primary first.
+    let mut by_port: HashMap<u16, idempotency::Scope> = HashMap::new();
+    while by_port.len() < 3 {
+        let s = scope();
+        store.claim(request(&s)).await.expect("claim");
+        by_port.insert(cluster.owner_of(&store.key_of(&s)), s);
+    }
+    for n in &cluster.nodes {
+        let mut con = n.connection();
+        assert_eq!(cached_scripts(&mut con), 1, "the claim script is cached on every primary");
+        ::redis::cmd("SCRIPT").arg("FLUSH").exec(&mut con).expect("script flush");
+        assert_eq!(cached_scripts(&mut con), 0);
+    }
+    let s = scope();
+    let owner = cluster.owner_of(&store.key_of(&s));
+    assert!(matches!(store.claim(request(&s)).await.expect("claim after SCRIPT FLUSH"), ClaimOutcome::Owned(_)));
+    for n in &cluster.nodes {
+        let expected = u64::from(n.port == owner);
+        assert_eq!(cached_scripts(&mut n.connection()), expected, "node {}", n.port);
+    }
+}
+
+/// Records spread over all three primaries: each holds some, and together they hold all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keys_spread_over_every_primary() {
+    let Some(cluster) = support::cluster().await else { return };
+    let prefix = support::unique_prefix();
+    let store = support::cluster_store(&cluster, &prefix).await;
+    let n = 300;
+    for _ in 0..n {
+        let s = scope();
+        let ClaimOutcome::Owned(c) = store.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+        store.complete(&c, &response(), request(&s).expires_at).await.expect("complete");
+    }
+    let mut counts = BTreeMap::new();
+    for node in &cluster.nodes {
+        let keys: Vec<String> =
+            ::redis::cmd("KEYS").arg(format!("{prefix}*")).query(&mut node.connection()).expect("keys");
+        counts.insert(node.port, keys.len());
+    }
+    assert!(counts.values().all(|&c| c >= n / 10), "every primary holds records: {counts:?}");
+    assert_eq!(counts.values().sum::<usize>(), n, "{counts:?}");
+}
+
+/// A primary killed mid-run: every call for a record it holds fails (never "you own this
+/// request"), records on the other two keep working, and `ping` reports the cluster unready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_dead_primary_fails_its_keys_and_spares_the_others() {
+    let Some(cluster) = support::cluster().await else { return };
+    let prefix = support::unique_prefix();
+    let store = Arc::new(support::cluster_store(&cluster, &prefix).await);
+    let victim = cluster.nodes[0].port;
+
+    // Records completed before the kill, spread over all three.
+    let mut before = vec![];
+    for _ in 0..30 {
+        let s = scope();
+        let ClaimOutcome::Owned(c) = store.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+        store.complete(&c, &response(), request(&s).expires_at).await.expect("complete");
+        let owner = cluster.owner_of(&store.key_of(&s));
+        before.push((s, owner));
+    }
+    let fresh: Vec<_> = (0..30)
+        .map(|_| {
+            let s = scope();
+            let owner = cluster.owner_of(&store.key_of(&s));
+            (s, owner)
+        })
+        .collect();
+
+    store.ping().await.expect("every primary answers before the kill");
+
+    // Claims keep running on four tasks while the primary dies.
+    let killer = {
+        let cluster = cluster.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            cluster.nodes[0].kill();
+        })
+    };
+    let work: Vec<_> = before
+        .iter()
+        .map(|(s, o)| (s.clone(), *o, true))
+        .chain(fresh.iter().map(|(s, o)| (s.clone(), *o, false)))
+        .collect();
+    let chunks: Vec<Vec<_>> = work.chunks(15).map(<[_]>::to_vec).collect();
+    let tasks: Vec<_> = chunks
+        .into_iter()
+        .map(|chunk| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut seen = vec![];
+                for (s, owner, existed) in chunk {
+                    // Twice: once likely before the kill, once surely after.
+                    for _ in 0..2 {
+                        seen.push((owner, existed, store.claim(request(&s)).await));
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    killer.await.expect("kill");
+    let mut outcomes = vec![];
+    for t in tasks {
+        outcomes.extend(t.await.expect("task"));
+    }
+    // And once more for every record, now that the primary is surely dead.
+    for (s, owner, existed) in &work {
+        outcomes.push((*owner, *existed, store.claim(request(s)).await));
+    }
+
+    let (mut dead_errors, mut live_ok) = (0, 0);
+    for (owner, existed, outcome) in &outcomes {
+        match (owner == &victim, existed, outcome) {
+            (true, _, Err(StoreError::Unavailable(_))) => dead_errors += 1,
+            // Before the kill: what any claim gets. A fresh key has one owner only.
+            (true, true, Ok(ClaimOutcome::Existing(_))) | (true, false, Ok(_)) => {}
+            (false, true, Ok(ClaimOutcome::Existing(r))) => {
+                assert_eq!(r.response, Some(response()));
+                live_ok += 1;
+            }
+            (false, false, Ok(_)) => live_ok += 1,
+            (dead, existed, outcome) => panic!("dead={dead} existed={existed}: {outcome:?}"),
+        }
+    }
+    // The last round ran after the kill: each of the dead primary's keys failed then.
+    let last = &outcomes[outcomes.len() - work.len()..];
+    for (owner, _, outcome) in last {
+        if *owner == victim {
+            assert!(matches!(outcome, Err(StoreError::Unavailable(_))), "{outcome:?}");
+        } else {
+            assert!(outcome.is_ok(), "{outcome:?}");
+        }
+    }
+    // A fresh key on the dead primary is never owned twice: at most one Owned per scope.
+    for (s, _) in &fresh {
+        let owned = outcomes
+            .iter()
+            .filter(|(_, existed, o)| !existed && matches!(o, Ok(ClaimOutcome::Owned(c)) if c.scope() == s))
+            .count();
+        assert!(owned <= 1, "{owned} owners of one key");
+    }
+    let on_victim = work.iter().filter(|(_, o, _)| *o == victim).count();
+    assert!(on_victim > 0 && on_victim < work.len(), "{on_victim} of {} keys on the victim", work.len());
+    assert!(dead_errors >= on_victim, "{dead_errors} errors for {on_victim} keys on the dead primary");
+    assert!(live_ok >= 2 * (work.len() - on_victim), "{live_ok} successes on the live primaries");
+    assert!(store.ping().await.is_err(), "ping must report a dead primary");
+}
+
+/// A server that may evict keys is refused, with an error naming its policy: read with `CONFIG
+/// GET`, or from `INFO` where `CONFIG` is renamed away.
+#[tokio::test]
+async fn evicting_policies_are_refused() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lru = support::start_server(dir.path(), &["--maxmemory-policy", "allkeys-lru"]);
+    let no_config =
+        support::start_server(dir.path(), &["--maxmemory-policy", "volatile-ttl", "--rename-command", "CONFIG", ""]);
+    let fine = support::start_server(dir.path(), &["--maxmemory-policy", "noeviction"]);
+    for (node, policy) in [(&lru, "allkeys-lru"), (&no_config, "volatile-ttl")] {
+        match RedisStore::connect(&node.url()).await {
+            Err(e @ ConnectError::EvictingPolicy { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(policy) && text.contains("noeviction"), "{text}");
+            }
+            other => panic!("{policy}: expected a refusal, got {other:?}"),
+        }
+    }
+    RedisStore::connect(&fine.url()).await.expect("noeviction is accepted");
+}
+
+/// A user that may run neither `CONFIG` nor `INFO` cannot verify the policy: refused by
+/// default, accepted with a warning when the caller says so.
+#[tokio::test]
+async fn unverifiable_policy_is_refused_unless_allowed() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node = support::start_server(dir.path(), &[]);
+    ::redis::cmd("ACL")
+        .arg(&["SETUSER", "blind", "on", ">secret", "~*", "&*", "+@all", "-config", "-info"][..])
+        .exec(&mut node.connection())
+        .expect("acl setuser");
+    let url = format!("redis://blind:secret@127.0.0.1:{}", node.port);
+    match RedisStore::connect(&url).await {
+        Err(e @ ConnectError::UnverifiedPolicy { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("CONFIG") && text.contains("INFO"), "{text}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let store =
+        RedisStore::connect_with(&url, RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn))
+            .await
+            .expect("allowed with a warning");
+    let s = scope();
+    assert!(matches!(store.claim(request(&s)).await.expect("claim"), ClaimOutcome::Owned(_)));
+}
+
+/// A prefix with a hash tag brace is refused before connecting; a value of the wrong type at a
+/// record's key is corruption, not unavailability and never ownership.
+#[tokio::test]
+async fn bad_prefix_and_foreign_values() {
+    assert!(matches!(
+        RedisStore::connect_with("redis://127.0.0.1:1", RedisStoreOptions::default().prefix("a{b}")).await,
+        Err(ConnectError::InvalidPrefix(_))
+    ));
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let (s, h) = (scope(), scope());
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    ::redis::cmd("SET").arg(store.key_of(&s)).arg("not a hash").exec(&mut con).expect("set");
+    ::redis::cmd("HSET").arg(store.key_of(&h)).arg("x").arg("1").exec(&mut con).expect("hset");
+    for scope in [&s, &h] {
+        let claimed = store.claim(request(scope)).await;
+        assert!(matches!(claimed, Err(StoreError::Corrupt(_))), "{claimed:?}");
+    }
+    assert!(matches!(store.get(&s).await, Err(StoreError::Corrupt(_))));
+    assert!(matches!(store.get(&h).await, Err(StoreError::Corrupt(_))));
+}
+
+/// The key's own expiry follows the record's `expires_at`, rounded up to the millisecond: set
+/// by the claim, moved later (never earlier) by a reclaim, set by `complete`.
+#[tokio::test]
+async fn key_expiry_follows_the_record() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    let s = scope();
+    let key = store.key_of(&s);
+    let mut expiry = || -> i64 { ::redis::cmd("PEXPIRETIME").arg(&key).query(&mut con).expect("pexpiretime") };
+    let millis = |t: idempotency::Timestamp| {
+        let us = t.timestamp_micros();
+        us.div_euclid(1000) + i64::from(us.rem_euclid(1000) != 0)
+    };
+    let req = request(&s);
+    let ClaimOutcome::Owned(first) = store.claim(req.clone()).await.expect("claim") else { panic!("owned") };
+    assert_eq!(expiry(), millis(req.expires_at));
+
+    store.fail(&first).await.expect("fail");
+    let failed = store.get(&s).await.expect("get").expect("record");
+    let ttl = Duration::from_secs(300);
+    let later = req.expires_at + chrono::Duration::hours(1);
+    let second = store.reclaim(&failed, req.now, ttl, later).await.expect("reclaim").expect("failed is reclaimable");
+    assert_eq!(expiry(), millis(later), "a reclaim extends the key's expiry");
+
+    // A stale reclaim with an earlier expiry leaves the key's expiry alone.
+    let stale = req.now + chrono::Duration::seconds(301);
+    let third = store.reclaim(second.record(), stale, ttl, req.now).await.expect("reclaim").expect("stale");
+    assert_eq!(expiry(), millis(later), "an earlier expiry never shortens the key's");
+
+    let done = req.now + chrono::Duration::minutes(10);
+    store.complete(&third, &response(), done).await.expect("complete");
+    assert_eq!(expiry(), millis(done), "complete sets the retention window's end");
+}
+
+/// On a cluster the policy is read on every primary: one evicting primary is refused by name,
+/// and a primary that does not answer leaves the policy unverified (refused unless allowed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_policy_is_checked_on_every_primary() {
+    let Some(cluster) = support::cluster().await else { return };
+    let url = cluster.url();
+    RedisStore::connect(&url).await.expect("every primary has noeviction");
+
+    let (evicting, dead) = (&cluster.nodes[2], &cluster.nodes[1]);
+    let set = |policy: &str| {
+        ::redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(policy)
+            .exec(&mut evicting.connection())
+            .expect("config set")
+    };
+    set("allkeys-random");
+    match RedisStore::connect(&url).await {
+        Err(ConnectError::EvictingPolicy { node, policy }) => {
+            assert!(node.ends_with(&format!(":{}", evicting.port)), "{node}");
+            assert_eq!(policy, "allkeys-random");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    set("noeviction");
+
+    dead.kill();
+    match RedisStore::connect(&url).await {
+        Err(ConnectError::UnverifiedPolicy { node, .. }) => {
+            assert!(node.ends_with(&format!(":{}", dead.port)), "{node}");
+        }
+        other => panic!("expected an unverified policy, got {other:?}"),
+    }
+    let options = RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn);
+    RedisStore::connect_with(&url, options).await.expect("allowed with a warning");
+}
