@@ -128,5 +128,7 @@
 mod codec;
 mod scripts;
 mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use store::{CLUSTER_SCHEME, ConnectError, DEFAULT_PREFIX, RedisStore, RedisStoreOptions, UnverifiedPolicy};

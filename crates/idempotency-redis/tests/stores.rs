@@ -23,15 +23,13 @@ use idempotency_redis::{ConnectError, RedisStore, RedisStoreOptions, UnverifiedP
 
 mod support {
     use std::io::Write;
-    use std::net::TcpListener;
-    use std::path::Path;
-    use std::process::{Child, Command, Stdio};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use async_trait::async_trait;
     use idempotency::conformance::Fixture;
     use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+    pub use idempotency_redis::testing::{Cluster, have_redis_binaries, start_server};
     use idempotency_redis::{RedisStore, RedisStoreOptions};
 
     pub const TEST_REDIS_URL: &str = "TEST_REDIS_URL";
@@ -160,186 +158,6 @@ mod support {
             store: Arc::new(Holding::new(store, cleanup.clone())),
             peer: Arc::new(Holding::new(peer, cleanup)),
         })
-    }
-
-    /// True when `redis-server` and `redis-cli` run.
-    pub fn have_redis_binaries() -> bool {
-        ["redis-server", "redis-cli"].iter().all(|b| {
-            Command::new(b)
-                .arg("--version")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        })
-    }
-
-    /// A port that is free now, whose cluster bus port (+10000) is free too.
-    fn free_port() -> u16 {
-        loop {
-            let l = TcpListener::bind("127.0.0.1:0").expect("bind a port");
-            let port = l.local_addr().expect("local addr").port();
-            if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-                return port;
-            }
-        }
-    }
-
-    /// One `redis-server` process, killed when dropped.
-    pub struct Node {
-        pub port: u16,
-        child: std::sync::Mutex<Option<Child>>,
-    }
-
-    impl Node {
-        pub fn url(&self) -> String {
-            format!("redis://127.0.0.1:{}", self.port)
-        }
-
-        pub fn kill(&self) {
-            let child = self.child.lock().map(|mut c| c.take()).unwrap_or_default();
-            if let Some(mut child) = child {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-
-        pub fn is_alive(&self) -> bool {
-            self.child.lock().is_ok_and(|c| c.is_some())
-        }
-
-        pub fn connection(&self) -> ::redis::Connection {
-            ::redis::Client::open(self.url()).expect("url").get_connection().expect("connect to the node")
-        }
-    }
-
-    impl Drop for Node {
-        fn drop(&mut self) {
-            self.kill();
-        }
-    }
-
-    /// Starts `redis-server` on a free port in `dir` with `extra` arguments and waits until it
-    /// answers.
-    pub fn start_server(dir: &Path, extra: &[&str]) -> Node {
-        for _ in 0..5 {
-            let port = free_port();
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--daemonize", "no", "--dir", &dir.display().to_string()])
-                .args(["--logfile", &dir.join(format!("redis-{port}.log")).display().to_string()])
-                .args(extra.iter().map(|a| a.replace("{port}", &port.to_string())))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server");
-            let node = Node { port, child: std::sync::Mutex::new(Some(child)) };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                let exited = node
-                    .child
-                    .lock()
-                    .is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
-                if exited {
-                    break; // the port was taken meanwhile: try another
-                }
-                let ok = ::redis::Client::open(node.url())
-                    .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
-                    .and_then(|mut c| ::redis::cmd("PING").query::<String>(&mut c));
-                if ok.is_ok() {
-                    return node;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            node.kill();
-        }
-        panic!("redis-server did not start in {}", dir.display());
-    }
-
-    /// Three primaries on free ports in a temp dir, joined into a cluster; killed and removed
-    /// when dropped (nodes first, then the dir).
-    pub struct Cluster {
-        pub nodes: Vec<Node>,
-        _dir: tempfile::TempDir,
-    }
-
-    impl Cluster {
-        pub fn start() -> Cluster {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let nodes: Vec<Node> = (0..3)
-                .map(|_| {
-                    start_server(
-                        dir.path(),
-                        &[
-                            "--cluster-enabled",
-                            "yes",
-                            "--cluster-config-file",
-                            &dir.path().join("nodes-{port}.conf").display().to_string(),
-                            // Keep serving the slots that are up when a primary is down.
-                            "--cluster-require-full-coverage",
-                            "no",
-                        ],
-                    )
-                })
-                .collect();
-            let mut create = Command::new("redis-cli");
-            create.arg("--cluster").arg("create");
-            for n in &nodes {
-                create.arg(format!("127.0.0.1:{}", n.port));
-            }
-            let out = create.args(["--cluster-replicas", "0", "--cluster-yes"]).output().expect("run redis-cli");
-            assert!(
-                out.status.success(),
-                "redis-cli --cluster create failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let cluster = Cluster { nodes, _dir: dir };
-            cluster.wait_until_ok();
-            cluster
-        }
-
-        fn wait_until_ok(&self) {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let ok = self.nodes.iter().all(|n| {
-                    let info: String =
-                        ::redis::cmd("CLUSTER").arg("INFO").query(&mut n.connection()).unwrap_or_default();
-                    info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
-                });
-                if ok {
-                    return;
-                }
-                assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-
-        pub fn url(&self) -> String {
-            let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
-            format!("redis+cluster://{}", nodes.join(","))
-        }
-
-        /// The port of the primary that owns `key`'s slot.
-        pub fn owner_of(&self, key: &str) -> u16 {
-            let mut con = self.nodes.iter().find(|n| n.is_alive()).expect("a live node").connection();
-            let slot: i64 = ::redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut con).expect("keyslot");
-            let slots: Vec<Vec<::redis::Value>> =
-                ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut con).expect("cluster slots");
-            for range in slots {
-                let int = |v: &::redis::Value| match v {
-                    ::redis::Value::Int(i) => *i,
-                    other => panic!("unexpected CLUSTER SLOTS item {other:?}"),
-                };
-                let (lo, hi) = (int(&range[0]), int(&range[1]));
-                if (lo..=hi).contains(&slot) {
-                    let ::redis::Value::Array(primary) = &range[2] else { panic!("unexpected CLUSTER SLOTS entry") };
-                    return u16::try_from(int(&primary[1])).expect("port");
-                }
-            }
-            panic!("slot {slot} is not served")
-        }
     }
 
     /// A cluster of its own; `None` (skipped) without the Redis binaries. Checked here, on

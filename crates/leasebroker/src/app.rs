@@ -95,7 +95,14 @@ impl Application {
         }
         .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
         let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
-        let store = wrap(db.idempotency_store());
+        let store = wrap(match &args.record_store {
+            None => db.idempotency_store(),
+            Some(url) => Arc::new(
+                idempotency_redis::RedisStore::connect(url)
+                    .await
+                    .with_context(|| format!("record store {}", redact(url)))?,
+            ),
+        });
         let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())

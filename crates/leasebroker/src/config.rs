@@ -99,6 +99,14 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_SIM_LATENCY_MS", default_value_t = 0)]
     pub sim_latency_ms: u64,
 
+    /// Where the idempotency records live: the --database (the default), one Redis server
+    /// (`redis://[USER:PASSWORD@]HOST:PORT[/DB]`) or a Redis Cluster
+    /// (`redis+cluster://HOST:PORT[,HOST:PORT]...`). The domain tables stay in --database. Redis
+    /// must run with `maxmemory-policy noeviction` (anything else is refused at start); see the
+    /// idempotency-redis crate for the persistence settings each guarantee needs.
+    #[arg(long, env = "LEASEBROKER_RECORD_STORE", hide_env_values = true, value_name = "URL")]
+    pub record_store: Option<String>,
+
     /// How long completed idempotency records are kept (and replayed).
     #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub retention: Duration,
@@ -161,6 +169,15 @@ impl ServeArgs {
             && self.tokens.iter().any(|(t, _)| t == admin)
         {
             return Err("the admin token must not also be a tenant's --token".to_owned());
+        }
+        if let Some(url) = &self.record_store
+            && !["redis://", "rediss://", "redis+cluster://"].iter().any(|scheme| url.starts_with(scheme))
+        {
+            return Err(format!(
+                "--record-store {}: unsupported URL; use redis://HOST:PORT or redis+cluster://HOST:PORT[,HOST:PORT]... \
+                 (without it the records stay in --database)",
+                crate::db::redact(url)
+            ));
         }
         if self.hypervisor_settle < self.hypervisor_timeout {
             return Err(format!(

@@ -357,10 +357,79 @@ async fn sigkill_mid_create_then_restart_and_retry_gives_one_of_everything() {
 #[tokio::test]
 async fn two_replicas_on_one_postgres_behave_as_one_service() {
     let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    two_replicas_behave_as_one_service(pg.url(), &[]).await;
+}
+
+/// Issue 14: the domain tables on one PostgreSQL, the idempotency records on a Redis Cluster of
+/// three primaries started for the test.
+#[tokio::test]
+async fn two_replicas_with_records_on_a_redis_cluster_behave_as_one_service() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    if !idempotency_redis::testing::have_redis_binaries() {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "redis-server and redis-cli are missing, and CI=true: the Redis tests must run in CI"
+        );
+        eprintln!("SKIPPED: the Redis Cluster test: redis-server or redis-cli is not installed");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(idempotency_redis::testing::Cluster::start).await.expect("cluster");
+    two_replicas_behave_as_one_service(pg.url(), &["--record-store", &cluster.url()]).await;
+    // The records are on the cluster, spread over its primaries, and not in PostgreSQL.
+    let mut on_redis = 0;
+    for node in &cluster.nodes {
+        let keys: i64 = redis::cmd("DBSIZE").query(&mut node.connection()).expect("dbsize");
+        on_redis += keys;
+    }
+    assert!(on_redis >= 8, "the 8 records are on the cluster: {on_redis} keys");
+    let db = leasebroker::db::Db::connect(pg.url()).await.expect("connect");
+    let leasebroker::db::Db::Postgres(pool) = db else { panic!("postgres") };
+    let in_pg: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records").fetch_one(&pool).await.expect("count");
+    assert_eq!(in_pg, 0, "no record in PostgreSQL");
+}
+
+/// A record store the service cannot use stops it at start, with one line that says why: an
+/// unknown scheme, and a Redis that may evict records (an evicted record is a duplicate waiting
+/// to happen).
+#[tokio::test]
+async fn an_unusable_record_store_is_refused_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let refused = |store: String| {
+        let out = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--database", &db, "--record-store", &store])
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "it started with --record-store {store}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        stderr
+    };
+    let stderr = refused("memcached://127.0.0.1:11211".into());
+    assert!(stderr.contains("--record-store") && stderr.contains("redis://"), "{stderr}");
+    if !idempotency_redis::testing::have_redis_binaries() {
+        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
+        eprintln!("SKIPPED: the evicting-policy case: redis-server or redis-cli is not installed");
+        return;
+    }
+    let redis_dir = tempfile::tempdir().expect("tempdir");
+    let node = idempotency_redis::testing::start_server(redis_dir.path(), &["--maxmemory-policy", "allkeys-lru"]);
+    let stderr = refused(node.url());
+    assert!(stderr.contains("allkeys-lru"), "{stderr}");
+}
+
+/// Two replicas of the service on one database (`db`), with `extra` serve flags: 32 creates
+/// over 8 keys, spread over both, give 8 workers and 8 boots.
+async fn two_replicas_behave_as_one_service(db: &str, extra: &[&str]) {
     let hv = sim(&[]);
-    let a = serve(pg.url(), &["--hypervisor-url", &hv.url]);
-    let b = serve(pg.url(), &["--hypervisor-url", &hv.url]);
-    let keys: Vec<String> = (0..8).map(|i| format!("replica-key-{i}")).collect();
+    let mut args = vec!["--hypervisor-url", hv.url.as_str()];
+    args.extend_from_slice(extra);
+    let a = serve(db, &args);
+    let b = serve(db, &args);
+    let run = idempotency::RecordId::random().to_hex();
+    let keys: Vec<String> = (0..8).map(|i| format!("replica-key-{i}-{}", &run[..8])).collect();
     let mut tasks = vec![];
     for key in &keys {
         for base in [&a.url, &b.url, &a.url, &b.url] {
