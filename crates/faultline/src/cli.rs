@@ -112,6 +112,12 @@ pub struct Scenario {
     /// faultline runs as root, on a free port, removed after), never the `--postgres` server.
     #[arg(long, default_value_t = 0)]
     pub postgres_restarts: u32,
+    /// Keep the idempotency records on a Redis Cluster of three primaries that faultline starts
+    /// for each run (`redis-server` and `redis-cli` from the PATH, on free ports, removed after),
+    /// passed to the servers as `--record-store redis+cluster://...`; the domain tables stay in
+    /// the database.
+    #[arg(long)]
+    pub redis_cluster: bool,
     /// How long the database stays down at each restart.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub postgres_down: Duration,

@@ -17,6 +17,8 @@ use crate::workload::ClientKind;
 pub struct Setup {
     /// `sqlite` or `postgres`.
     pub database: &'static str,
+    /// Where the idempotency records were: `database`, or `redis-cluster x3`.
+    pub record_store: &'static str,
     /// `serve` processes.
     pub replicas: u32,
     /// Logical operations.
@@ -156,6 +158,7 @@ pub fn table(runs: &[RunReport]) -> String {
         runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
     let rows: Vec<Row> = vec![
         ("database / replicas", Box::new(|r| format!("{} x{}", r.setup.database, r.setup.replicas))),
+        ("idempotency records", Box::new(|r| r.setup.record_store.to_owned())),
         ("operations", Box::new(|r| r.setup.ops.to_string())),
         ("  via lbctl processes", Box::new(|r| r.outcomes.via_lbctl.to_string())),
         ("attempts (HTTP requests)", Box::new(|r| r.attempts.to_string())),

@@ -226,7 +226,20 @@ async fn run_in(
         refuse: sc.hv_refuse,
     };
     let hypervisor = Hypervisor::start(&bin.leasebroker, dir, faults).await?;
-    let (extra, settle, abandon_after) = serve_extra(sc, bin)?;
+    let (mut extra, settle, abandon_after) = serve_extra(sc, bin)?;
+    // Stopped and removed when the run ends (its processes are killed on drop).
+    let redis = if sc.redis_cluster {
+        if !idempotency_redis::testing::have_redis_binaries() {
+            bail!("--redis-cluster needs redis-server and redis-cli on the PATH (Debian: redis-server, redis-tools)");
+        }
+        let cluster = tokio::task::spawn_blocking(idempotency_redis::testing::Cluster::start)
+            .await
+            .context("starting a Redis Cluster")?;
+        extra.extend(["--record-store".to_owned(), cluster.url()]);
+        Some(cluster)
+    } else {
+        None
+    };
     let config = ServeConfig {
         binary: bin.leasebroker.clone(),
         database: database.to_owned(),
@@ -379,6 +392,7 @@ async fn run_in(
             clients: kind,
             setup: Setup {
                 database: if on_postgres { "postgres" } else { "sqlite" },
+                record_store: if redis.is_some() { "redis-cluster x3" } else { "database" },
                 replicas: replicas_n,
                 ops: sc.ops,
                 concurrency: sc.concurrency,
