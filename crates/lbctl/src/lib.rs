@@ -86,6 +86,7 @@ pub enum WorkersCommand {
         /// A label, K=V; repeat for more.
         #[arg(long = "label", value_name = "K=V", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
@@ -107,6 +108,7 @@ pub enum WorkersCommand {
     Delete {
         /// The worker id.
         id: WorkerId,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
@@ -114,6 +116,7 @@ pub enum WorkersCommand {
     Reboot {
         /// The worker id.
         id: WorkerId,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
