@@ -3,11 +3,13 @@
 //! A store crate runs it with [`store_conformance_suite!`](crate::store_conformance_suite), naming
 //! a module and an async expression that makes a fresh [`Fixture`]:
 //!
-//! ```ignore
+//! ```
+//! // In a test file, such as `tests/conformance.rs`:
 //! idempotency::store_conformance_suite!(memory, async {
 //!     let store = std::sync::Arc::new(idempotency::MemoryStore::new());
 //!     idempotency::conformance::Fixture { peer: store.clone(), store }
 //! });
+//! # fn main() {}
 //! ```
 //!
 //! Each case becomes a `#[tokio::test]` named `<module>::<case>`, so a test run shows which
@@ -528,11 +530,20 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
 /// `optional` before the expression and make it evaluate to `Option<Fixture>`: on `None` each
 /// case returns at once (the fixture should have said loudly why it skipped).
 ///
-/// ```ignore
+/// ```
+/// # use std::sync::Arc;
+/// # use idempotency::{MemoryStore, conformance::Fixture};
+/// # struct Database;
+/// # async fn my_test_database() -> Option<Database> { Some(Database) }
+/// # async fn fixture_on(_db: Database) -> Fixture {
+/// #     let store = Arc::new(MemoryStore::new());
+/// #     Fixture { peer: store.clone(), store }
+/// # }
 /// idempotency::store_conformance_suite!(postgres, optional async {
 ///     let db = my_test_database().await?; // None: skipped
 ///     Some(fixture_on(db).await)
 /// });
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! store_conformance_suite {
@@ -540,7 +551,14 @@ macro_rules! store_conformance_suite {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
-            $crate::store_conformance_suite!(@cases $fixture;
+
+            // The expression once, outside the `#[test]` functions, so that it is type-checked
+            // even where tests are not built (the doc examples).
+            async fn fixture() -> ::core::option::Option<$crate::conformance::Fixture> {
+                $fixture.await
+            }
+
+            $crate::store_conformance_suite!(@cases fixture();
                 first_claim_owns,
                 second_claim_sees_the_record,
                 mismatch_is_detected_in_every_state,
