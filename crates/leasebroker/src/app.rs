@@ -146,7 +146,7 @@ impl Application {
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst.unwrap_or(args.rate_limit)),
         };
-        let router = api::router(state, layer)
+        let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
