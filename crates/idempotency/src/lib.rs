@@ -15,6 +15,7 @@ mod key;
 mod memory;
 mod policy;
 mod record;
+mod record_id;
 mod scope;
 mod store;
 mod sweeper;
@@ -30,9 +31,10 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use policy::{DEFAULT_TERMINAL_4XX, NEVER_STORED, ResponsePolicy};
 pub use record::{
-    BodyEncoding, Claim, ClaimOutcome, ClaimRequest, Decision, Record, RecordId, RecordState, StoredBody,
-    StoredResponse, Timestamp, now, stale_after,
+    BodyEncoding, Claim, ClaimOutcome, ClaimRequest, Decision, Record, RecordState, StoredBody, StoredResponse,
+    Timestamp, now, stale_after,
 };
+pub use record_id::RecordId;
 pub use scope::{Endpoint, Principal, Scope, normalize_path};
 pub use store::{Store, StoreError};
 pub use sweeper::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_PAUSE, Sweeper};
