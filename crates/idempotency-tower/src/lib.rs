@@ -37,7 +37,7 @@ mod problem;
 mod protect;
 mod service;
 
-pub use config::RoutePolicy;
+pub use config::{MismatchStatus, RoutePolicy};
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
 pub use layer::{

@@ -215,7 +215,7 @@ impl Rejection {
                 "the request carries no identity to scope its idempotency key to; authenticate and retry",
             ),
             Self::Mismatch => Problem::new(
-                cfg.mismatch_status,
+                cfg.mismatch_status.status(),
                 "idempotency-key-reused",
                 "Idempotency-Key reused",
                 "this key was already used for a different request (method, path, query, content type or \

@@ -96,10 +96,9 @@ impl Application {
         .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
         let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
         let store = wrap(db.idempotency_store());
-        let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())
-            .mismatch_status(mismatch)
+            .mismatch_status(args.mismatch_status)
             .in_flight_ttl(args.in_flight_ttl)
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
