@@ -47,6 +47,21 @@ impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
     }
+
+    /// Gets a reference to the inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Gets a mutable reference to the inner service.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes this service, returning the inner one.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
