@@ -29,14 +29,14 @@ pub enum RoutePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum MismatchStatus {
-    /// `409 Conflict`, the default.
+    /// 409 Conflict, the default.
     #[default]
     #[cfg_attr(feature = "clap", value(name = "409"))]
     Conflict,
-    /// `422 Unprocessable Content`, as the IETF draft has it.
+    /// 422 Unprocessable Content, as the IETF draft has it.
     #[cfg_attr(feature = "clap", value(name = "422"))]
     UnprocessableContent,
-    /// `400 Bad Request`, as Stripe answers.
+    /// 400 Bad Request, as Stripe answers.
     #[cfg_attr(feature = "clap", value(name = "400"))]
     BadRequest,
 }
