@@ -570,10 +570,9 @@ mod migrators {
     }
 }
 
-// The stores are Clone + Send + Sync and usable as `Arc<dyn Store>`.
-#[allow(dead_code)]
-fn stores_are_dyn_compatible(s: SqliteStore, p: PostgresStore) -> (Fixture, Fixture) {
+// The stores are Clone + Send + Sync and usable as `Arc<dyn Store>`: checked when this compiles.
+const _: fn(SqliteStore, PostgresStore) -> (Fixture, Fixture) = |s, p| {
     let s: Arc<dyn idempotency::Store> = Arc::new(s);
     let p: Arc<dyn idempotency::Store> = Arc::new(p);
     (Fixture { store: s.clone(), peer: s }, Fixture { store: p.clone(), peer: p })
-}
+};

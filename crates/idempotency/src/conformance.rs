@@ -538,17 +538,16 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
 #[macro_export]
 macro_rules! store_conformance_suite {
     ($name:ident, optional $fixture:expr) => {
+        // The expression once, in the caller's scope (so it sees what the caller sees), outside
+        // the `#[test]` functions (so it is type-checked even where tests are not built, as in
+        // doc examples). A function and a module may share a name: they live in different
+        // namespaces.
+        async fn $name() -> ::core::option::Option<$crate::conformance::Fixture> {
+            $fixture.await
+        }
+
         mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-
-            // The expression once, outside the `#[test]` functions, so that it is type-checked
-            // even where tests are not built (the doc examples).
-            async fn fixture() -> ::core::option::Option<$crate::conformance::Fixture> {
-                $fixture.await
-            }
-
-            $crate::store_conformance_suite!(@cases fixture();
+            $crate::store_conformance_suite!(@cases super::$name();
                 first_claim_owns,
                 second_claim_sees_the_record,
                 mismatch_is_detected_in_every_state,
