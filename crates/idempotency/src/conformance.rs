@@ -513,8 +513,9 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
     fx.store.ping().await.expect("ping");
 }
 
-/// Generates one `#[tokio::test]` per conformance case in a module named `$name`.
-/// `$fixture` is an async expression evaluating to a fresh [`Fixture`].
+/// Generates one `#[tokio::test]` per conformance case in a module named `$name`, and beside it
+/// an async function also named `$name` that evaluates `$fixture`, an async expression making a
+/// fresh [`Fixture`].
 ///
 /// For a backend that may be unavailable (a database named by an environment variable), write
 /// `optional` before the expression and make it evaluate to `Option<Fixture>`: on `None` each

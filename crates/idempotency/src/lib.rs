@@ -5,9 +5,9 @@
 //! The parsed [`IdempotencyKey`]; the record [`Scope`] ([`Principal`], [`Endpoint`], key); the
 //! request [`Fingerprint`] made by a [`Fingerprinter`]; the [`Record`], its [`RecordState`] and
 //! the [`Decision`] a retry gets; the [`ResponsePolicy`]; the [`Store`] trait and the
-//! [`MemoryStore`]; [`derive`]d sub-keys for each side effect; the background [`Sweeper`]. With
-//! feature `conformance`, the store conformance suite (`conformance`) and a store that fails on
-//! demand (`faulty`).
+//! [`MemoryStore`]; [`derive`](fn@derive)d sub-keys for each side effect; the background
+//! [`Sweeper`]. With feature `conformance`, the store conformance suite (`conformance`) and a
+//! store that fails on demand (`faulty`).
 
 mod derive;
 mod fingerprint;

@@ -217,7 +217,7 @@ const MAX_LINE: usize = 2000;
 
 /// `text` made safe for a terminal, as one line: every control character (newlines, ESC and so
 /// the ANSI sequences it starts, BEL, C1 controls) and every bidirectional-override character is
-/// dropped (whitespace ones become a space), and the result is cut at [`MAX_LINE`] characters.
+/// dropped (whitespace ones become a space), and the result is cut at `MAX_LINE` characters.
 /// Server-supplied text passes through here before it reaches stderr.
 pub fn one_line(text: &str) -> String {
     let is_bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
