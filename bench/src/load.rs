@@ -9,7 +9,7 @@ use serde::Serialize;
 
 /// What one run measured.
 #[derive(Debug, Clone, Serialize)]
-pub struct Stats {
+pub(crate) struct Stats {
     /// Operations that returned what was expected.
     pub ops: u64,
     /// Operations that failed or returned something unexpected.
@@ -23,7 +23,7 @@ pub struct Stats {
 }
 
 /// Latency percentile of sorted microsecond samples (nearest rank).
-pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
@@ -33,7 +33,7 @@ pub fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 /// Runs `op(task, i)` from `concurrency` tasks, back to back, for `duration`; `op` returns
 /// `Ok(true)` for an expected outcome. Only operations that start before the deadline count.
-pub async fn run<F, Fut>(concurrency: usize, duration: Duration, op: F) -> Stats
+pub(crate) async fn run<F, Fut>(concurrency: usize, duration: Duration, op: F) -> Stats
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = anyhow::Result<bool>> + Send + 'static,
@@ -43,7 +43,13 @@ where
 
 /// Like [`run`], with a `pace` pause after each operation (not timed), and stopping early
 /// once `stop` is set.
-pub async fn run_until<F, Fut>(concurrency: usize, max: Duration, pace: Duration, stop: Arc<AtomicBool>, op: F) -> Stats
+pub(crate) async fn run_until<F, Fut>(
+    concurrency: usize,
+    max: Duration,
+    pace: Duration,
+    stop: Arc<AtomicBool>,
+    op: F,
+) -> Stats
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = anyhow::Result<bool>> + Send + 'static,

@@ -19,7 +19,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use crate::load::{self, Stats};
 
 /// Completed records `pg-prepare` creates for the replay runs.
-pub const DEFAULT_KEYS: u32 = 10_000;
+pub(crate) const DEFAULT_KEYS: u32 = 10_000;
 
 const PRINCIPAL: &str = "bench";
 const METHOD: &str = "POST";
@@ -84,14 +84,14 @@ async fn insert_series(pool: &PgPool, prefix: &str, count: u32, expired: bool) -
 }
 
 #[derive(Debug, Args)]
-pub struct PrepareArgs {
+pub(crate) struct PrepareArgs {
     #[arg(long)]
     database: String,
     #[arg(long, default_value_t = DEFAULT_KEYS)]
     keys: u32,
 }
 
-pub async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
+pub(crate) async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
     let store = PostgresStore::from_pool(pool(&a.database, 1).await?);
     store.migrate().await?;
     let n = insert_series(store.pool(), "r-", a.keys, false).await?;
@@ -100,7 +100,7 @@ pub async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum Op {
+pub(crate) enum Op {
     /// Claim a fresh key, then complete it: two statements.
     First,
     /// Claim a completed key: one statement.
@@ -108,13 +108,13 @@ pub enum Op {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum Strategy {
+pub(crate) enum Strategy {
     InsertOrRead,
     SeedUpsert,
 }
 
 #[derive(Debug, Args)]
-pub struct StoreArgs {
+pub(crate) struct StoreArgs {
     #[arg(long)]
     database: String,
     #[arg(long, value_enum)]
@@ -152,7 +152,7 @@ async fn wal_diff(pool: &PgPool, after: &str, before: &str) -> anyhow::Result<f6
         .await?)
 }
 
-pub async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
+pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
     let store = if a.pool == 0 {
         PostgresStore::connect(&a.database).await?
     } else if a.ping_on_checkout {
@@ -239,7 +239,7 @@ fn complete(key: &str) -> String {
 /// `first.sql`: the claim of a fresh key, then its completion (two statements, autocommit),
 /// as the store runs them. pgbench passes `:k` and `:nonce` as parameters under
 /// `-M prepared`.
-pub fn write_pgbench_scripts(dir: &Path, keys: u32) -> anyhow::Result<()> {
+pub(crate) fn write_pgbench_scripts(dir: &Path, keys: u32) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let replay = format!("\\set k random(0, {})\n{}", keys.max(1) - 1, insert_or_read("('r-' || :k::text)"));
     let fresh = "(:nonce::text || '-' || :k::text)";
@@ -250,7 +250,7 @@ pub fn write_pgbench_scripts(dir: &Path, keys: u32) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Args)]
-pub struct SweeperArgs {
+pub(crate) struct SweeperArgs {
     #[arg(long)]
     database: String,
     /// Expired rows to insert and sweep.
@@ -290,7 +290,7 @@ async fn claims(
 
 /// Idle, sweeping, idle: claim latency in each phase, with the service's own pool (10) shared
 /// by the claims and the sweeper, as in a running service.
-pub async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
+pub(crate) async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
     let store = Arc::new(PostgresStore::connect(&a.database).await?);
     store.migrate().await?;
     let t = Instant::now();
@@ -328,7 +328,7 @@ pub async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Args)]
-pub struct SizeArgs {
+pub(crate) struct SizeArgs {
     #[arg(long)]
     database: String,
     #[arg(long, default_value_t = 5000)]
@@ -396,7 +396,7 @@ async fn size_of(store: &PostgresStore, records: u32, threshold: usize) -> anyho
     }))
 }
 
-pub async fn record_size(a: SizeArgs) -> anyhow::Result<()> {
+pub(crate) async fn record_size(a: SizeArgs) -> anyhow::Result<()> {
     let store = PostgresStore::from_pool(pool(&a.database, 2).await?);
     store.migrate().await?;
     let raw = size_of(&store, a.records, usize::MAX).await?;

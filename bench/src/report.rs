@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 #[derive(Debug, Args)]
-pub struct ReportArgs {
+pub(crate) struct ReportArgs {
     /// The raw measurements, one JSON object a line.
     #[arg(long)]
     raw: PathBuf,
@@ -321,7 +321,7 @@ fn fmt(x: f64) -> String {
     }
 }
 
-pub fn report(a: ReportArgs) -> anyhow::Result<()> {
+pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.raw)?;
     let mut lines = Vec::new();
     let mut runs = Runs(BTreeMap::new());

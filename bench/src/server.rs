@@ -12,7 +12,7 @@ use idempotency_tower::IdempotencyLayer;
 
 /// What sits between the listener and the handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// No layer at all.
     Bare,
     /// Our layer, in-memory store.
@@ -27,7 +27,7 @@ pub enum Mode {
 }
 
 #[derive(Debug, Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     #[arg(long, value_enum)]
     mode: Mode,
     /// PostgreSQL URL for `--mode postgres`.
@@ -61,7 +61,7 @@ fn peer() -> Router {
         .layer(tower_cookies::CookieManagerLayer::new())
 }
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Kept alive for the life of the server: the SQLite file lives in it.
     let dir = tempfile::tempdir()?;
     let app = match args.mode {

@@ -35,6 +35,7 @@ pub struct RunArgs {
     /// Only the protected clients.
     #[arg(long)]
     pub no_naive: bool,
+    /// What the run does besides its client fault rate.
     #[command(flatten)]
     pub scenario: Scenario,
 }
@@ -45,6 +46,7 @@ pub struct SweepArgs {
     /// The client fault rates, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.2,0.3", value_parser = parse_probability)]
     pub rates: Vec<f64>,
+    /// What the run does besides its client fault rate.
     #[command(flatten)]
     pub scenario: Scenario,
 }

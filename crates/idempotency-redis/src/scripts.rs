@@ -99,7 +99,7 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             claim: Lua::new(CLAIM),
             reclaim: Lua::new(RECLAIM),

@@ -29,17 +29,17 @@ mod support {
     use async_trait::async_trait;
     use idempotency::conformance::Fixture;
     use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
-    pub use idempotency_redis::testing::{Cluster, have_redis_binaries, start_server};
+    pub(crate) use idempotency_redis::testing::{Cluster, have_redis_binaries, start_server};
     use idempotency_redis::{RedisStore, RedisStoreOptions};
 
-    pub const TEST_REDIS_URL: &str = "TEST_REDIS_URL";
+    pub(crate) const TEST_REDIS_URL: &str = "TEST_REDIS_URL";
 
     fn in_ci() -> bool {
         std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
     }
 
     /// Under `CI=true` a skip is a failure; otherwise it prints a loud line and returns `None`.
-    pub fn skip<T>(why: &str) -> Option<T> {
+    pub(crate) fn skip<T>(why: &str) -> Option<T> {
         let test = std::thread::current().name().unwrap_or("<unnamed>").to_owned();
         if in_ci() {
             panic!("{test}: {why}, and CI=true: the Redis tests must run in CI");
@@ -49,26 +49,26 @@ mod support {
         None
     }
 
-    pub fn server_url() -> String {
+    pub(crate) fn server_url() -> String {
         std::env::var(TEST_REDIS_URL)
             .ok()
             .filter(|u| !u.trim().is_empty())
             .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned())
     }
 
-    pub fn unique_prefix() -> String {
+    pub(crate) fn unique_prefix() -> String {
         format!("test-{}:", idempotency::RecordId::random().to_hex())
     }
 
     /// A store that keeps what it lives on (a cluster, a prefix to clean up) alive as long as
     /// it is.
-    pub struct Holding<G> {
+    pub(crate) struct Holding<G> {
         store: RedisStore,
         _guard: Arc<G>,
     }
 
     impl<G> Holding<G> {
-        pub fn new(store: RedisStore, guard: Arc<G>) -> Self {
+        pub(crate) fn new(store: RedisStore, guard: Arc<G>) -> Self {
             Self { store, _guard: guard }
         }
     }
@@ -111,9 +111,9 @@ mod support {
     }
 
     /// Deletes every key under a prefix on the shared server when dropped.
-    pub struct PrefixCleanup {
-        pub url: String,
-        pub prefix: String,
+    pub(crate) struct PrefixCleanup {
+        pub(crate) url: String,
+        pub(crate) prefix: String,
     }
 
     impl Drop for PrefixCleanup {
@@ -134,7 +134,7 @@ mod support {
 
     /// A store on the shared server with a prefix of its own; `None` (skipped) when the server
     /// does not answer.
-    pub async fn server_store() -> Option<(RedisStore, Arc<PrefixCleanup>)> {
+    pub(crate) async fn server_store() -> Option<(RedisStore, Arc<PrefixCleanup>)> {
         let url = server_url();
         let prefix = unique_prefix();
         let options = RedisStoreOptions::default().prefix(prefix.clone()).connect_timeout(Duration::from_secs(2));
@@ -150,7 +150,7 @@ mod support {
 
     /// `store` and `peer` are two connections (two connection managers) to the shared server,
     /// as two replicas of a service would have.
-    pub async fn server_fixture() -> Option<Fixture> {
+    pub(crate) async fn server_fixture() -> Option<Fixture> {
         let (store, cleanup) = server_store().await?;
         let options = RedisStoreOptions::default().prefix(store.prefix());
         let peer = RedisStore::connect_with(&cleanup.url, options).await.expect("connect the peer");
@@ -162,21 +162,21 @@ mod support {
 
     /// A cluster of its own; `None` (skipped) without the Redis binaries. Checked here, on
     /// the test's thread, so that the SKIPPED line names the test.
-    pub async fn cluster() -> Option<Arc<Cluster>> {
+    pub(crate) async fn cluster() -> Option<Arc<Cluster>> {
         if !have_redis_binaries() {
             return skip("redis-server or redis-cli is not installed");
         }
         Some(Arc::new(tokio::task::spawn_blocking(Cluster::start).await.expect("start the cluster")))
     }
 
-    pub async fn cluster_store(cluster: &Cluster, prefix: &str) -> RedisStore {
+    pub(crate) async fn cluster_store(cluster: &Cluster, prefix: &str) -> RedisStore {
         let options = RedisStoreOptions::default().prefix(prefix).response_timeout(Duration::from_secs(2));
         RedisStore::connect_with(&cluster.url(), options).await.expect("connect to the cluster")
     }
 
     /// `store` and `peer` are two cluster clients (each with its own connections) on a fresh
     /// cluster.
-    pub async fn cluster_fixture() -> Option<Fixture> {
+    pub(crate) async fn cluster_fixture() -> Option<Fixture> {
         let cluster = cluster().await?;
         let prefix = unique_prefix();
         let store = cluster_store(&cluster, &prefix).await;
@@ -199,12 +199,12 @@ mod common {
         now,
     };
 
-    pub fn scope() -> Scope {
+    pub(crate) fn scope() -> Scope {
         let key = IdempotencyKey::try_from(RecordId::random().to_hex().as_str()).expect("key");
         Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key)
     }
 
-    pub fn request(scope: &Scope) -> ClaimRequest {
+    pub(crate) fn request(scope: &Scope) -> ClaimRequest {
         let t = now();
         ClaimRequest {
             scope: scope.clone(),
@@ -214,7 +214,7 @@ mod common {
         }
     }
 
-    pub fn response() -> StoredResponse {
+    pub(crate) fn response() -> StoredResponse {
         StoredResponse { status: 201, headers: vec![], body: StoredBody::encode(Bytes::from_static(b"{}"), 1024) }
     }
 }

@@ -1,33 +1,7 @@
-//! SQLite and PostgreSQL stores for idempotency records.
+#![doc = include_str!("../README.md")]
 //!
-//! Both implement [`idempotency::Store`] and pass the core's conformance suite:
-//!
-//! - [`SqliteStore`]: embedded, the default for a single machine, durable across restarts (WAL
-//!   journal, `synchronous = FULL`, a busy timeout, writes in `BEGIN IMMEDIATE` transactions).
-//! - [`PostgresStore`]: for several replicas of a service sharing one database. A claim is one
-//!   round trip (a replay needs nothing else); a first execution is two (claim, then complete).
-//!   See [`ClaimStrategy`] for the two claim statements on offer.
-//!
-//! ```
-//! use idempotency::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope, Store, now};
-//! use idempotency_sqlx::SqliteStore;
-//!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! # let dir = tempfile::tempdir()?;
-//! # let path = dir.path().join("leasebroker.db");
-//! let store = SqliteStore::connect(path.to_str().unwrap()).await?; // or "sqlite://leasebroker.db"
-//! store.migrate().await?;
-//!
-//! let key = IdempotencyKey::try_from("7c3f5d1e-91a4-4b8c")?;
-//! let scope = Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key);
-//! let t = now();
-//! let req = ClaimRequest {
-//!     scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t + chrono::Duration::hours(24),
-//! };
-//! assert!(matches!(store.claim(req.clone()).await?, ClaimOutcome::Owned(_)));
-//! assert!(matches!(store.claim(req).await?, ClaimOutcome::Existing(_)));
-//! # Ok(()) }
-//! ```
+//! The stores: [`SqliteStore`] and [`PostgresStore`]; see [`ClaimStrategy`] for the two claim
+//! statements on offer on PostgreSQL.
 //!
 //! # Migrations, and sharing the database with another migrator
 //!

@@ -42,7 +42,7 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
 
 impl RawRecord {
     /// Validates the row into a [`Record`]; anything unexpected is [`StoreError::Corrupt`].
-    pub fn into_record(self) -> Result<Record, StoreError> {
+    pub(crate) fn into_record(self) -> Result<Record, StoreError> {
         let key = IdempotencyKey::try_from(self.key.as_str()).map_err(|e| corrupt(format!("stored key: {e}")))?;
         let record_id = <[u8; 16]>::try_from(self.record_id.as_slice())
             .map(RecordId::from_bytes)

@@ -22,13 +22,13 @@ mod support {
 
     /// A store that keeps what it lives in (a temp dir, a test database) alive as long as it is.
     /// Fields drop in order: the store (its pool) first, then the guard.
-    pub struct Holding<S, G> {
+    pub(crate) struct Holding<S, G> {
         store: S,
         _guard: Arc<G>,
     }
 
     impl<S, G> Holding<S, G> {
-        pub fn new(store: S, guard: Arc<G>) -> Self {
+        pub(crate) fn new(store: S, guard: Arc<G>) -> Self {
             Self { store, _guard: guard }
         }
     }
@@ -71,7 +71,7 @@ mod support {
     }
 
     /// A temp SQLite file; `store` and `peer` are two pools on it, as two processes would be.
-    pub async fn sqlite_fixture() -> Fixture {
+    pub(crate) async fn sqlite_fixture() -> Fixture {
         let dir = Arc::new(tempfile::tempdir().expect("tempdir"));
         let url = format!("sqlite://{}", dir.path().join("idempotency.db").display());
         let store = SqliteStore::connect(&url).await.expect("open");
@@ -81,12 +81,12 @@ mod support {
     }
 
     /// A small pool: many tests run at once against one server.
-    pub async fn pg_pool(url: &str) -> PgPool {
+    pub(crate) async fn pg_pool(url: &str) -> PgPool {
         PgPoolOptions::new().max_connections(4).connect(url).await.expect("connect to the test database")
     }
 
     /// A fresh database; `store` and `peer` are two pools on it, as two replicas would be.
-    pub async fn postgres_fixture(strategy: ClaimStrategy) -> Option<Fixture> {
+    pub(crate) async fn postgres_fixture(strategy: ClaimStrategy) -> Option<Fixture> {
         let db = Arc::new(TestDatabase::create().await?);
         let store = PostgresStore::from_pool(pg_pool(db.url()).await).with_claim_strategy(strategy);
         store.migrate().await.expect("migrate");
@@ -95,7 +95,7 @@ mod support {
     }
 
     /// A PostgreSQL store on a fresh, migrated database, and the database.
-    pub async fn postgres_store(strategy: ClaimStrategy) -> Option<(PostgresStore, TestDatabase)> {
+    pub(crate) async fn postgres_store(strategy: ClaimStrategy) -> Option<(PostgresStore, TestDatabase)> {
         let db = TestDatabase::create().await?;
         let store = PostgresStore::from_pool(pg_pool(db.url()).await).with_claim_strategy(strategy);
         store.migrate().await.expect("migrate");
@@ -118,7 +118,7 @@ mod common {
         StoredBody, StoredResponse, Timestamp,
     };
 
-    pub fn scope(key: &str) -> Scope {
+    pub(crate) fn scope(key: &str) -> Scope {
         Scope::new(
             Principal::new("team-a"),
             Endpoint::new("POST", "/v1/workers"),
@@ -126,11 +126,11 @@ mod common {
         )
     }
 
-    pub fn unique_scope() -> Scope {
+    pub(crate) fn unique_scope() -> Scope {
         scope(&format!("k-{}", RecordId::random().to_hex()))
     }
 
-    pub fn request(scope: &Scope, at: Timestamp) -> ClaimRequest {
+    pub(crate) fn request(scope: &Scope, at: Timestamp) -> ClaimRequest {
         ClaimRequest {
             scope: scope.clone(),
             fingerprint: Fingerprint::from_stored("sha256:ab"),
@@ -139,7 +139,7 @@ mod common {
         }
     }
 
-    pub fn response() -> StoredResponse {
+    pub(crate) fn response() -> StoredResponse {
         StoredResponse {
             status: 201,
             headers: vec![("location".into(), "/v1/workers/wkr-1".into())],
@@ -147,7 +147,7 @@ mod common {
         }
     }
 
-    pub async fn own(store: &dyn Store, req: ClaimRequest) -> idempotency::Claim {
+    pub(crate) async fn own(store: &dyn Store, req: ClaimRequest) -> idempotency::Claim {
         match store.claim(req).await.expect("claim") {
             ClaimOutcome::Owned(c) => c,
             ClaimOutcome::Existing(r) => panic!("expected to own the key, found {r:?}"),
@@ -570,10 +570,9 @@ mod migrators {
     }
 }
 
-// The stores are Clone + Send + Sync and usable as `Arc<dyn Store>`.
-#[allow(dead_code)]
-fn stores_are_dyn_compatible(s: SqliteStore, p: PostgresStore) -> (Fixture, Fixture) {
+// The stores are Clone + Send + Sync and usable as `Arc<dyn Store>`: checked when this compiles.
+const _: fn(SqliteStore, PostgresStore) -> (Fixture, Fixture) = |s, p| {
     let s: Arc<dyn idempotency::Store> = Arc::new(s);
     let p: Arc<dyn idempotency::Store> = Arc::new(p);
     (Fixture { store: s.clone(), peer: s }, Fixture { store: p.clone(), peer: p })
-}
+};

@@ -21,6 +21,50 @@ pub enum RoutePolicy {
     Off,
 }
 
+/// The status of `idempotency-key-reused`, the answer to a key sent again with a different
+/// request: one of the three that implementations use, so no other can be configured.
+///
+/// With feature `clap` it is a `clap::ValueEnum` whose values are the numbers, as a command-line
+/// flag takes them (`--mismatch-status 422`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum MismatchStatus {
+    /// 409 Conflict, the default.
+    #[default]
+    #[cfg_attr(feature = "clap", value(name = "409"))]
+    Conflict,
+    /// 422 Unprocessable Content, as the IETF draft has it.
+    #[cfg_attr(feature = "clap", value(name = "422"))]
+    UnprocessableContent,
+    /// 400 Bad Request, as Stripe answers.
+    #[cfg_attr(feature = "clap", value(name = "400"))]
+    BadRequest,
+}
+
+impl MismatchStatus {
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::Conflict => StatusCode::CONFLICT,
+            Self::UnprocessableContent => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::BadRequest => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+impl From<MismatchStatus> for StatusCode {
+    fn from(status: MismatchStatus) -> Self {
+        status.status()
+    }
+}
+
+impl fmt::Display for MismatchStatus {
+    /// The number: `409`, `422` or `400`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.status().as_u16())
+    }
+}
+
 pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
 
@@ -30,7 +74,7 @@ pub(crate) struct Config {
     pub(crate) policy: Box<PolicyFn>,
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) response_policy: ResponsePolicy,
-    pub(crate) mismatch_status: StatusCode,
+    pub(crate) mismatch_status: MismatchStatus,
     pub(crate) in_flight_ttl: Duration,
     pub(crate) retention: Duration,
     pub(crate) body_limit: usize,

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use http::header::{CONTENT_TYPE, LOCATION};
 use http::request::Parts;
-use http::{HeaderName, Method, StatusCode};
+use http::{HeaderName, Method};
 use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, ResponsePolicy, Store};
 use tower::Layer;
 
-use crate::config::{CompletionRetry, Config, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal};
+use crate::config::{
+    CompletionRetry, Config, MismatchStatus, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal,
+};
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
 
@@ -55,7 +57,7 @@ impl IdempotencyLayer {
             policy: Box::new(default_policy),
             fingerprint_mode: FingerprintMode::Raw,
             response_policy: ResponsePolicy::default(),
-            mismatch_status: StatusCode::CONFLICT,
+            mismatch_status: MismatchStatus::Conflict,
             in_flight_ttl: DEFAULT_IN_FLIGHT_TTL,
             retention: DEFAULT_RETENTION,
             body_limit: DEFAULT_BODY_LIMIT,
@@ -95,7 +97,7 @@ pub struct IdempotencyLayerBuilder {
     policy: Box<PolicyFn>,
     fingerprint_mode: FingerprintMode,
     response_policy: ResponsePolicy,
-    mismatch_status: StatusCode,
+    mismatch_status: MismatchStatus,
     in_flight_ttl: Duration,
     retention: Duration,
     body_limit: usize,
@@ -167,13 +169,9 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The status of `idempotency-key-reused`: `409` (default), `422` (IETF draft) or `400`
-    /// (Stripe). Any other status is ignored with a warning and `409` is kept.
-    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
-        if matches!(status.as_u16(), 400 | 409 | 422) {
-            self.mismatch_status = status;
-        } else {
-            tracing::warn!(%status, "mismatch status must be 409, 422 or 400; keeping 409");
-        }
+    /// (Stripe).
+    pub fn mismatch_status(mut self, status: MismatchStatus) -> Self {
+        self.mismatch_status = status;
         self
     }
 

@@ -1,50 +1,7 @@
-//! A tower/axum layer that makes the mutating endpoints of any HTTP service safe to retry with
-//! an `Idempotency-Key` header.
+#![doc = include_str!("../README.md")]
 //!
-//! A client that loses a response cannot tell whether the server did the work. With this layer
-//! it sends one key per logical operation and reuses it on every retry: the first request with
-//! the key runs the handler and its response is stored; a retry gets that response back
-//! byte for byte (with `Idempotent-Replayed: true`); a concurrent duplicate gets
-//! `409 request-in-progress`; the same key with a different request gets
-//! `409 idempotency-key-reused`. Handlers that fail (5xx, error, panic) store nothing, so the
-//! retry runs them again; the handler of a client that disconnects runs to completion.
-//! Every error is an RFC 9457 [`Problem`].
-//!
-//! Records live in any [`idempotency::Store`]: [`idempotency::MemoryStore`] here, SQLite and
-//! PostgreSQL in `idempotency-sqlx`.
-//!
-//! ```
-//! use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
-//! use axum::{Extension, Router, http::StatusCode, routing::post};
-//! use idempotency::{MemoryStore, Principal};
-//! use idempotency_tower::{IdempotencyContext, IdempotencyLayer, RoutePolicy};
-//!
-//! static BOOTS: AtomicUsize = AtomicUsize::new(0);
-//!
-//! async fn create(Extension(ctx): Extension<IdempotencyContext>) -> (StatusCode, String) {
-//!     BOOTS.fetch_add(1, Ordering::SeqCst); // a side effect, keyed off ctx.derive("boot")
-//!     (StatusCode::CREATED, format!("{{\"boot_id\":\"{}\"}}", ctx.derive("boot")))
-//! }
-//!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! let layer = IdempotencyLayer::builder(Arc::new(MemoryStore::new()))
-//!     .principal(|parts| parts.headers.get("x-user")?.to_str().ok().map(Principal::new))
-//!     .policy(|_method, path| if path.starts_with("/v1/") { RoutePolicy::Required } else { RoutePolicy::Off })
-//!     .build();
-//! let app = Router::new().route("/v1/workers", post(create)).layer(layer);
-//!
-//! use tower::ServiceExt;
-//! let request = || {
-//!     http::Request::post("/v1/workers").header("x-user", "team-a")
-//!         .header("idempotency-key", "\"7c3f5d1e\"").body(axum::body::Body::empty()).unwrap()
-//! };
-//! let first = app.clone().oneshot(request()).await.unwrap();
-//! let retry = app.oneshot(request()).await.unwrap();
-//! assert_eq!((first.status(), retry.status()), (StatusCode::CREATED, StatusCode::CREATED));
-//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
-//! assert_eq!(BOOTS.load(Ordering::SeqCst), 1);
-//! # }
-//! ```
+//! The layer is [`IdempotencyLayer`], built with [`IdempotencyLayer::builder`]; every error it
+//! answers is a [`Problem`].
 //!
 //! The edges, briefly (each is a builder option or a default):
 //!
@@ -80,7 +37,7 @@ mod problem;
 mod protect;
 mod service;
 
-pub use config::RoutePolicy;
+pub use config::{MismatchStatus, RoutePolicy};
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
 pub use layer::{

@@ -10,6 +10,7 @@ use http::{HeaderValue, StatusCode};
 use idempotency::{KeyError, StoreError};
 
 use crate::config::Config;
+use crate::metrics::count;
 
 /// The default prefix of a problem's `type`: `/problems/<name>`.
 pub const DEFAULT_PROBLEM_BASE: &str = "/problems/";
@@ -214,7 +215,7 @@ impl Rejection {
                 "the request carries no identity to scope its idempotency key to; authenticate and retry",
             ),
             Self::Mismatch => Problem::new(
-                cfg.mismatch_status,
+                cfg.mismatch_status.status(),
                 "idempotency-key-reused",
                 "Idempotency-Key reused",
                 "this key was already used for a different request (method, path, query, content type or \
@@ -275,6 +276,19 @@ impl Rejection {
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
     let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
     s.max(1)
+}
+
+/// Turns a rejection into its response, counting and tracing it. The current span (the
+/// request's, inside the protected path) gets the outcome.
+pub(crate) fn rejection_response(cfg: &Config, rejection: Rejection) -> Response {
+    let outcome = rejection.outcome();
+    count(outcome);
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    let problem = rejection.into_problem(cfg);
+    span.record("status", problem.status().as_u16());
+    tracing::debug!(outcome, status = problem.status().as_u16(), "idempotency rejection");
+    problem.into_response()
 }
 
 #[cfg(test)]

@@ -24,8 +24,7 @@ use crate::BoxError;
 use crate::config::{Config, never_replayed};
 use crate::context::IdempotencyContext;
 use crate::metrics::{count, timed};
-use crate::problem::Rejection;
-use crate::service::rejection_response;
+use crate::problem::{Rejection, rejection_response};
 
 /// The response header that marks a replay.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

@@ -6,7 +6,6 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::OriginalUri;
-use axum::response::IntoResponse;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
@@ -18,8 +17,7 @@ use tracing::Instrument;
 use crate::BoxError;
 use crate::config::{Config, RoutePolicy, is_mutating};
 use crate::future::{Detach, ResponseFuture};
-use crate::metrics::count;
-use crate::problem::Rejection;
+use crate::problem::{Rejection, rejection_response};
 use crate::protect::{Protected, run};
 
 /// The header that carries the key.
@@ -48,6 +46,21 @@ impl<S> fmt::Debug for IdempotencyService<S> {
 impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
+    }
+
+    /// Gets a reference to the inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Gets a mutable reference to the inner service.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes this service, returning the inner one.
+    pub fn into_inner(self) -> S {
+        self.inner
     }
 }
 
@@ -219,19 +232,6 @@ where
             }
         }
     }
-}
-
-/// Turns a rejection into its response, counting and tracing it. The current span (the
-/// request's, inside the protected path) gets the outcome.
-pub(crate) fn rejection_response(cfg: &Config, rejection: Rejection) -> Response<Body> {
-    let outcome = rejection.outcome();
-    count(outcome);
-    let span = tracing::Span::current();
-    span.record("outcome", outcome);
-    let problem = rejection.into_problem(cfg);
-    span.record("status", problem.status().as_u16());
-    tracing::debug!(outcome, status = problem.status().as_u16(), "idempotency rejection");
-    problem.into_response()
 }
 
 fn reject<F, E>(cfg: &Config, rejection: Rejection, key: Option<&IdempotencyKey>) -> ResponseFuture<F, E> {

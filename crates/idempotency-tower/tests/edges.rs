@@ -444,3 +444,17 @@ mod large_responses {
         }
     }
 }
+
+mod inner_service {
+    use super::*;
+    use tower::Layer;
+
+    /// As with tower-http's services, the wrapped service can be read, changed and taken back.
+    #[tokio::test]
+    async fn the_inner_service_is_reachable() {
+        let mut service = layer(Arc::new(MemoryStore::new())).build().layer(vec![1]);
+        service.get_mut().push(2);
+        assert_eq!(service.get_ref(), &[1, 2]);
+        assert_eq!(service.into_inner(), [1, 2]);
+    }
+}

@@ -3,11 +3,13 @@
 //! A store crate runs it with [`store_conformance_suite!`](crate::store_conformance_suite), naming
 //! a module and an async expression that makes a fresh [`Fixture`]:
 //!
-//! ```ignore
+//! ```
+//! // In a test file, such as `tests/conformance.rs`:
 //! idempotency::store_conformance_suite!(memory, async {
 //!     let store = std::sync::Arc::new(idempotency::MemoryStore::new());
 //!     idempotency::conformance::Fixture { peer: store.clone(), store }
 //! });
+//! # fn main() {}
 //! ```
 //!
 //! Each case becomes a `#[tokio::test]` named `<module>::<case>`, so a test run shows which
@@ -177,7 +179,7 @@ pub async fn failed_record_is_reclaimed(fx: Fixture) {
     assert_eq!(again.record().record_id, first.record().record_id);
     assert_eq!(again.record().started_at, t + Span::seconds(1));
     assert_eq!(again.record().created_at, t);
-    assert_eq!(crate::derive(again.record(), "alloc"), crate::derive(first.record(), "alloc"));
+    assert_eq!(again.derive("alloc"), first.derive("alloc"));
     fx.store.complete(&again, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
     assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").state, RecordState::Completed);
 }
@@ -284,17 +286,7 @@ pub async fn expiry_frees_the_key(fx: Fixture) {
     let again = owned(&*fx.store, request(&unswept, &fp("b"), t + Span::seconds(61))).await;
     assert_ne!(again.record().record_id, first_ids[1]);
     assert_eq!(again.generation(), 1);
-    assert_ne!(
-        crate::derive(again.record(), "alloc"),
-        crate::derive(
-            &{
-                let mut old = again.record().clone();
-                old.record_id = first_ids[1];
-                old
-            },
-            "alloc"
-        )
-    );
+    assert_ne!(again.derive("alloc"), crate::derive(again.scope(), &first_ids[1], "alloc"),);
 
     // Sweep everything that expired by a time far in the future for this test's records only
     // would touch other tests' rows; sweep up to t+61s and check our row went.
@@ -407,7 +399,7 @@ pub async fn scopes_never_share_a_record(fx: Fixture) {
     let cb = owned(&*fx.store, request(&b, &fp("a"), t)).await;
     let cc = owned(&*fx.store, request(&c, &fp("a"), t)).await;
     assert_ne!(ca.record().record_id, cb.record().record_id);
-    assert_ne!(crate::derive(ca.record(), "alloc"), crate::derive(cb.record(), "alloc"));
+    assert_ne!(ca.derive("alloc"), cb.derive("alloc"));
     fx.store.complete(&ca, &response(201, b"alice"), t + Span::hours(1)).await.expect("complete");
     for s in [&b, &c] {
         let r = fx.store.get(s).await.expect("get").expect("row");
@@ -571,18 +563,28 @@ pub async fn unknown_scope_is_absent(fx: Fixture) {
     fx.store.ping().await.expect("ping");
 }
 
-/// Generates one `#[tokio::test]` per conformance case in a module named `$name`.
-/// `$fixture` is an async expression evaluating to a fresh [`Fixture`].
+/// Generates one `#[tokio::test]` per conformance case in a module named `$name`, and beside it
+/// an async function also named `$name` that evaluates `$fixture`, an async expression making a
+/// fresh [`Fixture`].
 ///
 /// For a backend that may be unavailable (a database named by an environment variable), write
 /// `optional` before the expression and make it evaluate to `Option<Fixture>`: on `None` each
 /// case returns at once (the fixture should have said loudly why it skipped).
 ///
-/// ```ignore
+/// ```
+/// # use std::sync::Arc;
+/// # use idempotency::{MemoryStore, conformance::Fixture};
+/// # struct Database;
+/// # async fn my_test_database() -> Option<Database> { Some(Database) }
+/// # async fn fixture_on(_db: Database) -> Fixture {
+/// #     let store = Arc::new(MemoryStore::new());
+/// #     Fixture { peer: store.clone(), store }
+/// # }
 /// idempotency::store_conformance_suite!(postgres, optional async {
 ///     let db = my_test_database().await?; // None: skipped
 ///     Some(fixture_on(db).await)
 /// });
+/// # fn main() {}
 /// ```
 ///
 /// A store whose records expire by themselves (a Redis key's own expiry), whose
@@ -609,10 +611,16 @@ macro_rules! store_conformance_suite {
         $crate::store_conformance_suite!($name, optional async { ::core::option::Option::Some($fixture.await) });
     };
     (@suite $name:ident, $fixture:expr; $($expiry:ident),* $(,)?) => {
+        // The expression once, in the caller's scope (so it sees what the caller sees), outside
+        // the `#[test]` functions (so it is type-checked even where tests are not built, as in
+        // doc examples). A function and a module may share a name: they live in different
+        // namespaces.
+        async fn $name() -> ::core::option::Option<$crate::conformance::Fixture> {
+            $fixture.await
+        }
+
         mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-            $crate::store_conformance_suite!(@cases $fixture;
+            $crate::store_conformance_suite!(@cases super::$name();
                 first_claim_owns,
                 second_claim_sees_the_record,
                 mismatch_is_detected_in_every_state,

@@ -4,7 +4,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::Record;
+use crate::{RecordId, Scope};
 
 /// A stable identifier for one side effect of one record, such as a node allocation or a VM boot.
 ///
@@ -33,11 +33,12 @@ impl fmt::Debug for SubKey {
     }
 }
 
-/// Derives the sub-key for the side effect `label` of `record`.
+/// Derives the sub-key for the side effect `label` of the record with `scope` and `record_id`.
 ///
 /// SHA-256 over a version tag and the length-prefixed principal, endpoint, key, record id and
 /// label, truncated to 128 bits. The record id is minted when the record is created, so the
-/// derivation covers the record's whole identity.
+/// derivation covers the record's whole identity. [`Record::derive`](crate::Record::derive) and
+/// [`Claim::derive`](crate::Claim::derive) call it with their record's.
 ///
 /// ```
 /// # use idempotency::*;
@@ -46,17 +47,17 @@ impl fmt::Debug for SubKey {
 /// let t = now();
 /// let req = ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t };
 /// let record = req.new_record();
-/// assert_eq!(derive(&record, "alloc"), derive(&record.clone(), "alloc"));
-/// assert_ne!(derive(&record, "alloc"), derive(&record, "lease"));
+/// assert_eq!(derive(&record.scope, &record.record_id, "alloc"), record.clone().derive("alloc"));
+/// assert_ne!(record.derive("alloc"), record.derive("lease"));
 /// ```
-pub fn derive(record: &Record, label: &str) -> SubKey {
+pub fn derive(scope: &Scope, record_id: &RecordId, label: &str) -> SubKey {
     let mut h = Sha256::new();
     for field in [
         b"idempotency/derive/v1".as_slice(),
-        record.scope.principal.as_str().as_bytes(),
-        record.scope.endpoint.as_str().as_bytes(),
-        record.scope.key.as_str().as_bytes(),
-        record.record_id.as_bytes(),
+        scope.principal.as_str().as_bytes(),
+        scope.endpoint.as_str().as_bytes(),
+        scope.key.as_str().as_bytes(),
+        record_id.as_bytes(),
         label.as_bytes(),
     ] {
         h.update((field.len() as u64).to_be_bytes());
@@ -69,23 +70,15 @@ pub fn derive(record: &Record, label: &str) -> SubKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, RecordId, Scope, now};
+    use crate::{Endpoint, IdempotencyKey, Principal};
 
-    fn record(principal: &str, endpoint: &str, key: &str, id: RecordId) -> Record {
-        let t = now();
-        let mut r = ClaimRequest {
-            scope: Scope::new(
-                Principal::new(principal),
-                Endpoint::new("POST", endpoint),
-                IdempotencyKey::try_from(key).unwrap(),
-            ),
-            fingerprint: Fingerprint::from_stored("sha256:00"),
-            now: t,
-            expires_at: t,
-        }
-        .new_record();
-        r.record_id = id;
-        r
+    fn sub(principal: &str, endpoint: &str, key: &str, id: RecordId, label: &str) -> SubKey {
+        let scope = Scope::new(
+            Principal::new(principal),
+            Endpoint::new("POST", endpoint),
+            IdempotencyKey::try_from(key).unwrap(),
+        );
+        derive(&scope, &id, label)
     }
 
     #[test]
@@ -93,8 +86,7 @@ mod tests {
         // A fixed vector: if this changes, every in-flight operation in the field would lose
         // track of its side effects. Never change it.
         let id = RecordId::from_hex("000102030405060708090a0b0c0d0e0f").unwrap();
-        let r = record("team-a", "/v1/workers", "k1", id);
-        assert_eq!(derive(&r, "alloc").as_str(), FIXED_VECTOR);
+        assert_eq!(sub("team-a", "/v1/workers", "k1", id, "alloc").as_str(), FIXED_VECTOR);
     }
 
     const FIXED_VECTOR: &str = "sk-e74cfa33dbf23f045c1411e0d687144f";
@@ -102,11 +94,11 @@ mod tests {
     #[test]
     fn differs_across_every_part_of_the_identity() {
         let id = RecordId::random();
-        let base = derive(&record("a", "/x", "k", id), "alloc");
-        assert_ne!(base, derive(&record("b", "/x", "k", id), "alloc"));
-        assert_ne!(base, derive(&record("a", "/y", "k", id), "alloc"));
-        assert_ne!(base, derive(&record("a", "/x", "k2", id), "alloc"));
-        assert_ne!(base, derive(&record("a", "/x", "k", RecordId::random()), "alloc"));
-        assert_ne!(base, derive(&record("a", "/x", "k", id), "lease"));
+        let base = sub("a", "/x", "k", id, "alloc");
+        assert_ne!(base, sub("b", "/x", "k", id, "alloc"));
+        assert_ne!(base, sub("a", "/y", "k", id, "alloc"));
+        assert_ne!(base, sub("a", "/x", "k2", id, "alloc"));
+        assert_ne!(base, sub("a", "/x", "k", RecordId::random(), "alloc"));
+        assert_ne!(base, sub("a", "/x", "k", id, "lease"));
     }
 }

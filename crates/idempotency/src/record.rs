@@ -3,11 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::derive::{SubKey, derive};
+use crate::{Fingerprint, RecordId, Scope};
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
-use rand::RngCore;
-
-use crate::{Fingerprint, Scope};
 
 /// A point in time as stores keep it: UTC, microsecond precision.
 pub type Timestamp = DateTime<Utc>;
@@ -63,48 +62,6 @@ impl RecordState {
 impl fmt::Display for RecordState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-/// A record's creation identity: random, minted once when the record is created, kept across
-/// re-claims, new when an expired key is used again. Sub-keys derive from it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RecordId([u8; 16]);
-
-impl RecordId {
-    /// A fresh random id.
-    pub fn random() -> Self {
-        let mut b = [0u8; 16];
-        rand::rng().fill_bytes(&mut b);
-        Self(b)
-    }
-
-    /// The id from its 16 raw bytes (as a store keeps it in a binary column).
-    pub fn from_bytes(bytes: [u8; 16]) -> Self {
-        Self(bytes)
-    }
-
-    /// The id as 32 lowercase hex digits (its stored form).
-    pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
-    }
-
-    /// Parses the stored form.
-    pub fn from_hex(s: &str) -> Option<Self> {
-        let mut b = [0u8; 16];
-        hex::decode_to_slice(s, &mut b).ok()?;
-        Some(Self(b))
-    }
-
-    /// The raw bytes.
-    pub fn as_bytes(&self) -> &[u8; 16] {
-        &self.0
-    }
-}
-
-impl fmt::Debug for RecordId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "RecordId({})", self.to_hex())
     }
 }
 
@@ -247,6 +204,11 @@ pub enum Decision {
 }
 
 impl Record {
+    /// The stable sub-key for the side effect `label` of this record; see [`crate::derive`].
+    pub fn derive(&self, label: &str) -> SubKey {
+        derive(&self.scope, &self.record_id, label)
+    }
+
     /// True when the record has expired at `now` and its key is free.
     pub fn is_expired(&self, now: Timestamp) -> bool {
         self.expires_at <= now
@@ -319,8 +281,8 @@ impl Claim {
     }
 
     /// A stable sub-key for one side effect of this request; see [`crate::derive`].
-    pub fn derive(&self, label: &str) -> crate::SubKey {
-        crate::derive(&self.record, label)
+    pub fn derive(&self, label: &str) -> SubKey {
+        self.record.derive(label)
     }
 }
 

@@ -86,6 +86,7 @@ pub enum WorkersCommand {
         /// A label, K=V; repeat for more.
         #[arg(long = "label", value_name = "K=V", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
@@ -107,6 +108,7 @@ pub enum WorkersCommand {
     Delete {
         /// The worker id.
         id: WorkerId,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
@@ -114,6 +116,7 @@ pub enum WorkersCommand {
     Reboot {
         /// The worker id.
         id: WorkerId,
+        /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,
     },
@@ -214,7 +217,7 @@ const MAX_LINE: usize = 2000;
 
 /// `text` made safe for a terminal, as one line: every control character (newlines, ESC and so
 /// the ANSI sequences it starts, BEL, C1 controls) and every bidirectional-override character is
-/// dropped (whitespace ones become a space), and the result is cut at [`MAX_LINE`] characters.
+/// dropped (whitespace ones become a space), and the result is cut at `MAX_LINE` characters.
 /// Server-supplied text passes through here before it reaches stderr.
 pub fn one_line(text: &str) -> String {
     let is_bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');

@@ -1,16 +1,16 @@
-//! The HTTP API (SPEC 3.2): routes, authentication, and errors as problem+json.
+//! The HTTP API (SPEC 3.2): handlers, authentication, and errors as problem+json. The router
+//! that puts them together is in [`crate::routes`].
 
 use std::sync::{Arc, OnceLock};
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use idempotency::Principal;
-use idempotency_tower::{IdempotencyContext, IdempotencyLayer, Problem};
+use idempotency_tower::{IdempotencyContext, Problem};
 use metrics_exporter_prometheus::PrometheusHandle;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
@@ -267,7 +267,9 @@ fn principal_for<'a>(
     found
 }
 
-async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+/// The bearer check of `/v1`: the token's principal goes into the request's extensions, else
+/// `401`.
+pub(crate) async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     let Some(digest) = bearer(req.headers()) else { return unauthorized() };
     match principal_for(state.tokens.iter(), &digest) {
         Some(p) => {
@@ -280,7 +282,7 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
 
 /// `429` + `Retry-After` for a principal over its budget of mutating requests. Runs after
 /// authentication and before the idempotency layer, so a refused request claims no key.
-async fn rate_limit(State(state): State<AppState>, req: Request, next: Next) -> Response {
+pub(crate) async fn rate_limit(State(state): State<AppState>, req: Request, next: Next) -> Response {
     use governor::clock::Clock;
     let (Some(limiter), false) = (&state.rate_limiter, req.method().is_safe()) else { return next.run(req).await };
     let Some(principal) = req.extensions().get::<Principal>() else { return next.run(req).await };
@@ -301,7 +303,8 @@ async fn rate_limit(State(state): State<AppState>, req: Request, next: Next) -> 
     }
 }
 
-async fn authenticate_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// The bearer check of `/admin`: the admin token, else `401`.
+pub(crate) async fn authenticate_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
     match (state.admin_token, bearer(req.headers())) {
         (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => next.run(req).await,
         _ => unauthorized(),
@@ -582,54 +585,6 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
-}
-
-/// The OpenAPI document.
-pub async fn openapi() -> Response {
-    Json(crate::openapi::document()).into_response()
-}
-
-async fn not_found() -> Response {
-    Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found", "no such route").into_response()
-}
-
-async fn method_not_allowed(req: Request, next: Next) -> Response {
-    let r = next.run(req).await;
-    if r.status() == StatusCode::METHOD_NOT_ALLOWED {
-        return Problem::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
-            "Method not allowed",
-            "see /openapi.json",
-        )
-        .into_response();
-    }
-    r
-}
-
-/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, and the
-/// operational routes.
-pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
-    let v1 = Router::new()
-        .route("/v1/workers", post(create_worker).get(list_workers))
-        .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
-        .route("/v1/workers/{id}/reboot", post(reboot_worker))
-        .layer(idempotency)
-        .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
-        .layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    let admin = Router::new()
-        .route("/admin/v1/fleet", get(fleet))
-        .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
-    Router::new()
-        .merge(v1)
-        .merge(admin)
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
-        .fallback(not_found)
-        .layer(middleware::from_fn(method_not_allowed))
-        .with_state(state)
 }
 
 #[cfg(test)]

@@ -103,10 +103,9 @@ impl Application {
                     .with_context(|| format!("record store {}", redact(url)))?,
             ),
         });
-        let mismatch = StatusCode::from_u16(args.mismatch_status).context("mismatch status")?;
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())
-            .mismatch_status(mismatch)
+            .mismatch_status(args.mismatch_status)
             .in_flight_ttl(args.in_flight_ttl)
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
@@ -153,7 +152,7 @@ impl Application {
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst.unwrap_or(args.rate_limit)),
         };
-        let router = api::router(state, layer)
+        let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use idempotency_tower::MismatchStatus;
 
 /// leasebroker: hands out worker nodes from a pool, safe to retry with Idempotency-Key.
 #[derive(Debug, Parser)]
@@ -125,8 +126,8 @@ pub struct ServeArgs {
     pub sweep_interval: Duration,
 
     /// Status for a key reused with a different request: 409 (default), 422 (IETF draft) or 400.
-    #[arg(long, env = "LEASEBROKER_MISMATCH_STATUS", default_value_t = 409, value_parser = parse_mismatch_status)]
-    pub mismatch_status: u16,
+    #[arg(long, env = "LEASEBROKER_MISMATCH_STATUS", value_enum, default_value_t = MismatchStatus::Conflict)]
+    pub mismatch_status: MismatchStatus,
 
     // Tenants: quotas, rate limits, connection timeouts and the shutdown drain (SPEC 3.1, 3.2).
     /// The most workers one principal may hold; a create beyond it answers 403 `quota-exceeded`.
@@ -311,15 +312,6 @@ fn parse_probability(s: &str) -> Result<f64, String> {
     }
 }
 
-fn parse_mismatch_status(s: &str) -> Result<u16, String> {
-    match s {
-        "409" => Ok(409),
-        "422" => Ok(422),
-        "400" => Ok(400),
-        _ => Err(format!("expected 409, 422 or 400, got {s:?}")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,6 +322,28 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn mismatch_status_takes_the_three_numbers() {
+        let serve = |extra: &[&str]| {
+            let cli = Cli::try_parse_from(["leasebroker", "serve"].iter().chain(extra)).map_err(|e| e.to_string())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            Ok::<_, String>(s.mismatch_status)
+        };
+        assert_eq!(serve(&[]), Ok(MismatchStatus::Conflict), "the default");
+        for (flag, expected) in [
+            ("409", MismatchStatus::Conflict),
+            ("422", MismatchStatus::UnprocessableContent),
+            ("400", MismatchStatus::BadRequest),
+        ] {
+            assert_eq!(serve(&["--mismatch-status", flag]), Ok(expected), "{flag}");
+            assert_eq!(expected.to_string(), flag);
+        }
+        for refused in ["418", "conflict", "Conflict"] {
+            let err = serve(&["--mismatch-status", refused]).expect_err(refused);
+            assert!(err.contains("409, 422, 400"), "{refused:?}: {err}");
+        }
     }
 
     #[test]
@@ -351,7 +365,7 @@ mod tests {
             vec![("token-one-0123456789".into(), "alice".into()), ("token=two-0123456789".into(), "bob".into())],
             "split at the last '='"
         );
-        assert_eq!(s.mismatch_status, 422);
+        assert_eq!(s.mismatch_status, MismatchStatus::UnprocessableContent);
         assert_eq!(s.retention, Duration::from_secs(7 * 86400));
         assert_eq!(s.max_stored_response, 1024 * 1024);
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--token", "nope"]).is_err());

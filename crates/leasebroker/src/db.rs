@@ -1,6 +1,6 @@
 //! The database both stores share: SQLite (embedded default) or PostgreSQL (several replicas).
 //!
-//! Domain SQL is written once with `$N` placeholders, which both drivers accept; [`with_pool!`]
+//! Domain SQL is written once with `$N` placeholders, which both drivers accept; `with_pool!`
 //! runs the same code against whichever pool is configured.
 
 use std::path::Path;

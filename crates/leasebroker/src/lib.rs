@@ -26,5 +26,6 @@ pub mod domain;
 pub mod hypervisor;
 pub mod openapi;
 pub mod reaper;
+pub mod routes;
 pub mod serve;
 pub mod service;

@@ -1,3 +1,6 @@
+//! The `leasebroker` binary: parse the command line, then serve, run the hypervisor simulator,
+//! or migrate the database.
+
 use std::time::Duration;
 
 use anyhow::Context;

@@ -357,9 +357,9 @@ impl Reaper {
             None => None,
         };
         let tombstone = match &record {
-            Some(r) => idempotency::derive(r, "delete"),
+            Some(r) => r.derive("delete"),
             None => match rebuilt_record(op, &scope) {
-                Some(r) => idempotency::derive(&r, "delete"),
+                Some(r) => r.derive("delete"),
                 None => return Ok(()),
             },
         };

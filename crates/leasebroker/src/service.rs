@@ -98,7 +98,7 @@ impl Operation {
 
     /// The sub-key of the side effect `label`.
     pub fn derive(&self, label: &str) -> SubKey {
-        idempotency::derive(&self.record, label)
+        self.record.derive(label)
     }
 
     /// The operation's row, for an attempt starting at `now`.
@@ -139,7 +139,7 @@ impl CreateKeys {
 
     /// The sub-keys of the create whose record is `record`.
     pub fn of_record(record: &Record) -> Self {
-        let d = |label| idempotency::derive(record, label);
+        let d = |label| record.derive(label);
         Self { op: d("op"), alloc: d("alloc"), lease: d("lease"), boot: d("boot"), worker: d("worker") }
     }
 

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 
 /// One scripted answer.
 #[derive(Debug, Clone)]
-pub struct Reply {
+pub(crate) struct Reply {
     status: u16,
     headers: Vec<(&'static str, String)>,
     body: String,
@@ -19,7 +19,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    pub fn json(status: u16, body: impl Into<String>) -> Self {
+    pub(crate) fn json(status: u16, body: impl Into<String>) -> Self {
         Reply {
             status,
             headers: vec![("content-type", "application/json".into())],
@@ -29,7 +29,7 @@ impl Reply {
     }
 
     /// An RFC 9457 problem with the given short name.
-    pub fn problem(status: u16, name: &str) -> Self {
+    pub(crate) fn problem(status: u16, name: &str) -> Self {
         let body = serde_json::json!({
             "type": format!("https://leasebroker.test/problems/{name}"),
             "title": name,
@@ -44,13 +44,13 @@ impl Reply {
         }
     }
 
-    pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
+    pub(crate) fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
         self.headers.push((name, value.into()));
         self
     }
 
     /// Waits this long before answering (to make the client's attempt time out).
-    pub fn delay(mut self, delay: Duration) -> Self {
+    pub(crate) fn delay(mut self, delay: Duration) -> Self {
         self.delay = delay;
         self
     }
@@ -58,7 +58,7 @@ impl Reply {
 
 /// What one request carried.
 #[derive(Debug, Clone)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub method: Method,
     pub path_and_query: String,
     pub key: Option<String>,
@@ -76,13 +76,13 @@ struct State {
 
 /// The running server; it stops when the test's runtime ends.
 #[derive(Debug, Clone)]
-pub struct Scripted {
+pub(crate) struct Scripted {
     pub url: String,
     state: Arc<Mutex<State>>,
 }
 
 impl Scripted {
-    pub async fn start(replies: impl IntoIterator<Item = Reply>) -> Self {
+    pub(crate) async fn start(replies: impl IntoIterator<Item = Reply>) -> Self {
         let mut script: VecDeque<Reply> = replies.into_iter().collect();
         let last = script.back().cloned().expect("a script needs at least one reply");
         if script.len() == 1 {
@@ -100,15 +100,15 @@ impl Scripted {
         Scripted { url, state }
     }
 
-    pub fn seen(&self) -> Vec<Seen> {
+    pub(crate) fn seen(&self) -> Vec<Seen> {
         self.state.lock().expect("lock").seen.clone()
     }
 
-    pub fn keys(&self) -> Vec<Option<String>> {
+    pub(crate) fn keys(&self) -> Vec<Option<String>> {
         self.seen().into_iter().map(|s| s.key).collect()
     }
 
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.state.lock().expect("lock").seen.len()
     }
 }
@@ -137,7 +137,7 @@ async fn answer(state: Arc<Mutex<State>>, method: Method, uri: Uri, headers: Hea
 }
 
 /// A port with nothing listening on it.
-pub fn closed_port_url() -> String {
+pub(crate) fn closed_port_url() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     drop(listener);

@@ -1,0 +1,63 @@
+//! The router: the API's handlers and middleware ([`crate::api`]) and the OpenAPI document that
+//! describes them ([`crate::openapi`]), put together.
+
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idempotency_tower::{IdempotencyLayer, Problem};
+
+use crate::api::{
+    AppState, authenticate, authenticate_admin, create_worker, delete_worker, fleet, get_worker, healthz, list_workers,
+    metrics, rate_limit, readyz, reboot_worker,
+};
+
+/// The OpenAPI document.
+pub async fn openapi() -> Response {
+    Json(crate::openapi::document()).into_response()
+}
+
+async fn not_found() -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found", "no such route").into_response()
+}
+
+async fn method_not_allowed(req: Request, next: Next) -> Response {
+    let r = next.run(req).await;
+    if r.status() == StatusCode::METHOD_NOT_ALLOWED {
+        return Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "Method not allowed",
+            "see /openapi.json",
+        )
+        .into_response();
+    }
+    r
+}
+
+/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, and the
+/// operational routes.
+pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
+    let v1 = Router::new()
+        .route("/v1/workers", post(create_worker).get(list_workers))
+        .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
+        .route("/v1/workers/{id}/reboot", post(reboot_worker))
+        .layer(idempotency)
+        .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    let admin = Router::new()
+        .route("/admin/v1/fleet", get(fleet))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
+    Router::new()
+        .merge(v1)
+        .merge(admin)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .fallback(not_found)
+        .layer(middleware::from_fn(method_not_allowed))
+        .with_state(state)
+}
