@@ -14,6 +14,19 @@ pub struct Cli {
     /// What to run.
     #[command(subcommand)]
     pub command: Command,
+    /// How log lines are written to stderr: `text` for people, `json` (one object per line) for
+    /// log shippers. The level comes from `RUST_LOG` (default `info`).
+    #[arg(long, env = "LEASEBROKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (colored on a terminal).
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The subcommands.

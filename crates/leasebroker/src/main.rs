@@ -6,19 +6,22 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use leasebroker::app::{Application, shutdown_signal};
-use leasebroker::config::{Cli, Command};
+use leasebroker::config::{Cli, Command, LogFormat};
 use leasebroker::db::Db;
 use leasebroker::hypervisor::sim::{self, SimConfig, Simulator};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    match run(Cli::parse()).await {
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("leasebroker: {e:#}");

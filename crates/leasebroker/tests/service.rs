@@ -837,3 +837,31 @@ async fn a_response_above_max_stored_response_runs_once_and_a_retry_gets_410() {
     assert_one_worker_node_and_lease(base).await;
     assert_eq!(fleet(base).await["vm_boots_total"], 1, "the create ran once");
 }
+
+/// `--log-format json` writes one JSON object per log line, for log shippers.
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--database", &db])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    while let Some(Ok(line)) = lines.next() {
+        if line.contains("listening on http://") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let logged: Vec<Value> = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(logged.iter().any(|v| v["fields"]["message"] == "leasebroker ready" && v["level"] == "INFO"), "{stderr}");
+}
