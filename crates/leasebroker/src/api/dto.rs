@@ -1,0 +1,101 @@
+//! What the API shows: workers, pages, reboot results, the fleet.
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::WorkerRow;
+
+/// The worker as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Worker {
+    /// `wkr-...`.
+    pub id: String,
+    /// `booting` or `running`.
+    pub state: String,
+    /// The image.
+    pub image: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory in GB.
+    pub memory_gb: i64,
+    /// Labels.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The node it runs on.
+    pub node_id: String,
+    /// Its lease.
+    pub lease_id: String,
+    /// Its VM.
+    pub vm_id: String,
+    /// Reboots done.
+    pub reboot_count: i64,
+    /// RFC 3339 creation time.
+    pub created_at: String,
+}
+
+impl From<WorkerRow> for Worker {
+    fn from(w: WorkerRow) -> Self {
+        Self {
+            id: w.worker_id,
+            state: w.state,
+            image: w.image,
+            cpu: w.cpu,
+            memory_gb: w.memory_gb,
+            labels: serde_json::from_str(&w.labels).unwrap_or_default(),
+            node_id: w.node_id,
+            lease_id: w.lease_id,
+            vm_id: w.vm_id,
+            reboot_count: w.reboot_count,
+            created_at: chrono::DateTime::from_timestamp_micros(w.created_at)
+                .unwrap_or_default()
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        }
+    }
+}
+
+/// `GET /v1/workers` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct WorkerPage {
+    /// This page.
+    pub workers: Vec<Worker>,
+    /// Pass as `cursor` for the next page; null on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/workers/{id}/reboot` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RebootResult {
+    /// The worker.
+    pub id: String,
+    /// Reboots done, counting this one.
+    pub reboot_count: i64,
+}
+
+/// `GET /admin/v1/fleet` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Fleet {
+    /// Nodes in the pool.
+    pub nodes_total: i64,
+    /// Nodes allocated.
+    pub nodes_allocated: i64,
+    /// Leases held.
+    pub leases_active: i64,
+    /// Workers that exist.
+    pub workers_active: i64,
+    /// VMs running on the hypervisor.
+    pub vms_running: i64,
+    /// VM boots leasebroker recorded.
+    pub vm_boots_total: i64,
+    /// Reboots leasebroker recorded.
+    pub reboots_total: i64,
+}
+
+/// `GET /v1/workers` query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct ListQuery {
+    /// Page size, 1-500 (default 100).
+    pub limit: Option<u32>,
+    /// The previous page's `next_cursor`.
+    pub cursor: Option<String>,
+}
+
+/// The largest page.
+pub const MAX_PAGE: u32 = 500;

@@ -1,0 +1,220 @@
+//! One handler per route.
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use idempotency::Principal;
+use idempotency_tower::{IdempotencyContext, Problem};
+
+use crate::service::{CreateWorker, Operation, ServiceError};
+
+use super::problems::{context, parse_json};
+use super::*;
+
+/// Creates a worker.
+#[utoipa::path(post, path = "/v1/workers", tag = "workers",
+    request_body = CreateWorker,
+    params(("Idempotency-Key" = String, Header, description = "One key per logical operation, 1-128 visible ASCII")),
+    responses(
+        (status = 201, description = "Created (or replayed, with Idempotent-Replayed: true)", body = Worker,
+         headers(("Location" = String, description = "/v1/workers/{id}"))),
+        (status = 400, description = "Malformed JSON, or a missing or invalid key", content_type = "application/problem+json"),
+        (status = 401, description = "Unauthorized", content_type = "application/problem+json"),
+        (status = 403, description = "The principal holds its worker quota (not stored)", content_type = "application/problem+json"),
+        (status = 409, description = "Key reused with another request, or in progress", content_type = "application/problem+json"),
+        (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
+        (status = 415, description = "Not JSON", content_type = "application/problem+json"),
+        (status = 410, description = "The worker this key created was deleted since", content_type = "application/problem+json"),
+        (status = 422, description = "Invalid fields", content_type = "application/problem+json"),
+        (status = 429, description = "Over the principal's rate limit (with --rate-limit)", content_type = "application/problem+json"),
+        (status = 502, description = "Hypervisor refused (nothing held; not stored)", content_type = "application/problem+json"),
+        (status = 503, description = "No free node, or hypervisor unavailable", content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn create_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let req: CreateWorker = match parse_json(&headers, &body) {
+        Ok(r) => r,
+        Err(p) => return p.into_response(),
+    };
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.create(principal.as_str(), &req, &op).await {
+        Ok(row) => {
+            let worker = Worker::from(row);
+            let location = format!("/v1/workers/{}", worker.id);
+            let mut r = (StatusCode::CREATED, Json(worker)).into_response();
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reads one of the caller's workers.
+#[utoipa::path(get, path = "/v1/workers/{id}", tag = "workers",
+    params(("id" = String, Path, description = "Worker id")),
+    responses((status = 200, body = Worker), (status = 401, description = "Unauthorized"), (status = 404, description = "No such worker")),
+    security(("bearer" = [])))]
+pub async fn get_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Response {
+    match state.workers.domain.worker(principal.as_str(), &id).await {
+        Ok(Some(w)) => Json(Worker::from(w)).into_response(),
+        Ok(None) => ServiceError::NotFound(id).into_response(),
+        Err(e) => ServiceError::from(e).into_response(),
+    }
+}
+
+/// Lists the caller's workers, a page at a time.
+#[utoipa::path(get, path = "/v1/workers", tag = "workers", params(ListQuery),
+    responses((status = 200, body = WorkerPage), (status = 400, description = "Bad limit"), (status = 401, description = "Unauthorized")),
+    security(("bearer" = [])))]
+pub async fn list_workers(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else {
+        return Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", "limit must be a number")
+            .into_response();
+    };
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-query",
+            "Invalid query",
+            format!("limit must be 1 to {MAX_PAGE}"),
+        )
+        .into_response();
+    }
+    match state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await {
+        Ok(rows) => {
+            let next_cursor =
+                (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
+            Json(WorkerPage { workers: rows.into_iter().map(Worker::from).collect(), next_cursor }).into_response()
+        }
+        Err(e) => ServiceError::from(e).into_response(),
+    }
+}
+
+/// Deletes a worker, its lease, node allocation and VM.
+#[utoipa::path(delete, path = "/v1/workers/{id}", tag = "workers",
+    params(("id" = String, Path, description = "Worker id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
+    responses((status = 204, description = "Deleted (replayed on every retry)"), (status = 401, description = "Unauthorized"),
+              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
+              (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
+    security(("bearer" = [])))]
+pub async fn delete_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.delete(principal.as_str(), &id, &op).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reboots a worker: once per key, ever.
+#[utoipa::path(post, path = "/v1/workers/{id}/reboot", tag = "workers",
+    params(("id" = String, Path, description = "Worker id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
+    responses((status = 202, body = RebootResult), (status = 401, description = "Unauthorized"),
+              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
+              (status = 404, description = "No such worker"), (status = 502, description = "Hypervisor refused"),
+              (status = 503, description = "Hypervisor unavailable")),
+    security(("bearer" = [])))]
+pub async fn reboot_worker(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.workers.reboot(principal.as_str(), &id, &op).await {
+        Ok(reboot_count) => (StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Fleet counts, for operators and the fault harness.
+#[utoipa::path(get, path = "/admin/v1/fleet", tag = "admin",
+    responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
+    security(("bearer" = [])))]
+pub async fn fleet(State(state): State<AppState>) -> Response {
+    let counts = match state.workers.domain.counts().await {
+        Ok(c) => c,
+        Err(e) => return ServiceError::from(e).into_response(),
+    };
+    let vms_running = match state.hypervisor.list_all().await {
+        Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
+        Err(e) => {
+            return ServiceError::UpstreamUnavailable { reason: format!("cannot list VMs: {e}"), retry_after: 1 }
+                .into_response();
+        }
+    };
+    Json(Fleet {
+        nodes_total: counts.nodes_total,
+        nodes_allocated: counts.nodes_allocated,
+        leases_active: counts.leases_active,
+        workers_active: counts.workers_active,
+        vms_running,
+        vm_boots_total: counts.boots_done,
+        reboots_total: counts.reboots_done,
+    })
+    .into_response()
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "Up")))]
+pub async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// The store answers.
+#[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    match state.store.ping().await {
+        Ok(()) => "ready\n".into_response(),
+        // Unauthenticated: the error (a driver message, maybe a host name) goes to the log only.
+        Err(e) => {
+            tracing::warn!(error = %e, "not ready: the store does not answer");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", "the store does not answer")
+                .with_retry_after(1)
+                .into_response()
+        }
+    }
+}
+
+/// Prometheus text.
+#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}

@@ -1,0 +1,151 @@
+//! Errors as problem+json: every detail bounded, no request body or foreign error text quoted.
+
+use std::sync::OnceLock;
+
+use axum::Extension;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use idempotency_tower::{IdempotencyContext, Problem};
+use regex::Regex;
+
+use crate::db::redact;
+use crate::service::ServiceError;
+
+/// The longest problem `detail` the service sends: details are short, fixed texts or a bounded
+/// description; they never quote the request body or carry another system's error text.
+pub const MAX_DETAIL: usize = 300;
+
+/// Cuts `detail` to at most [`MAX_DETAIL`] bytes, at a character boundary.
+pub(super) fn bounded(mut detail: String) -> String {
+    if detail.len() > MAX_DETAIL {
+        let mut end = MAX_DETAIL - 3;
+        while !detail.is_char_boundary(end) {
+            end -= 1;
+        }
+        detail.truncate(end);
+        detail.push_str("...");
+    }
+    detail
+}
+
+impl IntoResponse for ServiceError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Invalid(detail) => {
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", bounded(detail))
+            }
+            Self::NotFound(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such worker", "no such worker"),
+            Self::CapacityExhausted => {
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", self.to_string())
+                    .with_retry_after(5)
+            }
+            Self::QuotaExceeded(_) => {
+                Problem::new(StatusCode::FORBIDDEN, "quota-exceeded", "Worker quota exceeded", self.to_string())
+            }
+            // The reason names the hypervisor's address and quotes its answer: the log gets it,
+            // the tenant a fixed text.
+            Self::UpstreamUnavailable { ref reason, retry_after } => {
+                tracing::warn!(reason = %redact(reason), "hypervisor unavailable");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "upstream-unavailable",
+                    "Hypervisor unavailable",
+                    "the hypervisor could not complete the call; retry with the same key",
+                )
+                .with_retry_after(retry_after)
+            }
+            Self::UpstreamRefused(ref reason) => {
+                tracing::warn!(reason = %redact(reason), "hypervisor refused a call");
+                Problem::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-unavailable",
+                    "Hypervisor refused the call",
+                    "the hypervisor refused the call",
+                )
+            }
+            Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
+            Self::Database(e) => {
+                tracing::error!(error = %e, "database error");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database-unavailable",
+                    "Database unavailable",
+                    "try again",
+                )
+                .with_retry_after(1)
+            }
+        }
+        .into_response()
+    }
+}
+
+pub(super) fn context(ctx: Option<Extension<IdempotencyContext>>) -> Result<IdempotencyContext, Problem> {
+    ctx.map(|Extension(c)| c).ok_or_else(|| {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "the idempotency layer is missing",
+        )
+    })
+}
+
+pub(super) fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, Problem> {
+    let json_ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")));
+    if !json_ct {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+            "send Content-Type: application/json",
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        use serde_json::error::Category;
+        let detail = json_error_detail(&e);
+        match e.classify() {
+            Category::Data => {
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", detail)
+            }
+            _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", detail),
+        }
+    })
+}
+
+/// The request's own field names, which a detail may name (they come from the schema, not the
+/// body).
+const FIELD_NAMES: [&str; 4] = ["image", "cpu", "memory_gb", "labels"];
+
+/// A problem detail for a JSON error that says what was wrong and where, without quoting the
+/// body: serde's text quotes the offending value or unknown field name whole (a 1 MiB string in
+/// a numeric field would come back as a 1 MiB detail, stored for the retention window).
+/// String values ("...") are dropped, and backquoted ones unless they are field names or
+/// punctuation; the result is at most [`MAX_DETAIL`] bytes.
+pub fn json_error_detail(e: &serde_json::Error) -> String {
+    static QUOTED: OnceLock<Regex> = OnceLock::new();
+    let quoted = QUOTED.get_or_init(|| Regex::new(r#""(?:[^"\\]|\\.)*"?|`[^`]*`?"#).expect("a valid pattern"));
+    let text = e.to_string();
+    // serde puts the unknown name between backquotes unescaped, so it is not cut out reliably.
+    if text.starts_with("unknown field") {
+        return format!(
+            "unknown field, expected one of `image`, `cpu`, `memory_gb`, `labels` at line {} column {}",
+            e.line(),
+            e.column()
+        );
+    }
+    let cleaned = quoted.replace_all(&text, |c: &regex::Captures<'_>| {
+        let q = &c[0];
+        let inner = q.trim_matches('`');
+        let keep = q.starts_with('`')
+            && (FIELD_NAMES.contains(&inner)
+                || (!inner.is_empty() && inner.len() <= 2 && inner.chars().all(|ch| ch.is_ascii_punctuation())));
+        if keep { q.to_owned() } else { String::new() }
+    });
+    // "invalid type: string , expected" -> "invalid type: string, expected".
+    let cleaned = cleaned.replace(" ,", ",").replace("  ", " ");
+    bounded(cleaned.trim().to_owned())
+}
