@@ -1,0 +1,217 @@
+//! leasebroker's tables: the node pool, leases, hypervisor intents, workers, and what the
+//! reaper needs (operations, tombstones of deleted workers, counters).
+//!
+//! Every write that a retry could repeat is keyed by a sub-key derived from the request's
+//! idempotency record and lands on a UNIQUE column, so a second attempt finds the first one's
+//! row instead of writing another.
+
+use serde::Serialize;
+use sqlx::Row;
+
+use crate::db::{Db, with_pool};
+
+/// An error of the domain tables.
+#[derive(Debug, thiserror::Error)]
+pub enum DomainError {
+    /// The database failed.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// The operation was abandoned and the reaper took it to roll it back: an attempt that still
+    /// runs (its claim went stale while it waited) must not take, call or show anything more.
+    #[error("the operation was abandoned and is rolled back; this attempt stops")]
+    RolledBack,
+}
+
+type Result<T> = std::result::Result<T, DomainError>;
+
+/// A node allocated to a worker.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Node {
+    /// `node-0001`...
+    pub node_id: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory in GB.
+    pub memory_gb: i64,
+}
+
+/// An intent to call the hypervisor, recorded before the call.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Intent {
+    /// The derived sub-key; also the tag sent to the hypervisor.
+    pub intent_id: String,
+    /// `boot` or `reboot`.
+    pub kind: String,
+    /// `pending`, `done` or `failed`.
+    pub state: String,
+    /// The VM, once known.
+    pub vm_id: Option<String>,
+    /// When the intent was first recorded (µs since the epoch).
+    pub created_at: i64,
+    /// When the hypervisor was last called for it (µs since the epoch).
+    pub last_attempt_at: i64,
+}
+
+/// A protected operation and the idempotency record it runs under, written at the start of
+/// every attempt so the reaper can map the operation back to its record.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct OperationRow {
+    /// The record's derived sub-key `op`.
+    pub op_id: String,
+    /// `create`, `delete` or `reboot`.
+    pub kind: String,
+    /// The record's principal.
+    pub principal: String,
+    /// The record's endpoint (`POST /v1/workers`).
+    pub endpoint: String,
+    /// The client's idempotency key.
+    pub idem_key: String,
+    /// The record's id, hex.
+    pub record_id: String,
+    /// When the last attempt started (µs since the epoch).
+    pub last_attempt_at: i64,
+}
+
+/// What the reaper freed when it rolled back a create.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Leases deleted (0 or 1).
+    pub leases: u64,
+    /// Nodes freed (0 or 1).
+    pub nodes: u64,
+    /// Operation rows deleted (0 when another replica's reaper got there first).
+    pub operations: u64,
+}
+
+/// A worker row.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WorkerRow {
+    /// `wkr-...`.
+    pub worker_id: String,
+    /// Its owner.
+    pub principal: String,
+    /// The image.
+    pub image: String,
+    /// CPUs.
+    pub cpu: i64,
+    /// Memory.
+    pub memory_gb: i64,
+    /// Labels as a JSON object.
+    pub labels: String,
+    /// Its node.
+    pub node_id: String,
+    /// Its lease.
+    pub lease_id: String,
+    /// Its VM.
+    pub vm_id: String,
+    /// `booting` or `running`.
+    pub state: String,
+    /// Reboots done, one per reboot key.
+    pub reboot_count: i64,
+    /// Creation time (µs since the epoch).
+    pub created_at: i64,
+}
+
+/// The outcome of [`Domain::allocate_within`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Allocation {
+    /// The node allocated under the id (now, or by an earlier attempt).
+    Node(Node),
+    /// No node is free.
+    Exhausted,
+    /// The principal holds its quota of nodes already.
+    QuotaExceeded,
+}
+
+/// Counts for the fleet endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Counts {
+    /// Nodes in the pool.
+    pub nodes_total: i64,
+    /// Nodes allocated.
+    pub nodes_allocated: i64,
+    /// Leases held.
+    pub leases_active: i64,
+    /// Workers that exist.
+    pub workers_active: i64,
+    /// Boot intents that completed, ever.
+    pub boots_done: i64,
+    /// Reboot intents that completed, ever.
+    pub reboots_done: i64,
+}
+
+/// The domain tables on one database.
+#[derive(Debug, Clone)]
+pub struct Domain {
+    db: Db,
+}
+
+/// The fence of a create's steps against the reaper: in the step's own transaction, first, the
+/// operation row must still be there and not taken for a rollback. On PostgreSQL the row is
+/// locked FOR SHARE, so a rollback that marks it waits for the step, or the step for the mark
+/// (and then sees it); on SQLite the statement is a write, so the transaction holds the one
+/// write lock from its start.
+const GUARD_PG: &str = "SELECT 1 FROM lb_operations WHERE op_id = $1 AND rolled_back = 0 FOR SHARE";
+const GUARD_SQLITE: &str = "UPDATE lb_operations SET rolled_back = 0 WHERE op_id = $1 AND rolled_back = 0 RETURNING 1";
+
+/// Runs the guard for `$op_id` in the transaction `$tx`: errs with [`DomainError::RolledBack`]
+/// when the operation was taken for a rollback (or finished and forgotten).
+macro_rules! guard {
+    ($self:ident, $tx:ident, $op_id:expr) => {{
+        let sql = if $self.db.is_postgres() { GUARD_PG } else { GUARD_SQLITE };
+        if sqlx::query(sql).bind($op_id).fetch_optional(&mut *$tx).await?.is_none() {
+            return Err(DomainError::RolledBack);
+        }
+    }};
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error().is_some_and(|d| d.is_unique_violation())
+}
+
+mod intents;
+mod nodes;
+mod operations;
+mod workers;
+
+impl Domain {
+    /// The domain on `db` (migrated already).
+    pub fn new(db: Db) -> Self {
+        Self { db }
+    }
+
+    /// Counts for the fleet endpoint.
+    pub async fn counts(&self) -> Result<Counts> {
+        Ok(with_pool!(&self.db, p => {
+            let row = sqlx::query(
+                "SELECT (SELECT COUNT(*) FROM lb_nodes), \
+                        (SELECT COUNT(*) FROM lb_nodes WHERE alloc_id IS NOT NULL), \
+                        (SELECT COUNT(*) FROM lb_leases), \
+                        (SELECT COUNT(*) FROM lb_workers), \
+                        (SELECT value FROM lb_counters WHERE name = 'boots'), \
+                        (SELECT value FROM lb_counters WHERE name = 'reboots')")
+                .fetch_one(p).await?;
+            Counts {
+                nodes_total: row.try_get(0)?,
+                nodes_allocated: row.try_get(1)?,
+                leases_active: row.try_get(2)?,
+                workers_active: row.try_get(3)?,
+                boots_done: row.try_get(4)?,
+                reboots_done: row.try_get(5)?,
+            }
+        }))
+    }
+
+    /// Whether a worker runs on the VM `vm_id`.
+    pub async fn vm_in_use(&self, vm_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $1").bind(vm_id).fetch_optional(p).await?.is_some()
+        }))
+    }
+
+    /// Checks that the database answers.
+    pub async fn ping(&self) -> Result<()> {
+        with_pool!(&self.db, p => { sqlx::query("SELECT 1").execute(p).await?; });
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! Workers, and the tombstones of deleted ones.
+
+use sqlx::Row;
+
+use super::*;
+use crate::db::with_pool;
+
+impl Domain {
+    /// Inserts a worker, or finds the one a previous attempt inserted under the same id. The
+    /// create `op_id` is finished with it: its intents and its row are deleted in the same
+    /// transaction (a retry answers from the worker row).
+    pub async fn insert_worker(&self, w: &WorkerRow, op_id: &str) -> Result<WorkerRow> {
+        with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
+            sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
+                         vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                         ON CONFLICT (worker_id) DO NOTHING")
+                .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
+                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
+                .bind(w.reboot_count).bind(w.created_at)
+                .execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            tx.commit().await?;
+        });
+        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
+    }
+
+    /// A principal's worker.
+    pub async fn worker(&self, principal: &str, worker_id: &str) -> Result<Option<WorkerRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, WorkerRow>("SELECT * FROM lb_workers WHERE worker_id = $1 AND principal = $2")
+                .bind(worker_id).bind(principal).fetch_optional(p).await?
+        }))
+    }
+
+    /// A principal's workers after `cursor` (exclusive), in id order.
+    pub async fn list_workers(&self, principal: &str, limit: u32, cursor: Option<&str>) -> Result<Vec<WorkerRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, WorkerRow>(
+                "SELECT * FROM lb_workers WHERE principal = $1 AND worker_id > $2 ORDER BY worker_id LIMIT $3")
+                .bind(principal).bind(cursor.unwrap_or("")).bind(i64::from(limit))
+                .fetch_all(p).await?
+        }))
+    }
+
+    /// Deletes a worker, its lease, and frees its node, and leaves the tombstone
+    /// `tombstone_id`, in one transaction. False if it was already gone.
+    pub async fn delete_worker(&self, principal: &str, worker_id: &str, tombstone_id: &str, now: i64) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let row = sqlx::query("DELETE FROM lb_workers WHERE worker_id = $1 AND principal = $2 RETURNING node_id, lease_id")
+                .bind(worker_id).bind(principal).fetch_optional(&mut *tx).await?;
+            let deleted = match row {
+                Some(row) => {
+                    let node_id: String = row.try_get(0)?;
+                    let lease_id: String = row.try_get(1)?;
+                    sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1").bind(&lease_id).execute(&mut *tx).await?;
+                    sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE node_id = $1")
+                        .bind(&node_id).execute(&mut *tx).await?;
+                    sqlx::query("INSERT INTO lb_tombstones (tombstone_id, worker_id, principal, deleted_at) \
+                                 VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING")
+                        .bind(tombstone_id).bind(worker_id).bind(principal).bind(now).execute(&mut *tx).await?;
+                    true
+                }
+                None => false,
+            };
+            tx.commit().await?;
+            deleted
+        }))
+    }
+
+    /// The worker a delete under `tombstone_id` deleted, if one did.
+    pub async fn tombstone(&self, tombstone_id: &str) -> Result<Option<String>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT worker_id FROM lb_tombstones WHERE tombstone_id = $1")
+                .bind(tombstone_id).fetch_optional(p).await?.map(|r| r.try_get::<String, _>(0)).transpose()?
+        }))
+    }
+
+    /// Whether the worker `worker_id` was deleted (within the tombstones' retention).
+    pub async fn is_deleted(&self, worker_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_tombstones WHERE worker_id = $1").bind(worker_id).fetch_optional(p).await?.is_some()
+        }))
+    }
+}
