@@ -1,25 +1,24 @@
 //! The clients and the workload: create (most), reboot and delete of workers a client created,
 //! each logical operation with one key (protected) or a fresh key per attempt (naive).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use leasebroker_client::retry::{Retrier, RetryPolicy};
-use leasebroker_client::{CreateWorker, Error, OpKey, RebootResult, Worker, WorkerId};
+use leasebroker_client::{RebootResult, Worker, WorkerId};
 use rand::Rng;
-use reqwest::RequestBuilder;
-use reqwest::header::{ACCEPT, CONTENT_TYPE};
 use serde::Serialize;
-use tokio::io::AsyncReadExt;
-use tokio::process::Command;
-use tokio::time::Instant;
 
 use crate::cluster::Principal;
+
+mod lbctl;
+mod sdk;
+
+use sdk::decode;
 
 /// Share of operations that reboot a worker (when one is free), and that delete one.
 const REBOOT_SHARE: f64 = 0.2;
@@ -279,174 +278,6 @@ impl Workload {
         add(&self.counters.ops_done, 1);
     }
 
-    fn create_body(index: u64) -> CreateWorker {
-        let mut request = CreateWorker::new("worker-base:2025.11", 2, 4);
-        request.labels = Some(BTreeMap::from([(OP_LABEL.to_owned(), index.to_string())]));
-        request
-    }
-
-    fn body(op: &Op) -> Vec<u8> {
-        match op {
-            Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
-            _ => Vec::new(),
-        }
-    }
-
-    /// A client that walks away: one attempt (protected or naive alike: a key used once), cut
-    /// short at a random point, and no retry whatever happened. A success or a clean refusal
-    /// that arrives in time counts as such.
-    async fn abandoning(&self, op: &Op) -> Outcome {
-        let body = Self::body(op);
-        let key = OpKey::new_v4();
-        let hang_up = Duration::from_millis(rand::rng().random_range(ABANDON_WINDOW_MS));
-        let once = Retrier::new(self.policy.with_max_attempts(1).with_attempt_timeout(hang_up));
-        add(&self.counters.attempts, 1);
-        match once.send(Some(&key), || self.request(op, &body)).await {
-            Ok(response) => decode(op, &response.body),
-            Err(e @ Error::Refused { .. }) => classify(&e),
-            Err(_) => Outcome::Abandoned,
-        }
-    }
-
-    /// One attempt's request, to a replica picked at random.
-    fn request(&self, op: &Op, body: &[u8]) -> RequestBuilder {
-        let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
-        let (request, principal) = match op {
-            Op::Create { principal, .. } => (
-                self.http
-                    .post(format!("{base}/v1/workers"))
-                    .header(CONTENT_TYPE, "application/json")
-                    .body(body.to_vec()),
-                *principal,
-            ),
-            Op::Reboot { principal, id } => (self.http.post(format!("{base}/v1/workers/{id}/reboot")), *principal),
-            Op::Delete { principal, id } => (self.http.delete(format!("{base}/v1/workers/{id}")), *principal),
-        };
-        request.bearer_auth(&self.config.principals[principal].token).header(ACCEPT, "application/json")
-    }
-
-    async fn via_sdk(&self, op: &Op) -> Outcome {
-        let body = Self::body(op);
-        let result = match self.config.kind {
-            ClientKind::Protected => {
-                // One key for the logical operation, made before the first attempt.
-                let key = OpKey::new_v4();
-                self.retrier.send(Some(&key), || self.request(op, &body)).await
-            }
-            ClientKind::Naive => self.naive_send(op, &body).await,
-        };
-        match result {
-            Ok(response) => {
-                if response.replayed {
-                    add(&self.counters.replayed, 1);
-                }
-                decode(op, &response.body)
-            }
-            Err(e) => classify(&e),
-        }
-    }
-
-    /// The antipattern: the same backoff, but a new key on every attempt.
-    async fn naive_send(&self, op: &Op, body: &[u8]) -> Result<leasebroker_client::retry::HttpResponse, Error> {
-        let start = Instant::now();
-        let mut cap = self.policy.min_delay;
-        loop {
-            let key = OpKey::new_v4();
-            match self.single.send(Some(&key), || self.request(op, body)).await {
-                Err(Error::GaveUp { last, attempts, .. }) => {
-                    let jitter = Duration::from_millis(rand::rng().random_range(0..=cap.as_millis() as u64));
-                    let wait = last.retry_after().map_or(jitter, |asked| asked.max(jitter));
-                    if start.elapsed() + wait >= self.policy.max_elapsed {
-                        return Err(Error::GaveUp { attempts, elapsed: start.elapsed(), last });
-                    }
-                    tokio::time::sleep(wait).await;
-                    cap = (cap * 2).min(self.policy.max_delay);
-                }
-                other => return other,
-            }
-        }
-    }
-
-    /// Runs the operation through real lbctl processes, killing some with SIGKILL after a random
-    /// delay and running them again (with the same `--op-id` when protected) until one exits with a
-    /// final code.
-    async fn via_lbctl(&self, op: &Op, index: u64) -> Outcome {
-        let deadline = Instant::now() + self.config.op_max_elapsed;
-        let op_id = format!("{}-op-{index}", self.config.run_tag);
-        let mut kills = 0;
-        for _ in 0..LBCTL_MAX_RUNS {
-            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-            let mut command = Command::new(&self.config.lbctl);
-            let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
-            command.args(["--url", base, "--journal"]).arg(&self.config.journal);
-            command.args(["--max-elapsed", &format!("{}ms", remaining.as_millis()), "-v", "workers"]);
-            let principal = match op {
-                Op::Create { principal, index } => {
-                    command.args(["create", "--image", "worker-base:2025.11", "--cpu", "2", "--memory-gb", "4"]);
-                    command.args(["--label", &format!("faultline-op={index}")]);
-                    *principal
-                }
-                Op::Reboot { principal, id } => {
-                    command.args(["reboot", id.as_str()]);
-                    *principal
-                }
-                Op::Delete { principal, id } => {
-                    command.args(["delete", id.as_str()]);
-                    *principal
-                }
-            };
-            if self.config.kind == ClientKind::Protected {
-                command.args(["--op-id", &op_id]);
-            }
-            command.env("LBCTL_TOKEN", &self.config.principals[principal].token);
-            command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
-            let mut child = match command.spawn() {
-                Ok(child) => child,
-                Err(e) => return Outcome::Failed(format!("cannot start lbctl: {e}")),
-            };
-            add(&self.counters.lbctl_runs, 1);
-            let stdout = drain(child.stdout.take());
-            let stderr = drain(child.stderr.take());
-            let kill_after = (kills < LBCTL_MAX_KILLS && rand::rng().random::<f64>() < self.config.kill_rate)
-                .then(|| Duration::from_millis(rand::rng().random_range(LBCTL_KILL_WINDOW_MS)));
-            let limit = remaining + Duration::from_secs(30);
-            let status = tokio::select! {
-                status = child.wait() => status,
-                () = tokio::time::sleep(kill_after.unwrap_or(limit)) => match child.try_wait() {
-                    Ok(Some(status)) => Ok(status),
-                    _ => {
-                        let _ = child.start_kill();
-                        let _ = child.wait().await;
-                        let err = stderr.await.unwrap_or_default();
-                        add(&self.counters.attempts, count_attempts(&err));
-                        if kill_after.is_none() {
-                            return Outcome::Failed(format!("lbctl still running after {limit:?}"));
-                        }
-                        kills += 1;
-                        add(&self.counters.lbctl_kills, 1);
-                        continue;
-                    }
-                },
-            };
-            let out = stdout.await.unwrap_or_default();
-            let err = stderr.await.unwrap_or_default();
-            add(&self.counters.attempts, count_attempts(&err));
-            let err_line = String::from_utf8_lossy(&err).lines().last().unwrap_or_default().to_owned();
-            return match status.ok().and_then(|s| s.code()) {
-                Some(0) => {
-                    if String::from_utf8_lossy(&err).contains("(replayed)") {
-                        add(&self.counters.replayed, 1);
-                    }
-                    decode(op, &out)
-                }
-                Some(3) => Outcome::Refused(format!("lbctl exit 3: {err_line}")),
-                Some(code) => Outcome::Failed(format!("lbctl exit {code}: {err_line}")),
-                None => Outcome::Failed(format!("lbctl ended by a signal it was not sent: {err_line}")),
-            };
-        }
-        Outcome::Failed(format!("lbctl ran {LBCTL_MAX_RUNS} times without a final exit code"))
-    }
-
     fn record(&self, op: Op, outcome: Outcome) {
         let c = &self.counters;
         match &outcome {
@@ -532,36 +363,5 @@ impl Workload {
                 }
             }
         }
-    }
-}
-
-fn drain<R: tokio::io::AsyncRead + Unpin + Send + 'static>(pipe: Option<R>) -> tokio::task::JoinHandle<Vec<u8>> {
-    tokio::spawn(async move {
-        let mut buf = Vec::new();
-        if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_end(&mut buf).await;
-        }
-        buf
-    })
-}
-
-/// lbctl `-v` prints one `lbctl: attempt N (...)` line per attempt.
-fn count_attempts(stderr: &[u8]) -> u64 {
-    String::from_utf8_lossy(stderr).lines().filter(|l| l.starts_with("lbctl: attempt ")).count() as u64
-}
-
-fn decode(op: &Op, body: &[u8]) -> Outcome {
-    let bad = |e: serde_json::Error| Outcome::Failed(format!("unexpected success body: {e}"));
-    match op {
-        Op::Create { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Created),
-        Op::Reboot { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Rebooted),
-        Op::Delete { .. } => Outcome::Deleted,
-    }
-}
-
-fn classify(err: &Error) -> Outcome {
-    match err {
-        Error::Refused { .. } => Outcome::Refused(err.to_string()),
-        _ => Outcome::Failed(err.to_string()),
     }
 }
