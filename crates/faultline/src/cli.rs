@@ -1,5 +1,6 @@
 //! The command line: `faultline run` (one client fault rate) and `faultline sweep` (several).
 
+use leasebroker_validation::parse;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// Probability that a client connection (or an lbctl process run) is hit by a client fault.
-    #[arg(long, default_value_t = 0.3, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.3, value_parser = parse::probability)]
     pub client_faults: f64,
     /// Only the naive clients (a fresh key on every attempt).
     #[arg(long, conflicts_with = "no_naive")]
@@ -44,7 +45,7 @@ pub struct RunArgs {
 #[derive(Debug, Clone, Args)]
 pub struct SweepArgs {
     /// The client fault rates, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.2,0.3", value_parser = parse_probability)]
+    #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.2,0.3", value_parser = parse::probability)]
     pub rates: Vec<f64>,
     /// What the run does besides its client fault rate.
     #[command(flatten)]
@@ -71,17 +72,17 @@ pub struct Scenario {
     #[arg(long, default_value_t = 0)]
     pub server_kills: u32,
     /// Hypervisor simulator: probability that a mutating call fails before doing anything.
-    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub hv_fail_before: f64,
     /// Hypervisor simulator: probability that a mutating call does the work, then drops the answer.
-    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub hv_fail_after: f64,
     /// Hypervisor simulator: latency before each mutating call, in milliseconds.
     #[arg(long, default_value_t = 0)]
     pub hv_latency_ms: u64,
     /// Hypervisor simulator: probability that a mutating call is slow (`--hv-slow-ms` more), so
     /// it lands after the server's `--hypervisor-timeout` gave up on it (late landings).
-    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub hv_slow: f64,
     /// Hypervisor simulator: the extra latency of a slow call, in milliseconds (make it longer
     /// than `--hypervisor-timeout` for the calls to land late).
@@ -89,25 +90,25 @@ pub struct Scenario {
     pub hv_slow_ms: u64,
     /// Hypervisor simulator: probability that a mutating call is refused for good (a 4xx, nothing
     /// done: a definite refusal).
-    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub hv_refuse: f64,
     /// Probability that an operation's client abandons it for good: one attempt, cut short at a
     /// random point, and no retry after an error or a hang-up. The run then waits out
     /// `--abandon-after` and checks that nothing is held.
-    #[arg(long, default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub abandon: f64,
     /// The kinds of operation `--abandon` applies to, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "create,reboot,delete")]
     pub abandon_ops: Vec<crate::workload::OpKind>,
     /// Passed to the servers as --abandon-after (when they have it) if `--abandon` is set.
-    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "3s", value_parser = parse::duration)]
     pub abandon_after: Duration,
     /// Passed to the servers as --sweep-interval if `--abandon` is set: how often the reaper looks.
-    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "500ms", value_parser = parse::duration)]
     pub sweep_interval: Duration,
     /// Passed to the servers as --hypervisor-settle (when they have it) [default: the simulator's
     /// latency plus its slow latency plus 2s, and at least --hypervisor-timeout plus 2s].
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = parse::duration)]
     pub hypervisor_settle: Option<Duration>,
     /// Stop and start the database this many times during the run (spread over it). Uses a
     /// PostgreSQL cluster of faultline's own (initdb and pg_ctl, run as user `postgres` when
@@ -121,7 +122,7 @@ pub struct Scenario {
     #[arg(long)]
     pub redis_cluster: bool,
     /// How long the database stays down at each restart.
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = parse::duration)]
     pub postgres_down: Duration,
     /// A PostgreSQL server URL: a fresh database is created in it for each run and dropped after.
     /// Without it, one replica runs on SQLite in a temporary directory.
@@ -131,28 +132,28 @@ pub struct Scenario {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub replicas: u32,
     /// Share of operations run through real `lbctl` processes (the rest through the SDK in process).
-    #[arg(long, default_value_t = 0.1, value_parser = parse_probability)]
+    #[arg(long, default_value_t = 0.1, value_parser = parse::probability)]
     pub lbctl_share: f64,
     /// Principals (tokens) the operations are spread over.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub principals: u32,
     /// The SDK clients' timeout per attempt; the "gives up mid-flight" fault holds a response past it.
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1s", value_parser = parse::duration)]
     pub attempt_timeout: Duration,
     /// Retry budget of one logical operation.
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse::duration)]
     pub op_max_elapsed: Duration,
     /// Passed to the servers as --in-flight-ttl.
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = parse::duration)]
     pub in_flight_ttl: Duration,
     /// Passed to the servers as --hypervisor-timeout (each call's timeout).
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = parse::duration)]
     pub hypervisor_timeout: Duration,
     /// Nodes in the pool [default: enough for every operation to be a create, twice over].
     #[arg(long)]
     pub pool_nodes: Option<u32>,
     /// Stop a run that takes longer than this (it then counts as failed).
-    #[arg(long, default_value = "60m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60m", value_parser = parse::duration)]
     pub max_duration: Duration,
     /// Where the JSON report and the chart go.
     #[arg(long, default_value = "faultline-out")]
@@ -163,13 +164,6 @@ pub struct Scenario {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
-}
-
-fn parse_probability(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
-        _ => Err(format!("expected a probability from 0 to 1, got {s:?}")),
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
 
+pub mod parse;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use idempotency_tower::MismatchStatus;
+use leasebroker_validation::parse;
 
 /// leasebroker: hands out worker nodes from a pool, safe to retry with Idempotency-Key.
 #[derive(Debug, Parser)]
@@ -83,18 +84,18 @@ pub struct ServeArgs {
     pub hypervisor_url: Option<String>,
 
     /// Timeout of each hypervisor call.
-    #[arg(long, env = "LEASEBROKER_HYPERVISOR_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_TIMEOUT", default_value = "10s", value_parser = parse::duration)]
     pub hypervisor_timeout: Duration,
 
     /// How long a sent hypervisor call may still take effect after its caller gave up (at least
     /// the timeout). Until it has passed since the last call was sent, a retry that finds nothing
     /// answers 503 + Retry-After instead of calling again.
-    #[arg(long, env = "LEASEBROKER_HYPERVISOR_SETTLE", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_SETTLE", default_value = "30s", value_parser = parse::duration)]
     pub hypervisor_settle: Duration,
 
     /// Roll back a create nobody retried for this long (its record failed or its claim went
     /// stale): VM deleted, lease and node freed, record removed. Checked every --sweep-interval.
-    #[arg(long, env = "LEASEBROKER_ABANDON_AFTER", default_value = "1h", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_ABANDON_AFTER", default_value = "1h", value_parser = parse::duration)]
     pub abandon_after: Duration,
 
     /// A PEM file of CA certificates to trust for an https hypervisor, besides the system's roots.
@@ -102,11 +103,11 @@ pub struct ServeArgs {
     pub hypervisor_ca_cert: Option<std::path::PathBuf>,
 
     /// In-process simulator: probability that a mutating call fails before doing anything.
-    #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse::probability)]
     pub sim_fail_before: f64,
 
     /// In-process simulator: probability that a call does the work, then drops the connection.
-    #[arg(long, env = "LEASEBROKER_SIM_FAIL_AFTER", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_SIM_FAIL_AFTER", default_value_t = 0.0, value_parser = parse::probability)]
     pub sim_fail_after: f64,
 
     /// In-process simulator: latency added before each mutating call, in milliseconds.
@@ -122,7 +123,7 @@ pub struct ServeArgs {
     pub record_store: Option<String>,
 
     /// How long completed idempotency records are kept (and replayed).
-    #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse::duration)]
     pub retention: Duration,
 
     /// The largest response stored for replay, in bytes. A larger one still reaches its client
@@ -131,11 +132,11 @@ pub struct ServeArgs {
     pub max_stored_response: usize,
 
     /// How long an in-flight request owns its key before a retry may reclaim it.
-    #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse::duration)]
     pub in_flight_ttl: Duration,
 
     /// How often expired idempotency records are swept (and abandoned operations reaped).
-    #[arg(long, env = "LEASEBROKER_SWEEP_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_SWEEP_INTERVAL", default_value = "60s", value_parser = parse::duration)]
     pub sweep_interval: Duration,
 
     /// Status for a key reused with a different request: 409 (default), 422 (IETF draft) or 400.
@@ -159,17 +160,17 @@ pub struct ServeArgs {
     pub rate_limit_burst: Option<u32>,
 
     /// A connection whose request headers have not all arrived within this is closed.
-    #[arg(long, env = "LEASEBROKER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    #[arg(long, env = "LEASEBROKER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse::positive_duration)]
     pub header_timeout: Duration,
 
     /// A connection with no traffic for this long is shut down; a request body that stalls this
     /// long is cut.
-    #[arg(long, env = "LEASEBROKER_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    #[arg(long, env = "LEASEBROKER_IDLE_TIMEOUT", default_value = "60s", value_parser = parse::positive_duration)]
     pub idle_timeout: Duration,
 
     /// On SIGTERM, how long to wait for requests in flight, including handlers whose client
     /// already hung up, before exiting anyway.
-    #[arg(long, env = "LEASEBROKER_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "LEASEBROKER_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse::duration)]
     pub shutdown_timeout: Duration,
 }
 
@@ -213,23 +214,23 @@ pub struct SimArgs {
     #[arg(long, env = "LEASEBROKER_LISTEN", default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,
     /// Probability that a mutating call fails before doing anything (503).
-    #[arg(long, env = "LEASEBROKER_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse::probability)]
     pub fail_before: f64,
     /// Probability that a mutating call does the work, then drops the connection.
-    #[arg(long, env = "LEASEBROKER_FAIL_AFTER", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_FAIL_AFTER", default_value_t = 0.0, value_parser = parse::probability)]
     pub fail_after: f64,
     /// Latency added before each mutating call, in milliseconds.
     #[arg(long, env = "LEASEBROKER_LATENCY_MS", default_value_t = 0)]
     pub latency_ms: u64,
     /// Probability that a mutating call is slow: `--slow-ms` more latency, so a caller with a
     /// shorter timeout gives up and the call lands after it.
-    #[arg(long, env = "LEASEBROKER_SLOW", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_SLOW", default_value_t = 0.0, value_parser = parse::probability)]
     pub slow: f64,
     /// The extra latency of a slow call, in milliseconds.
     #[arg(long, env = "LEASEBROKER_SLOW_MS", default_value_t = 0)]
     pub slow_ms: u64,
     /// Probability that a mutating call is refused for good: `409`, nothing done.
-    #[arg(long, env = "LEASEBROKER_REFUSE", default_value_t = 0.0, value_parser = parse_probability)]
+    #[arg(long, env = "LEASEBROKER_REFUSE", default_value_t = 0.0, value_parser = parse::probability)]
     pub refuse: f64,
 }
 
@@ -303,38 +304,22 @@ fn secret_error(message: &str) -> clap::Error {
     clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{message}\n"))
 }
 
-fn parse_positive_duration(s: &str) -> Result<Duration, String> {
-    match parse_duration(s)? {
-        d if d.is_zero() => Err("must be more than zero".to_owned()),
-        d => Ok(d),
-    }
-}
-
-/// Durations as `500ms`, `10s`, `5m`, `7d` (humantime), or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    if let Ok(secs) = s.parse::<u64>() {
-        return Ok(Duration::from_secs(secs));
-    }
-    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 10s, 5m, 7d)"))
-}
-
-fn parse_probability(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
-        _ => Err(format!("expected a probability from 0 to 1, got {s:?}")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86400));
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
-        assert!(parse_duration("soon").is_err());
+    fn durations_read_as_every_tool_reads_them() {
+        let serve = |extra: &[&str]| {
+            let cli = Cli::try_parse_from(["leasebroker", "serve"].iter().chain(extra)).map_err(|e| e.to_string())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            Ok::<_, String>(s.retention)
+        };
+        assert_eq!(serve(&["--retention", "7d"]), Ok(Duration::from_secs(7 * 86400)));
+        assert_eq!(serve(&["--retention", "30"]), Ok(Duration::from_secs(30)));
+        assert!(serve(&["--retention", "soon"]).is_err_and(|e| e.contains("examples")));
+        assert!(Cli::try_parse_from(["leasebroker", "serve", "--header-timeout", "0s"]).is_err());
+        assert!(Cli::try_parse_from(["leasebroker", "serve", "--sim-fail-before", "1.5"]).is_err());
     }
 
     #[test]
