@@ -153,6 +153,5 @@ pub(crate) fn never_replayed(name: &HeaderName) -> bool {
             | "transfer-encoding"
             | "upgrade"
             | "content-length"
-            | "idempotent-replayed"
-    )
+    ) || name == crate::headers::IDEMPOTENT_REPLAYED
 }

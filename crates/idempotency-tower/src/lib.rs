@@ -31,6 +31,7 @@
 mod config;
 mod context;
 mod future;
+mod headers;
 mod layer;
 mod metrics;
 mod problem;
@@ -40,6 +41,7 @@ mod service;
 pub use config::{MismatchStatus, RoutePolicy};
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
     DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_RETENTION,
@@ -49,8 +51,7 @@ pub use metrics::{
     RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics, spawn_sweeper, sweeper,
 };
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
-pub use protect::IDEMPOTENT_REPLAYED;
-pub use service::{IDEMPOTENCY_KEY, IdempotencyService, OVERSIZE_DRAIN};
+pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, Principal, ResponsePolicy, Store};

@@ -23,11 +23,9 @@ use tracing::Instrument;
 use crate::BoxError;
 use crate::config::{Config, never_replayed};
 use crate::context::IdempotencyContext;
+use crate::headers::IDEMPOTENT_REPLAYED;
 use crate::metrics::{count, timed};
 use crate::problem::{Rejection, rejection_response};
-
-/// The response header that marks a replay.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.

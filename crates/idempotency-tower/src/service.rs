@@ -17,11 +17,9 @@ use tracing::Instrument;
 use crate::BoxError;
 use crate::config::{Config, RoutePolicy, is_mutating};
 use crate::future::{Detach, ResponseFuture};
+use crate::headers::IDEMPOTENCY_KEY;
 use crate::problem::{Rejection, rejection_response};
 use crate::protect::{Protected, run};
-
-/// The header that carries the key.
-pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around an inner service `S`.
 ///
