@@ -11,6 +11,7 @@ use idempotency::{Fingerprinter, Principal, ResponsePolicy, Store};
 /// Whether a route takes an `Idempotency-Key` (SPEC 1.1). Only consulted for POST, PUT, PATCH
 /// and DELETE; GET, HEAD, OPTIONS (and any other method) always pass through untouched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum RoutePolicy {
     /// A key is required: a request without one gets `400 idempotency-key-missing`.
     #[default]
@@ -28,6 +29,7 @@ pub enum RoutePolicy {
 /// flag takes them (`--mismatch-status 422`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[non_exhaustive]
 pub enum MismatchStatus {
     /// 409 Conflict, the default.
     #[default]
