@@ -4,6 +4,7 @@
 
 mod load;
 mod pg;
+mod redis;
 mod report;
 mod server;
 
@@ -40,6 +41,15 @@ enum Command {
     Sweeper(pg::SweeperArgs),
     /// Bytes per stored record with a 1 KiB JSON body, compressed and raw.
     RecordSize(pg::SizeArgs),
+    /// Completes the record Redis replays read and writes the `redis-benchmark` floor's
+    /// scripts and argument lists.
+    RedisPrepare(redis::PrepareArgs),
+    /// Creates in-flight records for the floor's completions to complete.
+    RedisFill(redis::FillArgs),
+    /// Deletes the run's keys, counting them by record state.
+    RedisClean(redis::CleanArgs),
+    /// Drives `RedisStore` directly: first executions (claim + complete) or replays.
+    RedisStore(redis::StoreArgs),
     /// Reads the raw measurements and writes `results.json` and `results.md`.
     Report(report::ReportArgs),
 }
@@ -54,6 +64,10 @@ fn main() -> anyhow::Result<()> {
         Command::PgbenchScripts { dir, keys } => pg::write_pgbench_scripts(&dir, keys),
         Command::Sweeper(a) => rt.block_on(pg::sweeper(a)),
         Command::RecordSize(a) => rt.block_on(pg::record_size(a)),
+        Command::RedisPrepare(a) => rt.block_on(redis::prepare(a)),
+        Command::RedisFill(a) => rt.block_on(redis::fill(a)),
+        Command::RedisClean(a) => rt.block_on(redis::clean(a)),
+        Command::RedisStore(a) => rt.block_on(redis::drive_store(a)),
         Command::Report(a) => report::report(a),
     }
 }

@@ -27,7 +27,7 @@ const PATH: &str = "/v1/workers";
 const FINGERPRINT: &str = "sha256:00";
 const RESPONSE_BODY: &str = r#"{"id":"wkr-1","state":"booting"}"#;
 
-fn response() -> StoredResponse {
+pub(crate) fn response() -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), "application/json".into())],
@@ -35,7 +35,7 @@ fn response() -> StoredResponse {
     }
 }
 
-fn claim_request(key: &str) -> anyhow::Result<ClaimRequest> {
+pub(crate) fn claim_request(key: &str) -> anyhow::Result<ClaimRequest> {
     let t = now();
     Ok(ClaimRequest {
         scope: Scope::new(Principal::new(PRINCIPAL), Endpoint::new(METHOD, PATH), IdempotencyKey::try_from(key)?),

@@ -255,6 +255,33 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    let r = |case: &str, v: &str| key("redis", case, 16, v);
+    push(runs.ratio(
+        "redis",
+        "replay: Redis store direct / redis-benchmark (its claim script, one completed key)".into(),
+        "rps",
+        &r("replay", "store"),
+        &r("replay", "redis-benchmark"),
+        Some(Goal::AtLeast(0.7)),
+    ));
+    push(runs.ratio(
+        "redis",
+        "first: Redis store direct claim+complete / redis-benchmark (its claim, then complete, scripts)".into(),
+        "rps",
+        &r("first", "store"),
+        &r("first", "redis-benchmark"),
+        Some(Goal::AtLeast(0.7)),
+    ));
+    for case in ["replay", "first"] {
+        push(runs.ratio(
+            "redis",
+            format!("{case}: Redis store direct / PostgreSQL store direct"),
+            "rps",
+            &r(case, "store"),
+            &r(case, "postgres-store"),
+            None,
+        ));
+    }
     push(runs.ratio(
         "sweeper",
         "claim p99: sweeping / idle".into(),
@@ -347,6 +374,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             "total_bytes_per_record",
             "row_bytes",
             "stored_body_bytes",
+            "completed_share",
         ] {
             let v = runs.median(&k, m);
             if v.is_finite() {

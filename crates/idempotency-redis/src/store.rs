@@ -373,14 +373,126 @@ impl RedisStore {
     /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`.
     async fn fenced(&self, lua: &Lua, claim: &Claim, extra: &[&[u8]]) -> Result<(), StoreError> {
         let r = claim.record();
-        let (rid, generation) = (r.record_id.to_hex(), r.generation.to_string());
-        let mut args: Vec<&[u8]> = vec![rid.as_bytes(), generation.as_bytes()];
+        let fence = Fence::new(claim);
+        let mut args: Vec<&[u8]> = fence.args().to_vec();
         args.extend_from_slice(extra);
         match self.eval(lua, &self.key_of(&r.scope), &args).await? {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(StoreError::Fenced { generation: r.generation }),
             other => Err(StoreError::Corrupt(format!("unexpected script reply {other:?}"))),
         }
+    }
+}
+
+/// The claim script's arguments: record id, fingerprint, now, expires_at, expires_at in epoch
+/// milliseconds, principal, endpoint, key (see [`crate::scripts::CLAIM`]).
+struct ClaimArgs<'a> {
+    req: &'a ClaimRequest,
+    fresh: &'a Record,
+    rid: String,
+    now: String,
+    eat: String,
+    eat_ms: String,
+}
+
+impl<'a> ClaimArgs<'a> {
+    /// The arguments that claim `req`'s key as `fresh` when it is free.
+    fn new(req: &'a ClaimRequest, fresh: &'a Record) -> Self {
+        Self {
+            req,
+            fresh,
+            rid: fresh.record_id.to_hex(),
+            now: encode_ts(req.now),
+            eat: encode_ts(req.expires_at),
+            eat_ms: expiry_millis(req.expires_at).to_string(),
+        }
+    }
+
+    fn args(&self) -> [&[u8]; 8] {
+        let s = &self.req.scope;
+        [
+            self.rid.as_bytes(),
+            self.fresh.fingerprint.as_str().as_bytes(),
+            self.now.as_bytes(),
+            self.eat.as_bytes(),
+            self.eat_ms.as_bytes(),
+            s.principal.as_str().as_bytes(),
+            s.endpoint.as_str().as_bytes(),
+            s.key.as_str().as_bytes(),
+        ]
+    }
+}
+
+/// The fence's arguments, first in every fenced script: the claim's record id and generation.
+struct Fence {
+    rid: String,
+    generation: String,
+}
+
+impl Fence {
+    fn new(claim: &Claim) -> Self {
+        let r = claim.record();
+        Self { rid: r.record_id.to_hex(), generation: r.generation.to_string() }
+    }
+
+    fn args(&self) -> [&[u8]; 2] {
+        [self.rid.as_bytes(), self.generation.as_bytes()]
+    }
+}
+
+/// The complete script's arguments after the fence's: status, headers, body, body encoding,
+/// expires_at, expires_at in epoch milliseconds.
+struct CompleteArgs<'a> {
+    response: &'a StoredResponse,
+    status: String,
+    headers: String,
+    eat: String,
+    eat_ms: String,
+}
+
+impl<'a> CompleteArgs<'a> {
+    fn new(response: &'a StoredResponse, expires_at: Timestamp) -> Self {
+        Self {
+            response,
+            status: response.status.to_string(),
+            headers: response.headers_json(),
+            eat: encode_ts(expires_at),
+            eat_ms: expiry_millis(expires_at).to_string(),
+        }
+    }
+
+    fn args(&self) -> [&[u8]; 6] {
+        [
+            self.status.as_bytes(),
+            self.headers.as_bytes(),
+            self.response.body.stored_bytes(),
+            self.response.body.encoding().as_str().as_bytes(),
+            self.eat.as_bytes(),
+            self.eat_ms.as_bytes(),
+        ]
+    }
+}
+
+/// The store's script calls as data, for running its own scripts outside it: the benchmark's
+/// floor sends them with `redis-benchmark`.
+#[cfg(feature = "testing")]
+impl RedisStore {
+    /// The call [`Store::claim`] sends for `req` when the record it would insert is `fresh`.
+    pub fn claim_call(&self, req: &ClaimRequest, fresh: &Record) -> crate::testing::ScriptCall {
+        let args = ClaimArgs::new(req, fresh);
+        crate::testing::ScriptCall::new(&self.scripts.claim, self.key_of(&req.scope), &args.args())
+    }
+
+    /// The call [`Store::complete`] sends for `claim`.
+    pub fn complete_call(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> crate::testing::ScriptCall {
+        let (fence, rest) = (Fence::new(claim), CompleteArgs::new(response, expires_at));
+        let args: Vec<&[u8]> = fence.args().into_iter().chain(rest.args()).collect();
+        crate::testing::ScriptCall::new(&self.scripts.complete, self.key_of(claim.scope()), &args)
     }
 }
 
@@ -438,20 +550,8 @@ fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let fresh = req.new_record();
-        let (rid, now, eat) = (fresh.record_id.to_hex(), encode_ts(req.now), encode_ts(req.expires_at));
-        let eat_ms = expiry_millis(req.expires_at).to_string();
-        let s = &req.scope;
-        let args: [&[u8]; 8] = [
-            rid.as_bytes(),
-            fresh.fingerprint.as_str().as_bytes(),
-            now.as_bytes(),
-            eat.as_bytes(),
-            eat_ms.as_bytes(),
-            s.principal.as_str().as_bytes(),
-            s.endpoint.as_str().as_bytes(),
-            s.key.as_str().as_bytes(),
-        ];
-        match self.eval(&self.scripts.claim, &self.key_of(s), &args).await? {
+        let args = ClaimArgs::new(&req, &fresh);
+        match self.eval(&self.scripts.claim, &self.key_of(&req.scope), &args.args()).await? {
             Value::Int(1) => Ok(ClaimOutcome::Owned(Claim::new(fresh))),
             reply => match record_reply(reply)? {
                 Some(record) => Ok(ClaimOutcome::Existing(record)),
@@ -501,17 +601,8 @@ impl Store for RedisStore {
         response: &StoredResponse,
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
-        let (status, headers) = (response.status.to_string(), response.headers_json());
-        let (eat, eat_ms) = (encode_ts(expires_at), expiry_millis(expires_at).to_string());
-        let extra: [&[u8]; 6] = [
-            status.as_bytes(),
-            headers.as_bytes(),
-            response.body.stored_bytes(),
-            response.body.encoding().as_str().as_bytes(),
-            eat.as_bytes(),
-            eat_ms.as_bytes(),
-        ];
-        self.fenced(&self.scripts.complete, claim, &extra).await
+        let args = CompleteArgs::new(response, expires_at);
+        self.fenced(&self.scripts.complete, claim, &args.args()).await
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {

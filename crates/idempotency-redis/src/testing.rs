@@ -208,3 +208,36 @@ impl Cluster {
         panic!("slot {slot} is not served")
     }
 }
+
+/// One call of one of the store's scripts, exactly as the store sends it
+/// ([`RedisStore::claim_call`](crate::RedisStore::claim_call),
+/// [`RedisStore::complete_call`](crate::RedisStore::complete_call)): for running the store's
+/// own scripts outside it, as the benchmark's floor does with `redis-benchmark`.
+#[derive(Debug, Clone)]
+pub struct ScriptCall {
+    /// The script's Lua source, for `SCRIPT LOAD`.
+    pub source: &'static str,
+    /// The script's SHA1 digest (hex), which `EVALSHA` names.
+    pub sha1: String,
+    /// The record's key (`KEYS[1]`).
+    pub key: String,
+    /// The script's arguments (`ARGV`).
+    pub args: Vec<Vec<u8>>,
+}
+
+impl ScriptCall {
+    pub(crate) fn new(lua: &crate::scripts::Lua, key: String, args: &[&[u8]]) -> Self {
+        Self {
+            source: lua.code,
+            sha1: lua.script.get_hash().to_owned(),
+            key,
+            args: args.iter().map(|a| a.to_vec()).collect(),
+        }
+    }
+
+    /// The call as `EVALSHA` arguments: `EVALSHA <sha1> 1 <key> <args>...`.
+    pub fn evalsha(&self) -> Vec<Vec<u8>> {
+        let head = [b"EVALSHA".to_vec(), self.sha1.clone().into_bytes(), b"1".to_vec(), self.key.clone().into_bytes()];
+        head.into_iter().chain(self.args.iter().cloned()).collect()
+    }
+}

@@ -549,3 +549,41 @@ async fn cluster_policy_is_checked_on_every_primary() {
     let options = RedisStoreOptions::default().on_unverified_policy(UnverifiedPolicy::Warn);
     RedisStore::connect_with(&url, options).await.expect("allowed with a warning");
 }
+
+/// The script calls the store exports for the benchmark's floor are the store's own: sent as
+/// raw `EVALSHA` on another connection, the claim call creates the very record the store would
+/// (read back through the store), a second send of it reads that record instead, the complete
+/// call completes it with the response, and a complete call for another claim is fenced.
+#[tokio::test]
+async fn exported_script_calls_are_the_stores() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    let send = |con: &mut ::redis::Connection, call: &idempotency_redis::testing::ScriptCall| -> ::redis::Value {
+        let sha: String = ::redis::cmd("SCRIPT").arg("LOAD").arg(call.source).query(con).expect("script load");
+        assert_eq!(sha, call.sha1, "the digest EVALSHA names is the source's");
+        let mut cmd = ::redis::Cmd::new();
+        for a in call.evalsha() {
+            cmd.arg(a);
+        }
+        cmd.query(con).expect("evalsha")
+    };
+    let s = scope();
+    let req = request(&s);
+    let fresh = req.new_record();
+    let claim = store.claim_call(&req, &fresh);
+    assert_eq!(claim.key, store.key_of(&s));
+    assert_eq!(send(&mut con, &claim), ::redis::Value::Int(1), "a free key is claimed");
+    assert_eq!(store.get(&s).await.expect("get"), Some(fresh.clone()), "the record the store would insert");
+    assert!(matches!(send(&mut con, &claim), ::redis::Value::Array(_)), "a live key is read, not claimed");
+
+    let owned = idempotency::Claim::new(fresh.clone());
+    let mut other = fresh;
+    other.record_id = idempotency::RecordId::random();
+    let fenced = store.complete_call(&idempotency::Claim::new(other), &response(), req.expires_at);
+    assert_eq!(send(&mut con, &fenced), ::redis::Value::Int(0), "another record id is fenced");
+    let complete = store.complete_call(&owned, &response(), req.expires_at);
+    assert_eq!(send(&mut con, &complete), ::redis::Value::Int(1));
+    let done = store.get(&s).await.expect("get").expect("record");
+    assert_eq!((done.state, done.response), (idempotency::RecordState::Completed, Some(response())));
+    assert_eq!(send(&mut con, &complete), ::redis::Value::Int(0), "a completed record is fenced");
+}
