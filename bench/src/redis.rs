@@ -37,7 +37,7 @@ fn floor_key(prefix: &str, tag: &str) -> String {
 }
 
 #[derive(Debug, Args)]
-pub struct Conn {
+pub(crate) struct Conn {
     /// The Redis server.
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
     url: String,
@@ -68,7 +68,7 @@ fn floor_calls(store: &RedisStore, key: &str) -> anyhow::Result<(ScriptCall, Scr
 }
 
 #[derive(Debug, Args)]
-pub struct PrepareArgs {
+pub(crate) struct PrepareArgs {
     #[command(flatten)]
     conn: Conn,
     /// Where to write `claim.lua`, `complete.lua` and the `redis-benchmark` argument lists
@@ -88,7 +88,7 @@ fn write_args(path: &Path, argv: &[Vec<u8>]) -> anyhow::Result<()> {
 }
 
 /// Completes the record every replay reads (through the store) and writes the floor's files.
-pub async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
+pub(crate) async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
     let store = a.conn.store().await?;
     let req = claim_request(REPLAY_KEY)?;
     let replay_key = store.key_of(&req.scope);
@@ -122,7 +122,7 @@ pub async fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Args)]
-pub struct FillArgs {
+pub(crate) struct FillArgs {
     #[command(flatten)]
     conn: Conn,
     /// In-flight records to create, keyed as `first-complete.args` names them with `-r COUNT`.
@@ -133,7 +133,7 @@ pub struct FillArgs {
 /// Creates `--count` in-flight records for the floor's completions to complete, with the
 /// store's claim script (pipelined, 1,000 calls a round trip): `redis-benchmark -r COUNT`
 /// picks among exactly these keys.
-pub async fn fill(a: FillArgs) -> anyhow::Result<()> {
+pub(crate) async fn fill(a: FillArgs) -> anyhow::Result<()> {
     let store = a.conn.store().await?;
     let mut con = a.conn.raw().await?;
     let (claim, _) = floor_calls(&store, "floor")?;
@@ -160,7 +160,7 @@ pub async fn fill(a: FillArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Args)]
-pub struct CleanArgs {
+pub(crate) struct CleanArgs {
     #[command(flatten)]
     conn: Conn,
     /// What to delete after the prefix (a `SCAN MATCH` pattern).
@@ -173,11 +173,11 @@ pub struct CleanArgs {
 
 /// Deletes the keys under the prefix that match `--pattern`, and counts them by their record
 /// state (`st`) on the way.
-pub async fn clean(a: CleanArgs) -> anyhow::Result<()> {
+pub(crate) async fn clean(a: CleanArgs) -> anyhow::Result<()> {
     let mut con = a.conn.raw().await?;
     let pattern = format!("{}{}", a.conn.prefix, a.pattern);
     let mut keys: Vec<String> = {
-        let mut iter: redis::AsyncIter<String> = con.scan_match(&pattern).await?;
+        let mut iter: redis::AsyncIter<'_, String> = con.scan_match(&pattern).await?;
         let mut keys = Vec::new();
         while let Some(k) = iter.next_item().await {
             keys.push(k?);
@@ -208,7 +208,7 @@ pub async fn clean(a: CleanArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum Op {
+pub(crate) enum Op {
     /// Claim a fresh key, then complete it: two scripts, two round trips.
     First,
     /// Claim the completed key: one script, one round trip.
@@ -216,7 +216,7 @@ pub enum Op {
 }
 
 #[derive(Debug, Args)]
-pub struct StoreArgs {
+pub(crate) struct StoreArgs {
     #[command(flatten)]
     conn: Conn,
     #[arg(long, value_enum)]
@@ -231,7 +231,7 @@ pub struct StoreArgs {
 }
 
 /// Drives `RedisStore` from `--concurrency` tasks on the store's one (multiplexed) connection.
-pub async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
+pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
     let store = a.conn.store().await?;
     // Loads the scripts (the first call falls back to EVAL when the server lacks them).
     for _ in 0..a.concurrency {
