@@ -228,19 +228,27 @@ pub(crate) struct StoreArgs {
     /// Makes first-execution keys unique across runs.
     #[arg(long, default_value = "s")]
     nonce: String,
+    /// Stores (each with its own multiplexed connection) the tasks are spread over; a service
+    /// uses one.
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
 }
 
-/// Drives `RedisStore` from `--concurrency` tasks on the store's one (multiplexed) connection.
+/// Drives `RedisStore` from `--concurrency` tasks on the store's one (multiplexed) connection,
+/// or spread over `--connections` stores.
 pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
-    let store = a.conn.store().await?;
+    let mut stores = Vec::new();
+    for _ in 0..a.connections.max(1) {
+        stores.push(a.conn.store().await?);
+    }
     // Loads the scripts (the first call falls back to EVAL when the server lacks them).
-    for _ in 0..a.concurrency {
+    for store in &stores {
         let _ = store.claim(claim_request(REPLAY_KEY)?).await?;
     }
     let (op, nonce) = (a.op, Arc::new(a.nonce.clone()));
-    let s = store.clone();
+    let stores = Arc::new(stores);
     let stats = load::run(a.concurrency, Duration::from_secs_f64(a.seconds), move |task, i| {
-        let (store, nonce) = (s.clone(), nonce.clone());
+        let (store, nonce) = (stores[task % stores.len()].clone(), nonce.clone());
         async move {
             match op {
                 Op::First => {

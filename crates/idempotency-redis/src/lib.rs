@@ -29,7 +29,9 @@
 //! The [`redis`] crate (redis-rs): the most used and longest maintained Rust client, with one
 //! API for a single server (its `ConnectionManager`, which reconnects by itself) and a cluster
 //! (its async cluster client, which follows `MOVED`/`ASK` and refreshes the slot map), both
-//! multiplexing every caller over one connection per node, on tokio. `fred` would serve too;
+//! multiplexing their callers over their connections, on tokio (on a single server the store
+//! takes [`DEFAULT_CONNECTIONS`] connection managers in turn; see
+//! [`RedisStoreOptions::connections`]). `fred` would serve too;
 //! redis-rs was chosen because it is the client most Rust users of Redis already have, its
 //! cluster routing is explicit enough to ask each primary by address (the eviction check and
 //! `ping` need that), and its `Script` type computes the digests that `EVALSHA` names.
@@ -131,4 +133,6 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use store::{CLUSTER_SCHEME, ConnectError, DEFAULT_PREFIX, RedisStore, RedisStoreOptions, UnverifiedPolicy};
+pub use store::{
+    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, RedisStore, RedisStoreOptions, UnverifiedPolicy,
+};

@@ -1,6 +1,7 @@
 //! The store: connecting, the eviction-policy check, and the transitions.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,6 +20,12 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 
 /// The URL scheme for a Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT]...`.
 pub const CLUSTER_SCHEME: &str = "redis+cluster://";
+
+/// The multiplexed connections to a single server unless [`RedisStoreOptions::connections`]
+/// says otherwise. With one, a replay's reply (the whole record) is parsed in the connection's
+/// one task, which capped replays at about half of what `redis-benchmark` gets from the same
+/// server on 2 cores (`bench/run redis`); two reached it, four did no better.
+pub const DEFAULT_CONNECTIONS: usize = 2;
 
 /// What [`RedisStore::connect`] does when it cannot read a node's `maxmemory-policy`: both
 /// `CONFIG GET` and `INFO` refused (as some managed services and ACLs do), or a primary of a
@@ -41,6 +48,7 @@ pub struct RedisStoreOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
     cluster_retries: u32,
+    connections: usize,
     unverified_policy: UnverifiedPolicy,
 }
 
@@ -51,6 +59,7 @@ impl Default for RedisStoreOptions {
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(5),
             cluster_retries: 3,
+            connections: DEFAULT_CONNECTIONS,
             unverified_policy: UnverifiedPolicy::Refuse,
         }
     }
@@ -81,6 +90,15 @@ impl RedisStoreOptions {
     /// redirection (default 3; `MOVED` and `ASK` during a resharding need a few).
     pub fn cluster_retries(mut self, retries: u32) -> Self {
         self.cluster_retries = retries;
+        self
+    }
+
+    /// How many multiplexed connections to a single server the store spreads its calls over
+    /// (default [`DEFAULT_CONNECTIONS`]; at least 1). Each connection reads and parses its
+    /// replies in one task, so one connection caps the replays a process can receive; a
+    /// cluster has one connection per primary already and ignores this.
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.connections = connections.max(1);
         self
     }
 
@@ -144,18 +162,30 @@ impl From<ConnectError> for StoreError {
     }
 }
 
-/// One server (a reconnecting connection manager) or a cluster (the cluster client, which
-/// follows slot moves). Both multiplex every caller over one connection per node.
+/// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
+/// client, which follows slot moves). Both multiplex their callers over their connections.
 #[derive(Clone)]
 enum Conn {
-    Server(ConnectionManager),
+    Server(Arc<Managers>),
     Cluster(ClusterConnection),
+}
+
+/// A single server's connections, never empty, and the turn.
+struct Managers {
+    all: Vec<ConnectionManager>,
+    next: AtomicUsize,
+}
+
+impl Managers {
+    fn pick(&self) -> ConnectionManager {
+        self.all[self.next.fetch_add(1, Ordering::Relaxed) % self.all.len()].clone()
+    }
 }
 
 impl Conn {
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         match self {
-            Conn::Server(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Server(c) => cmd.query_async(&mut c.pick()).await,
             Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
         }
     }
@@ -168,7 +198,7 @@ impl Conn {
     /// command routed by slot falls back to another node when the slot's node has none.
     async fn on_every_primary(&self, cmd: &Cmd) -> Result<Vec<(String, Result<Value, RedisError>)>, RedisError> {
         match self {
-            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.clone()).await {
+            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.pick()).await {
                 Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
                 reply => Ok(vec![("server".to_owned(), reply)]),
             },
@@ -279,7 +309,12 @@ impl RedisStore {
                 .set_connection_timeout(Some(options.connect_timeout))
                 .set_response_timeout(Some(options.response_timeout))
                 .set_number_of_retries(2);
-            Conn::Server(client.get_connection_manager_with_config(config).await.map_err(ConnectError::Unreachable)?)
+            let mut all = Vec::with_capacity(options.connections);
+            for _ in 0..options.connections.max(1) {
+                let manager = client.get_connection_manager_with_config(config.clone()).await;
+                all.push(manager.map_err(ConnectError::Unreachable)?);
+            }
+            Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0) }))
         };
         let store = Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()) };
         store.check_eviction_policy(options.unverified_policy).await?;
@@ -658,6 +693,13 @@ mod tests {
         assert_eq!(info_policy(info).as_deref(), Some("allkeys-lru"));
         assert!(refuse_evicting("n".into(), "noeviction".into()).is_ok());
         assert!(matches!(refuse_evicting("n".into(), "volatile-lfu".into()), Err(ConnectError::EvictingPolicy { .. })));
+    }
+
+    #[test]
+    fn a_single_server_gets_at_least_one_connection() {
+        assert_eq!(RedisStoreOptions::default().connections, DEFAULT_CONNECTIONS);
+        assert_eq!(RedisStoreOptions::default().connections(0).connections, 1);
+        assert_eq!(RedisStoreOptions::default().connections(4).connections, 4);
     }
 
     #[test]
