@@ -232,6 +232,10 @@ pub struct SimArgs {
     /// Probability that a mutating call is refused for good: `409`, nothing done.
     #[arg(long, env = "LEASEBROKER_REFUSE", default_value_t = 0.0, value_parser = parse::probability)]
     pub refuse: f64,
+    /// How long a BMC firmware flash writes, in milliseconds (a second flash of a node while
+    /// one writes bricks it).
+    #[arg(long, env = "LEASEBROKER_FLASH_MS", default_value_t = 3000)]
+    pub flash_ms: u64,
 }
 
 /// `leasebroker migrate`.

@@ -53,7 +53,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 slow: args.slow,
                 slow_latency: Duration::from_millis(args.slow_ms),
                 refuse: args.refuse,
-            });
+            })
+            .with_flash_time(Duration::from_millis(args.flash_ms));
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
         }
         Command::Migrate(args) => {

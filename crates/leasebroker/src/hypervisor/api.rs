@@ -139,4 +139,56 @@ pub struct SimStats {
     pub reboots_total: u64,
     /// Reboots whose tag was already in that VM's `reboot_tags`.
     pub duplicate_reboot_tags: u64,
+    /// Every BMC firmware flash that started, ever (SPEC 3.4).
+    #[serde(default)]
+    pub flashes_total: u64,
+    /// Flashes whose tag had been flashed before, on any node.
+    #[serde(default)]
+    pub duplicate_flash_tags: u64,
+    /// Nodes bricked by a flash that started while another one ran.
+    #[serde(default)]
+    pub bricked_nodes: u64,
+}
+
+/// `POST /v1/bmc/{node_id}/flash`: flash firmware `version`; `tag` is the caller's sub-key,
+/// echoed in the node's `flash_tags`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlashRequest {
+    /// The firmware version to write.
+    pub version: String,
+    /// The caller's tag for this flash.
+    pub tag: String,
+}
+
+/// A BMC's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BmcState {
+    /// Idle, running `firmware`.
+    Ok,
+    /// A flash is writing.
+    Flashing,
+    /// A second flash started while one was writing: the machine needs a person at the rack.
+    Bricked,
+}
+
+/// `GET /v1/bmc/{node_id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BmcNode {
+    /// The node.
+    pub node_id: String,
+    /// The firmware it runs (the last flash that finished).
+    pub firmware: String,
+    /// `ok`, `flashing` or `bricked`.
+    pub state: BmcState,
+    /// The tags of every flash started on it, oldest first.
+    pub flash_tags: Vec<String>,
+}
+
+/// `GET /v1/bmc?tag=T`: `{"nodes": [...]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BmcList {
+    /// The nodes whose `flash_tags` hold the tag.
+    pub nodes: Vec<BmcNode>,
 }

@@ -367,7 +367,14 @@ mod tests {
         let stats = client.stats().await.expect("stats");
         assert_eq!(
             stats,
-            SimStats { boots_total: 2, running: 2, duplicate_boot_tags: 1, reboots_total: 2, duplicate_reboot_tags: 1 }
+            SimStats {
+                boots_total: 2,
+                running: 2,
+                duplicate_boot_tags: 1,
+                reboots_total: 2,
+                duplicate_reboot_tags: 1,
+                ..SimStats::default()
+            }
         );
     }
 

@@ -34,6 +34,8 @@ mod api;
 pub mod client;
 pub mod sim;
 
-pub use api::{BootRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState};
+pub use api::{
+    BmcList, BmcNode, BmcState, BootRequest, FlashRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState,
+};
 pub use client::{HvError, HypervisorClient};
 pub use sim::{SimConfig, Simulator, serve};

@@ -10,6 +10,8 @@
 //! - `POST /v1/vms/{vm_id}/reboot` `{"tag"}` -> `202` (the VM in full) or `404`
 //! - `DELETE /v1/vms/{vm_id}` -> `204` or `404`
 //! - `GET /v1/stats` -> [`SimStats`]
+//! - the BMCs of SPEC 3.4: `POST /v1/bmc/{node_id}/flash`, `GET /v1/bmc/{node_id}`,
+//!   `GET /v1/bmc?tag=T` (see [`bmc`]; a second flash while one writes bricks the node)
 //! - Simulator extension, for tests and the harness: `GET /v1/faults` and
 //!   `PUT /v1/faults` `{"fail_before", "fail_after", "latency_ms", "slow", "slow_ms", "refuse"}`
 //!   read and replace the faults at runtime (`204`; a probability outside 0.0-1.0 is a `422`;
@@ -116,7 +118,13 @@ impl SimConfig {
 #[derive(Debug, Clone)]
 pub struct Simulator {
     shared: Arc<Shared>,
+    flash_time: Duration,
 }
+
+pub mod bmc;
+
+/// How long a BMC flash writes unless set otherwise (`--flash-ms`).
+pub const DEFAULT_FLASH_TIME: Duration = Duration::from_millis(3000);
 
 #[derive(Debug)]
 struct Shared {
@@ -132,6 +140,7 @@ struct SimState {
     /// Every non-empty tag ever booted, deleted VMs included: a re-boot of one is a duplicate.
     booted_tags: HashSet<String>,
     stats: SimStats,
+    bmcs: bmc::Bmcs,
 }
 
 #[derive(Debug)]
@@ -145,7 +154,20 @@ impl Simulator {
     pub fn new(config: SimConfig) -> Self {
         Self {
             shared: Arc::new(Shared { state: Mutex::new(SimState::default()), faults: Mutex::new(config.clamped()) }),
+            flash_time: DEFAULT_FLASH_TIME,
         }
+    }
+
+    /// Sets how long a BMC flash writes (default [`DEFAULT_FLASH_TIME`]).
+    #[must_use]
+    pub fn with_flash_time(mut self, flash_time: Duration) -> Self {
+        self.flash_time = flash_time;
+        self
+    }
+
+    /// How long a BMC flash writes.
+    pub fn flash_time(&self) -> Duration {
+        self.flash_time
     }
 
     /// The HTTP API, ready to serve (see the module docs for the routes).
@@ -155,6 +177,9 @@ impl Simulator {
             .route("/v1/vms/{vm_id}", get(get_vm).delete(delete_vm))
             .route("/v1/vms/{vm_id}/reboot", post(reboot))
             .route("/v1/stats", get(stats))
+            .route("/v1/bmc", get(bmc::list))
+            .route("/v1/bmc/{node_id}", get(bmc::get))
+            .route("/v1/bmc/{node_id}/flash", post(bmc::flash))
             .route("/v1/faults", get(get_faults).put(put_faults))
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)
@@ -617,7 +642,14 @@ mod tests {
         let stats: SimStats = reqwest::get(format!("{url}/v1/stats")).await.expect("stats").json().await.expect("json");
         assert_eq!(
             stats,
-            SimStats { boots_total: 5, running: 4, duplicate_boot_tags: 1, reboots_total: 0, duplicate_reboot_tags: 0 }
+            SimStats {
+                boots_total: 5,
+                running: 4,
+                duplicate_boot_tags: 1,
+                reboots_total: 0,
+                duplicate_reboot_tags: 0,
+                ..SimStats::default()
+            }
         );
         assert_eq!(stats, sim.stats());
     }
