@@ -92,44 +92,23 @@ impl Domain {
              AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
              RETURNING node_id, cpu, memory_gb";
         let quota = i64::from(quota);
-        let res = match &self.db {
-            Db::Postgres(p) => {
-                async {
-                    let mut tx = p.begin().await?;
-                    guard!(self, tx, op_id);
+        let postgres = self.db.is_postgres();
+        let capped = if postgres { CAPPED_PG } else { CAPPED_SQLITE };
+        let res = with_pool!(&self.db, p => {
+            async {
+                let mut tx = p.begin().await?;
+                guard!(self, tx, op_id);
+                if postgres {
                     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7541))")
-                        .bind(principal)
-                        .execute(&mut *tx)
-                        .await?;
-                    let node = sqlx::query_as::<_, Node>(CAPPED_PG)
-                        .bind(alloc_id)
-                        .bind(principal)
-                        .bind(now)
-                        .bind(quota)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                    tx.commit().await?;
-                    Ok::<_, DomainError>(node)
+                        .bind(principal).execute(&mut *tx).await?;
                 }
-                .await
-            }
-            Db::Sqlite(p) => {
-                async {
-                    let mut tx = p.begin().await?;
-                    guard!(self, tx, op_id);
-                    let node = sqlx::query_as::<_, Node>(CAPPED_SQLITE)
-                        .bind(alloc_id)
-                        .bind(principal)
-                        .bind(now)
-                        .bind(quota)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                    tx.commit().await?;
-                    Ok::<_, DomainError>(node)
-                }
-                .await
-            }
-        };
+                let node = sqlx::query_as::<_, Node>(capped)
+                    .bind(alloc_id).bind(principal).bind(now).bind(quota)
+                    .fetch_optional(&mut *tx).await?;
+                tx.commit().await?;
+                Ok::<_, DomainError>(node)
+            }.await
+        });
         match res {
             Ok(Some(node)) => Ok(Allocation::Node(node)),
             Ok(None) => {
