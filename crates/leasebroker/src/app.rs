@@ -114,6 +114,7 @@ impl Application {
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)
+            .operation_link(crate::firmware::operation_link)
             .build();
         let reaper = Reaper {
             store: store.clone(),

@@ -61,9 +61,22 @@ pub struct Firmware {
     pub settle: Duration,
 }
 
-/// The sub-keys of one flash request.
+/// The sub-keys of one flash request: the operation's id and the BMC call's tag.
 fn keys(op: &Operation) -> (String, String) {
-    (public_id("op", &op.derive("flash-op")), op.derive("flash").as_str().to_owned())
+    (operation_id(|label| op.derive(label)), op.derive("flash").as_str().to_owned())
+}
+
+fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
+    public_id("op", &derive("flash-op"))
+}
+
+/// Where the operation a flash request's record starts can be followed: what the idempotency
+/// layer puts in the `Link` of a retry's `409 request-in-progress` (the first attempt is still
+/// accepting). `None` for records of other routes.
+pub fn operation_link(record: &idempotency::Record) -> Option<String> {
+    let endpoint = record.scope.endpoint.as_str();
+    (endpoint.starts_with("POST /admin/v1/nodes/") && endpoint.ends_with("/firmware"))
+        .then(|| format!("/admin/v1/operations/{}", operation_id(|label| record.derive(label))))
 }
 
 impl Firmware {

@@ -108,6 +108,24 @@ async fn a_retry_during_a_running_flash_gets_the_same_operation_at_once() {
 }
 
 #[tokio::test]
+async fn a_retry_while_the_first_attempt_is_accepting_is_pointed_at_the_operation() {
+    let hv = sim(&["--flash-ms", "500", "--latency-ms", "1500"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, POLL[0], POLL[1]]);
+    let base = lb.url.clone();
+    let first = tokio::spawn(async move { flash(&base, "node-0008", "fw-link", "1.0.1").await });
+    tokio::time::sleep(Duration::from_millis(500)).await; // the BMC call is under way
+    let retry = flash(&lb.url, "node-0008", "fw-link", "1.0.1").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(retry.problem_type(), "request-in-progress");
+    let link = retry.headers["link"].to_str().expect("ascii").to_owned();
+    let first = first.await.expect("task");
+    assert_eq!(first.status, StatusCode::ACCEPTED);
+    let location = first.headers["location"].to_str().expect("ascii");
+    assert_eq!(link, format!("<{location}>; rel=\"monitor\""), "the retry is pointed at the operation");
+}
+
+#[tokio::test]
 async fn thirty_two_concurrent_requests_with_one_key_give_one_flash() {
     let hv = sim(&["--flash-ms", "1500", "--latency-ms", "200"]);
     let dir = tempfile::tempdir().expect("tempdir");
