@@ -15,7 +15,7 @@ use leasebroker::config::{Cli, Command};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use super::{
+use crate::support::{
     ADMIN, BIN, Reply, TOKEN, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, serve,
     set_faults, sim, sim_stats, sqlite_url, worker_body,
 };
@@ -241,7 +241,7 @@ async fn a_refused_boot_holds_nothing() {
 
 /// A server on SQLite in `dir` against the simulator `hv`, whose reaper acts soon: settle 1 s,
 /// abandoned after 2 s, looked at every second.
-fn reaping_server(dir: &tempfile::TempDir, hv: &super::Proc) -> super::Proc {
+fn reaping_server(dir: &tempfile::TempDir, hv: &crate::support::Proc) -> crate::support::Proc {
     let args = [
         "--hypervisor-url",
         hv.url.as_str(),
@@ -568,7 +568,7 @@ mod racing_attempts {
     /// A service on its own SQLite file and in-process simulator, with a 200 ms settle window.
     async fn rig() -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = Db::connect(&super::sqlite_url(&dir)).await.expect("db");
+        let db = Db::connect(&crate::support::sqlite_url(&dir)).await.expect("db");
         db.migrate().await.expect("migrate");
         let domain = Domain::new(db.clone());
         domain.seed_nodes(16, 64, 256).await.expect("nodes");
