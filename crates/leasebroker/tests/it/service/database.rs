@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 
-use super::*;
+use crate::support::*;
 
 /// A PostgreSQL cluster of this test's own; stopped and removed on drop.
 struct Cluster {

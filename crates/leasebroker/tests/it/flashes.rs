@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
-use super::{ADMIN, Reply, TOKEN, fleet, http, send, serve, sim, sim_stats, sqlite_url};
+use crate::support::{ADMIN, Reply, TOKEN, fleet, http, send, serve, sim, sim_stats, sqlite_url};
 
 /// Flashes `node` with `key` on `base`, once.
 async fn flash(base: &str, node: &str, key: &str, version: &str) -> Reply {

@@ -15,7 +15,7 @@ use leasebroker::config::{Cli, Command};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use super::{
+use crate::support::{
     ADMIN, BIN, Reply, TOKEN, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, serve,
     set_faults, sim, sim_stats, sqlite_url, worker_body,
 };
@@ -241,7 +241,7 @@ async fn a_refused_boot_holds_nothing() {
 
 /// A server on SQLite in `dir` against the simulator `hv`, whose reaper acts soon: settle 1 s,
 /// abandoned after 2 s, looked at every second.
-fn reaping_server(dir: &tempfile::TempDir, hv: &super::Proc) -> super::Proc {
+fn reaping_server(dir: &tempfile::TempDir, hv: &crate::support::Proc) -> crate::support::Proc {
     let args = [
         "--hypervisor-url",
         hv.url.as_str(),
@@ -570,7 +570,7 @@ mod racing_attempts {
     /// that reads the intent after the winner's send finds its VM instead of a window passed.
     async fn rig() -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = Db::connect(&super::sqlite_url(&dir)).await.expect("db");
+        let db = Db::connect(&crate::support::sqlite_url(&dir)).await.expect("db");
         db.migrate().await.expect("migrate");
         let domain = Domain::new(db.clone());
         domain.seed_nodes(16, 64, 256).await.expect("nodes");
@@ -669,7 +669,7 @@ mod racing_attempts {
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
         assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first call fails");
         store.fail(&claim).await.expect("fail");
-        tokio::time::sleep(Duration::from_millis(1500)).await; // past the settle window
+        tokio::time::sleep(Duration::from_millis(2500)).await; // past the settle window
         let reaper = leasebroker::reaper::Reaper {
             store: store.clone(),
             domain: rig.workers.domain.clone(),

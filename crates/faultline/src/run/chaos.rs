@@ -1,0 +1,67 @@
+//! The faults a run makes on the server side: replicas killed mid-request and restarted, the
+//! database stopped and started again.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::cluster::Replica;
+use crate::pg::LocalCluster;
+use crate::proxy::Proxy;
+use crate::workload::Workload;
+
+/// Kills a random replica `kills` times, at evenly spread points of the workload, each time while
+/// it has a request open, and restarts it on the same port. Returns the kills made.
+pub(super) async fn kill_replicas(
+    kills: u32,
+    ops: u64,
+    workload: Arc<Workload>,
+    replicas: Arc<Mutex<Vec<Replica>>>,
+    proxies: Arc<Vec<Proxy>>,
+) -> anyhow::Result<u32> {
+    let mut done = 0;
+    for k in 1..=u64::from(kills) {
+        let milestone = ops * k / (u64::from(kills) + 1);
+        while workload.counters.ops_done.load(Ordering::Relaxed) < milestone {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let victim = rand::rng().random_range(0..proxies.len());
+        // Mid-request: wait (briefly) until the victim has a connection open.
+        let wait_until = Instant::now() + Duration::from_secs(2);
+        while proxies[victim].stats.active_upstream.load(Ordering::Relaxed) == 0 && Instant::now() < wait_until {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        replicas.lock().await[victim].kill_and_restart().await?;
+        done += 1;
+    }
+    Ok(done)
+}
+
+/// Stops the database `restarts` times, at evenly spread points of the workload (offset from the
+/// replica kills), keeps it down for `down`, and starts it again. Returns the restarts made.
+pub(super) async fn restart_database(
+    restarts: u32,
+    down: Duration,
+    ops: u64,
+    workload: Arc<Workload>,
+    cluster: Arc<Mutex<LocalCluster>>,
+) -> anyhow::Result<u32> {
+    let mut done = 0;
+    for k in 1..=u64::from(restarts) {
+        let milestone = (ops * (2 * k - 1) / (2 * u64::from(restarts) + 1)).max(1);
+        while workload.counters.ops_done.load(Ordering::Relaxed) < milestone {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut cluster = cluster.lock().await;
+        cluster.stop().await?;
+        tokio::time::sleep(down).await;
+        cluster.start_again().await?;
+        cluster.restarts += 1;
+        done += 1;
+    }
+    Ok(done)
+}

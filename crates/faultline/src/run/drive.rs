@@ -1,0 +1,283 @@
+//! The body of one run: start the hypervisor, the replicas and their proxies, drive the workload
+//! while killing replicas (and restarting the database), let everything settle, read the ground
+//! truth and check it.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio::sync::Mutex;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::binaries::{Binaries, serve_extra};
+use super::chaos::{kill_replicas, restart_database};
+use super::progress::{progress_bar, status};
+use crate::cli::Scenario;
+use crate::cluster::{self, Hypervisor, Replica, ServeConfig, SimFaults};
+use crate::pg::LocalCluster;
+use crate::proxy::{FaultPlan, Proxy, ProxyCounts};
+use crate::report::{Faults, Outcomes, RunReport, Setup};
+use crate::verify::{self, Reader};
+use crate::workload::{ClientKind, Workload, WorkloadConfig};
+
+/// One run in `dir` against `database`: everything it starts is stopped when it returns.
+pub(super) async fn run_in(
+    sc: &Scenario,
+    bin: &Binaries,
+    rate: f64,
+    kind: ClientKind,
+    dir: &Path,
+    database: &str,
+    own_cluster: Option<Arc<Mutex<LocalCluster>>>,
+) -> anyhow::Result<RunReport> {
+    let started = Instant::now();
+    let on_postgres = database.starts_with("postgres");
+    let replicas_n = if on_postgres { sc.replicas } else { 1 };
+    let pool_nodes =
+        sc.pool_nodes.unwrap_or_else(|| u32::try_from(sc.ops.saturating_mul(2) + 64).unwrap_or(100_000).min(100_000));
+    let principals = cluster::principals(sc.principals);
+
+    let faults = SimFaults {
+        fail_before: sc.hv_fail_before,
+        fail_after: sc.hv_fail_after,
+        latency_ms: sc.hv_latency_ms,
+        slow: sc.hv_slow,
+        slow_ms: sc.hv_slow_ms,
+        refuse: sc.hv_refuse,
+    };
+    let hypervisor = Hypervisor::start(&bin.leasebroker, dir, faults).await?;
+    let (mut extra, settle, abandon_after) = serve_extra(sc, bin)?;
+    // Stopped and removed when the run ends (its processes are killed on drop).
+    let redis = if sc.redis_cluster {
+        if !idempotency_redis::testing::have_redis_binaries() {
+            bail!("--redis-cluster needs redis-server and redis-cli on the PATH (Debian: redis-server, redis-tools)");
+        }
+        let cluster = tokio::task::spawn_blocking(idempotency_redis::testing::Cluster::start)
+            .await
+            .context("starting a Redis Cluster")?;
+        extra.extend(["--record-store".to_owned(), cluster.url()]);
+        Some(cluster)
+    } else {
+        None
+    };
+    let config = ServeConfig {
+        binary: bin.leasebroker.clone(),
+        database: database.to_owned(),
+        principals: principals.clone(),
+        pool_nodes,
+        hypervisor_url: hypervisor.url.clone(),
+        hypervisor_timeout: sc.hypervisor_timeout,
+        in_flight_ttl: sc.in_flight_ttl,
+        extra,
+        dir: dir.to_path_buf(),
+    };
+    let ports = (0..replicas_n).map(|_| cluster::free_port()).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut replicas = Vec::new();
+    // One after the other: the first migrates and seeds the database.
+    for (i, port) in ports.iter().enumerate() {
+        replicas.push(Replica::start(i, *port, config.clone()).await?);
+    }
+    let plan = FaultPlan { rate, attempt_timeout: sc.attempt_timeout };
+    let mut proxies = Vec::new();
+    for r in &replicas {
+        proxies.push(Proxy::start(r.addr, plan).await?);
+    }
+    let direct: Vec<String> = replicas.iter().map(Replica::url).collect();
+    let reader = Reader::new(direct, hypervisor.url.clone(), principals.clone())?;
+
+    let workload = Arc::new(Workload::new(WorkloadConfig {
+        kind,
+        principals: principals.clone(),
+        endpoints: proxies.iter().map(Proxy::url).collect(),
+        kill_rate: rate,
+        lbctl_share: sc.lbctl_share,
+        lbctl: bin.lbctl.clone(),
+        journal: dir.join("lbctl-journal.db"),
+        attempt_timeout: sc.attempt_timeout,
+        op_max_elapsed: sc.op_max_elapsed,
+        run_tag: format!("{}-{rate}", kind.name()),
+        abandon_rate: sc.abandon,
+        abandon_ops: sc.abandon_ops.clone(),
+    })?);
+    let proxies = Arc::new(proxies);
+    let replicas = Arc::new(Mutex::new(replicas));
+
+    let progress = progress_bar(sc, kind, rate);
+    let workload_start = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut clients = JoinSet::new();
+    for _ in 0..sc.concurrency {
+        let (workload, next, progress, ops) = (workload.clone(), next.clone(), progress.clone(), sc.ops);
+        clients.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= ops {
+                    break;
+                }
+                workload.run_op(i).await;
+                progress.inc(1);
+            }
+        });
+    }
+    let mut killer = JoinSet::new();
+    killer.spawn(kill_replicas(sc.server_kills, sc.ops, workload.clone(), replicas.clone(), proxies.clone()));
+    let mut restarter = JoinSet::new();
+    if let Some(cluster) = &own_cluster {
+        restarter.spawn(restart_database(
+            sc.postgres_restarts,
+            sc.postgres_down,
+            sc.ops,
+            workload.clone(),
+            cluster.clone(),
+        ));
+    }
+    let mut restarts_done = 0;
+    let mut ticker = tokio::time::interval(Duration::from_millis(250));
+    let mut kills_done = 0;
+    let kill_error = loop {
+        tokio::select! {
+            joined = clients.join_next() => match joined {
+                Some(r) => r.context("a client task panicked")?,
+                None => break None,
+            },
+            Some(joined) = killer.join_next() => match joined.context("the killer task panicked")? {
+                Ok(n) => kills_done = n,
+                Err(e) => break Some(e.context("killing and restarting a replica")),
+            },
+            Some(joined) = restarter.join_next() => match joined.context("the database restart task panicked")? {
+                Ok(n) => restarts_done = n,
+                Err(e) => break Some(e.context("restarting the database")),
+            },
+            _ = ticker.tick() => progress.set_message(status(&workload, &proxies, &replicas).await),
+        }
+    };
+    if let Some(e) = kill_error {
+        return Err(e);
+    }
+    // A restart still pending (ops finished before its milestone) is not made; one under way ends.
+    restarter.abort_all();
+    while let Some(joined) = restarter.join_next().await {
+        if let Ok(Ok(n)) = joined {
+            restarts_done = n;
+        }
+    }
+    if let Some(cluster) = &own_cluster {
+        let mut cluster = cluster.lock().await;
+        if !cluster.is_running() {
+            cluster.start_again().await.context("starting the database after the workload")?;
+        }
+        restarts_done = restarts_done.max(cluster.restarts);
+    }
+    // Every client is done; a kill still pending (ops finished before its milestone) is not made.
+    killer.abort_all();
+    while let Some(joined) = killer.join_next().await {
+        if let Ok(Ok(n)) = joined {
+            kills_done = n;
+        }
+    }
+    let kills_done = kills_done.max(replicas.lock().await.iter().map(|r| r.restarts).sum());
+    let workload_secs = workload_start.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+
+    for p in proxies.iter() {
+        p.set_faults(false);
+    }
+    // Let cut-off handlers finish, late calls land, stale in-flight records age out and the
+    // reaper roll back what was abandoned before reading the truth.
+    let mut quiet = sc.in_flight_ttl + sc.hypervisor_timeout + Duration::from_secs(1);
+    quiet += settle.unwrap_or_default().max(Duration::from_millis(sc.hv_latency_ms + sc.hv_slow_ms));
+    if let Some(after) = abandon_after {
+        quiet += after + settle.unwrap_or_default() + 2 * sc.sweep_interval;
+    }
+    reader.settle(quiet, Duration::from_secs(60)).await?;
+    let truth = reader.ground_truth().await?;
+    let lock_ledger = || workload.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let held: Vec<_> = lock_ledger()
+        .workers
+        .iter()
+        .filter(|(_, k)| !k.deleted && !k.delete_unknown)
+        .map(|(id, k)| (id.clone(), k.principal))
+        .collect();
+    let gets = reader.get_each(held).await;
+    let report = {
+        let ledger = lock_ledger();
+        let c = &workload.counters;
+        let reboots_ok = c.reboots_ok.load(Ordering::Relaxed);
+        let failed = c.failed.load(Ordering::Relaxed);
+        let (damage, invariants) = verify::check(&ledger, &truth, &gets, reboots_ok, failed);
+
+        let proxy = proxies.iter().map(|p| p.stats.snapshot()).fold(ProxyCounts::default(), |a, b| a + b);
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        RunReport {
+            clients: kind,
+            setup: Setup {
+                database: if on_postgres { "postgres" } else { "sqlite" },
+                record_store: if redis.is_some() { "redis-cluster x3" } else { "database" },
+                replicas: replicas_n,
+                ops: sc.ops,
+                concurrency: sc.concurrency,
+                client_fault_rate: rate,
+                lbctl_share: sc.lbctl_share,
+                server_kills: sc.server_kills,
+                hv_fail_before: sc.hv_fail_before,
+                hv_fail_after: sc.hv_fail_after,
+                hv_latency_ms: sc.hv_latency_ms,
+                hv_slow: sc.hv_slow,
+                hv_slow_ms: sc.hv_slow_ms,
+                hv_refuse: sc.hv_refuse,
+                hypervisor_timeout_ms: millis(sc.hypervisor_timeout),
+                hypervisor_settle_ms: settle.map(millis),
+                abandon: sc.abandon,
+                abandon_ops: sc.abandon_ops.clone(),
+                abandon_after_ms: abandon_after.map(millis),
+                postgres_restarts: sc.postgres_restarts,
+                pool_nodes,
+            },
+            attempts: load(&c.attempts),
+            faults: Faults {
+                never_reached: proxy.never_reached,
+                response_lost: proxy.response_lost,
+                gave_up_mid_flight: proxy.gave_up_mid_flight,
+                client_killed: load(&c.lbctl_kills),
+            },
+            proxy,
+            server_kills: kills_done,
+            postgres_restarts: restarts_done,
+            outcomes: Outcomes {
+                succeeded: load(&c.succeeded),
+                refused: load(&c.refused),
+                failed,
+                abandoned: load(&c.abandoned),
+                creates_ok: load(&c.creates_ok),
+                reboots_ok,
+                deletes_ok: load(&c.deletes_ok),
+                replayed: load(&c.replayed),
+                via_lbctl: load(&c.lbctl_ops),
+                lbctl_runs: load(&c.lbctl_runs),
+            },
+            damage,
+            fleet: truth.fleet.clone(),
+            hypervisor: truth.sim,
+            server: truth.server,
+            passed: invariants.iter().all(|i| i.ok),
+            invariants,
+            failures: ledger.failures.clone(),
+            refusals: ledger.refusals.clone(),
+            workers_without_vm: verify::workers_without_vm(&ledger, &truth),
+            workload_secs,
+            elapsed_secs: started.elapsed().as_secs_f64(),
+        }
+    };
+    for r in replicas.lock().await.iter_mut() {
+        r.stop().await;
+    }
+    drop(hypervisor);
+    Ok(report)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,119 @@
+//! One run: start the processes, drive the workload through the proxies while killing replicas,
+//! let everything settle, read the ground truth, check, stop everything.
+
+mod binaries;
+mod chaos;
+mod drive;
+mod progress;
+
+use std::sync::Arc;
+
+use anyhow::{Context, anyhow};
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+use crate::cli::{Cli, Command, Scenario};
+use crate::pg::{LocalCluster, TempDatabase};
+use crate::report::{self, RunReport};
+use crate::workload::ClientKind;
+use binaries::Binaries;
+use drive::run_in;
+
+/// The JSON file written by `run` and `sweep`.
+#[derive(Debug, Serialize)]
+struct ReportFile<'a> {
+    command: &'static str,
+    runs: &'a [RunReport],
+    /// True when every protected run held every invariant.
+    protected_passed: bool,
+}
+
+/// Runs the command. `Ok(false)` when a protected run broke an invariant.
+pub async fn main(cli: Cli) -> anyhow::Result<bool> {
+    let (command, scenario, plan): (&'static str, Scenario, Vec<(f64, Vec<ClientKind>)>) = match cli.command {
+        Command::Run(args) => {
+            let kinds = if args.naive {
+                vec![ClientKind::Naive]
+            } else if args.no_naive {
+                vec![ClientKind::Protected]
+            } else {
+                vec![ClientKind::Protected, ClientKind::Naive]
+            };
+            ("run", args.scenario, vec![(args.client_faults, kinds)])
+        }
+        Command::Sweep(args) => (
+            "sweep",
+            args.scenario,
+            args.rates.iter().map(|&r| (r, vec![ClientKind::Protected, ClientKind::Naive])).collect(),
+        ),
+    };
+    let binaries = Binaries::locate(&scenario)?;
+    std::fs::create_dir_all(&scenario.out).with_context(|| format!("creating {}", scenario.out.display()))?;
+    let mut runs = Vec::new();
+    for (rate, kinds) in plan {
+        for kind in kinds {
+            eprintln!("faultline: {} clients, client fault rate {rate}", kind.name());
+            let report = run_one(&scenario, &binaries, rate, kind).await?;
+            if !report.passed && kind == ClientKind::Protected {
+                eprintln!(
+                    "faultline: PROTECTED RUN BROKE AN INVARIANT:\n{}",
+                    report::broken(std::slice::from_ref(&report))
+                );
+            }
+            runs.push(report);
+        }
+    }
+    let protected_passed = runs.iter().filter(|r| r.clients == ClientKind::Protected).all(|r| r.passed);
+    println!("{}", report::table(&runs));
+    let broken = report::broken(&runs);
+    if !broken.is_empty() {
+        println!("broken invariants:\n{broken}");
+    }
+    let json = scenario.out.join(format!("{command}.json"));
+    report::write_json(&json, &ReportFile { command, runs: &runs, protected_passed })?;
+    let svg = scenario.out.join(format!("{command}.svg"));
+    report::chart(&svg, &runs)?;
+    println!("report: {}\nchart:  {}", json.display(), svg.display());
+    Ok(protected_passed)
+}
+
+/// One run with fresh processes and a fresh database; everything it started is stopped and the
+/// database dropped, also on error or Ctrl-C.
+async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: ClientKind) -> anyhow::Result<RunReport> {
+    let temp = tempfile::Builder::new().prefix("faultline-").tempdir().context("temporary directory")?;
+    // A run that restarts the database gets a cluster of its own: never restart a shared server.
+    let own = if scenario.postgres_restarts > 0 {
+        Some(LocalCluster::start().await.context("starting a PostgreSQL cluster of faultline's own")?)
+    } else {
+        None
+    };
+    let server = own.as_ref().map(|c| c.url.clone()).or_else(|| scenario.postgres.clone());
+    let database = match &server {
+        Some(url) => Some(TempDatabase::create(url).await?),
+        None => None,
+    };
+    let own = own.map(|c| Arc::new(Mutex::new(c)));
+    let url = match &database {
+        Some(db) => db.url.clone(),
+        None => format!("sqlite://{}", temp.path().join("leasebroker.db").display()),
+    };
+    // Dropping the run's future (Ctrl-C, time limit) kills its processes (kill_on_drop) and aborts
+    // its tasks; the database is dropped below either way.
+    let result = tokio::select! {
+        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, own.clone())) => {
+            r.unwrap_or_else(|_| Err(anyhow!("the run took longer than --max-duration {:?}", scenario.max_duration)))
+        }
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+    if let Some(db) = database
+        && let Err(e) = db.drop_now().await
+    {
+        eprintln!("faultline: warning: {e:#}");
+    }
+    // The cluster of our own is stopped and removed when its last handle goes (run_in's are gone).
+    drop(own);
+    if scenario.keep_temp {
+        eprintln!("faultline: kept {}", temp.keep().display());
+    }
+    result
+}

@@ -1,0 +1,389 @@
+//! Attempts that overlap or go away: racing duplicates, client disconnects, handlers slower than
+//! the in-flight TTL, expiry, and completions the store fails to record.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::post;
+use http::StatusCode;
+use idempotency::faulty::{FaultyStore, Op};
+use idempotency::{MemoryStore, RecordState, Store};
+use idempotency_tower::IdempotencyLayer;
+
+use crate::fixture::*;
+
+mod duplicates {
+    use super::*;
+
+    fn slow_app(layer: IdempotencyLayer, delay: Duration) -> (Router, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/slow",
+                post(move || async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(delay).await;
+                    (StatusCode::CREATED, format!("call {n}"))
+                }),
+            )
+            .layer(layer);
+        (app, calls)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sixty_four_concurrent_duplicates_run_the_handler_once() {
+        let (app, calls) = slow_app(builder(&store()).build(), Duration::from_millis(200));
+        let barrier = Arc::new(tokio::sync::Barrier::new(64));
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (app, barrier) = (app.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    send(&app, post_req("/v1/slow", Some("dup"), "{\"n\":1}")).await
+                })
+            })
+            .collect();
+        let (mut executed, mut in_progress) = (0, 0);
+        for t in tasks {
+            let a = t.await.unwrap();
+            match a.status {
+                StatusCode::CREATED => {
+                    assert_eq!(a.text(), "call 0");
+                    if !a.replayed() {
+                        executed += 1;
+                    }
+                }
+                StatusCode::CONFLICT => {
+                    assert_eq!(a.problem_type(), "/problems/request-in-progress");
+                    let secs: u64 = a.headers["retry-after"].to_str().unwrap().parse().unwrap();
+                    assert!((1..=300).contains(&secs));
+                    in_progress += 1;
+                }
+                s => panic!("unexpected {s}: {a:?}"),
+            }
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(executed, 1);
+        assert!(in_progress >= 1, "the 200 ms handler must have overlapped some duplicates");
+        assert!(send(&app, post_req("/v1/slow", Some("dup"), "{\"n\":1}")).await.replayed());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_wait_replays_a_response_that_completes_in_time() {
+        let (app, calls) =
+            slow_app(builder(&store()).wait_for_in_flight(Duration::from_secs(3)).build(), Duration::from_millis(300));
+        let a2 = app.clone();
+        let first = tokio::spawn(async move { send(&a2, post_req("/v1/slow", Some("k1"), "{}")).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let waited = send(&app, post_req("/v1/slow", Some("k1"), "{}")).await;
+        assert_eq!((waited.status, waited.replayed(), waited.text()), (StatusCode::CREATED, true, "call 0"));
+        assert!(!first.await.unwrap().replayed());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_wait_gives_up_with_409() {
+        let (app, calls) = slow_app(
+            builder(&store()).wait_for_in_flight(Duration::from_millis(100)).build(),
+            Duration::from_millis(600),
+        );
+        let a2 = app.clone();
+        let first = tokio::spawn(async move { send(&a2, post_req("/v1/slow", Some("k1"), "{}")).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = std::time::Instant::now();
+        let waited = send(&app, post_req("/v1/slow", Some("k1"), "{}")).await;
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        assert_eq!(waited.status, StatusCode::CONFLICT);
+        assert_eq!(waited.problem_type(), "/problems/request-in-progress");
+        first.await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_claim_is_taken_over_and_the_late_completion_is_fenced_off() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/op",
+                post(move || async move {
+                    if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                        // Outlives its 200 ms claim.
+                        tokio::time::sleep(Duration::from_millis(700)).await;
+                        (StatusCode::CREATED, "first attempt")
+                    } else {
+                        (StatusCode::CREATED, "second attempt")
+                    }
+                }),
+            )
+            .layer(
+                IdempotencyLayer::builder(unrenewed(MemoryStore::new()))
+                    .allow_anonymous(idempotency::Principal::new("a"))
+                    .in_flight_ttl(Duration::from_millis(200))
+                    .build(),
+            );
+        let a2 = app.clone();
+        let slow = tokio::spawn(async move { send(&a2, post_req("/v1/op", Some("k1"), "{}")).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let early = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
+        assert_eq!(early.status, StatusCode::CONFLICT, "a fresh claim is honoured");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let second = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
+        assert_eq!((second.status, second.replayed(), second.text()), (StatusCode::CREATED, false, "second attempt"));
+        let first = slow.await.unwrap();
+        assert_eq!(first.text(), "first attempt", "the slow client still gets its own response");
+        let replay = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
+        assert_eq!((replay.replayed(), replay.text()), (true, "second attempt"));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
+
+/// Over a real socket: a client that goes away must not cut the handler short.
+mod disconnect {
+    use super::*;
+    use idempotency_tower::RoutePolicy;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio::sync::Notify;
+
+    fn raw_post(path: &str, key: &str) -> String {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: test\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\n\
+             content-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        )
+    }
+
+    /// Sends a request and reads the whole response; returns the status, the head and the body.
+    async fn roundtrip(addr: std::net::SocketAddr, req: &str) -> (u16, String, String) {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.unwrap();
+        let text = String::from_utf8(buf).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_ascii_lowercase(), body.to_owned())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_disconnected_clients_handler_finishes_and_the_retry_replays() {
+        let effects = Arc::new(AtomicUsize::new(0));
+        let started = Arc::new(Notify::new());
+        let handler = {
+            let (effects, started) = (effects.clone(), started.clone());
+            move || async move {
+                effects.fetch_add(1, Ordering::SeqCst); // side effect one
+                started.notify_one();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                effects.fetch_add(1, Ordering::SeqCst); // side effect two
+                (StatusCode::CREATED, "both done")
+            }
+        };
+        let layer = builder(&store())
+            .policy(|_, path| if path == "/v1/unprotected" { RoutePolicy::Off } else { RoutePolicy::Required })
+            .build();
+        let app =
+            Router::new().route("/v1/slow", post(handler.clone())).route("/v1/unprotected", post(handler)).layer(layer);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+        // Control: without the layer's protection the server drops the handler when the client
+        // leaves, so the test below would catch a layer that ran the handler inline.
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(raw_post("/v1/unprotected", "k0").as_bytes()).await.unwrap();
+        started.notified().await;
+        drop(s);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(effects.load(Ordering::SeqCst), 1, "an unprotected handler is cut between its side effects");
+
+        effects.store(0, Ordering::SeqCst);
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(raw_post("/v1/slow", "k1").as_bytes()).await.unwrap();
+        started.notified().await;
+        drop(s);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(effects.load(Ordering::SeqCst), 2, "the protected handler ran to completion");
+
+        let (status, head, body) = roundtrip(addr, &raw_post("/v1/slow", "k1")).await;
+        assert_eq!(status, 201);
+        assert!(head.contains("idempotent-replayed: true"), "{head}");
+        assert_eq!(body, "both done");
+        assert_eq!(effects.load(Ordering::SeqCst), 2);
+        server.abort();
+    }
+}
+
+/// Issue 12 item 10: a handler that runs longer than the in-flight TTL keeps its claim.
+mod slow_handlers {
+    use super::*;
+
+    /// The handler runs three times the TTL while retries arrive: it runs once, every retry
+    /// meanwhile is `409 request-in-progress`, and afterwards the retry replays.
+    async fn a_handler_slower_than_the_ttl_runs_once(store: Arc<dyn Store>) {
+        let ttl = Duration::from_secs(1);
+        let (app, calls) = counting_route("/v1/slow", 3 * ttl, builder_for_p(store).in_flight_ttl(ttl).build());
+        let a2 = app.clone();
+        let first = tokio::spawn(async move { send(&a2, post_key("/v1/slow", "k1")).await });
+        wait_until("the handler started", Duration::from_secs(60), async || calls.load(Ordering::SeqCst) == 1).await;
+        let started = Instant::now();
+        let mut busy = 0;
+        let mut latest_busy = Duration::ZERO;
+        while !first.is_finished() {
+            let r = send(&app, post_key("/v1/slow", "k1")).await;
+            if r.status == StatusCode::CREATED && r.replayed() {
+                break; // it finished between the check and this request
+            }
+            assert_eq!(r.status, StatusCode::CONFLICT, "{r:?}");
+            assert_eq!(r.problem_type(), "/problems/request-in-progress");
+            busy += 1;
+            latest_busy = started.elapsed();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(busy >= 5, "only {busy} retries overlapped the handler");
+        assert!(latest_busy > 2 * ttl, "no retry arrived after the TTL ({latest_busy:?}): the test proves nothing");
+        let first = first.await.expect("task");
+        assert_eq!((first.status, first.replayed(), first.text()), (StatusCode::CREATED, false, "call 0"));
+        let replay = send(&app, post_key("/v1/slow", "k1")).await;
+        assert_eq!((replay.status, replay.replayed(), replay.text()), (StatusCode::CREATED, true, "call 0"));
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one execution");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory() {
+        a_handler_slower_than_the_ttl_runs_once(Arc::new(MemoryStore::new())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = idempotency_sqlx::SqliteStore::connect(dir.path().join("idem.db").to_str().expect("path"))
+            .await
+            .expect("open");
+        store.migrate().await.expect("migrate");
+        a_handler_slower_than_the_ttl_runs_once(Arc::new(store)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        a_handler_slower_than_the_ttl_runs_once(Arc::new(store)).await;
+    }
+
+    /// A claim that nobody renews (its heartbeats fail, as a dead process's would) still goes
+    /// stale and is taken over; the late completion of the old attempt is fenced off.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unrenewed_claim_goes_stale_and_its_late_completion_is_fenced() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let release = Arc::new(tokio::sync::Notify::new());
+        let (c, r) = (calls.clone(), release.clone());
+        let app = Router::new()
+            .route(
+                "/v1/op",
+                post(move || async move {
+                    if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                        r.notified().await;
+                        (StatusCode::CREATED, "first attempt")
+                    } else {
+                        (StatusCode::CREATED, "second attempt")
+                    }
+                }),
+            )
+            .layer(builder_for_p(store.clone()).in_flight_ttl(Duration::from_millis(300)).build());
+        store.fail_always(Op::Heartbeat);
+        let a2 = app.clone();
+        let slow = tokio::spawn(async move { send(&a2, post_key("/v1/op", "k1")).await });
+        wait_until("the handler started", Duration::from_secs(60), async || calls.load(Ordering::SeqCst) == 1).await;
+        let s = scope("/v1/op", "k1");
+        let started_at = store.inner().get(&s).await.expect("get").expect("record").started_at;
+        wait_until("a heartbeat was tried", Duration::from_secs(60), async || store.calls(Op::Heartbeat) >= 1).await;
+        wait_until("the claim is stale", Duration::from_secs(60), async || {
+            idempotency::now() >= started_at + chrono::Duration::milliseconds(300)
+        })
+        .await;
+        let second = send(&app, post_key("/v1/op", "k1")).await;
+        assert_eq!((second.status, second.replayed(), second.text()), (StatusCode::CREATED, false, "second attempt"));
+        release.notify_one();
+        assert_eq!(slow.await.expect("task").text(), "first attempt", "the slow client still gets its own response");
+        let replay = send(&app, post_key("/v1/op", "k1")).await;
+        assert_eq!((replay.replayed(), replay.text()), (true, "second attempt"));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
+
+mod expiry {
+    use super::*;
+
+    #[tokio::test]
+    async fn after_retention_the_sweeper_frees_the_key() {
+        let store = store();
+        let (app, calls) = counting_app(builder(&store).retention(Duration::from_millis(100)).build());
+        send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
+        assert!(send(&app, post_req("/v1/things", Some("k1"), "{}")).await.replayed());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let swept = idempotency_tower::sweeper(store.clone(), Duration::from_secs(60)).run_once().await.unwrap();
+        assert_eq!(swept, 1);
+        assert!(store.is_empty());
+        let again = send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
+        assert!(!again.replayed());
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
+
+/// Issue 12 item 2: a store error at `complete` after the handler ran does not lose the result.
+mod failed_completion {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_is_retried_until_it_is_stored_and_the_retry_replays() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        store.fail_next(Op::Complete, 3);
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, builder_for_p(store.clone()).build());
+        let first = send(&app, post_key("/v1/things", "k1")).await;
+        // The client has its answer at once, though the store refused it.
+        assert_eq!((first.status, first.replayed(), first.text()), (StatusCode::CREATED, false, "call 0"));
+        let s = scope("/v1/things", "k1");
+        wait_until("the response is stored", Duration::from_secs(60), async || {
+            store.inner().get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Completed)
+        })
+        .await;
+        assert_eq!(store.calls(Op::Complete), 4, "three failures, then stored");
+        let retry = send(&app, post_key("/v1/things", "k1")).await;
+        assert_eq!((retry.status, retry.replayed(), retry.text()), (StatusCode::CREATED, true, "call 0"));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn when_every_retry_fails_the_record_stays_in_flight_until_its_ttl() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        // The first completion and both retries fail; the next one (a later attempt's) works.
+        store.fail_next(Op::Complete, 3);
+        let ttl = Duration::from_secs(2);
+        let built =
+            builder_for_p(store.clone()).in_flight_ttl(ttl).completion_retries(2, Duration::from_millis(10)).build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, built);
+        assert_eq!(send(&app, post_key("/v1/things", "k1")).await.status, StatusCode::CREATED);
+        wait_until("every retry ran", Duration::from_secs(60), async || store.calls(Op::Complete) >= 3).await;
+        let s = scope("/v1/things", "k1");
+        let record = store.inner().get(&s).await.expect("get").expect("record");
+        assert_eq!(record.state, RecordState::InFlight, "not completed, not failed: the side effects happened");
+        // Before the TTL: the key is busy, the handler does not run again.
+        let busy = send(&app, post_key("/v1/things", "k1")).await;
+        assert_eq!(busy.problem_type(), "/problems/request-in-progress");
+        assert_eq!((calls.load(Ordering::SeqCst), store.calls(Op::Complete)), (1, 3), "bounded: no more retries");
+        // After it, the next retry takes the key over and runs again (a real handler resumes
+        // through its sub-keys), and this time the response is stored.
+        let stale_at = record.started_at + chrono::Duration::from_std(ttl).expect("ttl");
+        wait_until("the claim is stale", Duration::from_secs(60), async || idempotency::now() >= stale_at).await;
+        let resumed = send(&app, post_key("/v1/things", "k1")).await;
+        assert_eq!((resumed.status, resumed.replayed(), resumed.text()), (StatusCode::CREATED, false, "call 1"));
+        assert!(send(&app, post_key("/v1/things", "k1")).await.replayed());
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}

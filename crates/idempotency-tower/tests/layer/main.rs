@@ -1,0 +1,11 @@
+//! The layer's behaviour, end to end: an axum Router driven through `oneshot`, and a real TCP
+//! server where the claim is about connections. Every handler counts its own side effects. One
+//! test binary, a module per theme, and one shared fixture (the counting routes).
+
+mod concurrency;
+mod fixture;
+mod limits;
+mod long_running;
+mod replay;
+mod requests;
+mod service;
