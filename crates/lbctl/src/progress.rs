@@ -78,14 +78,13 @@ impl Progress {
         self.last = Some(op.state.clone());
     }
 
-    /// The operation has ended as `op` says: the spinner leaves its final line on screen.
+    /// The operation has ended as `op` says: the spinner gives way to one final line.
     pub(crate) fn finish(self, op: &Operation) {
         let Some(bar) = &self.bar else { return };
-        let mark = if op.state == OperationState::Succeeded { "done" } else { "FAILED" };
-        if let Ok(style) = ProgressStyle::with_template("{msg} [{elapsed}]") {
-            bar.set_style(style);
-        }
-        bar.finish_with_message(format!("{mark} {}", describe(op)));
+        // Cleared, then printed as a plain line: a finished bar leaves the cursor on its own line,
+        // and the JSON on stdout would run on after it.
+        bar.finish_and_clear();
+        eprintln!("lbctl: {} ({:.1}s)", describe(op), self.start.elapsed().as_secs_f64());
     }
 }
 

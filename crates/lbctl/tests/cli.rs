@@ -787,3 +787,67 @@ fn the_help_texts_name_the_firmware_and_operations_commands() {
     assert!(ops.contains("get") && ops.contains("wait"), "{ops}");
     assert!(help(&["operations", "wait"]).contains("OP_ID"));
 }
+
+/// A server that answers every request with the next operation state of `states` (the last one
+/// repeats), as `GET /admin/v1/operations/op-scripted` would, counting the requests.
+fn scripted_operation(states: &'static [&'static str]) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = count.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let state = states[n.min(states.len() - 1)];
+            let (error, finished) = match state {
+                "running" | "verifying" => ("null", "null"),
+                "failed" => (r#""the BMC refused the image""#, r#""2026-11-30T21:00:03Z""#),
+                _ => ("null", r#""2026-11-30T21:00:03Z""#),
+            };
+            let body = format!(
+                r#"{{"id":"op-scripted","kind":"firmware-flash","node_id":"node-0009","version":"2.1.0","state":"{state}","error":{error},"created_at":"2026-11-30T21:00:00Z","finished_at":{finished}}}"#
+            );
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes());
+        }
+    });
+    (url, count)
+}
+
+#[test]
+fn wait_on_a_failed_operation_exits_7_with_its_json_and_one_line_per_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, polls) = scripted_operation(&["running", "running", "running", "failed"]);
+    let out = run(&url, &dir.path().join("j.db"), &["--token", ADMIN, "operations", "wait", "op-scripted"]);
+    assert_exit(&out, 7);
+    let op = json(&out);
+    assert_eq!((op["state"].as_str(), op["error"].as_str()), (Some("failed"), Some("the BMC refused the image")));
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 4, "polled on after the end, or too few times");
+    // Three polls saw `running`: one line for it, one for `failed`, then the reason.
+    let lines = stderr_lines(&out);
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[0].contains("op-scripted") && lines[0].contains(": running ("), "{lines:?}");
+    assert!(lines[1].contains(": failed (the BMC refused the image) ("), "{lines:?}");
+    assert_eq!(lines[2], "lbctl: operation op-scripted failed: the BMC refused the image");
+}
+
+#[test]
+fn an_operation_state_this_lbctl_does_not_know_is_followed_until_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    // "verifying" (no finished_at) is still going; "cancelled" with finished_at has ended.
+    let (url, polls) = scripted_operation(&["verifying", "cancelled"]);
+    let out = run(&url, &dir.path().join("j.db"), &["--token", ADMIN, "operations", "wait", "op-scripted"]);
+    assert_exit(&out, 7);
+    assert_eq!(json(&out)["state"], "cancelled");
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(stderr(&out).contains("ended cancelled, not succeeded"), "{}", stderr(&out));
+}
