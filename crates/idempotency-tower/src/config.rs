@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
-use idempotency::{Fingerprinter, Principal, ResponsePolicy, Store};
+use idempotency::{Fingerprinter, Principal, Record, ResponsePolicy, Store};
 
 /// Whether a route takes an `Idempotency-Key` (SPEC 1.1). Only consulted for POST, PUT, PATCH
 /// and DELETE; GET, HEAD, OPTIONS (and any other method) always pass through untouched.
@@ -69,6 +69,7 @@ impl fmt::Display for MismatchStatus {
 
 pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
+pub(crate) type OperationLinkFn = dyn Fn(&Record) -> Option<String> + Send + Sync;
 
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
@@ -88,6 +89,7 @@ pub(crate) struct Config {
     pub(crate) max_stored_response: usize,
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) anonymous: Option<Principal>,
+    pub(crate) operation_link: Option<Box<OperationLinkFn>>,
 }
 
 /// How a failed `complete` is retried in the background.

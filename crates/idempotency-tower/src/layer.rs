@@ -7,11 +7,12 @@ use std::time::Duration;
 use http::header::{CONTENT_TYPE, LOCATION};
 use http::request::Parts;
 use http::{HeaderName, Method};
-use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, ResponsePolicy, Store};
+use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, Record, ResponsePolicy, Store};
 use tower::Layer;
 
 use crate::config::{
-    CompletionRetry, Config, MismatchStatus, PolicyFn, PrincipalFn, RoutePolicy, default_policy, default_principal,
+    CompletionRetry, Config, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy, default_policy,
+    default_principal,
 };
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
@@ -73,6 +74,7 @@ impl IdempotencyLayer {
                 max_delay: MAX_COMPLETION_RETRY_DELAY,
             },
             anonymous: None,
+            operation_link: None,
         }
     }
 
@@ -109,6 +111,7 @@ pub struct IdempotencyLayerBuilder {
     max_stored_response: usize,
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
+    operation_link: Option<Box<OperationLinkFn>>,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -259,6 +262,20 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// Where a long-running operation started by a record can be followed, for handlers that
+    /// complete their record at acceptance and keep working (`202` + `Location`; see the crate
+    /// docs, "Long-running operations"). When a retry arrives while the first attempt still runs,
+    /// before its `202` is stored, its `409 request-in-progress` carries
+    /// `Link: <URL>; rel="monitor"` with the URL `f` gives for the record, so the client can follow
+    /// the operation instead of only waiting. `f` sees the record (scope, id, sub-keys through
+    /// [`Record::derive`](idempotency::Record::derive)) and answers `None` for records that start
+    /// no operation. The URL is computed, not looked up: until the handler has created the
+    /// operation (the first steps of its first attempt) it may answer `404`.
+    pub fn operation_link(mut self, f: impl Fn(&Record) -> Option<String> + Send + Sync + 'static) -> Self {
+        self.operation_link = Some(Box::new(f));
+        self
+    }
+
     /// Builds the layer.
     pub fn build(self) -> IdempotencyLayer {
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
@@ -282,6 +299,7 @@ impl IdempotencyLayerBuilder {
                 max_stored_response: self.max_stored_response,
                 completion_retry: self.completion_retry,
                 anonymous: self.anonymous,
+                operation_link: self.operation_link,
             }),
         }
     }

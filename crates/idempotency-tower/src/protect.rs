@@ -14,7 +14,7 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Decision, Fingerprint, RecordState, Scope, StoreError, StoredBody,
+    Claim, ClaimOutcome, ClaimRequest, Decision, Fingerprint, Record, RecordState, Scope, StoreError, StoredBody,
     StoredResponse, Timestamp, now,
 };
 use tower::{Service, ServiceExt};
@@ -108,7 +108,7 @@ where
             Decision::InProgress { retry_after } => {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
-                    return Ok(in_progress(&cfg, retry_after));
+                    return Ok(with_operation_link(&cfg, &record, in_progress(&cfg, retry_after)));
                 }
                 // Nothing is held while sleeping: no lock, no connection, only this task.
                 tokio::time::sleep(poll.min(left)).await;
@@ -450,6 +450,16 @@ fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
 fn in_progress(cfg: &Config, until_stale: Duration) -> Response<Body> {
     let retry_after = until_stale.min(cfg.in_progress_retry_after);
     rejection_response(cfg, Rejection::InProgress { retry_after })
+}
+
+/// Adds `Link: <URL>; rel="monitor"` to a `409 request-in-progress` when the layer was told where
+/// the record's operation can be followed ([`crate::IdempotencyLayerBuilder::operation_link`]).
+fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Body>) -> Response<Body> {
+    let link = cfg.operation_link.as_ref().and_then(|f| f(record));
+    if let Some(value) = link.and_then(|url| HeaderValue::from_str(&format!("<{url}>; rel=\"monitor\"")).ok()) {
+        response.headers_mut().insert(http::header::LINK, value);
+    }
+    response
 }
 
 fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {

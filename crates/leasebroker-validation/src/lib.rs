@@ -90,9 +90,59 @@ impl CreateWorker {
     }
 }
 
+/// `POST /admin/v1/nodes/{node_id}/firmware` body.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct FlashFirmware {
+    /// The firmware version to flash: 1-64 ASCII letters, digits, `.`, `-`, `_` or `+`.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 64, example = "2.4.1"))]
+    pub version: String,
+}
+
+/// The longest firmware version.
+pub const MAX_VERSION: usize = 64;
+
+impl FlashFirmware {
+    /// Checks the version.
+    pub fn validate(&self) -> Result<(), InvalidRequest> {
+        let v = &self.version;
+        if v.is_empty() || v.len() > MAX_VERSION {
+            return Err(InvalidRequest(format!(
+                "version must be 1 to {MAX_VERSION} characters, got {}",
+                v.chars().count()
+            )));
+        }
+        if !v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b'+')) {
+            return Err(InvalidRequest("version may hold only ASCII letters, digits, '.', '-', '_' and '+'".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `id` can name a node or an operation in a URL path: 1-128 ASCII letters, digits, `-`
+/// or `_` (so it never needs escaping and never carries a `/` or `.`).
+pub fn is_path_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn versions() {
+        let ok = |v: &str| FlashFirmware { version: v.into() }.validate().is_ok();
+        assert!(ok("2.4.1") && ok("v2.4.1-rc1+build_7") && ok(&"9".repeat(64)));
+        assert!(!ok("") && !ok(&"9".repeat(65)) && !ok("2.4 1") && !ok("2/4") && !ok("é") && !ok("a\nb"));
+        assert!(
+            is_path_id("node-0001")
+                && !is_path_id("")
+                && !is_path_id("a/b")
+                && !is_path_id("..")
+                && !is_path_id(&"a".repeat(129))
+        );
+    }
 
     fn req(image: &str, cpu: i64, mem: i64, labels: usize) -> CreateWorker {
         CreateWorker {

@@ -21,6 +21,7 @@ use crate::api::{self, AppState, BODY_LIMIT, token_digest};
 use crate::config::ServeArgs;
 use crate::db::{Db, redact};
 use crate::domain::Domain;
+use crate::firmware::{Firmware, Watcher};
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::sim::{SimConfig, Simulator};
 use crate::reaper::Reaper;
@@ -50,6 +51,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     crate::reaper::describe_metrics();
+    crate::firmware::describe_metrics();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
@@ -87,7 +89,9 @@ impl Application {
                     fail_after: args.sim_fail_after,
                     latency: Duration::from_millis(args.sim_latency_ms),
                     ..SimConfig::default()
-                });
+                })
+                .with_flash_time(Duration::from_millis(args.sim_flash_ms))
+                .with_flash_failure(args.sim_flash_fail);
                 let (url, headers, task) = spawn_private_simulator(sim).await?;
                 background.push(task);
                 HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers)
@@ -110,6 +114,7 @@ impl Application {
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)
+            .operation_link(crate::firmware::operation_link)
             .build();
         let reaper = Reaper {
             store: store.clone(),
@@ -126,6 +131,15 @@ impl Application {
             args.sweep_interval,
         ));
 
+        background.push(crate::firmware::spawn(Watcher {
+            domain: domain.clone(),
+            hypervisor: hypervisor.clone(),
+            name: watcher_name(),
+            poll: args.operation_poll,
+            settle: args.hypervisor_settle,
+            abandon_after: args.abandon_after,
+        }));
+
         let mut generated_token = None;
         let mut tokens: Vec<([u8; 32], Principal)> =
             args.tokens.iter().map(|(t, p)| (token_digest(t), Principal::new(p.clone()))).collect();
@@ -138,6 +152,11 @@ impl Application {
         }
 
         let state = AppState {
+            firmware: Firmware {
+                domain: domain.clone(),
+                hypervisor: hypervisor.clone(),
+                settle: args.hypervisor_settle,
+            },
             workers: Workers {
                 domain,
                 hypervisor: hypervisor.clone(),
@@ -187,6 +206,13 @@ impl Application {
         }
         Ok(())
     }
+}
+
+/// This process's name on the watch leases it holds: the host, the pid and a random part, so a
+/// restarted process (same pid, maybe) never takes itself for its predecessor.
+fn watcher_name() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".to_owned());
+    format!("{host}/{}/{:08x}", std::process::id(), rand::random::<u32>())
 }
 
 /// The header that carries the in-process simulator's secret.

@@ -114,6 +114,18 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_SIM_LATENCY_MS", default_value_t = 0)]
     pub sim_latency_ms: u64,
 
+    /// In-process simulator: how long a BMC firmware flash writes, in milliseconds.
+    #[arg(long, env = "LEASEBROKER_SIM_FLASH_MS", default_value_t = 3000)]
+    pub sim_flash_ms: u64,
+
+    /// In-process simulator: probability that a BMC flash fails its verification at the end.
+    #[arg(long, env = "LEASEBROKER_SIM_FLASH_FAIL", default_value_t = 0.0, value_parser = parse::probability)]
+    pub sim_flash_fail: f64,
+
+    /// How often the watcher of running operations (firmware flashes) polls the BMC of each.
+    #[arg(long, env = "LEASEBROKER_OPERATION_POLL", default_value = "1s", value_parser = parse::positive_duration)]
+    pub operation_poll: Duration,
+
     /// Where the idempotency records live: the --database (the default), one Redis server
     /// (`redis://[USER:PASSWORD@]HOST:PORT[/DB]`) or a Redis Cluster
     /// (`redis+cluster://HOST:PORT[,HOST:PORT]...`). The domain tables stay in --database. Redis
@@ -236,6 +248,10 @@ pub struct SimArgs {
     /// one writes bricks it).
     #[arg(long, env = "LEASEBROKER_FLASH_MS", default_value_t = 3000)]
     pub flash_ms: u64,
+    /// Probability that a BMC flash fails its verification when the write ends: the node keeps
+    /// the firmware it ran before.
+    #[arg(long, env = "LEASEBROKER_FLASH_FAIL", default_value_t = 0.0, value_parser = parse::probability)]
+    pub flash_fail: f64,
 }
 
 /// `leasebroker migrate`.

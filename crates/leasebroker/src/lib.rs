@@ -23,6 +23,7 @@ pub mod app;
 pub mod config;
 pub mod db;
 pub mod domain;
+pub mod firmware;
 pub mod hypervisor;
 pub mod openapi;
 pub mod reaper;

@@ -54,7 +54,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 slow_latency: Duration::from_millis(args.slow_ms),
                 refuse: args.refuse,
             })
-            .with_flash_time(Duration::from_millis(args.flash_ms));
+            .with_flash_time(Duration::from_millis(args.flash_ms))
+            .with_flash_failure(args.flash_fail);
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
         }
         Command::Migrate(args) => {

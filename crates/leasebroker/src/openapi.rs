@@ -16,12 +16,14 @@ use utoipa::{Modify, OpenApi};
         crate::api::get_worker,
         crate::api::delete_worker,
         crate::api::reboot_worker,
+        crate::api::flash_firmware,
+        crate::api::get_operation,
         crate::api::fleet,
         crate::api::healthz,
         crate::api::readyz,
         crate::api::metrics,
     ),
-    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, Problem)),
+    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, crate::service::FlashFirmware, crate::api::Operation, Problem)),
     modifiers(&Bearer, &CommonResponses),
 )]
 struct ApiDoc;
@@ -71,7 +73,7 @@ impl CommonResponses {
             add("401", "Unauthorized: no valid bearer token");
             add("503", "The database is unavailable (retry)");
         }
-        if mutating && path.starts_with("/v1/") {
+        if mutating && (path.starts_with("/v1/") || path.starts_with("/admin/")) {
             add("400", "A missing or invalid Idempotency-Key");
             add("409", "The key was used with another request, or its request is still in progress");
             add("413", "The body is over 1 MiB");

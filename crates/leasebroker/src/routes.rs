@@ -10,8 +10,8 @@ use axum::{Json, Router};
 use idempotency_tower::{IdempotencyLayer, Problem};
 
 use crate::api::{
-    AppState, authenticate, authenticate_admin, create_worker, delete_worker, fleet, get_worker, healthz, list_workers,
-    metrics, rate_limit, readyz, reboot_worker,
+    AppState, authenticate, authenticate_admin, create_worker, delete_worker, flash_firmware, fleet, get_operation,
+    get_worker, healthz, list_workers, metrics, rate_limit, readyz, reboot_worker,
 };
 
 /// The OpenAPI document.
@@ -44,11 +44,14 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
         .route("/v1/workers", post(create_worker).get(list_workers))
         .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
         .route("/v1/workers/{id}/reboot", post(reboot_worker))
-        .layer(idempotency)
+        .layer(idempotency.clone())
         .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     let admin = Router::new()
         .route("/admin/v1/fleet", get(fleet))
+        .route("/admin/v1/nodes/{node_id}/firmware", post(flash_firmware))
+        .route("/admin/v1/operations/{op_id}", get(get_operation))
+        .layer(idempotency)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
     Router::new()
         .merge(v1)

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use idempotency::{Record, SubKey};
 pub use leasebroker_validation::{
-    CreateWorker, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
+    CreateWorker, FlashFirmware, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
 use crate::domain::{Allocation, Domain, DomainError, Intent, OperationRow, WorkerRow};
@@ -71,6 +71,16 @@ pub enum ServiceError {
     /// The worker this create made was deleted since (410, stored): a retry never brings it back.
     #[error("worker {0} was deleted since this request created it; use a new key to create another")]
     Gone(String),
+    /// No such node in the pool (404).
+    #[error("no node {0}")]
+    NoSuchNode(String),
+    /// No such operation (404).
+    #[error("no operation {0}")]
+    NoSuchOperation(String),
+    /// Another operation runs on the node (409 `operation-conflict`, naming it): nothing was
+    /// sent.
+    #[error("operation {0} is running on this node; wait for it to end")]
+    OperationConflict(String),
     /// The database failed (500; not stored, so the retry runs again).
     #[error(transparent)]
     Database(#[from] DomainError),
@@ -163,6 +173,41 @@ pub fn public_id(prefix: &str, sub: &SubKey) -> String {
 /// How far ahead of the clock a call's send stamp lies: the longest the stamp's write may take
 /// for the call still to be sent ([`Workers::mark_sending`]).
 const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
+
+/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
+/// ahead of the clock, and always past `seen` (so the compare-and-set moves it).
+pub(crate) fn send_stamp(seen: i64) -> i64 {
+    now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(seen + 1)
+}
+
+/// Errs with 503 when the write of the send stamp `stamp` came back after the stamped moment:
+/// then the call is not sent (see [`Workers::mark_sending`]).
+pub(crate) fn stamped_in_time(tag: &str, stamp: i64) -> Result<(), ServiceError> {
+    if now_micros() >= stamp {
+        tracing::warn!(tag, "recording the call took too long; not sending it");
+        return Err(ServiceError::UpstreamUnavailable {
+            reason: "the database was too slow to record the call before sending it; nothing was sent".into(),
+            retry_after: 1,
+        });
+    }
+    Ok(())
+}
+
+/// Errs with 503 + Retry-After while a call sent at `sent_at` may still land: until `settle`
+/// has passed since.
+pub(crate) fn settled_since(tag: &str, sent_at: i64, settle: Duration) -> Result<(), ServiceError> {
+    let settle = micros(settle);
+    let waited = now_micros().saturating_sub(sent_at);
+    if waited < settle {
+        let left = ((settle - waited) + 999_999) / 1_000_000;
+        tracing::info!(tag, left_s = left, "an earlier call may still land; waiting");
+        return Err(ServiceError::UpstreamUnavailable {
+            reason: "an earlier attempt's call may still take effect; retry with the same key".into(),
+            retry_after: u64::try_from(left).unwrap_or(1).max(1),
+        });
+    }
+    Ok(())
+}
 
 pub(crate) fn now_micros() -> i64 {
     idempotency::now().timestamp_micros()
@@ -308,7 +353,7 @@ impl Workers {
     ///   waits out the settle window from the stamp, which is safe.
     async fn mark_sending(&self, intent: &Intent, op_id: &str) -> Result<(), ServiceError> {
         let tag = intent.intent_id.as_str();
-        let stamp = now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(intent.last_attempt_at + 1);
+        let stamp = send_stamp(intent.last_attempt_at);
         if !self.domain.stamp_intent(tag, op_id, intent.last_attempt_at, stamp).await? {
             tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
             return Err(ServiceError::UpstreamUnavailable {
@@ -316,15 +361,7 @@ impl Workers {
                 retry_after: 1,
             });
         }
-        if now_micros() >= stamp {
-            tracing::warn!(tag, "recording the call took too long; not sending it");
-            return Err(ServiceError::UpstreamUnavailable {
-                reason: "the database was too slow to record the hypervisor call before sending it; nothing was sent"
-                    .into(),
-                retry_after: 1,
-            });
-        }
-        Ok(())
+        stamped_in_time(tag, stamp)
     }
 
     /// Errs with 503 + Retry-After while a call from an earlier attempt may still land: until
@@ -333,17 +370,7 @@ impl Workers {
         if intent.state == "failed" {
             return Ok(()); // that call definitely did not happen
         }
-        let settle = micros(self.settle);
-        let waited = now_micros().saturating_sub(intent.last_attempt_at);
-        if waited < settle {
-            let left = ((settle - waited) + 999_999) / 1_000_000;
-            tracing::info!(tag = %intent.intent_id, left_s = left, "an earlier hypervisor call may still land; waiting");
-            return Err(ServiceError::UpstreamUnavailable {
-                reason: "an earlier attempt's hypervisor call may still take effect; retry with the same key".into(),
-                retry_after: u64::try_from(left).unwrap_or(1).max(1),
-            });
-        }
-        Ok(())
+        settled_since(&intent.intent_id, intent.last_attempt_at, self.settle)
     }
 
     /// A boot that failed: pending (and 503) when it may have happened; otherwise the node and

@@ -10,6 +10,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 mod effects;
+mod flashes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
 const TOKEN: &str = "tok-alice-5a8d1c7e90b3";

@@ -82,10 +82,18 @@ pub(crate) async fn rate_limit(State(state): State<AppState>, req: Request, next
     }
 }
 
-/// The bearer check of `/admin`: the admin token, else `401`.
-pub(crate) async fn authenticate_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// The principal of requests made with the admin token: its idempotency records are scoped to
+/// it, apart from every tenant's.
+pub const ADMIN_PRINCIPAL: &str = "admin";
+
+/// The bearer check of `/admin`: the admin token (whose requests run as [`ADMIN_PRINCIPAL`]),
+/// else `401`.
+pub(crate) async fn authenticate_admin(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     match (state.admin_token, bearer(req.headers())) {
-        (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => next.run(req).await,
+        (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => {
+            req.extensions_mut().insert(Principal::new(ADMIN_PRINCIPAL));
+            next.run(req).await
+        }
         _ => unauthorized(),
     }
 }

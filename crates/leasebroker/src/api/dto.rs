@@ -1,8 +1,15 @@
-//! What the API shows: workers, pages, reboot results, the fleet.
+//! What the API shows: workers, pages, reboot results, operations, the fleet.
 
 use serde::{Deserialize, Serialize};
 
-use crate::domain::WorkerRow;
+use crate::domain::{FlashRow, WorkerRow};
+
+/// Micros since the epoch as RFC 3339.
+fn rfc3339(micros: i64) -> String {
+    chrono::DateTime::from_timestamp_micros(micros)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
 
 /// The worker as the API shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -44,9 +51,7 @@ impl From<WorkerRow> for Worker {
             lease_id: w.lease_id,
             vm_id: w.vm_id,
             reboot_count: w.reboot_count,
-            created_at: chrono::DateTime::from_timestamp_micros(w.created_at)
-                .unwrap_or_default()
-                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            created_at: rfc3339(w.created_at),
         }
     }
 }
@@ -86,6 +91,50 @@ pub struct Fleet {
     pub vm_boots_total: i64,
     /// Reboots leasebroker recorded.
     pub reboots_total: i64,
+    /// Firmware flashes the BMCs took from leasebroker.
+    pub firmware_flashes_total: i64,
+    /// Nodes whose BMC was seen bricked.
+    pub nodes_bricked: i64,
+}
+
+/// A long-running operation (SPEC 3.4): `GET /admin/v1/operations/{op_id}`, and the body of the
+/// `202` that started it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Operation {
+    /// `op-...`.
+    pub id: String,
+    /// `firmware-flash`.
+    pub kind: String,
+    /// The node.
+    pub node_id: String,
+    /// The firmware version.
+    pub version: String,
+    /// `running`, `succeeded` or `failed`.
+    pub state: String,
+    /// Why it failed; null otherwise.
+    pub error: Option<String>,
+    /// RFC 3339 creation time.
+    pub created_at: String,
+    /// RFC 3339 end time; null while it runs.
+    pub finished_at: Option<String>,
+}
+
+/// The kind of every firmware-flash operation.
+pub const FIRMWARE_FLASH: &str = "firmware-flash";
+
+impl From<FlashRow> for Operation {
+    fn from(f: FlashRow) -> Self {
+        Self {
+            id: f.op_id,
+            kind: FIRMWARE_FLASH.to_owned(),
+            node_id: f.node_id,
+            version: f.version,
+            state: f.state,
+            error: f.error,
+            created_at: rfc3339(f.created_at),
+            finished_at: f.finished_at.map(rfc3339),
+        }
+    }
 }
 
 /// `GET /v1/workers` query.

@@ -8,7 +8,7 @@ use axum::{Extension, Json};
 use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
 
-use crate::service::{CreateWorker, Operation, ServiceError};
+use crate::service::{CreateWorker, FlashFirmware, Operation, ServiceError};
 
 use super::problems::{context, parse_json};
 use super::*;
@@ -164,6 +164,73 @@ pub async fn reboot_worker(
     }
 }
 
+/// Starts a firmware flash: an operation, answered `202` as soon as the BMC accepted it.
+#[utoipa::path(post, path = "/admin/v1/nodes/{node_id}/firmware", tag = "admin",
+    request_body = FlashFirmware,
+    params(("node_id" = String, Path, description = "Node id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation, 1-128 visible ASCII")),
+    responses(
+        (status = 202, description = "Accepted (or replayed, with Idempotent-Replayed: true, while the flash runs or after)",
+         body = dto::Operation, headers(("Location" = String, description = "/admin/v1/operations/{op_id}"))),
+        (status = 400, description = "Malformed JSON, or a missing or invalid key", content_type = "application/problem+json"),
+        (status = 401, description = "Unauthorized", content_type = "application/problem+json"),
+        (status = 404, description = "No such node", content_type = "application/problem+json"),
+        (status = 409, description = "Another operation runs on the node (operation-conflict, naming it in operation_id), \
+         or the key was reused with another request, or is in progress", content_type = "application/problem+json"),
+        (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
+        (status = 415, description = "Not JSON", content_type = "application/problem+json"),
+        (status = 422, description = "Invalid version", content_type = "application/problem+json"),
+        (status = 503, description = "The BMC is unavailable or an earlier call may still land; retry with the same key",
+         content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn flash_firmware(
+    State(state): State<AppState>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    Path(node_id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let req: FlashFirmware = match parse_json(&headers, &body) {
+        Ok(r) => r,
+        Err(p) => return p.into_response(),
+    };
+    let op = Operation::new(ctx.claim().record().clone());
+    match state.firmware.flash(&node_id, &req, &op).await {
+        Ok(row) => {
+            let operation = dto::Operation::from(row);
+            let location = format!("/admin/v1/operations/{}", operation.id);
+            let mut r = (StatusCode::ACCEPTED, Json(operation)).into_response();
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reads an operation.
+#[utoipa::path(get, path = "/admin/v1/operations/{op_id}", tag = "admin",
+    params(("op_id" = String, Path, description = "Operation id")),
+    responses((status = 200, body = dto::Operation), (status = 401, description = "Unauthorized"),
+              (status = 404, description = "No such operation")),
+    security(("bearer" = [])))]
+pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<String>) -> Response {
+    if !leasebroker_validation::is_path_id(&op_id) {
+        return ServiceError::NoSuchOperation(op_id).into_response();
+    }
+    match state.workers.domain.flash_operation(&op_id).await {
+        Ok(Some(row)) => Json(dto::Operation::from(row)).into_response(),
+        Ok(None) => ServiceError::NoSuchOperation(op_id).into_response(),
+        Err(e) => ServiceError::from(e).into_response(),
+    }
+}
+
 /// Fleet counts, for operators and the fault harness.
 #[utoipa::path(get, path = "/admin/v1/fleet", tag = "admin",
     responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
@@ -188,6 +255,8 @@ pub async fn fleet(State(state): State<AppState>) -> Response {
         vms_running,
         vm_boots_total: counts.boots_done,
         reboots_total: counts.reboots_done,
+        firmware_flashes_total: counts.flashes_done,
+        nodes_bricked: counts.nodes_bricked,
     })
     .into_response()
 }

@@ -12,6 +12,7 @@ use idempotency::Principal;
 use metrics_exporter_prometheus::PrometheusHandle;
 use sha2::{Digest, Sha256};
 
+use crate::firmware::Firmware;
 use crate::hypervisor::client::HypervisorClient;
 use crate::service::Workers;
 
@@ -20,6 +21,7 @@ pub mod dto;
 mod handlers;
 mod problems;
 
+pub use auth::ADMIN_PRINCIPAL;
 pub(crate) use auth::{authenticate, authenticate_admin, rate_limit};
 pub use dto::*;
 pub use handlers::*;
@@ -30,6 +32,8 @@ pub use problems::{MAX_DETAIL, json_error_detail};
 pub struct AppState {
     /// The workers service.
     pub workers: Workers,
+    /// The firmware service.
+    pub firmware: Firmware,
     /// Bearer tokens (as SHA-256 digests, so comparisons take the same time whatever the length)
     /// and the principals they authenticate.
     pub tokens: Arc<Vec<([u8; 32], Principal)>>,

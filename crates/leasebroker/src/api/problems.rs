@@ -64,6 +64,11 @@ impl IntoResponse for ServiceError {
                     "the hypervisor refused the call",
                 )
             }
+            Self::NoSuchNode(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such node", "no such node"),
+            Self::NoSuchOperation(_) => {
+                Problem::new(StatusCode::NOT_FOUND, "not-found", "No such operation", "no such operation")
+            }
+            Self::OperationConflict(running) => return operation_conflict(&running),
             Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
             Self::Database(e) => {
                 tracing::error!(error = %e, "database error");
@@ -78,6 +83,29 @@ impl IntoResponse for ServiceError {
         }
         .into_response()
     }
+}
+
+/// `409 operation-conflict`: another operation runs on the node. The problem names it in the
+/// extension member `operation_id` (RFC 9457 section 3.2), and `Link` points at it.
+fn operation_conflict(running: &str) -> Response {
+    let problem = Problem::new(
+        StatusCode::CONFLICT,
+        "operation-conflict",
+        "Another operation runs on this node",
+        format!(
+            "operation {running} is running on this node; follow it, or try again with a new key when it has ended"
+        ),
+    );
+    let mut body: serde_json::Value = serde_json::from_slice(&problem.to_json()).unwrap_or_default();
+    if let Some(members) = body.as_object_mut() {
+        members.insert("operation_id".into(), serde_json::Value::from(running));
+    }
+    let mut r = problem.into_response();
+    *r.body_mut() = axum::body::Body::from(serde_json::to_vec(&body).unwrap_or_default());
+    if let Ok(link) = axum::http::HeaderValue::from_str(&format!("</admin/v1/operations/{running}>; rel=\"related\"")) {
+        r.headers_mut().insert(header::LINK, link);
+    }
+    r
 }
 
 pub(super) fn context(ctx: Option<Extension<IdempotencyContext>>) -> Result<IdempotencyContext, Problem> {

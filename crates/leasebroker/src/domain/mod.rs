@@ -24,6 +24,8 @@ pub enum DomainError {
 
 type Result<T> = std::result::Result<T, DomainError>;
 
+pub use flashes::{FlashRow, FlashStart};
+
 /// A node allocated to a worker.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Node {
@@ -138,6 +140,10 @@ pub struct Counts {
     pub boots_done: i64,
     /// Reboot intents that completed, ever.
     pub reboots_done: i64,
+    /// Firmware flashes the BMCs took, ever.
+    pub flashes_done: i64,
+    /// Nodes a watcher saw bricked.
+    pub nodes_bricked: i64,
 }
 
 /// The domain tables on one database.
@@ -169,6 +175,7 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
     e.as_database_error().is_some_and(|d| d.is_unique_violation())
 }
 
+mod flashes;
 mod intents;
 mod nodes;
 mod operations;
@@ -189,7 +196,9 @@ impl Domain {
                         (SELECT COUNT(*) FROM lb_leases), \
                         (SELECT COUNT(*) FROM lb_workers), \
                         (SELECT value FROM lb_counters WHERE name = 'boots'), \
-                        (SELECT value FROM lb_counters WHERE name = 'reboots')")
+                        (SELECT value FROM lb_counters WHERE name = 'reboots'), \
+                        (SELECT value FROM lb_counters WHERE name = 'flashes'), \
+                        (SELECT COUNT(*) FROM lb_bricked_nodes)")
                 .fetch_one(p).await?;
             Counts {
                 nodes_total: row.try_get(0)?,
@@ -198,6 +207,8 @@ impl Domain {
                 workers_active: row.try_get(3)?,
                 boots_done: row.try_get(4)?,
                 reboots_done: row.try_get(5)?,
+                flashes_done: row.try_get(6)?,
+                nodes_bricked: row.try_get(7)?,
             }
         }))
     }

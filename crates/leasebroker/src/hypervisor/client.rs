@@ -11,8 +11,8 @@ use reqwest::{Method, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use super::api::{BootRequest, SimStats, Vm, VmDetail, VmState};
-use super::api::{RebootRequest, VmList};
+use super::api::{BmcList, RebootRequest, VmList};
+pub use super::api::{BmcNode, BmcState, BootRequest, FlashRequest, SimStats, Vm, VmDetail, VmState};
 
 /// The most of an error body kept in an [`HvError`], so a misbehaving hypervisor cannot bloat logs.
 const MAX_ERROR_BODY: usize = 2048;
@@ -233,6 +233,28 @@ impl HypervisorClient {
             return Ok(false);
         }
         expect_status(response, StatusCode::NO_CONTENT).await.map(|()| true)
+    }
+
+    /// Starts a firmware flash on the BMC of `node_id` (`POST /v1/bmc/{node_id}/flash`), stamping
+    /// `req.tag` on it. The BMC answers `202` as the flash starts; it writes on after that.
+    pub async fn flash(&self, node_id: &str, req: &FlashRequest) -> Result<BmcNode, HvError> {
+        let response = self.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req)).await?;
+        expect(response, StatusCode::ACCEPTED).await
+    }
+
+    /// The BMC of `node_id` (`GET /v1/bmc/{node_id}`), or `None` when it has no such node.
+    pub async fn bmc(&self, node_id: &str) -> Result<Option<BmcNode>, HvError> {
+        let response = self.send::<()>(Method::GET, &["v1", "bmc", node_id], None, None).await?;
+        if response.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        expect(response, StatusCode::OK).await.map(Some)
+    }
+
+    /// The BMCs whose flashes include the tag `tag` (`GET /v1/bmc?tag=T`).
+    pub async fn bmcs_by_tag(&self, tag: &str) -> Result<Vec<BmcNode>, HvError> {
+        let response = self.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None).await?;
+        Ok(expect::<BmcList>(response, StatusCode::OK).await?.nodes)
     }
 
     /// The simulator's counters (`GET /v1/stats`); a real hypervisor may not serve them.

@@ -119,6 +119,7 @@ impl SimConfig {
 pub struct Simulator {
     shared: Arc<Shared>,
     flash_time: Duration,
+    flash_failure: f64,
 }
 
 pub mod bmc;
@@ -155,6 +156,7 @@ impl Simulator {
         Self {
             shared: Arc::new(Shared { state: Mutex::new(SimState::default()), faults: Mutex::new(config.clamped()) }),
             flash_time: DEFAULT_FLASH_TIME,
+            flash_failure: 0.0,
         }
     }
 
@@ -168,6 +170,20 @@ impl Simulator {
     /// How long a BMC flash writes.
     pub fn flash_time(&self) -> Duration {
         self.flash_time
+    }
+
+    /// Sets the probability that a BMC flash fails its verification at the end of the write
+    /// (`--flash-fail`): the node goes back to `ok` on the firmware it ran before, the tag stays
+    /// in its `flash_tags`. Clamped into 0.0-1.0 (NaN counts as 0.0).
+    #[must_use]
+    pub fn with_flash_failure(mut self, probability: f64) -> Self {
+        self.flash_failure = if probability.is_nan() { 0.0 } else { probability.clamp(0.0, 1.0) };
+        self
+    }
+
+    /// The probability that a BMC flash fails its verification.
+    pub fn flash_failure(&self) -> f64 {
+        self.flash_failure
     }
 
     /// The HTTP API, ready to serve (see the module docs for the routes).

@@ -565,7 +565,9 @@ mod racing_attempts {
         _dir: tempfile::TempDir,
     }
 
-    /// A service on its own SQLite file and in-process simulator, with a 200 ms settle window.
+    /// A service on its own SQLite file and in-process simulator, with a 1 s settle window: longer
+    /// than the slow hypervisor takes (300 ms) with room for a loaded machine, so that an attempt
+    /// that reads the intent after the winner's send finds its VM instead of a window passed.
     async fn rig() -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Db::connect(&super::sqlite_url(&dir)).await.expect("db");
@@ -579,7 +581,7 @@ mod racing_attempts {
         let workers = Workers {
             domain,
             hypervisor: HypervisorClient::new(&url, Duration::from_secs(10)).expect("client"),
-            settle: Duration::from_millis(200),
+            settle: Duration::from_secs(1),
             limits: Limits { node_cpu: 64, node_memory_gb: 256 },
             quota: 0,
         };
@@ -599,10 +601,10 @@ mod racing_attempts {
     }
 
     /// An earlier attempt's call failed without certainty (the intent stays pending): its settle
-    /// window passes (200 ms from a send stamp up to 1 s ahead of the clock), then the hypervisor
+    /// window passes (1 s from a send stamp up to 1 s ahead of the clock), then the hypervisor
     /// turns slow enough for the racing attempts to overlap.
     async fn first_call_failed_then_slow(sim: &Simulator) {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        tokio::time::sleep(Duration::from_millis(2500)).await;
         sim.set_faults(SimConfig { latency: Duration::from_millis(300), ..SimConfig::default() });
     }
 

@@ -90,11 +90,15 @@ impl Bmcs {
     }
 
     /// Ends the flash `started` if it is still the node's current one and the node is not bricked.
-    fn finish(&mut self, started: &Started) {
+    fn finish(&mut self, started: &Started, verified: bool) {
         let bmc = self.node(&started.node.node_id);
         if bmc.flash_seq == started.seq && bmc.node.state == BmcState::Flashing {
             bmc.node.state = BmcState::Ok;
-            bmc.node.firmware.clone_from(&started.version);
+            if verified {
+                bmc.node.firmware.clone_from(&started.version);
+            } else {
+                tracing::info!(node_id = %started.node.node_id, "hypervisor-sim: a flash failed its verification");
+            }
         }
     }
 
@@ -146,18 +150,27 @@ pub(super) async fn flash(
     if let Err(detail) = validate(&node_id, &req) {
         return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
     }
-    let started = match sim.mutate(move |state| state.bmcs.start(&node_id, req, &mut state.stats)).await {
-        Ok(started) => started,
-        Err(response) => return response,
-    };
-    let node = started.node.clone();
-    // The flash writes on after the answer, whatever the caller does.
+    // The write is scheduled with the start, inside the simulator's work: it runs on whatever
+    // the caller does, even when the answer is dropped (a fail-after fault) or the caller hangs
+    // up before it.
     let writer = sim.clone();
     let flash_time = sim.flash_time();
-    tokio::spawn(async move {
-        tokio::time::sleep(flash_time).await;
-        writer.state().bmcs.finish(&started);
-    });
+    let verified = !super::roll(sim.flash_failure());
+    let node = match sim
+        .mutate(move |state| {
+            let started = state.bmcs.start(&node_id, req, &mut state.stats);
+            let node = started.node.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(flash_time).await;
+                writer.state().bmcs.finish(&started, verified);
+            });
+            node
+        })
+        .await
+    {
+        Ok(node) => node,
+        Err(response) => return response,
+    };
     (StatusCode::ACCEPTED, Json(node)).into_response()
 }
 
@@ -212,6 +225,24 @@ mod tests {
 
     async fn node(url: &str, node: &str) -> Value {
         reqwest::get(format!("{url}/v1/bmc/{node}")).await.expect("get").json().await.expect("json")
+    }
+
+    /// A flash whose answer is lost (fail-after) still writes to its end: the node does not stay
+    /// `flashing` for ever because nobody heard the 202.
+    #[tokio::test]
+    async fn a_flash_whose_answer_is_lost_still_finishes() {
+        let faults = SimConfig { fail_after: 1.0, ..SimConfig::default() };
+        let sim = Simulator::new(faults).with_flash_time(Duration::from_millis(200));
+        let url = start(&sim).await;
+        let sent = reqwest::Client::new()
+            .post(format!("{url}/v1/bmc/node-0009/flash"))
+            .json(&json!({"version": "4.0.0", "tag": "sk-lost"}))
+            .send()
+            .await;
+        assert!(sent.is_err(), "the answer was dropped: {sent:?}");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let done = node(&url, "node-0009").await;
+        assert_eq!((done["state"].as_str(), done["firmware"].as_str()), (Some("ok"), Some("4.0.0")), "{done}");
     }
 
     #[tokio::test]

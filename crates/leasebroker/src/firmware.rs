@@ -1,0 +1,320 @@
+//! Firmware flashes: an idempotent long-running operation (SPEC 3.4).
+//!
+//! A second flash of a BMC while the first still writes bricks the machine, and a flash takes
+//! minutes, so a flash runs as an operation: the request creates it and answers `202` as soon as
+//! the BMC accepted the flash, and the [`Watcher`] follows it to its end.
+//!
+//! - **One operation per key.** The operation's row is keyed by the request record's derived
+//!   sub-key `flash-op`; a retry of the same key finds it. The idempotency record completes with
+//!   the `202` at acceptance, so a retry while the flash runs, or after, replays that `202` at
+//!   once (the body shows the operation as it was then; `GET /admin/v1/operations/{id}` shows it
+//!   now).
+//! - **One running operation per node.** A partial UNIQUE index on the rows: a flash with another
+//!   key while one runs on the node answers `409 operation-conflict` naming the running one, and
+//!   never reaches the BMC.
+//! - **The BMC call is an intent,** like a boot: its tag is the derived sub-key `flash`; it is sent
+//!   only by the attempt that moved the send stamp by compare-and-set; a retry that finds it pending
+//!   asks the BMC for nodes holding the tag before anything else, and sends again only when none
+//!   does and the settle window (`--hypervisor-settle`) has passed since the last send.
+//! - **The watcher** runs on every replica. It holds a lease on each operation it follows, taken by
+//!   compare-and-set on the row, so several replicas never watch one operation at once, and a
+//!   replica that dies leaves a lease that expires and is taken over; a restarted replica resumes
+//!   from the rows. It also settles operations whose request was abandoned before acceptance: it
+//!   adopts a flash the BMC holds by tag, and fails one nobody sent or retried within
+//!   `--abandon-after`.
+
+use std::time::Duration;
+
+use leasebroker_validation::{FlashFirmware, is_path_id};
+use tokio::task::JoinHandle;
+
+use crate::domain::{Domain, FlashRow, FlashStart};
+use crate::hypervisor::client::{BmcNode, BmcState, FlashRequest, HvError, HypervisorClient};
+use crate::service::{
+    Operation, ServiceError, micros, now_micros, public_id, send_stamp, settled_since, stamped_in_time,
+};
+
+/// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
+/// (`succeeded`, `failed`).
+pub const OPERATIONS_TOTAL: &str = "leasebroker_operations_total";
+/// Counter: operations a watcher started following (a lease taken that another watcher did not
+/// hold). With several replicas, their sum is the number of operations followed, once each.
+pub const OPERATION_WATCHES_TOTAL: &str = "leasebroker_operation_watches_total";
+/// Counter: flashes sent to a BMC.
+pub const FLASHES_SENT_TOTAL: &str = "leasebroker_flashes_sent_total";
+
+/// Registers the help texts of the operation metrics.
+pub fn describe_metrics() {
+    metrics::describe_counter!(OPERATIONS_TOTAL, "Long-running operations that ended, by kind and outcome");
+    metrics::describe_counter!(OPERATION_WATCHES_TOTAL, "Operations this replica's watcher started following");
+    metrics::describe_counter!(FLASHES_SENT_TOTAL, "Firmware flashes sent to a BMC (every attempt)");
+}
+
+/// The firmware service: starts flashes.
+#[derive(Debug, Clone)]
+pub struct Firmware {
+    /// The tables.
+    pub domain: Domain,
+    /// The hypervisor, whose API serves the BMCs too.
+    pub hypervisor: HypervisorClient,
+    /// How long a sent call may still take effect (`--hypervisor-settle`).
+    pub settle: Duration,
+}
+
+/// The sub-keys of one flash request: the operation's id and the BMC call's tag.
+fn keys(op: &Operation) -> (String, String) {
+    (operation_id(|label| op.derive(label)), op.derive("flash").as_str().to_owned())
+}
+
+fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
+    public_id("op", &derive("flash-op"))
+}
+
+/// Where the operation a flash request's record starts can be followed: what the idempotency
+/// layer puts in the `Link` of a retry's `409 request-in-progress` (the first attempt is still
+/// accepting). `None` for records of other routes.
+pub fn operation_link(record: &idempotency::Record) -> Option<String> {
+    let endpoint = record.scope.endpoint.as_str();
+    (endpoint.starts_with("POST /admin/v1/nodes/") && endpoint.ends_with("/firmware"))
+        .then(|| format!("/admin/v1/operations/{}", operation_id(|label| record.derive(label))))
+}
+
+impl Firmware {
+    /// Starts flashing `node_id` to `req.version` under the request `op`, or resumes what an
+    /// earlier attempt of it did. Returns the operation once the BMC accepted the flash (or
+    /// refused it: then the operation has failed).
+    pub async fn flash(&self, node_id: &str, req: &FlashFirmware, op: &Operation) -> Result<FlashRow, ServiceError> {
+        req.validate()?;
+        if !is_path_id(node_id) {
+            return Err(ServiceError::NoSuchNode(node_id.to_owned()));
+        }
+        let (op_id, tag) = keys(op);
+        let row = match self.domain.start_flash(&op_id, node_id, &req.version, &tag, now_micros()).await? {
+            FlashStart::Operation(row) => row,
+            FlashStart::Conflict(running) => {
+                tracing::info!(node_id, running = %running.op_id, "a flash with another key runs on the node; refused");
+                return Err(ServiceError::OperationConflict(running.op_id));
+            }
+            FlashStart::NoNode => return Err(ServiceError::NoSuchNode(node_id.to_owned())),
+        };
+        if row.is_finished() || row.is_accepted() {
+            return Ok(row);
+        }
+        if row.intent == "pending" {
+            // An earlier attempt sent the flash and does not know what came of it: the BMC says.
+            let holding = self.hypervisor.bmcs_by_tag(&tag).await.map_err(|e| {
+                tracing::warn!(error = %e, "cannot list BMCs by tag to reconcile a flash");
+                ServiceError::UpstreamUnavailable {
+                    reason: "cannot ask the BMC what an earlier attempt did; retry with the same key".into(),
+                    retry_after: 1,
+                }
+            })?;
+            if !holding.is_empty() {
+                tracing::info!(op_id, "adopted the flash an earlier attempt sent");
+                return Ok(self.domain.accept_flash(&op_id).await?);
+            }
+            settled_since(&tag, row.sent_at, self.settle)?;
+        }
+        let stamp = send_stamp(row.sent_at);
+        if !self.domain.stamp_flash(&op_id, row.sent_at, stamp).await? {
+            tracing::warn!(op_id, "another attempt acted on this flash since it was read; not sending it");
+            return Err(ServiceError::UpstreamUnavailable {
+                reason: "another attempt of this request is flashing; retry with the same key".into(),
+                retry_after: 1,
+            });
+        }
+        stamped_in_time(&tag, stamp)?;
+        metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
+        let call = FlashRequest { version: req.version.clone(), tag: tag.clone() };
+        match self.hypervisor.flash(node_id, &call).await {
+            Ok(_) => Ok(self.domain.accept_flash(&op_id).await?),
+            Err(e) if e.may_have_happened() => {
+                tracing::warn!(error = %e, op_id, "the flash may or may not have started");
+                Err(ServiceError::UpstreamUnavailable {
+                    reason: "the BMC call may or may not have taken effect; retry with the same key".into(),
+                    retry_after: 1,
+                })
+            }
+            Err(e) => self.not_sent(&op_id, stamp, e).await,
+        }
+    }
+
+    /// A flash that definitely did not start: refused by the BMC (the operation fails, and the
+    /// `202` says so), or never sent (a retry sends it without waiting).
+    async fn not_sent(&self, op_id: &str, stamp: i64, e: HvError) -> Result<FlashRow, ServiceError> {
+        match e.status() {
+            Some(status) => {
+                tracing::warn!(error = %e, op_id, "the BMC refused the flash");
+                let error = format!("the BMC refused the flash (status {})", status.as_u16());
+                if self.domain.fail_unaccepted_flash(op_id, stamp, &error, now_micros()).await? {
+                    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
+                }
+                self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+            }
+            None => {
+                tracing::warn!(error = %e, op_id, "the BMC is unreachable; the flash was not sent");
+                self.domain.unsend_flash(op_id, stamp).await?;
+                Err(ServiceError::UpstreamUnavailable { reason: "the BMC is unreachable".into(), retry_after: 1 })
+            }
+        }
+    }
+}
+
+/// The watcher's settings and handles.
+#[derive(Debug, Clone)]
+pub struct Watcher {
+    /// The tables.
+    pub domain: Domain,
+    /// The hypervisor, whose API serves the BMCs too.
+    pub hypervisor: HypervisorClient,
+    /// This replica's name on the leases it holds (unique per process).
+    pub name: String,
+    /// How often each operation's BMC is polled (`--operation-poll`).
+    pub poll: Duration,
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`: an operation never accepted by the BMC, and not sent or retried for
+    /// this long, fails.
+    pub abandon_after: Duration,
+}
+
+/// Operations one pass reads at most.
+const PAGE: u32 = 500;
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WatchReport {
+    /// Operations this pass followed (leases held).
+    pub watched: u64,
+    /// Operations that ended.
+    pub ended: u64,
+}
+
+impl Watcher {
+    /// How long a lease holds: several polls, so a live watcher always renews it in time.
+    fn lease(&self) -> Duration {
+        (self.poll * 5).max(Duration::from_secs(10))
+    }
+
+    /// One pass over the running operations this watcher holds or can take.
+    pub async fn run_once(&self) -> WatchReport {
+        let mut report = WatchReport::default();
+        let now = now_micros();
+        let rows = match self.domain.flashes_to_watch(&self.name, now, PAGE).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the running operations; trying again next tick");
+                return report;
+            }
+        };
+        for row in rows {
+            let until = now_micros().saturating_add(micros(self.lease()));
+            match self.domain.take_watch(&row.op_id, &self.name, row.watch_until, until).await {
+                Ok(true) => {}
+                Ok(false) => continue, // another replica took it, or it ended
+                Err(e) => {
+                    tracing::warn!(error = %e, op_id = %row.op_id, "cannot take the watch lease");
+                    continue;
+                }
+            }
+            if row.watcher.as_deref() != Some(self.name.as_str()) {
+                metrics::counter!(OPERATION_WATCHES_TOTAL).increment(1);
+                tracing::info!(op_id = %row.op_id, node_id = %row.node_id, previous = ?row.watcher, "watching the operation");
+            }
+            report.watched += 1;
+            match self.step(&row).await {
+                Ok(true) => report.ended += 1,
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, op_id = %row.op_id, "watching the operation failed; next tick"),
+            }
+        }
+        report
+    }
+
+    /// Looks at one running operation; true when it ended.
+    async fn step(&self, row: &FlashRow) -> anyhow::Result<bool> {
+        if !row.is_accepted() {
+            return self.settle_unaccepted(row).await;
+        }
+        let Some(bmc) = self.hypervisor.bmc(&row.node_id).await? else {
+            return self.end(row, false, Some("the BMC no longer knows the node")).await;
+        };
+        match outcome(row, &bmc) {
+            None => Ok(false),
+            Some(Ok(())) => self.end(row, true, None).await,
+            Some(Err(error)) => {
+                if bmc.state == BmcState::Bricked {
+                    self.domain.note_bricked(&row.node_id, now_micros()).await?;
+                }
+                self.end(row, false, Some(&error)).await
+            }
+        }
+    }
+
+    /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
+    /// its attempt still runs. Adopts the flash when the BMC holds its tag; fails it when nobody
+    /// sent it for `--abandon-after` and no call can still land.
+    async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
+        if row.intent == "pending" && !self.hypervisor.bmcs_by_tag(&row.tag).await?.is_empty() {
+            self.domain.accept_flash(&row.op_id).await?;
+            tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
+            return Ok(false);
+        }
+        let now = now_micros();
+        let last = row.sent_at.max(row.created_at);
+        let quiet = now.saturating_sub(last);
+        let can_land = row.intent == "pending" && now.saturating_sub(row.sent_at) < micros(self.settle);
+        if can_land || quiet < micros(self.abandon_after) {
+            return Ok(false);
+        }
+        let error = "the flash never reached the BMC, and its request was not retried within --abandon-after";
+        if self.domain.fail_unaccepted_flash(&row.op_id, row.sent_at, error, now).await? {
+            metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
+            tracing::info!(op_id = %row.op_id, "failed an operation whose flash was never sent");
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    async fn end(&self, row: &FlashRow, succeeded: bool, error: Option<&str>) -> anyhow::Result<bool> {
+        if !self.domain.finish_flash(&row.op_id, succeeded, error, now_micros()).await? {
+            return Ok(false);
+        }
+        let outcome = if succeeded { "succeeded" } else { "failed" };
+        metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
+        tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome, error, "operation ended");
+        Ok(true)
+    }
+}
+
+/// What the BMC's state says of an accepted flash: `None` while it writes, `Ok` when the node
+/// runs the version, `Err` with the reason when it failed.
+fn outcome(row: &FlashRow, bmc: &BmcNode) -> Option<Result<(), String>> {
+    if !bmc.flash_tags.iter().any(|t| *t == row.tag) {
+        return Some(Err("the BMC has no record of this flash".to_owned()));
+    }
+    match bmc.state {
+        BmcState::Flashing => None,
+        BmcState::Bricked => Some(Err("the node is bricked: a second flash started while one was writing".to_owned())),
+        BmcState::Ok if bmc.firmware == row.version => Some(Ok(())),
+        BmcState::Ok => Some(Err(format!(
+            "the flash failed its verification: the node still runs {}",
+            bmc.firmware.chars().take(64).collect::<String>()
+        ))),
+    }
+}
+
+/// Runs the watcher every `--operation-poll`, forever.
+pub fn spawn(watcher: Watcher) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(watcher.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let report = watcher.run_once().await;
+            if report.ended > 0 {
+                tracing::debug!(watched = report.watched, ended = report.ended, "watcher pass");
+            }
+        }
+    })
+}
