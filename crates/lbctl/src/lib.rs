@@ -10,8 +10,16 @@
 //! `https` URLs are verified against the system's roots and, with `--ca-cert`, a private CA.
 //! Text that came from the server is printed to stderr with control characters removed.
 //!
+//! `firmware flash NODE_ID --version V` (admin token) starts a firmware flash, a long-running
+//! operation: the server answers `202` with the operation as soon as it accepts the flash, and a
+//! retry or a rerun with the same key gets that same operation back instead of a second flash.
+//! `--wait`, and `operations wait OP_ID`, follow the operation to its end with a spinner on a
+//! terminal (one plain line per state change otherwise) and print its final JSON;
+//! `operations get OP_ID` prints it once.
+//!
 //! Exit codes (SPEC 4): 0 success, 1 local failure (journal, TLS, unexpected response), 2 usage,
-//! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized.
+//! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized,
+//! 7 the followed operation ended without success (`failed`).
 //!
 //! ```
 //! use clap::Parser;
@@ -32,11 +40,24 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use leasebroker_client::journal::{Journal, JournalError};
 use leasebroker_client::retry::{Retrier, RetryPolicy};
-use leasebroker_client::{Client, CreateWorker, Error, Mutation, OpKey, WorkerId};
+use leasebroker_client::{
+    Client, CreateWorker, Error, FlashFirmware, Mutation, NodeId, OPERATION_CONFLICT, OpKey, Operation, OperationId,
+    OperationState, WorkerId,
+};
+
+mod progress;
+
+use progress::{Display, Progress};
 
 /// The command line.
 #[derive(Debug, Parser)]
-#[command(name = "lbctl", version, about = "Provision and manage leasebroker workers, safely retried")]
+#[command(
+    name = "lbctl",
+    version,
+    about = "Provision and manage leasebroker workers and flash node firmware, safely retried",
+    after_help = "Exit codes: 0 success, 1 local failure, 2 usage, 3 refused (4xx), 4 key reused with a \
+                  different request, 5 gave up retrying, 6 unauthorized, 7 the followed operation failed."
+)]
 pub struct Cli {
     /// The leasebroker base URL.
     #[arg(long, env = "LBCTL_URL", default_value = "http://127.0.0.1:8080", global = true)]
@@ -67,6 +88,58 @@ pub enum Command {
     /// Workers: create, get, list, delete, reboot.
     #[command(subcommand)]
     Workers(WorkersCommand),
+    /// Node firmware: flash (admin token).
+    #[command(subcommand)]
+    Firmware(FirmwareCommand),
+    /// Long-running operations such as firmware flashes: get, wait (admin token).
+    #[command(subcommand)]
+    Operations(OperationsCommand),
+}
+
+/// `lbctl firmware ...`.
+#[derive(Debug, Subcommand)]
+pub enum FirmwareCommand {
+    /// Flash a node's BMC firmware (admin token): prints the operation the server accepted.
+    ///
+    /// The flash runs on the server after it answers. Retries and reruns with the same key (one
+    /// key per run; with --op-id, the journal's key across runs) get the same operation back
+    /// instead of starting a second flash. A flash already running on the node under another key
+    /// is refused (exit 3) and named: follow it with `lbctl operations wait OP_ID`.
+    #[command(after_help = "With --wait, exits 0 when the flash succeeded and 7 when it failed.")]
+    Flash {
+        /// The node whose BMC to flash, e.g. node-0007.
+        node_id: NodeId,
+        /// The firmware version to write.
+        #[arg(long)]
+        version: String,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+        /// Follow the flash to its end (a spinner on a terminal, plain lines otherwise) and print
+        /// the final operation.
+        #[arg(long)]
+        wait: bool,
+    },
+}
+
+/// `lbctl operations ...`.
+#[derive(Debug, Subcommand)]
+pub enum OperationsCommand {
+    /// Show a long-running operation once (admin token).
+    Get {
+        /// The server's operation id (op-...), as a flash printed it.
+        op_id: OperationId,
+    },
+    /// Follow a long-running operation to its end and print it (admin token).
+    ///
+    /// Polls about once a second (longer when the server asks with Retry-After), showing a
+    /// spinner with the operation's id, state and elapsed time on a terminal and one plain line
+    /// per state change otherwise. A poll that fails is retried within --max-elapsed.
+    #[command(after_help = "Exits 0 when the operation succeeded and 7 when it failed.")]
+    Wait {
+        /// The server's operation id (op-...), as a flash printed it.
+        op_id: OperationId,
+    },
 }
 
 /// `lbctl workers ...`.
@@ -164,6 +237,8 @@ pub enum Exit {
     GaveUp = 5,
     /// The token was refused (401/403).
     Unauthorized = 6,
+    /// The operation followed by `--wait` or `operations wait` ended without success.
+    OperationFailed = 7,
 }
 
 impl From<Exit> for ExitCode {
@@ -187,27 +262,32 @@ impl Exit {
     }
 }
 
-/// A command's failure: the exit code and the one line for stderr.
+/// A command's failure: the exit code, the one line for stderr, and what still goes to stdout.
 #[derive(Debug)]
 pub struct Failure {
     /// The exit code.
     pub exit: Exit,
     /// The reason, one line.
     pub message: String,
+    /// The response to print all the same (the final JSON of an operation that failed); usually
+    /// empty.
+    pub stdout: Vec<u8>,
 }
 
 impl Failure {
     fn new(exit: Exit, message: impl Into<String>) -> Self {
-        Failure { exit, message: message.into() }
+        Failure { exit, message: message.into(), stdout: Vec::new() }
     }
 }
 
 impl From<Error> for Failure {
     fn from(err: Error) -> Self {
         let exit = Exit::for_error(&err);
-        match err {
-            Error::Tls(_) => Failure::new(exit, format!("{err} (for a private CA, pass --ca-cert PATH)")),
-            err => Failure::new(exit, err.to_string()),
+        let running = err.problem().filter(|p| p.is(OPERATION_CONFLICT)).and_then(|p| p.operation_id.clone());
+        match (err, running) {
+            (err @ Error::Tls(_), _) => Failure::new(exit, format!("{err} (for a private CA, pass --ca-cert PATH)")),
+            (err, Some(id)) => Failure::new(exit, format!("{err}; follow it with `lbctl operations wait {id}`")),
+            (err, None) => Failure::new(exit, err.to_string()),
         }
     }
 }
@@ -232,23 +312,29 @@ pub fn one_line(text: &str) -> String {
     line
 }
 
-/// Prints `text` as one stderr line after `lbctl: `.
+/// Prints `text` as one stderr line after `lbctl: ` (above a progress spinner, if one is drawn).
 fn warn(text: &str) {
-    eprintln!("lbctl: {}", one_line(text));
+    progress::eprint_line(&format!("lbctl: {}", one_line(text)));
+}
+
+/// Prints a response body and a newline to stdout.
+fn print(body: &[u8]) {
+    let mut out = std::io::stdout().lock();
+    if !body.is_empty() {
+        // A closed stdout (`lbctl ... | head -0`) is the reader's choice, not a failure.
+        let _ = out.write_all(body).and_then(|()| out.write_all(b"\n"));
+    }
 }
 
 /// Runs the command: the response JSON to stdout, a one-line reason to stderr, and the exit code.
 pub async fn run(cli: Cli) -> ExitCode {
     match execute(cli).await {
         Ok(body) => {
-            let mut out = std::io::stdout().lock();
-            if !body.is_empty() {
-                // A closed stdout (`lbctl ... | head -0`) is the reader's choice, not a failure.
-                let _ = out.write_all(&body).and_then(|()| out.write_all(b"\n"));
-            }
+            print(&body);
             Exit::Success.into()
         }
         Err(failure) => {
+            print(&failure.stdout);
             warn(&failure.message);
             failure.exit.into()
         }
@@ -273,31 +359,78 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
     }
     let client = builder.build().map_err(usage)?;
 
-    let Command::Workers(command) = cli.command;
-    let (mutation, op_id) = match command {
-        WorkersCommand::Get { id } => return Ok(client.get_worker(&id).await?.body.to_vec()),
-        WorkersCommand::List { limit, cursor } => {
-            return Ok(client.list_workers(limit, cursor.as_deref()).await?.body.to_vec());
-        }
-        WorkersCommand::Create { image, cpu, memory_gb, labels, op } => {
-            let mut map = BTreeMap::new();
-            for (k, v) in &labels {
-                if map.insert(k.clone(), v.clone()).is_some() {
-                    return Err(Failure::new(Exit::Usage, format!("label {k:?} given more than once")));
-                }
+    let (mutation, op_id, wait) = match cli.command {
+        Command::Workers(command) => match command {
+            WorkersCommand::Get { id } => return Ok(client.get_worker(&id).await?.body.to_vec()),
+            WorkersCommand::List { limit, cursor } => {
+                return Ok(client.list_workers(limit, cursor.as_deref()).await?.body.to_vec());
             }
-            let request = CreateWorker { image, cpu, memory_gb, labels: (!map.is_empty()).then_some(map) };
-            (Mutation::CreateWorker(request), op.op_id)
+            WorkersCommand::Create { image, cpu, memory_gb, labels, op } => {
+                let mut map = BTreeMap::new();
+                for (k, v) in &labels {
+                    if map.insert(k.clone(), v.clone()).is_some() {
+                        return Err(Failure::new(Exit::Usage, format!("label {k:?} given more than once")));
+                    }
+                }
+                let request = CreateWorker { image, cpu, memory_gb, labels: (!map.is_empty()).then_some(map) };
+                (Mutation::CreateWorker(request), op.op_id, false)
+            }
+            WorkersCommand::Delete { id, op } => (Mutation::DeleteWorker(id), op.op_id, false),
+            WorkersCommand::Reboot { id, op } => (Mutation::RebootWorker(id), op.op_id, false),
+        },
+        Command::Firmware(FirmwareCommand::Flash { node_id, version, op, wait }) => {
+            (Mutation::FlashFirmware { node_id, request: FlashFirmware::new(version) }, op.op_id, wait)
         }
-        WorkersCommand::Delete { id, op } => (Mutation::DeleteWorker(id), op.op_id),
-        WorkersCommand::Reboot { id, op } => (Mutation::RebootWorker(id), op.op_id),
+        Command::Operations(OperationsCommand::Get { op_id }) => {
+            return Ok(client.get_operation(&op_id).await?.body.to_vec());
+        }
+        Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id, None).await,
     };
 
-    let journal = match &op_id {
+    let body = send(&client, &mutation, op_id.as_deref(), cli.journal, verbose).await?;
+    if !wait {
+        return Ok(body);
+    }
+    // The accepted operation (a replay, or the journal's record, names the same one).
+    let accepted: Operation = serde_json::from_slice(&body)
+        .map_err(|e| Failure::new(Exit::Failure, format!("the accepted flash is not an operation: {e}")))?;
+    follow(&client, &accepted.id, Some(&accepted)).await
+}
+
+/// Follows operation `id` to its end: its final JSON, or exit 7 with that JSON when it failed.
+async fn follow(client: &Client, id: &OperationId, accepted: Option<&Operation>) -> Result<Vec<u8>, Failure> {
+    let mut progress = Progress::start(id, Display::for_stderr());
+    if let Some(op) = accepted {
+        progress.observe(op);
+    }
+    let done = client.wait_operation(id, |op| progress.observe(op)).await?;
+    progress.finish(&done.value);
+    let op = &done.value;
+    if op.state == OperationState::Succeeded {
+        return Ok(done.body.to_vec());
+    }
+    let reason = match (&op.state, &op.error) {
+        (OperationState::Failed, Some(error)) => format!("operation {id} failed: {error}"),
+        (OperationState::Failed, None) => format!("operation {id} failed (the server gave no reason)"),
+        (state, _) => format!("operation {id} ended {state}, not succeeded"),
+    };
+    Err(Failure { exit: Exit::OperationFailed, message: reason, stdout: done.body.to_vec() })
+}
+
+/// Sends `mutation` with one key for all its attempts (the journal's, with an op id) and returns
+/// the response body; with an op id whose final outcome the journal holds, answers from it.
+async fn send(
+    client: &Client,
+    mutation: &Mutation,
+    op_id: Option<&str>,
+    journal: Option<PathBuf>,
+    verbose: bool,
+) -> Result<Vec<u8>, Failure> {
+    let journal = match op_id {
         Some(op_id) => {
-            let path = journal_path(cli.journal)?;
+            let path = journal_path(journal)?;
             let journal = Journal::open(&path).await.map_err(|e| Failure::new(Exit::Failure, e.to_string()))?;
-            Some((journal, op_id.as_str()))
+            Some((journal, op_id))
         }
         None => None,
     };
@@ -340,11 +473,14 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
         }
     }
 
-    let result = client.mutate(&mutation, &key).await;
+    let result = client.mutate(mutation, &key).await;
     if let Some((journal, op_id)) = &journal {
         // Record final answers only; after a give-up the outcome is unknown and a rerun will learn it.
         let outcome = match &result {
             Ok(response) => Some((response.status.as_u16(), response.body.to_vec())),
+            // Another operation was running: nothing was done under this key, and a rerun once that
+            // one has ended should try again rather than repeat the refusal.
+            Err(err) if err.problem().is_some_and(|p| p.is(OPERATION_CONFLICT)) => None,
             Err(err @ (Error::Refused { .. } | Error::KeyReused { .. })) => {
                 let body = err.problem().and_then(|p| serde_json::to_vec(p).ok()).unwrap_or_default();
                 err.status().map(|s| (s.as_u16(), body))
@@ -378,6 +514,27 @@ fn journal_path(explicit: Option<PathBuf>) -> Result<PathBuf, Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        // Catches clashes such as `flash --version` against the top-level `--version` flag.
+        Cli::command().debug_assert();
+        let cli =
+            Cli::try_parse_from(["lbctl", "firmware", "flash", "node-7", "--version", "2.1.0", "--wait"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Firmware(FirmwareCommand::Flash { ref version, wait: true, .. }) if version == "2.1.0"
+        ));
+        assert!(
+            Cli::try_parse_from(["lbctl", "--version"])
+                .is_err_and(|e| e.kind() == clap::error::ErrorKind::DisplayVersion)
+        );
+        let cli = Cli::try_parse_from(["lbctl", "operations", "wait", "op-1"]).unwrap();
+        assert!(
+            matches!(cli.command, Command::Operations(OperationsCommand::Wait { ref op_id }) if op_id.as_str() == "op-1")
+        );
+    }
 
     #[test]
     fn one_line_drops_controls_and_bidi_overrides_and_bounds_the_length() {

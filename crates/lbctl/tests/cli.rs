@@ -580,3 +580,274 @@ fn https_with_a_private_ca_works_and_an_untrusted_certificate_fails_at_once() {
     assert_exit(&out, 2);
     assert_eq!(server.fleet().workers_active, 1);
 }
+
+// Firmware flashes and long-running operations (SPEC 3.4 and 4).
+
+/// The simulator's flash time in these tests: long enough that a poll sees `running`, short enough
+/// to keep the tests quick.
+const FLASH_MS: &str = "1500";
+
+fn flash_server() -> Server {
+    Server::start(&["--sim-flash-ms", FLASH_MS])
+}
+
+fn flash(node: &str, more: &[&'static str]) -> Vec<String> {
+    let mut args: Vec<String> =
+        ["--token", ADMIN, "firmware", "flash", node, "--version", "2.1.0"].map(str::to_owned).to_vec();
+    args.extend(more.iter().map(|s| (*s).to_owned()));
+    args
+}
+
+fn run_owned(url: &str, journal: &Path, args: &[String]) -> Output {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(url, journal, &args)
+}
+
+/// The non-empty stderr lines, each checked to be an `lbctl: ` line.
+fn stderr_lines(out: &Output) -> Vec<String> {
+    let text = stderr(out);
+    let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    assert!(lines.iter().all(|l| l.starts_with("lbctl: ")), "{text:?}");
+    lines
+}
+
+#[test]
+fn flash_wait_follows_the_operation_to_success_and_a_rerun_follows_the_same_one() {
+    let server = flash_server();
+    let out = run_owned(&server.url, &server.journal(), &flash("node-0003", &["--op-id", "fw-node-3", "--wait"]));
+    assert_exit(&out, 0);
+    let op = json(&out);
+    assert!(op["id"].as_str().is_some_and(|id| id.starts_with("op-")), "{op}");
+    assert_eq!((op["kind"].as_str(), op["node_id"].as_str()), (Some("firmware-flash"), Some("node-0003")));
+    assert_eq!((op["version"].as_str(), op["state"].as_str()), (Some("2.1.0"), Some("succeeded")), "{op}");
+    assert!(op["error"].is_null() && op["finished_at"].is_string(), "{op}");
+
+    // stderr is a pipe here: plain lines, one per state change (not one per poll), each naming the
+    // operation and its state.
+    let lines = stderr_lines(&out);
+    let id = op["id"].as_str().unwrap();
+    assert!(lines.iter().all(|l| l.contains(id)), "{lines:?}");
+    let states: Vec<&str> = lines
+        .iter()
+        .map(|l| {
+            if l.contains(": running (") {
+                "running"
+            } else if l.contains(": succeeded (") {
+                "succeeded"
+            } else {
+                "?"
+            }
+        })
+        .collect();
+    assert_eq!(states, ["running", "succeeded"], "{lines:?}");
+
+    // A rerun of the op id follows the same operation: no second flash.
+    let again = run_owned(&server.url, &server.journal(), &flash("node-0003", &["--op-id", "fw-node-3", "--wait"]));
+    assert_exit(&again, 0);
+    assert_eq!(json(&again)["id"], op["id"]);
+    assert_eq!(json(&again)["state"], "succeeded");
+    let fleet = server.fleet();
+    assert_eq!((fleet.firmware_flashes_total, fleet.nodes_bricked), (1, 0), "{fleet:?}");
+
+    // `operations get` and `operations wait` show the finished operation.
+    let got = run(&server.url, &server.journal(), &["--token", ADMIN, "operations", "get", id]);
+    assert_exit(&got, 0);
+    assert_eq!(json(&got), op);
+    assert!(got.stderr.is_empty(), "{}", stderr(&got));
+    let waited = run(&server.url, &server.journal(), &["--token", ADMIN, "operations", "wait", id]);
+    assert_exit(&waited, 0);
+    assert_eq!(json(&waited), op);
+    assert_eq!(stderr_lines(&waited).len(), 1, "{}", stderr(&waited));
+}
+
+#[test]
+fn a_rerun_after_a_crash_resends_the_journaled_key_and_the_server_replays_the_operation() {
+    use leasebroker_client::journal::Journal;
+    use leasebroker_client::{FlashFirmware, Mutation, NodeId};
+
+    let server = flash_server();
+    // The first run journaled its key and reached the server, then died before recording the
+    // answer: the journal holds the key and no outcome.
+    let node: NodeId = "node-0005".parse().unwrap();
+    let request = FlashFirmware::new("2.1.0");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let first = runtime.block_on(async {
+        let journal = Journal::open(server.journal()).await.unwrap();
+        let mutation = Mutation::FlashFirmware { node_id: node.clone(), request: request.clone() };
+        let key = journal.begin("fw-crashed", &mutation.fingerprint()).await.unwrap();
+        journal.close().await;
+        let admin = Client::new(&server.url, ADMIN).unwrap();
+        admin.flash_firmware(&node, &request, &key).await.unwrap().value
+    });
+
+    let rerun =
+        run_owned(&server.url, &server.journal(), &flash("node-0005", &["--op-id", "fw-crashed", "--wait", "-v"]));
+    assert_exit(&rerun, 0);
+    let op = json(&rerun);
+    assert_eq!(op["id"], first.id.as_str(), "the rerun started another operation");
+    assert_eq!(op["state"], "succeeded");
+    assert!(stderr(&rerun).contains("202 Accepted (replayed)"), "{}", stderr(&rerun));
+    let fleet = server.fleet();
+    assert_eq!((fleet.firmware_flashes_total, fleet.nodes_bricked), (1, 0), "{fleet:?}");
+}
+
+#[test]
+fn flash_without_wait_prints_the_accepted_operation() {
+    let server = flash_server();
+    let out = run_owned(&server.url, &server.journal(), &flash("node-0001", &[]));
+    assert_exit(&out, 0);
+    let op = json(&out);
+    assert_eq!((op["state"].as_str(), op["node_id"].as_str()), (Some("running"), Some("node-0001")), "{op}");
+    assert!(out.stderr.is_empty(), "{}", stderr(&out));
+    // Follow it afterwards.
+    let id = op["id"].as_str().unwrap();
+    let waited = run(&server.url, &server.journal(), &["--token", ADMIN, "operations", "wait", id]);
+    assert_exit(&waited, 0);
+    assert_eq!(json(&waited)["state"], "succeeded");
+}
+
+#[test]
+fn another_key_on_a_flashing_node_exits_3_and_names_the_running_operation() {
+    let server = Server::start(&["--sim-flash-ms", "20000"]);
+    let first = run_owned(&server.url, &server.journal(), &flash("node-0002", &["--op-id", "fw-a"]));
+    assert_exit(&first, 0);
+    let running = json(&first)["id"].as_str().unwrap().to_owned();
+
+    let second = run_owned(&server.url, &server.journal(), &flash("node-0002", &["--op-id", "fw-b"]));
+    assert_exit(&second, 3);
+    assert!(second.stdout.is_empty());
+    let lines = stderr_lines(&second);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("operation-conflict"), "{lines:?}");
+    assert!(lines[0].contains(&format!("lbctl operations wait {running}")), "{lines:?}");
+    // Not recorded as fw-b's outcome: nothing was done under its key, so a later rerun tries again.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let entry = runtime.block_on(async {
+        let journal = leasebroker_client::journal::Journal::open(server.journal()).await.unwrap();
+        journal.entry("fw-b").await.unwrap().expect("fw-b's key is journaled")
+    });
+    assert!(entry.outcome.is_none(), "{entry:?}");
+    let fleet = server.fleet();
+    assert_eq!((fleet.firmware_flashes_total, fleet.nodes_bricked), (1, 0), "{fleet:?}");
+}
+
+#[test]
+fn an_unknown_operation_exits_3_with_one_line() {
+    let server = flash_server();
+    for command in ["get", "wait"] {
+        let out = run(&server.url, &server.journal(), &["--token", ADMIN, "operations", command, "op-doesnotexist"]);
+        assert_exit(&out, 3);
+        assert!(out.stdout.is_empty());
+        let lines = stderr_lines(&out);
+        assert_eq!(lines.len(), 1, "{command}: {lines:?}");
+        assert!(lines[0].contains("404"), "{command}: {lines:?}");
+    }
+    // A user token is not the admin token.
+    let out = run(&server.url, &server.journal(), &["--token", TOKEN, "operations", "get", "op-doesnotexist"]);
+    assert_exit(&out, 6);
+    let mut as_user = flash("node-0001", &[]);
+    as_user[1] = TOKEN.to_owned();
+    assert_exit(&run_owned(&server.url, &server.journal(), &as_user), 6);
+    assert_eq!(server.fleet().firmware_flashes_total, 0);
+}
+
+#[test]
+fn operation_and_node_ids_are_checked_before_sending() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("j.db");
+    let sentinel = Sentinel::start();
+    for args in [
+        &["--token", ADMIN, "operations", "get", "../fleet"][..],
+        &["--token", ADMIN, "operations", "wait", "op/1"],
+        &["--token", ADMIN, "firmware", "flash", "node%2F1", "--version", "2.1.0"],
+        &["--token", ADMIN, "firmware", "flash", "node-1"], // no --version
+        &["--token", ADMIN, "firmware", "flash", "--version", "2.1.0"], // no node
+    ] {
+        let out = run(&sentinel.url(), &journal, args);
+        assert_exit(&out, 2);
+    }
+    assert!(!sentinel.contacted());
+    assert!(!journal.exists());
+}
+
+#[test]
+fn the_help_texts_name_the_firmware_and_operations_commands() {
+    let help = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_lbctl")).args(args).arg("--help").output().unwrap();
+        assert_exit(&out, 0);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let top = help(&[]);
+    assert!(top.contains("firmware") && top.contains("operations") && top.contains("7"), "{top}");
+    let flash = help(&["firmware", "flash"]);
+    for needle in ["NODE_ID", "--version", "--op-id", "--wait", "exits 0 when the flash succeeded and 7"] {
+        assert!(flash.contains(needle), "{needle} missing: {flash}");
+    }
+    let ops = help(&["operations"]);
+    assert!(ops.contains("get") && ops.contains("wait"), "{ops}");
+    assert!(help(&["operations", "wait"]).contains("OP_ID"));
+}
+
+/// A server that answers every request with the next operation state of `states` (the last one
+/// repeats), as `GET /admin/v1/operations/op-scripted` would, counting the requests.
+fn scripted_operation(states: &'static [&'static str]) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = count.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let state = states[n.min(states.len() - 1)];
+            let (error, finished) = match state {
+                "running" | "verifying" => ("null", "null"),
+                "failed" => (r#""the BMC refused the image""#, r#""2026-11-30T21:00:03Z""#),
+                _ => ("null", r#""2026-11-30T21:00:03Z""#),
+            };
+            let body = format!(
+                r#"{{"id":"op-scripted","kind":"firmware-flash","node_id":"node-0009","version":"2.1.0","state":"{state}","error":{error},"created_at":"2026-11-30T21:00:00Z","finished_at":{finished}}}"#
+            );
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes());
+        }
+    });
+    (url, count)
+}
+
+#[test]
+fn wait_on_a_failed_operation_exits_7_with_its_json_and_one_line_per_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, polls) = scripted_operation(&["running", "running", "running", "failed"]);
+    let out = run(&url, &dir.path().join("j.db"), &["--token", ADMIN, "operations", "wait", "op-scripted"]);
+    assert_exit(&out, 7);
+    let op = json(&out);
+    assert_eq!((op["state"].as_str(), op["error"].as_str()), (Some("failed"), Some("the BMC refused the image")));
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 4, "polled on after the end, or too few times");
+    // Three polls saw `running`: one line for it, one for `failed`, then the reason.
+    let lines = stderr_lines(&out);
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[0].contains("op-scripted") && lines[0].contains(": running ("), "{lines:?}");
+    assert!(lines[1].contains(": failed (the BMC refused the image) ("), "{lines:?}");
+    assert_eq!(lines[2], "lbctl: operation op-scripted failed: the BMC refused the image");
+}
+
+#[test]
+fn an_operation_state_this_lbctl_does_not_know_is_followed_until_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    // "verifying" (no finished_at) is still going; "cancelled" with finished_at has ended.
+    let (url, polls) = scripted_operation(&["verifying", "cancelled"]);
+    let out = run(&url, &dir.path().join("j.db"), &["--token", ADMIN, "operations", "wait", "op-scripted"]);
+    assert_exit(&out, 7);
+    assert_eq!(json(&out)["state"], "cancelled");
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(stderr(&out).contains("ended cancelled, not succeeded"), "{}", stderr(&out));
+}

@@ -2,16 +2,28 @@
 
 use std::fmt;
 use std::path::Path;
+use std::time::Duration;
 
 use bytes::Bytes;
 use reqwest::header::{ACCEPT, CONTENT_TYPE};
 use reqwest::{Method, StatusCode, Url};
 use serde::de::DeserializeOwned;
 
-use crate::error::Error;
+use crate::error::{Error, retry_after};
 use crate::journal::RequestFingerprint;
 use crate::retry::{HttpResponse, OpKey, Retrier};
-use crate::types::{CreateWorker, Fleet, RebootResult, Worker, WorkerId, WorkerPage};
+use crate::types::{
+    CreateWorker, FlashFirmware, Fleet, NodeId, Operation, OperationId, RebootResult, Worker, WorkerId, WorkerPage,
+};
+
+/// How often [`Client::wait_operation`] polls unless the server asks otherwise (`Retry-After`).
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// The shortest wait between polls, whatever the server asks (`Retry-After: 0` does not make a
+/// busy loop).
+const MIN_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest wait between polls, whatever the server asks (a huge `Retry-After` does not make a
+/// wait that never looks again).
+const MAX_POLL_INTERVAL: Duration = Duration::from_secs(60);
 
 /// A successful response, decoded, with how it came about.
 #[derive(Debug, Clone)]
@@ -40,6 +52,13 @@ pub enum Mutation {
     DeleteWorker(WorkerId),
     /// `POST /v1/workers/{id}/reboot`.
     RebootWorker(WorkerId),
+    /// `POST /admin/v1/nodes/{node_id}/firmware`.
+    FlashFirmware {
+        /// The node whose BMC is flashed.
+        node_id: NodeId,
+        /// The body.
+        request: FlashFirmware,
+    },
 }
 
 impl Mutation {
@@ -54,6 +73,11 @@ impl Mutation {
             }
             Mutation::DeleteWorker(id) => (Method::DELETE, format!("/v1/workers/{id}"), None),
             Mutation::RebootWorker(id) => (Method::POST, format!("/v1/workers/{id}/reboot"), None),
+            Mutation::FlashFirmware { node_id, request } => {
+                // One string field: serializing cannot fail and is deterministic.
+                let body = serde_json::to_vec(request).unwrap_or_default();
+                (Method::POST, format!("/admin/v1/nodes/{node_id}/firmware"), Some(body))
+            }
         }
     }
 
@@ -71,12 +95,17 @@ pub struct Client {
     base: String,
     token: String,
     retrier: Retrier,
+    poll_interval: Duration,
 }
 
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The token is a credential: never print it.
-        f.debug_struct("Client").field("base", &self.base).field("retrier", &self.retrier).finish_non_exhaustive()
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("retrier", &self.retrier)
+            .field("poll_interval", &self.poll_interval)
+            .finish_non_exhaustive()
     }
 }
 
@@ -95,6 +124,7 @@ pub struct ClientBuilder {
     token: String,
     roots: Vec<reqwest::Certificate>,
     retrier: Retrier,
+    poll_interval: Duration,
 }
 
 impl fmt::Debug for ClientBuilder {
@@ -104,6 +134,7 @@ impl fmt::Debug for ClientBuilder {
             .field("base_url", &self.base_url)
             .field("ca_certificates", &self.roots.len())
             .field("retrier", &self.retrier)
+            .field("poll_interval", &self.poll_interval)
             .finish_non_exhaustive()
     }
 }
@@ -137,9 +168,16 @@ impl ClientBuilder {
         self
     }
 
+    /// Polls a running operation every `interval` in [`Client::wait_operation`] (default
+    /// [`DEFAULT_POLL_INTERVAL`]), unless the server asks for another wait with `Retry-After`.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
     /// The client.
     pub fn build(self) -> Result<Client, Error> {
-        let ClientBuilder { base_url, token, roots, retrier } = self;
+        let ClientBuilder { base_url, token, roots, retrier, poll_interval } = self;
         let url = Url::parse(&base_url).map_err(|e| Error::InvalidRequest(format!("base URL {base_url:?}: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
             return Err(Error::InvalidRequest(format!("base URL {base_url:?} is not an http(s) URL")));
@@ -159,7 +197,7 @@ impl ClientBuilder {
             .build()
             .map_err(Error::from_reqwest)?;
         let base = url.as_str().trim_end_matches('/').to_owned();
-        Ok(Client { http, base, token, retrier })
+        Ok(Client { http, base, token, retrier, poll_interval })
     }
 }
 
@@ -178,6 +216,7 @@ impl Client {
             token: token.into(),
             roots: Vec::new(),
             retrier: Retrier::default(),
+            poll_interval: DEFAULT_POLL_INTERVAL,
         }
     }
 
@@ -192,6 +231,12 @@ impl Client {
     /// Uses `retrier` (policy and attempt hook) for every call.
     pub fn with_retrier(mut self, retrier: Retrier) -> Self {
         self.retrier = retrier;
+        self
+    }
+
+    /// Polls every `interval` in [`Client::wait_operation`]; see [`ClientBuilder::poll_interval`].
+    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
         self
     }
 
@@ -242,6 +287,72 @@ impl Client {
     /// `GET /admin/v1/fleet`; needs a client made with the admin token.
     pub async fn fleet(&self) -> Result<Response<Fleet>, Error> {
         self.get(self.url("/admin/v1/fleet")?).await?.decoded()
+    }
+
+    /// `POST /admin/v1/nodes/{node_id}/firmware` with `key` on every attempt; needs a client made
+    /// with the admin token.
+    ///
+    /// The server answers `202` with the operation as soon as it has accepted the flash, and
+    /// replays that `202` to every retry with the same key, while the flash runs or after: a retry
+    /// attaches to the running operation instead of starting a second flash. Follow it with
+    /// [`Client::wait_operation`]. Another key's flash already running on the node is
+    /// [`Error::Refused`] (409, problem [`crate::OPERATION_CONFLICT`], naming that operation in
+    /// [`crate::Problem::operation_id`]); it is not retried.
+    pub async fn flash_firmware(
+        &self,
+        node_id: &NodeId,
+        request: &FlashFirmware,
+        key: &OpKey,
+    ) -> Result<Response<Operation>, Error> {
+        let mutation = Mutation::FlashFirmware { node_id: node_id.clone(), request: request.clone() };
+        self.mutate(&mutation, key).await?.decoded()
+    }
+
+    /// `GET /admin/v1/operations/{id}`; needs a client made with the admin token. An unknown
+    /// operation is [`Error::Refused`] (404).
+    pub async fn get_operation(&self, id: &OperationId) -> Result<Response<Operation>, Error> {
+        self.get(self.url(&format!("/admin/v1/operations/{id}"))?).await?.decoded()
+    }
+
+    /// Polls `GET /admin/v1/operations/{id}` until the operation has ended
+    /// ([`Operation::is_finished`]) and returns its last state, `succeeded` or `failed` alike: a
+    /// failed operation is an answer, not an error of this call.
+    ///
+    /// The first poll goes out at once; then one every [`ClientBuilder::poll_interval`] (1 s by
+    /// default), or as long as the server asks with `Retry-After` (held between 100 ms and 60 s).
+    /// `on_poll` sees every state observed, one call per poll, so a caller can draw progress.
+    /// Each poll is retried like any read (connection errors, 5xx, 429) within the retry budget,
+    /// so an outage shorter than the budget only delays the answer; there is no limit on how long
+    /// the operation itself may run. Errors that end the wait: a 4xx (404: no such operation),
+    /// bad credentials, a retry budget spent on one poll ([`Error::GaveUp`]), or a body that is not
+    /// an operation.
+    ///
+    /// ```no_run
+    /// use leasebroker_client::{Client, FlashFirmware, OpKey, OperationState};
+    /// # async fn demo() -> Result<(), leasebroker_client::Error> {
+    /// let admin = Client::new("http://127.0.0.1:8080", "admin-token")?;
+    /// let node = "node-0007".parse().expect("a valid node id");
+    /// let accepted = admin.flash_firmware(&node, &FlashFirmware::new("2.1.0"), &OpKey::new_v4()).await?;
+    /// let done = admin.wait_operation(&accepted.value.id, |op| eprintln!("{}: {}", op.id, op.state)).await?;
+    /// assert!(matches!(done.value.state, OperationState::Succeeded | OperationState::Failed));
+    /// # Ok(()) }
+    /// ```
+    pub async fn wait_operation<F>(&self, id: &OperationId, mut on_poll: F) -> Result<Response<Operation>, Error>
+    where
+        F: FnMut(&Operation),
+    {
+        let url = self.url(&format!("/admin/v1/operations/{id}"))?;
+        loop {
+            let raw = self.get(url.clone()).await?;
+            let asked = retry_after(&raw.headers);
+            let response: Response<Operation> = raw.decoded()?;
+            on_poll(&response.value);
+            if response.value.is_finished() {
+                return Ok(response);
+            }
+            let wait = asked.map_or(self.poll_interval, |asked| asked.clamp(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL));
+            tokio::time::sleep(wait).await;
+        }
     }
 
     /// Sends `mutation` with `key` on every attempt and returns the raw successful response.

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, RETRY_AFTER};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::types::OperationId;
 
 /// An RFC 9457 problem details object, as sent by the server with `application/problem+json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +24,16 @@ pub struct Problem {
     /// A human-readable explanation of this occurrence.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// The extension member `operation_id`: the operation a refusal is about, such as the flash
+    /// already running on a node ([`OPERATION_CONFLICT`]). A value that is not a valid
+    /// [`OperationId`] is dropped rather than failing the whole problem.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "lenient_operation_id")]
+    pub operation_id: Option<OperationId>,
+}
+
+fn lenient_operation_id<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<OperationId>, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(deserializer)?;
+    Ok(value.and_then(|v| v.as_str().and_then(|s| s.parse().ok())))
 }
 
 fn about_blank() -> String {
@@ -48,9 +60,14 @@ impl Problem {
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())?;
-        match (&self.detail, &self.title) {
-            (Some(text), _) | (None, Some(text)) => write!(f, ": {text}"),
-            (None, None) => Ok(()),
+        let text = self.detail.as_ref().or(self.title.as_ref());
+        if let Some(text) = text {
+            write!(f, ": {text}")?;
+        }
+        // Name the operation once: the detail may already do so.
+        match &self.operation_id {
+            Some(id) if !text.is_some_and(|t| t.contains(id.as_str())) => write!(f, " (operation {id})"),
+            _ => Ok(()),
         }
     }
 }
@@ -59,6 +76,10 @@ impl fmt::Display for Problem {
 pub const KEY_REUSED: &str = "idempotency-key-reused";
 /// The problem name a server uses while the first request with a key is still running.
 pub const IN_PROGRESS: &str = "request-in-progress";
+/// The problem name a server uses when another operation already runs on the resource (a node
+/// that is being flashed under a different key); [`Problem::operation_id`] names it. A 409 that
+/// is never retried: the caller decides whether to follow that operation or try again later.
+pub const OPERATION_CONFLICT: &str = "operation-conflict";
 
 /// Why a request did not succeed.
 ///

@@ -9,7 +9,10 @@ pub mod journal;
 pub mod retry;
 mod types;
 
-pub use client::{Client, ClientBuilder, Mutation, Response};
-pub use error::{Error, IN_PROGRESS, KEY_REUSED, Problem, retry_after};
+pub use client::{Client, ClientBuilder, DEFAULT_POLL_INTERVAL, Mutation, Response};
+pub use error::{Error, IN_PROGRESS, KEY_REUSED, OPERATION_CONFLICT, Problem, retry_after};
 pub use retry::{OpKey, RetryPolicy};
-pub use types::{CreateWorker, Fleet, InvalidWorkerId, RebootResult, Worker, WorkerId, WorkerPage, WorkerState};
+pub use types::{
+    CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, NodeId, Operation,
+    OperationId, OperationKind, OperationState, RebootResult, Worker, WorkerId, WorkerPage, WorkerState,
+};

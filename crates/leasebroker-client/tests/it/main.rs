@@ -3,5 +3,6 @@
 
 mod client;
 mod journal;
+mod operations;
 mod retry;
 mod server;
