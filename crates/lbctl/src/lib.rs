@@ -104,7 +104,8 @@ pub enum FirmwareCommand {
     /// The flash runs on the server after it answers. Retries and reruns with the same key (one
     /// key per run; with --op-id, the journal's key across runs) get the same operation back
     /// instead of starting a second flash. A flash already running on the node under another key
-    /// is refused (exit 3) and named: follow it with `lbctl operations wait OP_ID`.
+    /// is refused (exit 3) and named: follow it with `lbctl operations wait OP_ID`, and flash again
+    /// under a new --op-id once it has ended (the server keeps the refusal as this key's answer).
     #[command(after_help = "With --wait, exits 0 when the flash succeeded and 7 when it failed.")]
     Flash {
         /// The node whose BMC to flash, e.g. node-0007.
@@ -286,7 +287,7 @@ impl From<Error> for Failure {
         let running = err.problem().filter(|p| p.is(OPERATION_CONFLICT)).and_then(|p| p.operation_id.clone());
         match (err, running) {
             (err @ Error::Tls(_), _) => Failure::new(exit, format!("{err} (for a private CA, pass --ca-cert PATH)")),
-            (err, Some(id)) => Failure::new(exit, format!("{err}; follow it with `lbctl operations wait {id}`")),
+            (err, Some(id)) => Failure::new(exit, format!("{err} (`lbctl operations wait {id}` follows it)")),
             (err, None) => Failure::new(exit, err.to_string()),
         }
     }
@@ -384,25 +385,24 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
         Command::Operations(OperationsCommand::Get { op_id }) => {
             return Ok(client.get_operation(&op_id).await?.body.to_vec());
         }
-        Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id, None).await,
+        Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id).await,
     };
 
     let body = send(&client, &mutation, op_id.as_deref(), cli.journal, verbose).await?;
     if !wait {
         return Ok(body);
     }
-    // The accepted operation (a replay, or the journal's record, names the same one).
+    // The accepted operation (a replay, or the journal's record, names the same one). Its state
+    // in that body may be long out of date (a journal's record): the first poll, sent at once,
+    // is the first state shown.
     let accepted: Operation = serde_json::from_slice(&body)
         .map_err(|e| Failure::new(Exit::Failure, format!("the accepted flash is not an operation: {e}")))?;
-    follow(&client, &accepted.id, Some(&accepted)).await
+    follow(&client, &accepted.id).await
 }
 
 /// Follows operation `id` to its end: its final JSON, or exit 7 with that JSON when it failed.
-async fn follow(client: &Client, id: &OperationId, accepted: Option<&Operation>) -> Result<Vec<u8>, Failure> {
+async fn follow(client: &Client, id: &OperationId) -> Result<Vec<u8>, Failure> {
     let mut progress = Progress::start(id, Display::for_stderr());
-    if let Some(op) = accepted {
-        progress.observe(op);
-    }
     let done = client.wait_operation(id, |op| progress.observe(op)).await?;
     progress.finish(&done.value);
     let op = &done.value;
@@ -478,9 +478,6 @@ async fn send(
         // Record final answers only; after a give-up the outcome is unknown and a rerun will learn it.
         let outcome = match &result {
             Ok(response) => Some((response.status.as_u16(), response.body.to_vec())),
-            // Another operation was running: nothing was done under this key, and a rerun once that
-            // one has ended should try again rather than repeat the refusal.
-            Err(err) if err.problem().is_some_and(|p| p.is(OPERATION_CONFLICT)) => None,
             Err(err @ (Error::Refused { .. } | Error::KeyReused { .. })) => {
                 let body = err.problem().and_then(|p| serde_json::to_vec(p).ok()).unwrap_or_default();
                 err.status().map(|s| (s.as_u16(), body))

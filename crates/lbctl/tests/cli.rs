@@ -692,6 +692,26 @@ fn a_rerun_after_a_crash_resends_the_journaled_key_and_the_server_replays_the_op
 }
 
 #[test]
+fn a_flash_that_fails_makes_wait_exit_7_with_the_failed_operation() {
+    // The simulated BMC fails every flash's verification at its end.
+    let server = Server::start(&["--sim-flash-ms", FLASH_MS, "--sim-flash-fail", "1"]);
+    let out = run_owned(&server.url, &server.journal(), &flash("node-0004", &["--op-id", "fw-fails", "--wait"]));
+    assert_exit(&out, 7);
+    let op = json(&out);
+    assert_eq!(op["state"], "failed", "{op}");
+    assert!(op["error"].as_str().is_some_and(|e| !e.is_empty()) && op["finished_at"].is_string(), "{op}");
+    let lines = stderr_lines(&out);
+    let last = lines.last().expect("a reason line");
+    assert!(last.starts_with(&format!("lbctl: operation {} failed: ", op["id"].as_str().unwrap())), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains(": running (")), "{lines:?}");
+    // Following it again says the same.
+    let again =
+        run(&server.url, &server.journal(), &["--token", ADMIN, "operations", "wait", op["id"].as_str().unwrap()]);
+    assert_exit(&again, 7);
+    assert_eq!(json(&again), op);
+}
+
+#[test]
 fn flash_without_wait_prints_the_accepted_operation() {
     let server = flash_server();
     let out = run_owned(&server.url, &server.journal(), &flash("node-0001", &[]));
@@ -719,14 +739,14 @@ fn another_key_on_a_flashing_node_exits_3_and_names_the_running_operation() {
     let lines = stderr_lines(&second);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].contains("operation-conflict"), "{lines:?}");
-    assert!(lines[0].contains(&format!("lbctl operations wait {running}")), "{lines:?}");
-    // Not recorded as fw-b's outcome: nothing was done under its key, so a later rerun tries again.
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let entry = runtime.block_on(async {
-        let journal = leasebroker_client::journal::Journal::open(server.journal()).await.unwrap();
-        journal.entry("fw-b").await.unwrap().expect("fw-b's key is journaled")
-    });
-    assert!(entry.outcome.is_none(), "{entry:?}");
+    assert!(lines[0].contains(&format!("`lbctl operations wait {running}` follows it")), "{lines:?}");
+    // The refusal is fw-b's answer (the server keeps it for that key too): a rerun answers from the
+    // journal, the same way, without sending.
+    let sentinel = Sentinel::start();
+    let again = run_owned(&sentinel.url(), &server.journal(), &flash("node-0002", &["--op-id", "fw-b"]));
+    assert_exit(&again, 3);
+    assert!(stderr(&again).contains("operation-conflict") && stderr(&again).contains("journal"), "{}", stderr(&again));
+    assert!(!sentinel.contacted());
     let fleet = server.fleet();
     assert_eq!((fleet.firmware_flashes_total, fleet.nodes_bricked), (1, 0), "{fleet:?}");
 }
