@@ -134,6 +134,11 @@ pub struct Scenario {
     /// Share of operations run through real `lbctl` processes (the rest through the SDK in process).
     #[arg(long, default_value_t = 0.1, value_parser = parse::probability)]
     pub lbctl_share: f64,
+    /// Share of operations that flash a node's firmware (`POST /admin/v1/nodes/{node_id}/firmware`,
+    /// on the first 16 nodes of the pool, so that flashes meet running ones), through the SDK and
+    /// lbctl like the rest; each flash writes for the simulator's 3 s.
+    #[arg(long, default_value_t = 0.05, value_parser = parse::probability)]
+    pub flashes: f64,
     /// Principals (tokens) the operations are spread over.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub principals: u32,

@@ -29,6 +29,8 @@ pub struct Setup {
     pub client_fault_rate: f64,
     /// Share of operations through lbctl.
     pub lbctl_share: f64,
+    /// Share of operations that flash firmware.
+    pub flash_share: f64,
     /// Server kills asked for.
     pub server_kills: u32,
     /// Simulator fail-before probability.
@@ -96,6 +98,10 @@ pub struct Outcomes {
     pub reboots_ok: u64,
     /// Successful deletes.
     pub deletes_ok: u64,
+    /// Flashes accepted (`202`).
+    pub flashes_ok: u64,
+    /// Flashes refused because another flash ran on the node.
+    pub flash_conflicts: u64,
     /// Successes answered from a stored response.
     pub replayed: u64,
     /// Operations run through lbctl.
@@ -216,6 +222,16 @@ pub fn table(runs: &[RunReport]) -> String {
         ("DOUBLE REBOOTS (extra reboots)", Box::new(|r| r.damage.extra_reboots.to_string())),
         ("  duplicate reboot tags", Box::new(|r| r.damage.duplicate_reboot_tags.to_string())),
         ("  reboot_count mismatches", Box::new(|r| r.damage.reboot_count_mismatches.to_string())),
+        (
+            "flashes accepted / refused (node busy)",
+            Box::new(|r| format!("{}/{}", r.outcomes.flashes_ok, r.outcomes.flash_conflicts)),
+        ),
+        ("BRICKED NODES", Box::new(|r| r.damage.bricked_nodes.to_string())),
+        (
+            "  extra flashes / duplicate flash tags",
+            Box::new(|r| format!("{}/{}", r.damage.extra_flashes, r.damage.duplicate_flash_tags)),
+        ),
+        ("  flash operations stuck running", Box::new(|r| r.damage.stuck_operations.to_string())),
         ("FAILED OPS (gave up)", Box::new(|r| r.outcomes.failed.to_string())),
         (
             "invariants",

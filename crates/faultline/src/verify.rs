@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use futures::StreamExt;
-use leasebroker_client::{Fleet, Worker, WorkerId, WorkerPage};
+use leasebroker_client::{Fleet, Operation, OperationId, Worker, WorkerId, WorkerPage};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -26,6 +26,15 @@ pub struct SimStats {
     pub reboots_total: u64,
     /// Reboots with a tag the VM had been rebooted with before.
     pub duplicate_reboot_tags: u64,
+    /// Firmware flashes the BMCs started.
+    #[serde(default)]
+    pub flashes_total: u64,
+    /// Flashes of a tag flashed before.
+    #[serde(default)]
+    pub duplicate_flash_tags: u64,
+    /// Nodes bricked by a flash that started while another wrote.
+    #[serde(default)]
+    pub bricked_nodes: u64,
 }
 
 /// What the servers say they did about refusals, late landings and abandoned operations, summed
@@ -176,6 +185,26 @@ impl Reader {
         Ok(GroundTruth { fleet, sim, workers, server, vms })
     }
 
+    /// Each of the operations `ids` once it has ended, or as it still is after `cap` (each one
+    /// read until it is no longer `running`; `None` when it could not be read at all).
+    pub async fn operations_ended(&self, ids: &[OperationId], cap: Duration) -> Vec<(OperationId, Option<Operation>)> {
+        let deadline = tokio::time::Instant::now() + cap;
+        futures::stream::iter(ids.iter().enumerate())
+            .map(|(n, id)| async move {
+                let url = format!("{}/admin/v1/operations/{id}", self.replicas[n % self.replicas.len()]);
+                loop {
+                    let op = self.get::<Operation>(&url, ADMIN_TOKEN).await.ok().flatten();
+                    if op.as_ref().is_some_and(Operation::is_finished) || tokio::time::Instant::now() >= deadline {
+                        return (id.clone(), op);
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await
+    }
+
     /// GETs each of `workers` as its principal, spread over the replicas.
     pub async fn get_each(&self, workers: Vec<(WorkerId, usize)>) -> Vec<(WorkerId, anyhow::Result<Option<Worker>>)> {
         futures::stream::iter(workers.into_iter().enumerate())
@@ -237,6 +266,14 @@ pub struct Damage {
     pub delete_unknown: u64,
     /// Abandoned creates the server finished anyway (their worker is listed; not a phantom).
     pub abandoned_creates_finished: u64,
+    /// Nodes a flash bricked (the BMC's count).
+    pub bricked_nodes: u64,
+    /// Tags the BMCs flashed more than once.
+    pub duplicate_flash_tags: u64,
+    /// Accepted flash operations that never ended.
+    pub stuck_operations: u64,
+    /// BMC flashes beyond one per accepted operation (and one per abandoned one).
+    pub extra_flashes: i64,
 }
 
 /// The create operation a listed worker belongs to, from its label.
@@ -263,6 +300,47 @@ pub fn workers_without_vm(ledger: &Ledger, truth: &GroundTruth) -> Vec<String> {
         .collect();
     out.sort();
     out
+}
+
+/// The flash invariants: no node bricked, no tag flashed twice, every accepted operation ended
+/// (`succeeded` or `failed`, none left `running`), and one BMC flash per accepted operation (plus
+/// at most one per abandoned one).
+pub fn check_flashes(
+    ledger: &Ledger,
+    truth: &GroundTruth,
+    operations: &[(OperationId, Option<Operation>)],
+    damage: &mut Damage,
+    invariants: &mut Vec<Invariant>,
+) {
+    let sim = &truth.sim;
+    let accepted = ledger.flash_ops.len() as u64;
+    let distinct: HashSet<&OperationId> = ledger.flash_ops.iter().collect();
+    let stuck = operations.iter().filter(|(_, op)| !op.as_ref().is_some_and(Operation::is_finished)).count() as u64;
+    damage.bricked_nodes = sim.bricked_nodes;
+    damage.duplicate_flash_tags = sim.duplicate_flash_tags;
+    damage.stuck_operations = stuck;
+    damage.extra_flashes = (sim.flashes_total as i64 - (accepted + ledger.abandoned_flashes) as i64).max(0);
+    let mut eq = |name: &str, expected: u64, actual: u64| {
+        invariants.push(Invariant { name: name.to_owned(), expected, actual, at_most: false, ok: expected == actual });
+    };
+    eq("nodes bricked (a second flash while one wrote)", 0, sim.bricked_nodes);
+    eq("duplicate_flash_tags", 0, sim.duplicate_flash_tags);
+    eq("accepted flash operations not ended (stuck running)", 0, stuck);
+    eq("flash ops told another op's operation id", 0, accepted - distinct.len() as u64);
+    eq("fleet firmware_flashes_total == BMC flashes", sim.flashes_total, truth.fleet.firmware_flashes_total);
+    // Each operation that succeeded flashed once; one the BMC refused (a 4xx) flashed nothing.
+    let succeeded = operations
+        .iter()
+        .filter(|(_, op)| op.as_ref().is_some_and(|op| op.state == leasebroker_client::OperationState::Succeeded))
+        .count() as u64;
+    let high = accepted + ledger.abandoned_flashes;
+    invariants.push(Invariant {
+        name: "BMC flashes: one per succeeded flash op, at most one per accepted or abandoned one".to_owned(),
+        expected: high,
+        actual: sim.flashes_total,
+        at_most: true,
+        ok: (succeeded..=high).contains(&sim.flashes_total),
+    });
 }
 
 /// Compares the ground truth with the clients' ledger.
@@ -339,6 +417,10 @@ pub fn check(
         same_id_twice: ledger.same_id_twice,
         delete_unknown,
         abandoned_creates_finished,
+        bricked_nodes: 0,
+        duplicate_flash_tags: 0,
+        stuck_operations: 0,
+        extra_flashes: 0,
     };
 
     let mut invariants = Vec::new();

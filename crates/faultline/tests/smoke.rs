@@ -48,6 +48,7 @@ fn run_faultline(extra: &[&str]) -> (i32, Value) {
         .args(["--hv-fail-before", "0.1", "--hv-fail-after", "0.1", "--lbctl-share", "0.2"])
         // A small share of the slow, refusing and abandoning modes (the full run has more).
         .args(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "2s"])
+        .args(["--flashes", "0.15"])
         .args(["--no-progress", "--max-duration", "150s", "--out"])
         .arg(out.path())
         .args(extra)
@@ -106,6 +107,11 @@ fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {
         assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
     }
     assert!(num(protected, &["fleet", "workers_active"]) > 0);
+    // Firmware flashes: accepted ones ended, none twice, no node bricked.
+    assert!(num(protected, &["outcomes", "flashes_ok"]) > 0, "no flash was accepted: {}", protected["outcomes"]);
+    for field in ["bricked_nodes", "duplicate_flash_tags", "stuck_operations", "extra_flashes"] {
+        assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
+    }
 
     // The naive clients ran into the same faults and paid for it.
     let naive = run(report, "naive");

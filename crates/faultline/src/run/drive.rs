@@ -23,6 +23,9 @@ use crate::report::{Faults, Outcomes, RunReport, Setup};
 use crate::verify::{self, Reader};
 use crate::workload::{ClientKind, Workload, WorkloadConfig};
 
+/// Flashes go to the first this many nodes of the pool, so that some meet a running flash.
+const FLASH_NODES: u32 = 16;
+
 /// One run in `dir` against `database`: everything it starts is stopped when it returns.
 pub(super) async fn run_in(
     sc: &Scenario,
@@ -101,6 +104,8 @@ pub(super) async fn run_in(
         run_tag: format!("{}-{rate}", kind.name()),
         abandon_rate: sc.abandon,
         abandon_ops: sc.abandon_ops.clone(),
+        flash_share: sc.flashes,
+        pool_nodes: pool_nodes.min(FLASH_NODES),
     })?);
     let proxies = Arc::new(proxies);
     let replicas = Arc::new(Mutex::new(replicas));
@@ -202,12 +207,15 @@ pub(super) async fn run_in(
         .map(|(id, k)| (id.clone(), k.principal))
         .collect();
     let gets = reader.get_each(held).await;
+    let flash_ops = lock_ledger().flash_ops.clone();
+    let operations = reader.operations_ended(&flash_ops, Duration::from_secs(120)).await;
     let report = {
         let ledger = lock_ledger();
         let c = &workload.counters;
         let reboots_ok = c.reboots_ok.load(Ordering::Relaxed);
         let failed = c.failed.load(Ordering::Relaxed);
-        let (damage, invariants) = verify::check(&ledger, &truth, &gets, reboots_ok, failed);
+        let (mut damage, mut invariants) = verify::check(&ledger, &truth, &gets, reboots_ok, failed);
+        verify::check_flashes(&ledger, &truth, &operations, &mut damage, &mut invariants);
 
         let proxy = proxies.iter().map(|p| p.stats.snapshot()).fold(ProxyCounts::default(), |a, b| a + b);
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -221,6 +229,7 @@ pub(super) async fn run_in(
                 concurrency: sc.concurrency,
                 client_fault_rate: rate,
                 lbctl_share: sc.lbctl_share,
+                flash_share: sc.flashes,
                 server_kills: sc.server_kills,
                 hv_fail_before: sc.hv_fail_before,
                 hv_fail_after: sc.hv_fail_after,
@@ -254,6 +263,8 @@ pub(super) async fn run_in(
                 creates_ok: load(&c.creates_ok),
                 reboots_ok,
                 deletes_ok: load(&c.deletes_ok),
+                flashes_ok: load(&c.flashes_ok),
+                flash_conflicts: ledger.flash_conflicts,
                 replayed: load(&c.replayed),
                 via_lbctl: load(&c.lbctl_ops),
                 lbctl_runs: load(&c.lbctl_runs),

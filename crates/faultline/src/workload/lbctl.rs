@@ -23,26 +23,30 @@ impl Workload {
             let mut command = Command::new(&self.config.lbctl);
             let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
             command.args(["--url", base, "--journal"]).arg(&self.config.journal);
-            command.args(["--max-elapsed", &format!("{}ms", remaining.as_millis()), "-v", "workers"]);
-            let principal = match op {
+            command.args(["--max-elapsed", &format!("{}ms", remaining.as_millis()), "-v"]);
+            let token = match op {
                 Op::Create { principal, index } => {
-                    command.args(["create", "--image", "worker-base:2025.11", "--cpu", "2", "--memory-gb", "4"]);
-                    command.args(["--label", &format!("faultline-op={index}")]);
-                    *principal
+                    command.args(["workers", "create", "--image", "worker-base:2025.11", "--cpu", "2"]);
+                    command.args(["--memory-gb", "4", "--label", &format!("faultline-op={index}")]);
+                    &self.config.principals[*principal].token
                 }
                 Op::Reboot { principal, id } => {
-                    command.args(["reboot", id.as_str()]);
-                    *principal
+                    command.args(["workers", "reboot", id.as_str()]);
+                    &self.config.principals[*principal].token
                 }
                 Op::Delete { principal, id } => {
-                    command.args(["delete", id.as_str()]);
-                    *principal
+                    command.args(["workers", "delete", id.as_str()]);
+                    &self.config.principals[*principal].token
+                }
+                Op::Flash { node, version } => {
+                    command.args(["firmware", "flash", node, "--version", version]);
+                    crate::cluster::ADMIN_TOKEN
                 }
             };
             if self.config.kind == ClientKind::Protected {
                 command.args(["--op-id", &op_id]);
             }
-            command.env("LBCTL_TOKEN", &self.config.principals[principal].token);
+            command.env("LBCTL_TOKEN", token);
             command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
             let mut child = match command.spawn() {
                 Ok(child) => child,

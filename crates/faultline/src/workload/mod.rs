@@ -1,5 +1,6 @@
 //! The clients and the workload: create (most), reboot and delete of workers a client created,
-//! each logical operation with one key (protected) or a fresh key per attempt (naive).
+//! and firmware flashes of the pool's nodes (admin), each logical operation with one key
+//! (protected) or a fresh key per attempt (naive).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -9,7 +10,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use leasebroker_client::retry::{Retrier, RetryPolicy};
-use leasebroker_client::{RebootResult, Worker, WorkerId};
+use leasebroker_client::{Operation, OperationId, RebootResult, Worker, WorkerId};
 use rand::Rng;
 use serde::Serialize;
 
@@ -67,14 +68,30 @@ pub enum OpKind {
     Reboot,
     /// `DELETE /v1/workers/{id}`.
     Delete,
+    /// `POST /admin/v1/nodes/{node_id}/firmware` (admin token).
+    Flash,
 }
 
 /// One logical operation.
 #[derive(Debug, Clone)]
 enum Op {
-    Create { principal: usize, index: u64 },
-    Reboot { principal: usize, id: WorkerId },
-    Delete { principal: usize, id: WorkerId },
+    Create {
+        principal: usize,
+        index: u64,
+    },
+    Reboot {
+        principal: usize,
+        id: WorkerId,
+    },
+    Delete {
+        principal: usize,
+        id: WorkerId,
+    },
+    /// A flash of `node` to `version`, as the admin.
+    Flash {
+        node: String,
+        version: String,
+    },
 }
 
 impl Op {
@@ -83,6 +100,7 @@ impl Op {
             Op::Create { .. } => OpKind::Create,
             Op::Reboot { .. } => OpKind::Reboot,
             Op::Delete { .. } => OpKind::Delete,
+            Op::Flash { .. } => OpKind::Flash,
         }
     }
 }
@@ -93,6 +111,8 @@ enum Outcome {
     Created(Worker),
     Rebooted(RebootResult),
     Deleted,
+    /// A flash accepted: the operation as the `202` showed it.
+    Flashed(Operation),
     /// A clean refusal (4xx).
     Refused(String),
     /// Gave up, or an answer that is neither success nor a clean refusal.
@@ -140,6 +160,12 @@ pub struct Ledger {
     pub abandoned_creates: HashSet<u64>,
     /// Reboot operations whose client walked away.
     pub abandoned_reboots: u64,
+    /// Flash operations a client was told were accepted (`202`), by id.
+    pub flash_ops: Vec<OperationId>,
+    /// Flash operations whose client walked away (each flashed at most once).
+    pub abandoned_flashes: u64,
+    /// Flash operations refused because another flash ran on the node (`409 operation-conflict`).
+    pub flash_conflicts: u64,
 }
 
 /// The workload's counters.
@@ -163,6 +189,8 @@ pub struct Counters {
     pub reboots_ok: AtomicU64,
     /// Successful deletes.
     pub deletes_ok: AtomicU64,
+    /// Flashes accepted.
+    pub flashes_ok: AtomicU64,
     /// Successes answered from a stored response.
     pub replayed: AtomicU64,
     /// lbctl processes started.
@@ -204,6 +232,10 @@ pub struct WorkloadConfig {
     pub abandon_rate: f64,
     /// The kinds of operation that may be abandoned.
     pub abandon_ops: Vec<OpKind>,
+    /// Share of operations that flash a node's firmware.
+    pub flash_share: f64,
+    /// The pool's size: flashes pick one of its nodes.
+    pub pool_nodes: u32,
 }
 
 /// The clients and what they learned.
@@ -256,10 +288,17 @@ impl Workload {
             let abandon = !via_lbctl && rng.random::<f64>() < self.config.abandon_rate;
             let roll: f64 = rng.random();
             let mut ledger = self.ledger();
-            let op = if roll < REBOOT_SHARE + DELETE_SHARE && !ledger.idle.is_empty() {
+            let op = if roll < self.config.flash_share && self.config.pool_nodes > 0 {
+                let node = format!("node-{:04}", rng.random_range(1..=self.config.pool_nodes));
+                Op::Flash { node, version: format!("fw-{}.{index}", self.config.run_tag) }
+            } else if roll - self.config.flash_share < REBOOT_SHARE + DELETE_SHARE && !ledger.idle.is_empty() {
                 let pick = rng.random_range(0..ledger.idle.len());
                 let (principal, id) = ledger.idle.swap_remove(pick);
-                if roll < REBOOT_SHARE { Op::Reboot { principal, id } } else { Op::Delete { principal, id } }
+                if roll - self.config.flash_share < REBOOT_SHARE {
+                    Op::Reboot { principal, id }
+                } else {
+                    Op::Delete { principal, id }
+                }
             } else {
                 Op::Create { principal: rng.random_range(0..self.config.principals.len()), index }
             };
@@ -281,7 +320,7 @@ impl Workload {
     fn record(&self, op: Op, outcome: Outcome) {
         let c = &self.counters;
         match &outcome {
-            Outcome::Created(_) | Outcome::Rebooted(_) | Outcome::Deleted => add(&c.succeeded, 1),
+            Outcome::Created(_) | Outcome::Rebooted(_) | Outcome::Deleted | Outcome::Flashed(_) => add(&c.succeeded, 1),
             Outcome::Refused(_) => add(&c.refused, 1),
             Outcome::Failed(_) => add(&c.failed, 1),
             Outcome::Abandoned => add(&c.abandoned, 1),
@@ -323,6 +362,14 @@ impl Workload {
                     known.deleted = true;
                 }
             }
+            (Op::Flash { .. }, Outcome::Flashed(operation)) => {
+                add(&c.flashes_ok, 1);
+                ledger.flash_ops.push(operation.id);
+            }
+            (Op::Flash { .. }, Outcome::Abandoned) => ledger.abandoned_flashes += 1,
+            (Op::Flash { .. }, Outcome::Refused(reason)) if reason.contains("operation-conflict") => {
+                ledger.flash_conflicts += 1;
+            }
             (Op::Create { index, .. }, Outcome::Abandoned) => {
                 ledger.abandoned_creates.insert(index);
             }
@@ -353,7 +400,7 @@ impl Workload {
                             known.delete_unknown = true;
                         }
                     }
-                    Op::Create { .. } => {}
+                    Op::Create { .. } | Op::Flash { .. } => {}
                 }
                 if let Some((failed, reason)) = reason {
                     let list = if failed { &mut ledger.failures } else { &mut ledger.refusals };

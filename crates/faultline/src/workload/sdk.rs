@@ -43,6 +43,14 @@ impl Workload {
             ),
             Op::Reboot { principal, id } => (self.http.post(format!("{base}/v1/workers/{id}/reboot")), *principal),
             Op::Delete { principal, id } => (self.http.delete(format!("{base}/v1/workers/{id}")), *principal),
+            Op::Flash { node, .. } => {
+                let request = self
+                    .http
+                    .post(format!("{base}/admin/v1/nodes/{node}/firmware"))
+                    .header(CONTENT_TYPE, "application/json")
+                    .body(body.to_vec());
+                return request.bearer_auth(crate::cluster::ADMIN_TOKEN).header(ACCEPT, "application/json");
+            }
         };
         request.bearer_auth(&self.config.principals[principal].token).header(ACCEPT, "application/json")
     }
@@ -102,6 +110,9 @@ impl Workload {
     pub(super) fn body(op: &Op) -> Vec<u8> {
         match op {
             Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
+            Op::Flash { version, .. } => {
+                serde_json::to_vec(&serde_json::json!({ "version": version })).unwrap_or_default()
+            }
             _ => Vec::new(),
         }
     }
@@ -113,6 +124,7 @@ pub(super) fn decode(op: &Op, body: &[u8]) -> Outcome {
         Op::Create { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Created),
         Op::Reboot { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Rebooted),
         Op::Delete { .. } => Outcome::Deleted,
+        Op::Flash { .. } => serde_json::from_slice(body).map_or_else(bad, Outcome::Flashed),
     }
 }
 
