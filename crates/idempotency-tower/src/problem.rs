@@ -268,7 +268,7 @@ impl Rejection {
                 ),
             ),
         };
-        p.with_base(cfg.problem_base)
+        p.with_base(cfg.problem_base.clone())
     }
 }
 
