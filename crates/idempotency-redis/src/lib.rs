@@ -128,11 +128,14 @@
 #![warn(missing_docs)]
 
 mod codec;
+mod conn;
+mod options;
 mod scripts;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use store::{
-    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, RedisStore, RedisStoreOptions, UnverifiedPolicy,
+pub use options::{
+    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, RedisStoreOptions, UnverifiedPolicy,
 };
+pub use store::RedisStore;

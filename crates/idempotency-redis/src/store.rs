@@ -1,240 +1,16 @@
-//! The store: connecting, the eviction-policy check, and the transitions.
+//! The store: its transitions as Lua scripts on one key each.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
+use crate::conn::Conn;
+use crate::options::{ConnectError, RedisStoreOptions};
 use crate::scripts::{Lua, Scripts};
-
-/// The key prefix used unless [`RedisStoreOptions::prefix`] says otherwise.
-pub const DEFAULT_PREFIX: &str = "idempotency:";
-
-/// The URL scheme for a Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT]...`.
-pub const CLUSTER_SCHEME: &str = "redis+cluster://";
-
-/// The multiplexed connections to a single server unless [`RedisStoreOptions::connections`]
-/// says otherwise. With one, a replay's reply (the whole record) is parsed in the connection's
-/// one task, which capped replays at about half of what `redis-benchmark` gets from the same
-/// server on 2 cores (`bench/run redis`); two reached it, four did no better.
-pub const DEFAULT_CONNECTIONS: usize = 2;
-
-/// What [`RedisStore::connect`] does when it cannot read a node's `maxmemory-policy`: both
-/// `CONFIG GET` and `INFO` refused (as some managed services and ACLs do), or a primary of a
-/// cluster unreachable while the others answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum UnverifiedPolicy {
-    /// Refuse to connect: an evicting policy cannot be ruled out. The default.
-    #[default]
-    Refuse,
-    /// Connect, and log a warning naming the node. For a service whose operator has checked the
-    /// policy by other means.
-    Warn,
-}
-
-/// Settings for [`RedisStore::connect`].
-#[derive(Debug, Clone)]
-pub struct RedisStoreOptions {
-    prefix: String,
-    connect_timeout: Duration,
-    response_timeout: Duration,
-    cluster_retries: u32,
-    connections: usize,
-    unverified_policy: UnverifiedPolicy,
-}
-
-impl Default for RedisStoreOptions {
-    fn default() -> Self {
-        Self {
-            prefix: DEFAULT_PREFIX.to_owned(),
-            connect_timeout: Duration::from_secs(5),
-            response_timeout: Duration::from_secs(5),
-            cluster_retries: 3,
-            connections: DEFAULT_CONNECTIONS,
-            unverified_policy: UnverifiedPolicy::Refuse,
-        }
-    }
-}
-
-impl RedisStoreOptions {
-    /// Prefixes every record's key (default [`DEFAULT_PREFIX`]), so several services, or tests,
-    /// can share one server. It must not contain `{` or `}`: a hash tag in it would put every
-    /// record in one cluster slot, on one primary.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// How long to wait for a connection to open (default 5 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long to wait for a reply before the operation fails as unavailable (default 5 s).
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
-    }
-
-    /// How often the cluster client retries a command after a connection error or a
-    /// redirection (default 3; `MOVED` and `ASK` during a resharding need a few).
-    pub fn cluster_retries(mut self, retries: u32) -> Self {
-        self.cluster_retries = retries;
-        self
-    }
-
-    /// How many multiplexed connections to a single server the store spreads its calls over
-    /// (default [`DEFAULT_CONNECTIONS`]; at least 1). Each connection reads and parses its
-    /// replies in one task, so one connection caps the replays a process can receive; a
-    /// cluster has one connection per primary already and ignores this.
-    pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections.max(1);
-        self
-    }
-
-    /// What to do when a node's `maxmemory-policy` cannot be read (default: refuse).
-    pub fn on_unverified_policy(mut self, what: UnverifiedPolicy) -> Self {
-        self.unverified_policy = what;
-        self
-    }
-
-    /// The key prefix.
-    pub fn key_prefix(&self) -> &str {
-        &self.prefix
-    }
-}
-
-/// Why [`RedisStore::connect`] refused.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConnectError {
-    /// The URL is not a Redis URL this store understands.
-    #[error("invalid Redis URL ({0})")]
-    InvalidUrl(String),
-    /// The key prefix contains a hash tag brace.
-    #[error("invalid key prefix {0:?}: it must not contain '{{' or '}}'")]
-    InvalidPrefix(String),
-    /// The server or cluster could not be reached, or refused the connection.
-    #[error("cannot connect to Redis")]
-    Unreachable(#[source] RedisError),
-    /// A node may evict keys under memory pressure; an evicted record is a duplicate waiting to
-    /// happen, so the store refuses it.
-    #[error(
-        "Redis node {node} has maxmemory-policy {policy}, which evicts keys under memory pressure: an evicted \
-         idempotency record lets a retry run its request twice. Set maxmemory-policy to noeviction"
-    )]
-    EvictingPolicy {
-        /// The node (`host:port`, or `server` for a single server).
-        node: String,
-        /// Its policy, as Redis names it.
-        policy: String,
-    },
-    /// A node's `maxmemory-policy` could not be read: `CONFIG GET` and `INFO` were both refused,
-    /// or a cluster's primary did not answer (see [`UnverifiedPolicy`]).
-    #[error(
-        "cannot verify that Redis node {node} never evicts keys: CONFIG GET maxmemory-policy failed ({config}) \
-         and so did INFO memory ({info}); allow one of them for this user, or connect with \
-         UnverifiedPolicy::Warn after checking that the policy is noeviction"
-    )]
-    UnverifiedPolicy {
-        /// The node.
-        node: String,
-        /// Why `CONFIG GET` failed.
-        config: String,
-        /// Why `INFO` failed.
-        info: String,
-    },
-}
-
-impl From<ConnectError> for StoreError {
-    fn from(e: ConnectError) -> Self {
-        StoreError::unavailable(e)
-    }
-}
-
-/// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
-/// client, which follows slot moves). Both multiplex their callers over their connections.
-#[derive(Clone)]
-enum Conn {
-    Server(Arc<Managers>),
-    Cluster(ClusterConnection),
-}
-
-/// A single server's connections, never empty, and the turn.
-struct Managers {
-    all: Vec<ConnectionManager>,
-    next: AtomicUsize,
-}
-
-impl Managers {
-    fn pick(&self) -> ConnectionManager {
-        self.all[self.next.fetch_add(1, Ordering::Relaxed) % self.all.len()].clone()
-    }
-}
-
-impl Conn {
-    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
-        match self {
-            Conn::Server(c) => cmd.query_async(&mut c.pick()).await,
-            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-        }
-    }
-
-    /// Runs `cmd` on every primary, each on its own connection; each node's reply or error.
-    /// `Err` only when the server, or every node of a cluster, is unreachable.
-    ///
-    /// On a cluster the primaries are those that serve slots in `CLUSTER SLOTS`, each asked by
-    /// address: the client's own fan-out silently skips a node it has no connection to, and a
-    /// command routed by slot falls back to another node when the slot's node has none.
-    async fn on_every_primary(&self, cmd: &Cmd) -> Result<Vec<(String, Result<Value, RedisError>)>, RedisError> {
-        match self {
-            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.pick()).await {
-                Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
-                reply => Ok(vec![("server".to_owned(), reply)]),
-            },
-            Conn::Cluster(c) => {
-                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
-                let mut replies = vec![];
-                for (host, port) in primaries(slots)? {
-                    let node = format!("{host}:{port}");
-                    let by_address = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-                    replies.push((node, c.clone().route_command(cmd.clone(), by_address).await));
-                }
-                Ok(replies)
-            }
-        }
-    }
-}
-
-/// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.
-fn primaries(reply: Value) -> Result<Vec<(String, u16)>, RedisError> {
-    let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "an unexpected CLUSTER SLOTS reply"));
-    let Value::Array(ranges) = reply else { return Err(bad()) };
-    let mut primaries = vec![];
-    for range in ranges {
-        let Value::Array(range) = range else { return Err(bad()) };
-        let Some(Value::Array(primary)) = range.get(2) else { return Err(bad()) };
-        let (Some(Value::BulkString(host)), Some(Value::Int(port))) = (primary.first(), primary.get(1)) else {
-            return Err(bad());
-        };
-        let address = (String::from_utf8_lossy(host).into_owned(), u16::try_from(*port).map_err(|_| bad())?);
-        if !primaries.contains(&address) {
-            primaries.push(address);
-        }
-    }
-    Ok(primaries)
-}
 
 /// An [`idempotency::Store`] in Redis: one server, or a Redis Cluster. See the crate docs for
 /// the data layout and which Redis settings each guarantee needs.
@@ -257,22 +33,6 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// The nodes of a `redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]...` URL as
-/// `redis://` URLs, each with the credentials.
-fn cluster_nodes(rest: &str) -> Result<Vec<String>, ConnectError> {
-    let (auth, hosts) = match rest.rsplit_once('@') {
-        Some((auth, hosts)) => (format!("{auth}@"), hosts),
-        None => (String::new(), rest),
-    };
-    let hosts = hosts.trim_end_matches('/');
-    let nodes: Vec<String> =
-        hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{auth}{h}")).collect();
-    if nodes.is_empty() {
-        return Err(ConnectError::InvalidUrl("a redis+cluster:// URL names no node".to_owned()));
-    }
-    Ok(nodes)
-}
-
 impl RedisStore {
     /// Connects to `url` with the default [`RedisStoreOptions`]; see
     /// [`RedisStore::connect_with`].
@@ -292,33 +52,9 @@ impl RedisStore {
         if options.prefix.contains(['{', '}']) {
             return Err(ConnectError::InvalidPrefix(options.prefix));
         }
-        let conn = if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
-            let nodes = cluster_nodes(rest)?;
-            let client = ClusterClient::builder(nodes)
-                .connection_timeout(options.connect_timeout)
-                .response_timeout(options.response_timeout)
-                .retries(options.cluster_retries)
-                .min_retry_wait(10)
-                .max_retry_wait(500)
-                .build()
-                .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
-            Conn::Cluster(client.get_async_connection().await.map_err(ConnectError::Unreachable)?)
-        } else {
-            let client = redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(options.connect_timeout))
-                .set_response_timeout(Some(options.response_timeout))
-                .set_number_of_retries(2);
-            let mut all = Vec::with_capacity(options.connections);
-            for _ in 0..options.connections.max(1) {
-                let manager = client.get_connection_manager_with_config(config.clone()).await;
-                all.push(manager.map_err(ConnectError::Unreachable)?);
-            }
-            Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0) }))
-        };
-        let store = Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()) };
-        store.check_eviction_policy(options.unverified_policy).await?;
-        Ok(store)
+        let conn = Conn::open(url, &options).await?;
+        conn.check_eviction_policy(options.unverified_policy).await?;
+        Ok(Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()) })
     }
 
     /// The key prefix.
@@ -329,58 +65,6 @@ impl RedisStore {
     /// The Redis key that holds `scope`'s record: the prefix and a SHA-256 of the scope.
     pub fn key_of(&self, scope: &Scope) -> String {
         record_key(&self.prefix, scope)
-    }
-
-    async fn check_eviction_policy(&self, unverified: UnverifiedPolicy) -> Result<(), ConnectError> {
-        let config = self
-            .conn
-            .on_every_primary(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"))
-            .await
-            .map_err(ConnectError::Unreachable)?;
-        let mut unread = vec![];
-        for (node, reply) in config {
-            match reply.map(config_policy) {
-                Ok(Some(policy)) => refuse_evicting(node, policy)?,
-                Ok(None) => unread.push((node, "no maxmemory-policy in the reply".to_owned())),
-                Err(e) => unread.push((node, e.to_string())),
-            }
-        }
-        if unread.is_empty() {
-            return Ok(());
-        }
-        // CONFIG is refused somewhere: INFO memory carries the policy too, and is allowed more
-        // often (managed services that rename CONFIG keep INFO).
-        let mut info =
-            self.conn.on_every_primary(redis::cmd("INFO").arg("memory")).await.map_err(ConnectError::Unreachable)?;
-        for (node, config_error) in unread {
-            let reply = match info.iter().position(|(n, _)| *n == node) {
-                Some(i) => info.swap_remove(i).1.map_err(|e| e.to_string()),
-                None => Err("the node did not answer".to_owned()),
-            };
-            match reply.map(info_policy) {
-                Ok(Some(policy)) => {
-                    tracing::info!(node, %config_error, "CONFIG GET refused; read maxmemory-policy from INFO");
-                    refuse_evicting(node, policy)?
-                }
-                Ok(None) | Err(_) if unverified == UnverifiedPolicy::Warn => {
-                    tracing::warn!(
-                        node,
-                        %config_error,
-                        "cannot read maxmemory-policy (CONFIG GET and INFO refused, or the node is unreachable): \
-                         cannot verify that this Redis node never evicts idempotency records"
-                    );
-                }
-                Ok(None) => {
-                    return Err(ConnectError::UnverifiedPolicy {
-                        node,
-                        config: config_error,
-                        info: "no maxmemory_policy in the reply".to_owned(),
-                    });
-                }
-                Err(info) => return Err(ConnectError::UnverifiedPolicy { node, config: config_error, info }),
-            }
-        }
-        Ok(())
     }
 
     /// Runs one script on one key: `EVALSHA` by digest, and when the server answers `NOSCRIPT`
@@ -531,31 +215,6 @@ impl RedisStore {
     }
 }
 
-fn config_policy(v: Value) -> Option<String> {
-    let items = match v {
-        Value::Array(items) => items,
-        Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
-        _ => return None,
-    };
-    match items.as_slice() {
-        [_, Value::BulkString(p)] => Some(String::from_utf8_lossy(p).into_owned()),
-        _ => None,
-    }
-}
-
-fn info_policy(v: Value) -> Option<String> {
-    let text = match v {
-        Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        Value::VerbatimString { text, .. } => text,
-        _ => return None,
-    };
-    text.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:").map(|p| p.trim().to_owned()))
-}
-
-fn refuse_evicting(node: String, policy: String) -> Result<(), ConnectError> {
-    if policy == "noeviction" { Ok(()) } else { Err(ConnectError::EvictingPolicy { node, policy }) }
-}
-
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
 fn redis_error(e: RedisError) -> StoreError {
@@ -670,37 +329,6 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cluster_urls_name_every_node_with_the_credentials() {
-        assert_eq!(
-            cluster_nodes("10.0.0.1:6379,10.0.0.2:6380/").unwrap(),
-            ["redis://10.0.0.1:6379", "redis://10.0.0.2:6380"]
-        );
-        assert_eq!(cluster_nodes("u:p@a@h1:1, h2:2").unwrap(), ["redis://u:p@a@h1:1", "redis://u:p@a@h2:2"]);
-        assert!(matches!(cluster_nodes(" , "), Err(ConnectError::InvalidUrl(_))));
-    }
-
-    #[test]
-    fn policies_are_read_from_config_and_info_replies() {
-        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        assert_eq!(
-            config_policy(Value::Array(vec![bulk("maxmemory-policy"), bulk("noeviction")])).as_deref(),
-            Some("noeviction")
-        );
-        assert_eq!(config_policy(Value::Array(vec![])), None);
-        let info = bulk("# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n");
-        assert_eq!(info_policy(info).as_deref(), Some("allkeys-lru"));
-        assert!(refuse_evicting("n".into(), "noeviction".into()).is_ok());
-        assert!(matches!(refuse_evicting("n".into(), "volatile-lfu".into()), Err(ConnectError::EvictingPolicy { .. })));
-    }
-
-    #[test]
-    fn a_single_server_gets_at_least_one_connection() {
-        assert_eq!(RedisStoreOptions::default().connections, DEFAULT_CONNECTIONS);
-        assert_eq!(RedisStoreOptions::default().connections(0).connections, 1);
-        assert_eq!(RedisStoreOptions::default().connections(4).connections, 4);
-    }
 
     #[test]
     fn stale_cutoff_is_empty_when_no_claim_can_be_that_old() {

@@ -3,6 +3,9 @@
 //! The stores: [`SqliteStore`] and [`PostgresStore`]; see [`ClaimStrategy`] for the two claim
 //! statements on offer on PostgreSQL.
 //!
+//! With the `sqlite` feature: [`SqliteStore`], [`sqlite_migrator`], [`sqlite_pool_options`].
+//! With `postgres`: [`PostgresStore`], [`postgres_migrator`], [`postgres_pool_options`].
+//!
 //! # Migrations, and sharing the database with another migrator
 //!
 //! The schema is created by versioned sqlx migrations ([`sqlite_migrator`], [`postgres_migrator`],
@@ -43,14 +46,27 @@
 
 mod migrate;
 mod pool;
+#[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod row;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use migrate::{MIGRATIONS_TABLE, postgres_migrator, sqlite_migrator};
-pub use pool::{PING_IF_IDLE_FOR, postgres_pool_options, sqlite_pool_options};
+pub use migrate::MIGRATIONS_TABLE;
+#[cfg(feature = "postgres")]
+pub use migrate::postgres_migrator;
+#[cfg(feature = "sqlite")]
+pub use migrate::sqlite_migrator;
+pub use pool::PING_IF_IDLE_FOR;
+#[cfg(feature = "postgres")]
+pub use pool::postgres_pool_options;
+#[cfg(feature = "sqlite")]
+pub use pool::sqlite_pool_options;
+#[cfg(feature = "postgres")]
 pub use postgres::{ClaimStrategy, PostgresStore};
+#[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;

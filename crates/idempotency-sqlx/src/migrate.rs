@@ -6,6 +6,7 @@ use sqlx::migrate::Migrator;
 /// `_sqlx_migrations`, so a service's own migrator can share the database (see the crate docs).
 pub const MIGRATIONS_TABLE: &str = "_idempotency_migrations";
 
+#[cfg(feature = "sqlite")]
 /// The SQLite migrations (`migrations/sqlite/`), recording their history in [`MIGRATIONS_TABLE`].
 pub fn sqlite_migrator() -> Migrator {
     let mut m = sqlx::migrate!("./migrations/sqlite");
@@ -15,6 +16,7 @@ pub fn sqlite_migrator() -> Migrator {
     m
 }
 
+#[cfg(feature = "postgres")]
 /// The PostgreSQL migrations (`migrations/postgres/`), recording their history in
 /// [`MIGRATIONS_TABLE`].
 pub fn postgres_migrator() -> Migrator {

@@ -11,13 +11,17 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "postgres")]
 use sqlx::Connection;
+#[cfg(feature = "postgres")]
 use sqlx::postgres::PgPoolOptions;
+#[cfg(feature = "sqlite")]
 use sqlx::sqlite::SqlitePoolOptions;
 
 /// A connection idle at least this long is pinged before it is handed out.
 pub const PING_IF_IDLE_FOR: Duration = Duration::from_secs(30);
 
+#[cfg(feature = "postgres")]
 /// PostgreSQL pool options: `max_connections`, no ping on checkout unless idle for
 /// [`PING_IF_IDLE_FOR`].
 pub fn postgres_pool_options(max_connections: u32) -> PgPoolOptions {
@@ -31,6 +35,7 @@ pub fn postgres_pool_options(max_connections: u32) -> PgPoolOptions {
     })
 }
 
+#[cfg(feature = "sqlite")]
 /// SQLite pool options: `max_connections`, no ping on checkout. A SQLite connection is a file
 /// handle in this process; there is no peer that could have gone away, and the ping would be a
 /// hop to the connection's worker thread and back.
@@ -42,10 +47,17 @@ pub fn sqlite_pool_options(max_connections: u32) -> SqlitePoolOptions {
 mod tests {
     use super::*;
 
+    #[cfg(feature = "postgres")]
     #[test]
-    fn checkouts_are_not_pinged() {
+    fn postgres_checkouts_are_not_pinged() {
         assert!(!postgres_pool_options(4).get_test_before_acquire());
-        assert!(!sqlite_pool_options(4).get_test_before_acquire());
         assert_eq!(postgres_pool_options(7).get_max_connections(), 7);
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn sqlite_checkouts_are_not_pinged() {
+        assert!(!sqlite_pool_options(4).get_test_before_acquire());
+        assert_eq!(sqlite_pool_options(7).get_max_connections(), 7);
     }
 }

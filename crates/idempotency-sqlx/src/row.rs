@@ -108,6 +108,7 @@ pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
 #[error("the claim did not settle after {0} attempts under concurrent writes")]
 pub(crate) struct ClaimDidNotSettle(pub u32);
 
+#[cfg(feature = "postgres")]
 /// How often a claim re-runs when the row changed under it. Each retry follows a concurrent
 /// commit on the same key, so a handful suffices; the bound keeps a pathological loop finite.
 pub(crate) const MAX_CLAIM_ATTEMPTS: u32 = 8;

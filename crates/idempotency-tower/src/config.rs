@@ -1,5 +1,6 @@
 //! What the layer is configured with, shared by every service it makes.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,7 +86,7 @@ pub(crate) struct Config {
     pub(crate) wait_for_in_flight: Duration,
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) compression_threshold: usize,
-    pub(crate) problem_base: &'static str,
+    pub(crate) problem_base: Cow<'static, str>,
     pub(crate) max_stored_response: usize,
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) anonymous: Option<Principal>,

@@ -1,5 +1,6 @@
 //! The [`IdempotencyLayer`] and its builder.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,7 +67,7 @@ impl IdempotencyLayer {
             wait_for_in_flight: Duration::ZERO,
             in_progress_retry_after: DEFAULT_IN_PROGRESS_RETRY_AFTER,
             compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
-            problem_base: DEFAULT_PROBLEM_BASE,
+            problem_base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
             max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
             completion_retry: CompletionRetry {
                 times: DEFAULT_COMPLETION_RETRIES,
@@ -107,7 +108,7 @@ pub struct IdempotencyLayerBuilder {
     wait_for_in_flight: Duration,
     in_progress_retry_after: Duration,
     compression_threshold: usize,
-    problem_base: &'static str,
+    problem_base: Cow<'static, str>,
     max_stored_response: usize,
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
@@ -234,8 +235,8 @@ impl IdempotencyLayerBuilder {
 
     /// The prefix of the layer's problem `type`s (default `/problems/`), e.g.
     /// `https://errors.example.com/`.
-    pub fn problem_base(mut self, base: &'static str) -> Self {
-        self.problem_base = base;
+    pub fn problem_base(mut self, base: impl Into<Cow<'static, str>>) -> Self {
+        self.problem_base = base.into();
         self
     }
 

@@ -23,8 +23,9 @@
 //! principal and [`derive`](IdempotencyContext::derive)d sub-keys for each side effect. Run the
 //! core [`idempotency::Sweeper`] with [`spawn_sweeper`] to delete expired records.
 //!
-//! Metrics (via the `metrics` facade): `idempotency_requests_total{outcome}`,
-//! `idempotency_store_duration_seconds{op}` and `idempotency_records_swept_total`. Each
+//! Metrics (via the `metrics` facade, with the default feature `metrics`):
+//! `idempotency_requests_total{outcome}`, `idempotency_store_duration_seconds{op}` and
+//! `idempotency_records_swept_total`. Each
 //! protected request gets a `tracing` span `idempotency` with its key, principal, endpoint,
 //! outcome and status; bodies are never logged.
 
@@ -47,9 +48,9 @@ pub use layer::{
     DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_RETENTION,
     IdempotencyLayer, IdempotencyLayerBuilder,
 };
-pub use metrics::{
-    RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics, spawn_sweeper, sweeper,
-};
+#[cfg(feature = "metrics")]
+pub use metrics::{RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
+pub use metrics::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 

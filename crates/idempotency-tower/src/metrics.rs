@@ -1,20 +1,27 @@
-//! The layer's metrics, and the sweeper that reports what it deletes.
+//! The layer's metrics (with the `metrics` feature), and the sweeper that reports what it
+//! deletes.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "metrics")]
+use std::time::Instant;
 
 use idempotency::{Store, Sweeper};
 use tokio::task::JoinHandle;
 
+#[cfg(feature = "metrics")]
 /// Counter of protected (and refused) mutating requests, labelled `outcome`.
 pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+#[cfg(feature = "metrics")]
 /// Histogram of store call latency in seconds, labelled `op` (`claim`, `complete`, `fail`,
 /// `reclaim`, `get`).
 pub const STORE_DURATION_SECONDS: &str = "idempotency_store_duration_seconds";
+#[cfg(feature = "metrics")]
 /// Counter of expired records the sweeper deleted.
 pub const RECORDS_SWEPT_TOTAL: &str = "idempotency_records_swept_total";
 
+#[cfg(feature = "metrics")]
 /// Registers the descriptions of the layer's metrics with the installed recorder, so an
 /// exporter can show help text. Optional; call it once after installing the recorder.
 pub fn describe_metrics() {
@@ -31,11 +38,16 @@ pub fn describe_metrics() {
     metrics::describe_counter!(RECORDS_SWEPT_TOTAL, "Expired idempotency records deleted by the sweeper");
 }
 
+/// Counts one request under `outcome` (nothing without the `metrics` feature).
 pub(crate) fn count(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
     metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
 }
 
 /// Awaits one store call and records its latency under `op`.
+#[cfg(feature = "metrics")]
 pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
     let start = Instant::now();
     let out = fut.await;
@@ -43,11 +55,18 @@ pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> 
     out
 }
 
+/// Awaits one store call (no latency is recorded without the `metrics` feature).
+#[cfg(not(feature = "metrics"))]
+pub(crate) async fn timed<T>(_op: &'static str, fut: impl Future<Output = T>) -> T {
+    fut.await
+}
+
 /// A core [`Sweeper`] over `store`, every `interval`, that adds what it deletes to
-/// `idempotency_records_swept_total`. Adjust it (`.batch(n)`) and `.spawn()` it; calling
+/// `idempotency_records_swept_total` (with the `metrics` feature) and logs it. Adjust it (`.batch(n)`) and `.spawn()` it; calling
 /// `.on_swept` again replaces the metric hook.
 pub fn sweeper(store: Arc<dyn Store>, interval: Duration) -> Sweeper {
     Sweeper::new(store, interval).on_swept(|n| {
+        #[cfg(feature = "metrics")]
         metrics::counter!(RECORDS_SWEPT_TOTAL).increment(n);
         tracing::debug!(swept = n, "expired idempotency records deleted");
     })

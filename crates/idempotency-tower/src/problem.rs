@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, StatusCode};
-use idempotency::{KeyError, StoreError};
+use idempotency::{ErrorChain, KeyError, StoreError};
 
 use crate::config::Config;
 use crate::metrics::count;
@@ -230,7 +230,7 @@ impl Rejection {
             .with_retry_after(ceil_secs(retry_after)),
             // The store's error is a driver message (host names, SQL): logged, never sent.
             Self::StoreUnavailable(e) => {
-                tracing::warn!(error = %e, "idempotency store unavailable");
+                tracing::warn!(error = %ErrorChain(&e), "idempotency store unavailable");
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store-unavailable",
@@ -268,7 +268,7 @@ impl Rejection {
                 ),
             ),
         };
-        p.with_base(cfg.problem_base)
+        p.with_base(cfg.problem_base.clone())
     }
 }
 

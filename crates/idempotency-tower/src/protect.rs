@@ -14,8 +14,8 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Decision, Fingerprint, Record, RecordState, Scope, StoreError, StoredBody,
-    StoredResponse, Timestamp, now,
+    Claim, ClaimOutcome, ClaimRequest, Decision, ErrorChain, Fingerprint, Record, RecordState, Scope, StoreError,
+    StoredBody, StoredResponse, Timestamp, now,
 };
 use tower::{Service, ServiceExt};
 use tracing::Instrument;
@@ -310,7 +310,11 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
         Err(e) => e,
     };
     let retry = cfg.completion_retry;
-    tracing::warn!(error = %error, retries = retry.times, "storing the response failed; retrying in the background");
+    tracing::warn!(
+        error = %ErrorChain(&error),
+        retries = retry.times,
+        "storing the response failed; retrying in the background"
+    );
     let (cfg, claim) = (cfg.clone(), claim.clone());
     let task = async move {
         let delays = ExponentialBuilder::default()
@@ -327,7 +331,7 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
                     Ok(()) => return Ok(()),
                     Err(e @ StoreError::Fenced { .. }) => return Err(e),
                     Err(e) => {
-                        tracing::debug!(error = %e, "storing the response failed again");
+                        tracing::debug!(error = %ErrorChain(&e), "storing the response failed again");
                         last = e;
                     }
                 }
@@ -340,7 +344,7 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
                 tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
             }
             Err(e) => tracing::error!(
-                error = %e,
+                error = %ErrorChain(&e),
                 "storing the response failed on every retry; the key stays in flight until its claim goes stale"
             ),
         }
@@ -372,7 +376,10 @@ async fn with_heartbeat<F: Future>(cfg: &Config, claim: &Claim, work: F) -> F::O
                     tracing::warn!(generation, "the claim is no longer this attempt's; renewal stops");
                     return;
                 }
-                Err(e) => tracing::warn!(error = %e, "renewing the claim failed; trying again at the next beat"),
+                Err(e) => tracing::warn!(
+                    error = %ErrorChain(&e),
+                    "renewing the claim failed; trying again at the next beat"
+                ),
             }
         }
     };
@@ -397,7 +404,11 @@ async fn fail(cfg: &Config, claim: &Claim, why: &'static str) {
         Err(StoreError::Fenced { generation }) => {
             tracing::warn!(generation, why, "attempt failed after a newer attempt took the key over")
         }
-        Err(e) => tracing::error!(error = %e, why, "marking the attempt failed did not work; it goes stale instead"),
+        Err(e) => tracing::error!(
+            error = %ErrorChain(&e),
+            why,
+            "marking the attempt failed did not work; it goes stale instead"
+        ),
     }
 }
 
@@ -463,7 +474,7 @@ fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Bod
 }
 
 fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
-    tracing::error!(error = %e, op, "idempotency store call failed; the handler did not run");
+    tracing::error!(error = %ErrorChain(&e), op, "idempotency store call failed; the handler did not run");
     rejection_response(cfg, Rejection::StoreUnavailable(e))
 }
 

@@ -13,7 +13,7 @@ use crate::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, StoredResponse, Ti
 pub enum StoreError {
     /// The store could not be reached or the operation failed in it (connection refused, pool
     /// timeout, I/O error). Nothing is known about the record; never treat this as ownership.
-    #[error("the idempotency store is unavailable: {0}")]
+    #[error("the idempotency store is unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The claim is no longer the record's current one (it went stale and was re-claimed, or
     /// the record was completed, failed or swept since). Nothing was written.
@@ -31,6 +31,35 @@ impl StoreError {
     /// Wraps any error as [`StoreError::Unavailable`].
     pub fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Self {
         Self::Unavailable(Box::new(e))
+    }
+}
+
+/// An error and its causes on one line, `what failed: why: why`, for logs.
+///
+/// The errors of these crates say what failed and carry the cause as their
+/// [`source`](std::error::Error::source), never in their message too, so `{:#}` in `anyhow` and
+/// this adapter read as a clean chain. Log with `error = %ErrorChain(&e)`, which every log format
+/// shows whole (a `tracing` subscriber's JSON output drops an error's sources).
+///
+/// ```
+/// use idempotency::{ErrorChain, StoreError};
+///
+/// let e = StoreError::unavailable(std::io::Error::other("connection refused"));
+/// assert_eq!(e.to_string(), "the idempotency store is unavailable");
+/// assert_eq!(ErrorChain(&e).to_string(), "the idempotency store is unavailable: connection refused");
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use crate::{Store, StoreError, now};
+use crate::{ErrorChain, Store, StoreError, now};
 
 /// Deletes expired records, `batch` at a time, every `interval`.
 ///
@@ -102,7 +102,10 @@ impl Sweeper {
             loop {
                 tick.tick().await;
                 if let Err(e) = self.run_once().await {
-                    tracing::warn!(error = %e, "idempotency sweeper pass failed; retrying next interval");
+                    tracing::warn!(
+                        error = %ErrorChain(&e),
+                        "idempotency sweeper pass failed; retrying next interval"
+                    );
                 }
             }
         })

@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Endpoint, IdempotencyKey, Principal, Record, RecordState, Scope, Store, Sweeper};
+use idempotency::{Endpoint, ErrorChain, IdempotencyKey, Principal, Record, RecordState, Scope, Store, Sweeper};
 use tokio::task::JoinHandle;
 
 use crate::domain::{Domain, OperationRow};
@@ -461,7 +461,10 @@ pub fn spawn_with_sweeper(sweeper: Sweeper, reaper: Reaper, interval: Duration) 
         loop {
             tick.tick().await;
             if let Err(e) = sweeper.run_once().await {
-                tracing::warn!(error = %e, "idempotency sweeper pass failed; retrying next interval");
+                tracing::warn!(
+                    error = %ErrorChain(&e),
+                    "idempotency sweeper pass failed; retrying next interval"
+                );
             }
             let report = reaper.run_once().await;
             if report != ReapReport::default() {

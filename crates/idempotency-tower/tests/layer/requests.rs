@@ -84,6 +84,15 @@ mod header_forms {
         let a = send(&app, post_req("/v1/things", None, "{}")).await;
         assert_eq!(a.problem_type(), "https://errors.example.com/idempotency-key-missing");
     }
+
+    /// A base read at run time (from configuration, say) is an owned string.
+    #[tokio::test]
+    async fn problem_base_can_be_an_owned_string() {
+        let host = String::from("errors.internal");
+        let (app, _) = counting_app(builder(&store()).problem_base(format!("https://{host}/p/")).build());
+        let a = send(&app, post_req("/v1/things", None, "{}")).await;
+        assert_eq!(a.problem_type(), "https://errors.internal/p/idempotency-key-missing");
+    }
 }
 
 mod scope {

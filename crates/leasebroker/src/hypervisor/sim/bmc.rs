@@ -18,7 +18,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::{Simulator, json_rejection, problem};
+use super::Simulator;
+use super::problem::{json_rejection, problem};
 use crate::hypervisor::api::{BmcList, BmcNode, BmcState, FlashRequest};
 
 /// The firmware of a node never flashed.

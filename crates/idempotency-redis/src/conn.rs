@@ -1,0 +1,242 @@
+//! Connecting: one server or a cluster, and the check that no primary evicts keys.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, ErrorKind, RedisError, Value};
+
+use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions, UnverifiedPolicy};
+
+/// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
+/// client, which follows slot moves). Both multiplex their callers over their connections.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Server(Arc<Managers>),
+    Cluster(ClusterConnection),
+}
+
+/// A single server's connections, never empty, and the turn.
+pub(crate) struct Managers {
+    all: Vec<ConnectionManager>,
+    next: AtomicUsize,
+}
+
+impl Managers {
+    fn pick(&self) -> ConnectionManager {
+        self.all[self.next.fetch_add(1, Ordering::Relaxed) % self.all.len()].clone()
+    }
+}
+
+impl Conn {
+    /// Connects to one server (`redis://`) or a cluster ([`CLUSTER_SCHEME`]) as `options` say.
+    pub(crate) async fn open(url: &str, options: &RedisStoreOptions) -> Result<Self, ConnectError> {
+        Ok(if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
+            let nodes = cluster_nodes(rest)?;
+            let client = ClusterClient::builder(nodes)
+                .connection_timeout(options.connect_timeout)
+                .response_timeout(options.response_timeout)
+                .retries(options.cluster_retries)
+                .min_retry_wait(10)
+                .max_retry_wait(500)
+                .build()
+                .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+            Conn::Cluster(client.get_async_connection().await.map_err(ConnectError::Unreachable)?)
+        } else {
+            let client = redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(options.connect_timeout))
+                .set_response_timeout(Some(options.response_timeout))
+                .set_number_of_retries(2);
+            let mut all = Vec::with_capacity(options.connections);
+            for _ in 0..options.connections.max(1) {
+                let manager = client.get_connection_manager_with_config(config.clone()).await;
+                all.push(manager.map_err(ConnectError::Unreachable)?);
+            }
+            Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0) }))
+        })
+    }
+
+    pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Conn::Server(c) => cmd.query_async(&mut c.pick()).await,
+            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+
+    /// Runs `cmd` on every primary, each on its own connection; each node's reply or error.
+    /// `Err` only when the server, or every node of a cluster, is unreachable.
+    ///
+    /// On a cluster the primaries are those that serve slots in `CLUSTER SLOTS`, each asked by
+    /// address: the client's own fan-out silently skips a node it has no connection to, and a
+    /// command routed by slot falls back to another node when the slot's node has none.
+    pub(crate) async fn on_every_primary(
+        &self,
+        cmd: &Cmd,
+    ) -> Result<Vec<(String, Result<Value, RedisError>)>, RedisError> {
+        match self {
+            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.pick()).await {
+                Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
+                reply => Ok(vec![("server".to_owned(), reply)]),
+            },
+            Conn::Cluster(c) => {
+                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let mut replies = vec![];
+                for (host, port) in primaries(slots)? {
+                    let node = format!("{host}:{port}");
+                    let by_address = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+                    replies.push((node, c.clone().route_command(cmd.clone(), by_address).await));
+                }
+                Ok(replies)
+            }
+        }
+    }
+}
+
+/// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.
+fn primaries(reply: Value) -> Result<Vec<(String, u16)>, RedisError> {
+    let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "an unexpected CLUSTER SLOTS reply"));
+    let Value::Array(ranges) = reply else { return Err(bad()) };
+    let mut primaries = vec![];
+    for range in ranges {
+        let Value::Array(range) = range else { return Err(bad()) };
+        let Some(Value::Array(primary)) = range.get(2) else { return Err(bad()) };
+        let (Some(Value::BulkString(host)), Some(Value::Int(port))) = (primary.first(), primary.get(1)) else {
+            return Err(bad());
+        };
+        let address = (String::from_utf8_lossy(host).into_owned(), u16::try_from(*port).map_err(|_| bad())?);
+        if !primaries.contains(&address) {
+            primaries.push(address);
+        }
+    }
+    Ok(primaries)
+}
+
+impl Conn {
+    /// Reads every primary's `maxmemory-policy` and refuses any policy but `noeviction`
+    /// ([`ConnectError::EvictingPolicy`]); where it cannot be read, `unverified` decides.
+    pub(crate) async fn check_eviction_policy(&self, unverified: UnverifiedPolicy) -> Result<(), ConnectError> {
+        let config = self
+            .on_every_primary(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"))
+            .await
+            .map_err(ConnectError::Unreachable)?;
+        let mut unread = vec![];
+        for (node, reply) in config {
+            match reply.map(config_policy) {
+                Ok(Some(policy)) => refuse_evicting(node, policy)?,
+                Ok(None) => unread.push((node, "no maxmemory-policy in the reply".to_owned())),
+                Err(e) => unread.push((node, e.to_string())),
+            }
+        }
+        if unread.is_empty() {
+            return Ok(());
+        }
+        // CONFIG is refused somewhere: INFO memory carries the policy too, and is allowed more
+        // often (managed services that rename CONFIG keep INFO).
+        let mut info =
+            self.on_every_primary(redis::cmd("INFO").arg("memory")).await.map_err(ConnectError::Unreachable)?;
+        for (node, config_error) in unread {
+            let reply = match info.iter().position(|(n, _)| *n == node) {
+                Some(i) => info.swap_remove(i).1.map_err(|e| e.to_string()),
+                None => Err("the node did not answer".to_owned()),
+            };
+            match reply.map(info_policy) {
+                Ok(Some(policy)) => {
+                    tracing::info!(node, %config_error, "CONFIG GET refused; read maxmemory-policy from INFO");
+                    refuse_evicting(node, policy)?
+                }
+                Ok(None) | Err(_) if unverified == UnverifiedPolicy::Warn => {
+                    tracing::warn!(
+                        node,
+                        %config_error,
+                        "cannot read maxmemory-policy (CONFIG GET and INFO refused, or the node is unreachable): \
+                         cannot verify that this Redis node never evicts idempotency records"
+                    );
+                }
+                Ok(None) => {
+                    return Err(ConnectError::UnverifiedPolicy {
+                        node,
+                        config: config_error,
+                        info: "no maxmemory_policy in the reply".to_owned(),
+                    });
+                }
+                Err(info) => return Err(ConnectError::UnverifiedPolicy { node, config: config_error, info }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The nodes of a `redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]...` URL as
+/// `redis://` URLs, each with the credentials.
+fn cluster_nodes(rest: &str) -> Result<Vec<String>, ConnectError> {
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    let hosts = hosts.trim_end_matches('/');
+    let nodes: Vec<String> =
+        hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{auth}{h}")).collect();
+    if nodes.is_empty() {
+        return Err(ConnectError::InvalidUrl("a redis+cluster:// URL names no node".to_owned()));
+    }
+    Ok(nodes)
+}
+
+fn config_policy(v: Value) -> Option<String> {
+    let items = match v {
+        Value::Array(items) => items,
+        Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+        _ => return None,
+    };
+    match items.as_slice() {
+        [_, Value::BulkString(p)] => Some(String::from_utf8_lossy(p).into_owned()),
+        _ => None,
+    }
+}
+
+fn info_policy(v: Value) -> Option<String> {
+    let text = match v {
+        Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+        Value::VerbatimString { text, .. } => text,
+        _ => return None,
+    };
+    text.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:").map(|p| p.trim().to_owned()))
+}
+
+fn refuse_evicting(node: String, policy: String) -> Result<(), ConnectError> {
+    if policy == "noeviction" { Ok(()) } else { Err(ConnectError::EvictingPolicy { node, policy }) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_name_every_node_with_the_credentials() {
+        assert_eq!(
+            cluster_nodes("10.0.0.1:6379,10.0.0.2:6380/").unwrap(),
+            ["redis://10.0.0.1:6379", "redis://10.0.0.2:6380"]
+        );
+        assert_eq!(cluster_nodes("u:p@a@h1:1, h2:2").unwrap(), ["redis://u:p@a@h1:1", "redis://u:p@a@h2:2"]);
+        assert!(matches!(cluster_nodes(" , "), Err(ConnectError::InvalidUrl(_))));
+    }
+
+    #[test]
+    fn policies_are_read_from_config_and_info_replies() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        assert_eq!(
+            config_policy(Value::Array(vec![bulk("maxmemory-policy"), bulk("noeviction")])).as_deref(),
+            Some("noeviction")
+        );
+        assert_eq!(config_policy(Value::Array(vec![])), None);
+        let info = bulk("# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n");
+        assert_eq!(info_policy(info).as_deref(), Some("allkeys-lru"));
+        assert!(refuse_evicting("n".into(), "noeviction".into()).is_ok());
+        assert!(matches!(refuse_evicting("n".into(), "volatile-lfu".into()), Err(ConnectError::EvictingPolicy { .. })));
+    }
+}
