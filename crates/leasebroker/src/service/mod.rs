@@ -24,16 +24,22 @@
 //! the node and the lease before answering. A create nobody finishes is rolled back by the
 //! [`crate::reaper`]. A delete leaves a tombstone keyed by its own sub-key (its retry answers
 //! 204) and by the worker id (a retry of the worker's create answers 410, never runs again).
-
 use std::time::Duration;
 
-use idempotency::{Record, SubKey};
 pub use leasebroker_validation::{
     CreateWorker, FlashFirmware, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
-use crate::domain::{Allocation, Domain, DomainError, Intent, OperationRow, WorkerRow};
+use crate::domain::{Allocation, Domain, DomainError, Intent, WorkerRow};
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
+
+mod calls;
+mod error;
+mod keys;
+
+pub(crate) use calls::{destroy_duplicates, micros, now_micros, send_stamp, settled_since, stamped_in_time};
+pub use error::ServiceError;
+pub use keys::{CreateKeys, Operation, public_id};
 
 /// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
 /// (a call that landed after the settle window; the window is set too short).
@@ -41,182 +47,6 @@ pub const DUPLICATE_VMS_DESTROYED_TOTAL: &str = "leasebroker_duplicate_vms_destr
 /// Counter: creates whose node and lease were given back because the hypervisor definitely
 /// refused the boot.
 pub const REFUSALS_RELEASED_TOTAL: &str = "leasebroker_refusals_released_total";
-
-/// Why an operation did not succeed; each maps to one problem+json response.
-#[derive(Debug, thiserror::Error)]
-pub enum ServiceError {
-    /// Invalid fields (422).
-    #[error("{0}")]
-    Invalid(String),
-    /// No such worker for this principal (404).
-    #[error("no worker {0}")]
-    NotFound(String),
-    /// No free node (503 + Retry-After).
-    #[error("no free node in the pool")]
-    CapacityExhausted,
-    /// The principal holds `--max-workers-per-principal` workers already (403; not stored).
-    #[error("this principal holds its quota of {0} workers; delete one first")]
-    QuotaExceeded(u32),
-    /// The hypervisor could not be reached or may not have acted; try again (503 + Retry-After).
-    #[error("{reason}")]
-    UpstreamUnavailable {
-        /// What happened.
-        reason: String,
-        /// Seconds to wait.
-        retry_after: u64,
-    },
-    /// The hypervisor refused the call (502, not stored: nothing is held, a retry runs again).
-    #[error("the hypervisor refused the call: {0}")]
-    UpstreamRefused(String),
-    /// The worker this create made was deleted since (410, stored): a retry never brings it back.
-    #[error("worker {0} was deleted since this request created it; use a new key to create another")]
-    Gone(String),
-    /// No such node in the pool (404).
-    #[error("no node {0}")]
-    NoSuchNode(String),
-    /// No such operation (404).
-    #[error("no operation {0}")]
-    NoSuchOperation(String),
-    /// Another operation runs on the node (409 `operation-conflict`, naming it): nothing was
-    /// sent.
-    #[error("operation {0} is running on this node; wait for it to end")]
-    OperationConflict(String),
-    /// The database failed (500; not stored, so the retry runs again).
-    #[error(transparent)]
-    Database(#[from] DomainError),
-}
-
-/// A body that fails validation is a 422 with the validator's message.
-impl From<InvalidRequest> for ServiceError {
-    fn from(e: InvalidRequest) -> Self {
-        ServiceError::Invalid(e.message().to_owned())
-    }
-}
-
-/// The idempotency record an operation runs under: every side effect derives its sub-key from
-/// it, and the reaper finds the record again through it.
-#[derive(Debug, Clone)]
-pub struct Operation {
-    record: Record,
-}
-
-impl Operation {
-    /// The operation of `record` (the claim's record, in a handler).
-    pub fn new(record: Record) -> Self {
-        Self { record }
-    }
-
-    /// The sub-key of the side effect `label`.
-    pub fn derive(&self, label: &str) -> SubKey {
-        self.record.derive(label)
-    }
-
-    /// The operation's row, for an attempt starting at `now`.
-    fn row(&self, kind: &str, now: i64) -> OperationRow {
-        let scope = &self.record.scope;
-        OperationRow {
-            op_id: self.derive("op").as_str().to_owned(),
-            kind: kind.to_owned(),
-            principal: scope.principal.as_str().to_owned(),
-            endpoint: scope.endpoint.as_str().to_owned(),
-            idem_key: scope.key.as_str().to_owned(),
-            record_id: self.record.record_id.to_hex(),
-            last_attempt_at: now,
-        }
-    }
-}
-
-/// The sub-keys of one create request.
-#[derive(Debug, Clone)]
-pub struct CreateKeys {
-    /// The operation (and its row in `lb_operations`).
-    pub op: SubKey,
-    /// The node allocation.
-    pub alloc: SubKey,
-    /// The lease.
-    pub lease: SubKey,
-    /// The VM boot (also its hypervisor tag).
-    pub boot: SubKey,
-    /// The worker row.
-    pub worker: SubKey,
-}
-
-impl CreateKeys {
-    /// The sub-keys of the create `op` (the same on every retry of its record).
-    pub fn of(op: &Operation) -> Self {
-        Self::of_record(&op.record)
-    }
-
-    /// The sub-keys of the create whose record is `record`.
-    pub fn of_record(record: &Record) -> Self {
-        let d = |label| record.derive(label);
-        Self { op: d("op"), alloc: d("alloc"), lease: d("lease"), boot: d("boot"), worker: d("worker") }
-    }
-
-    /// The lease's public id.
-    pub fn lease_id(&self) -> String {
-        public_id("lse", &self.lease)
-    }
-
-    /// The worker's public id.
-    pub fn worker_id(&self) -> String {
-        public_id("wkr", &self.worker)
-    }
-}
-
-/// Public ids are a prefix and 16 hex digits of a sub-key.
-pub fn public_id(prefix: &str, sub: &SubKey) -> String {
-    let hex = sub.as_str().trim_start_matches("sk-");
-    format!("{prefix}-{}", &hex[..16.min(hex.len())])
-}
-
-/// How far ahead of the clock a call's send stamp lies: the longest the stamp's write may take
-/// for the call still to be sent ([`Workers::mark_sending`]).
-const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
-
-/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
-/// ahead of the clock, and always past `seen` (so the compare-and-set moves it).
-pub(crate) fn send_stamp(seen: i64) -> i64 {
-    now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(seen + 1)
-}
-
-/// Errs with 503 when the write of the send stamp `stamp` came back after the stamped moment:
-/// then the call is not sent (see [`Workers::mark_sending`]).
-pub(crate) fn stamped_in_time(tag: &str, stamp: i64) -> Result<(), ServiceError> {
-    if now_micros() >= stamp {
-        tracing::warn!(tag, "recording the call took too long; not sending it");
-        return Err(ServiceError::UpstreamUnavailable {
-            reason: "the database was too slow to record the call before sending it; nothing was sent".into(),
-            retry_after: 1,
-        });
-    }
-    Ok(())
-}
-
-/// Errs with 503 + Retry-After while a call sent at `sent_at` may still land: until `settle`
-/// has passed since.
-pub(crate) fn settled_since(tag: &str, sent_at: i64, settle: Duration) -> Result<(), ServiceError> {
-    let settle = micros(settle);
-    let waited = now_micros().saturating_sub(sent_at);
-    if waited < settle {
-        let left = ((settle - waited) + 999_999) / 1_000_000;
-        tracing::info!(tag, left_s = left, "an earlier call may still land; waiting");
-        return Err(ServiceError::UpstreamUnavailable {
-            reason: "an earlier attempt's call may still take effect; retry with the same key".into(),
-            retry_after: u64::try_from(left).unwrap_or(1).max(1),
-        });
-    }
-    Ok(())
-}
-
-pub(crate) fn now_micros() -> i64 {
-    idempotency::now().timestamp_micros()
-}
-
-/// Microseconds in `d`, saturating.
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
 
 /// The workers service.
 #[derive(Debug, Clone)]
@@ -477,28 +307,6 @@ impl Workers {
                 }
                 Err(Self::definite(e))
             }
-        }
-    }
-}
-
-/// Deletes the VMs in `extra`, which carry the tag of a boot whose VM `keep` was adopted:
-/// calls that landed after the settle window. Each one deleted is counted.
-pub(crate) async fn destroy_duplicates(hypervisor: &HypervisorClient, tag: &str, keep: &str, extra: &[String]) {
-    for vm_id in extra {
-        // Counted when the delete was done or may have been (a slow hypervisor's delete can
-        // time out and still land); a VM already gone is not counted again.
-        let deleted = match hypervisor.delete(vm_id).await {
-            Ok(existed) => existed,
-            Err(e) => {
-                tracing::warn!(%tag, %vm_id, error = %e, "deleting a duplicate VM failed; checking again next tick");
-                e.may_have_happened()
-            }
-        };
-        if deleted {
-            metrics::counter!(DUPLICATE_VMS_DESTROYED_TOTAL).increment(1);
-            tracing::warn!(%tag, %vm_id, kept = %keep,
-                "a second VM for one boot (a call landed after the settle window): deleted it; \
-                 --hypervisor-settle is shorter than the hypervisor takes");
         }
     }
 }

@@ -1,0 +1,178 @@
+//! The command line: `lbctl [OPTIONS] workers|firmware|operations ...`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use leasebroker_client::{NodeId, OperationId, WorkerId};
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lbctl",
+    version,
+    about = "Provision and manage leasebroker workers and flash node firmware, safely retried",
+    after_help = "Exit codes: 0 success, 1 local failure, 2 usage, 3 refused (4xx), 4 key reused with a \
+                  different request, 5 gave up retrying, 6 unauthorized, 7 the followed operation failed."
+)]
+pub struct Cli {
+    /// The leasebroker base URL.
+    #[arg(long, env = "LBCTL_URL", default_value = "http://127.0.0.1:8080", global = true)]
+    pub url: String,
+    /// The bearer token.
+    #[arg(long, env = "LBCTL_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
+    /// The op-id journal [default: $XDG_STATE_HOME/lbctl/journal.db or ~/.local/state/lbctl/journal.db].
+    #[arg(long, env = "LBCTL_JOURNAL", global = true)]
+    pub journal: Option<PathBuf>,
+    /// The retry budget: keep retrying until this much time has passed (e.g. 30s, 10m).
+    #[arg(long, default_value = "10m", value_parser = leasebroker_validation::parse::duration, global = true)]
+    pub max_elapsed: Duration,
+    /// A PEM file of CA certificates to trust for https URLs, besides the system's roots.
+    #[arg(long, env = "LBCTL_CA_CERT", value_name = "PATH", global = true)]
+    pub ca_cert: Option<PathBuf>,
+    /// Print every attempt and the wait before the next one to stderr.
+    #[arg(long, short, global = true)]
+    pub verbose: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Workers: create, get, list, delete, reboot.
+    #[command(subcommand)]
+    Workers(WorkersCommand),
+    /// Node firmware: flash (admin token).
+    #[command(subcommand)]
+    Firmware(FirmwareCommand),
+    /// Long-running operations such as firmware flashes: get, wait (admin token).
+    #[command(subcommand)]
+    Operations(OperationsCommand),
+}
+
+/// `lbctl firmware ...`.
+#[derive(Debug, Subcommand)]
+pub enum FirmwareCommand {
+    /// Flash a node's BMC firmware (admin token): prints the operation the server accepted.
+    ///
+    /// The flash runs on the server after it answers. Retries and reruns with the same key (one
+    /// key per run; with --op-id, the journal's key across runs) get the same operation back
+    /// instead of starting a second flash. A flash already running on the node under another key
+    /// is refused (exit 3) and named: follow it with `lbctl operations wait OP_ID`, and flash again
+    /// under a new --op-id once it has ended (the server keeps the refusal as this key's answer).
+    #[command(after_help = "With --wait, exits 0 when the flash succeeded and 7 when it failed.")]
+    Flash {
+        /// The node whose BMC to flash, e.g. node-0007.
+        node_id: NodeId,
+        /// The firmware version to write.
+        #[arg(long)]
+        version: String,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+        /// Follow the flash to its end (a spinner on a terminal, plain lines otherwise) and print
+        /// the final operation.
+        #[arg(long)]
+        wait: bool,
+    },
+}
+
+/// `lbctl operations ...`.
+#[derive(Debug, Subcommand)]
+pub enum OperationsCommand {
+    /// Show a long-running operation once (admin token).
+    Get {
+        /// The server's operation id (op-...), as a flash printed it.
+        op_id: OperationId,
+    },
+    /// Follow a long-running operation to its end and print it (admin token).
+    ///
+    /// Polls about once a second (longer when the server asks with Retry-After), showing a
+    /// spinner with the operation's id, state and elapsed time on a terminal and one plain line
+    /// per state change otherwise. A poll that fails is retried within --max-elapsed.
+    #[command(after_help = "Exits 0 when the operation succeeded and 7 when it failed.")]
+    Wait {
+        /// The server's operation id (op-...), as a flash printed it.
+        op_id: OperationId,
+    },
+}
+
+/// `lbctl workers ...`.
+#[derive(Debug, Subcommand)]
+pub enum WorkersCommand {
+    /// Create a worker.
+    Create {
+        /// The image to boot.
+        #[arg(long)]
+        image: String,
+        /// CPUs.
+        #[arg(long)]
+        cpu: u32,
+        /// Memory in GiB.
+        #[arg(long)]
+        memory_gb: u32,
+        /// A label, K=V; repeat for more.
+        #[arg(long = "label", value_name = "K=V", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+    },
+    /// Show one worker.
+    Get {
+        /// The worker id.
+        id: WorkerId,
+    },
+    /// List your workers, one page.
+    List {
+        /// Page size.
+        #[arg(long)]
+        limit: Option<u32>,
+        /// The `next_cursor` of the previous page.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Delete a worker (its lease, node and VM).
+    Delete {
+        /// The worker id.
+        id: WorkerId,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+    },
+    /// Reboot a worker: once per operation, however often it is retried.
+    Reboot {
+        /// The worker id.
+        id: WorkerId,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+    },
+}
+
+/// The durable identity of a mutating command.
+#[derive(Debug, Args)]
+pub struct OpArgs {
+    /// Name this operation: its key goes to the journal before the first attempt, and a rerun with
+    /// the same op id (after a crash or a give-up) reuses it instead of doing the work twice.
+    #[arg(long, value_parser = parse_op_id)]
+    pub op_id: Option<String>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        Some(_) => Err(format!("label {s:?} has an empty key; expected K=V")),
+        None => Err(format!("label {s:?} has no '='; expected K=V")),
+    }
+}
+
+fn parse_op_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 256 || s.chars().any(char::is_control) {
+        return Err("an op id is 1 to 256 characters, without control characters".to_owned());
+    }
+    Ok(s.to_owned())
+}
