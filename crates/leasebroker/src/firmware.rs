@@ -23,6 +23,7 @@
 //!   adopts a flash the BMC holds by tag, and fails one nobody sent or retried within
 //!   `--abandon-after`.
 
+use idempotency::ErrorChain;
 use std::time::Duration;
 
 use leasebroker_validation::{FlashFirmware, is_path_id};
@@ -103,7 +104,7 @@ impl Firmware {
         if row.intent == "pending" {
             // An earlier attempt sent the flash and does not know what came of it: the BMC says.
             let holding = self.hypervisor.bmcs_by_tag(&tag).await.map_err(|e| {
-                tracing::warn!(error = %e, "cannot list BMCs by tag to reconcile a flash");
+                tracing::warn!(error = %ErrorChain(&e), "cannot list BMCs by tag to reconcile a flash");
                 ServiceError::UpstreamUnavailable {
                     reason: "cannot ask the BMC what an earlier attempt did; retry with the same key".into(),
                     retry_after: 1,
@@ -129,7 +130,7 @@ impl Firmware {
         match self.hypervisor.flash(node_id, &call).await {
             Ok(_) => Ok(self.domain.accept_flash(&op_id).await?),
             Err(e) if e.may_have_happened() => {
-                tracing::warn!(error = %e, op_id, "the flash may or may not have started");
+                tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
                 Err(ServiceError::UpstreamUnavailable {
                     reason: "the BMC call may or may not have taken effect; retry with the same key".into(),
                     retry_after: 1,
@@ -144,7 +145,7 @@ impl Firmware {
     async fn not_sent(&self, op_id: &str, stamp: i64, e: HvError) -> Result<FlashRow, ServiceError> {
         match e.status() {
             Some(status) => {
-                tracing::warn!(error = %e, op_id, "the BMC refused the flash");
+                tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC refused the flash");
                 let error = format!("the BMC refused the flash (status {})", status.as_u16());
                 if self.domain.fail_unaccepted_flash(op_id, stamp, &error, now_micros()).await? {
                     metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
@@ -152,7 +153,7 @@ impl Firmware {
                 self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
             }
             None => {
-                tracing::warn!(error = %e, op_id, "the BMC is unreachable; the flash was not sent");
+                tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
                 self.domain.unsend_flash(op_id, stamp).await?;
                 Err(ServiceError::UpstreamUnavailable { reason: "the BMC is unreachable".into(), retry_after: 1 })
             }
@@ -203,7 +204,7 @@ impl Watcher {
         let rows = match self.domain.flashes_to_watch(&self.name, now, PAGE).await {
             Ok(rows) => rows,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the running operations; trying again next tick");
+                tracing::warn!(error = %ErrorChain(&e), "cannot read the running operations; trying again next tick");
                 return report;
             }
         };
@@ -213,7 +214,7 @@ impl Watcher {
                 Ok(true) => {}
                 Ok(false) => continue, // another replica took it, or it ended
                 Err(e) => {
-                    tracing::warn!(error = %e, op_id = %row.op_id, "cannot take the watch lease");
+                    tracing::warn!(error = %ErrorChain(&e), op_id = %row.op_id, "cannot take the watch lease");
                     continue;
                 }
             }
@@ -225,7 +226,9 @@ impl Watcher {
             match self.step(&row).await {
                 Ok(true) => report.ended += 1,
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, op_id = %row.op_id, "watching the operation failed; next tick"),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), op_id = %row.op_id, "watching the operation failed; next tick")
+                }
             }
         }
         report

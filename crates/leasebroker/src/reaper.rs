@@ -120,7 +120,7 @@ impl Reaper {
         match self.domain.prune(now_micros().saturating_sub(micros(self.retention))).await {
             Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones and intents deleted"),
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "pruning tombstones failed; trying again next tick"),
+            Err(e) => tracing::warn!(error = %ErrorChain(&e), "pruning tombstones failed; trying again next tick"),
         }
         report
     }
@@ -132,7 +132,7 @@ impl Reaper {
         let vms = match self.hypervisor.list_all().await {
             Ok(vms) => vms,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list VMs to look for late landings");
+                tracing::warn!(error = %ErrorChain(&e), "cannot list VMs to look for late landings");
                 return 0;
             }
         };
@@ -146,7 +146,7 @@ impl Reaper {
                 Ok(Some(keep)) => keep,
                 Ok(None) => continue, // not decided yet: the create's own retry adopts one
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot check a tag with two VMs");
+                    tracing::warn!(error = %ErrorChain(&e), "cannot check a tag with two VMs");
                     continue;
                 }
             };
@@ -183,7 +183,7 @@ impl Reaper {
             let page = match self.domain.operations_before(before, after.as_ref(), PAGE).await {
                 Ok(page) => page,
                 Err(e) => {
-                    tracing::warn!(error = %e, "reaper cannot read operations; trying again next tick");
+                    tracing::warn!(error = %ErrorChain(&e), "reaper cannot read operations; trying again next tick");
                     return;
                 }
             };
@@ -192,7 +192,7 @@ impl Reaper {
             after = page.last().map(|op| (op.last_attempt_at, op.op_id.clone()));
             for op in page {
                 if let Err(e) = self.reap(&op, now, report).await {
-                    tracing::warn!(op = %op.op_id, error = %e, "reaper step failed; trying again next tick");
+                    tracing::warn!(op = %op.op_id, error = %format!("{e:#}"), "reaper step failed; trying again next tick");
                 }
             }
             if !full {

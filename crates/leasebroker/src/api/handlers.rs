@@ -5,6 +5,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use idempotency::ErrorChain;
 use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
 
@@ -243,8 +244,11 @@ pub async fn fleet(State(state): State<AppState>) -> Response {
     let vms_running = match state.hypervisor.list_all().await {
         Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
         Err(e) => {
-            return ServiceError::UpstreamUnavailable { reason: format!("cannot list VMs: {e}"), retry_after: 1 }
-                .into_response();
+            return ServiceError::UpstreamUnavailable {
+                reason: format!("cannot list VMs: {}", ErrorChain(&e)),
+                retry_after: 1,
+            }
+            .into_response();
         }
     };
     Json(Fleet {
@@ -274,7 +278,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         Ok(()) => "ready\n".into_response(),
         // Unauthenticated: the error (a driver message, maybe a host name) goes to the log only.
         Err(e) => {
-            tracing::warn!(error = %e, "not ready: the store does not answer");
+            tracing::warn!(error = %ErrorChain(&e), "not ready: the store does not answer");
             Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", "the store does not answer")
                 .with_retry_after(1)
                 .into_response()

@@ -1,5 +1,6 @@
 //! Errors as problem+json: every detail bounded, no request body or foreign error text quoted.
 
+use idempotency::ErrorChain;
 use std::sync::OnceLock;
 
 use axum::Extension;
@@ -71,7 +72,7 @@ impl IntoResponse for ServiceError {
             Self::OperationConflict(running) => return operation_conflict(&running),
             Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
             Self::Database(e) => {
-                tracing::error!(error = %e, "database error");
+                tracing::error!(error = %ErrorChain(&e), "database error");
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "database-unavailable",

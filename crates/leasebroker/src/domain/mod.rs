@@ -14,7 +14,7 @@ use crate::db::{Db, with_pool};
 #[derive(Debug, thiserror::Error)]
 pub enum DomainError {
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error")]
     Db(#[from] sqlx::Error),
     /// The operation was abandoned and the reaper took it to roll it back: an attempt that still
     /// runs (its claim went stale while it waited) must not take, call or show anything more.

@@ -43,15 +43,15 @@ pub enum HvError {
     },
     /// The request could not be built or no connection could be made (refused, unreachable, DNS,
     /// connect timeout): nothing was sent. Definite.
-    #[error("could not reach the hypervisor: {0}")]
+    #[error("could not reach the hypervisor")]
     Connect(#[source] reqwest::Error),
     /// No complete answer arrived within the per-call timeout. Ambiguous: the request may have
     /// been received and acted on.
-    #[error("hypervisor call timed out: {0}")]
+    #[error("hypervisor call timed out")]
     Timeout(#[source] reqwest::Error),
     /// The connection failed after the request went out (reset, closed before or during the
     /// answer). Ambiguous.
-    #[error("hypervisor connection failed mid-request: {0}")]
+    #[error("hypervisor connection failed mid-request")]
     Transport(#[source] reqwest::Error),
     /// The hypervisor answered with a status other than the one the call expects. A 4xx (such
     /// as 404 or 422) is a refusal and definite; anything else (any 5xx, 503 included, a redirect,
@@ -66,7 +66,7 @@ pub enum HvError {
     },
     /// A success status whose body could not be read as the expected JSON. Ambiguous: the work
     /// was done, but its result (the VM id) is unknown.
-    #[error("could not decode the hypervisor's answer: {0}")]
+    #[error("could not decode the hypervisor's answer")]
     Decode(#[source] reqwest::Error),
 }
 

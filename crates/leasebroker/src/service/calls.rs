@@ -1,6 +1,7 @@
 //! Calls to a downstream that may land late: the send stamp taken ahead of the clock, the settle
 //! window, and the clean-up of a second VM that landed past it.
 
+use idempotency::ErrorChain;
 use std::time::Duration;
 
 use super::{DUPLICATE_VMS_DESTROYED_TOTAL, ServiceError};
@@ -63,7 +64,7 @@ pub(crate) async fn destroy_duplicates(hypervisor: &HypervisorClient, tag: &str,
         let deleted = match hypervisor.delete(vm_id).await {
             Ok(existed) => existed,
             Err(e) => {
-                tracing::warn!(%tag, %vm_id, error = %e, "deleting a duplicate VM failed; checking again next tick");
+                tracing::warn!(%tag, %vm_id, error = %ErrorChain(&e), "deleting a duplicate VM failed; checking again next tick");
                 e.may_have_happened()
             }
         };

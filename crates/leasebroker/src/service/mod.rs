@@ -24,6 +24,7 @@
 //! the node and the lease before answering. A create nobody finishes is rolled back by the
 //! [`crate::reaper`]. A delete leaves a tombstone keyed by its own sub-key (its retry answers
 //! 204) and by the worker id (a retry of the worker's create answers 410, never runs again).
+use idempotency::ErrorChain;
 use std::time::Duration;
 
 pub use leasebroker_validation::{
@@ -150,7 +151,7 @@ impl Workers {
     /// id, so every replica picks the same) and the others are deleted.
     async fn adopt_boot(&self, intent: &Intent) -> Result<Option<String>, ServiceError> {
         let found = self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| {
-            tracing::warn!(error = %e, "cannot list VMs by tag to reconcile a boot");
+            tracing::warn!(error = %ErrorChain(&e), "cannot list VMs by tag to reconcile a boot");
             ServiceError::UpstreamUnavailable {
                 reason: "cannot ask the hypervisor what an earlier attempt did; retry with the same key".into(),
                 retry_after: 1,
@@ -212,7 +213,7 @@ impl Workers {
         match self.domain.release_refused(keys.alloc.as_str(), &keys.lease_id(), keys.boot.as_str()).await {
             Ok(released) => {
                 metrics::counter!(REFUSALS_RELEASED_TOTAL).increment(1);
-                tracing::info!(error = %e, leases = released.leases, nodes = released.nodes,
+                tracing::info!(error = %ErrorChain(&e), leases = released.leases, nodes = released.nodes,
                     "the hypervisor refused the boot; node and lease given back");
             }
             Err(db) => return db.into(),
@@ -222,7 +223,7 @@ impl Workers {
 
     /// The answer to a call that may have taken effect: the intent stays pending.
     fn ambiguous(e: HvError) -> ServiceError {
-        tracing::warn!(error = %e, "hypervisor call may or may not have taken effect");
+        tracing::warn!(error = %ErrorChain(&e), "hypervisor call may or may not have taken effect");
         ServiceError::UpstreamUnavailable {
             reason: "the hypervisor call may or may not have taken effect; retry with the same key".into(),
             retry_after: 1,
@@ -231,7 +232,7 @@ impl Workers {
 
     /// The answer to a call that definitely did not take effect.
     fn definite(e: HvError) -> ServiceError {
-        tracing::warn!(error = %e, "hypervisor call refused or not sent");
+        tracing::warn!(error = %ErrorChain(&e), "hypervisor call refused or not sent");
         match e.status() {
             Some(status) => ServiceError::UpstreamRefused(format!("status {}", status.as_u16())),
             None => {
@@ -254,7 +255,7 @@ impl Workers {
         self.domain.begin_attempt(&op.row("delete", now_micros())).await?;
         // Deleting a VM by id is naturally idempotent: "already gone" is success.
         self.hypervisor.delete(&w.vm_id).await.map_err(|e| {
-            tracing::warn!(error = %e, "cannot delete the VM");
+            tracing::warn!(error = %ErrorChain(&e), "cannot delete the VM");
             ServiceError::UpstreamUnavailable {
                 reason: "cannot delete the VM; retry with the same key".into(),
                 retry_after: 1,
@@ -281,7 +282,7 @@ impl Workers {
         }
         if !created {
             let vm = self.hypervisor.get(&w.vm_id).await.map_err(|e| {
-                tracing::warn!(error = %e, "cannot read the VM to reconcile a reboot");
+                tracing::warn!(error = %ErrorChain(&e), "cannot read the VM to reconcile a reboot");
                 ServiceError::UpstreamUnavailable {
                     reason: "cannot ask the hypervisor whether an earlier reboot happened; retry with the same key"
                         .into(),
