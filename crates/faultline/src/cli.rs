@@ -98,7 +98,7 @@ pub struct Scenario {
     #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub abandon: f64,
     /// The kinds of operation `--abandon` applies to, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "create,reboot,delete")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "create,reboot,delete,flash")]
     pub abandon_ops: Vec<crate::workload::OpKind>,
     /// Passed to the servers as --abandon-after (when they have it) if `--abandon` is set.
     #[arg(long, default_value = "3s", value_parser = parse::duration)]
