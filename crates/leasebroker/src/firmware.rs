@@ -293,7 +293,7 @@ impl Watcher {
 /// What the BMC's state says of an accepted flash: `None` while it writes, `Ok` when the node
 /// runs the version, `Err` with the reason when it failed.
 fn outcome(row: &FlashRow, bmc: &BmcNode) -> Option<Result<(), String>> {
-    if !bmc.flash_tags.iter().any(|t| *t == row.tag) {
+    if !bmc.flash_tags.contains(&row.tag) {
         return Some(Err("the BMC has no record of this flash".to_owned()));
     }
     match bmc.state {

@@ -116,10 +116,10 @@ impl Domain {
             match inserted {
                 Ok(_) => continue, // read back above: ours, or an overlapping attempt's
                 Err(e) if is_unique_violation(&e) => {
-                    if let Some(running) = self.running_flash_on(node_id).await? {
-                        if running.op_id != op_id {
-                            return Ok(FlashStart::Conflict(running));
-                        }
+                    if let Some(running) = self.running_flash_on(node_id).await?
+                        && running.op_id != op_id
+                    {
+                        return Ok(FlashStart::Conflict(running));
                     }
                 }
                 Err(e) => return Err(e.into()),
