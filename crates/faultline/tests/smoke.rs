@@ -83,7 +83,12 @@ fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {
     let protected = run(report, "protected");
     let broken: Vec<&Value> =
         protected["invariants"].as_array().expect("invariants").iter().filter(|i| i["ok"] != true).collect();
-    assert!(broken.is_empty(), "protected run broke invariants: {broken:#?}");
+    assert!(
+        broken.is_empty(),
+        "protected run broke invariants: {broken:#?}\nwhy operations failed: {:#}\nrefusals: {:#}",
+        protected["failures"],
+        protected["refusals"]
+    );
     assert_eq!(code, 0, "faultline exits 0 when the protected run holds");
     assert_eq!(report["protected_passed"], true);
     assert_eq!(num(protected, &["setup", "replicas"]), replicas);
