@@ -77,7 +77,12 @@ fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
 pub fn operation_link(record: &idempotency::Record) -> Option<String> {
     let endpoint = record.scope.endpoint.as_str();
     (endpoint.starts_with("POST /admin/v1/nodes/") && endpoint.ends_with("/firmware"))
-        .then(|| format!("/admin/v1/operations/{}", operation_id(|label| record.derive(label))))
+        .then(|| operation_location(&operation_id(|label| record.derive(label))))
+}
+
+/// Where the operation `op_id` is read: its `Location`.
+pub fn operation_location(op_id: &str) -> String {
+    format!("/admin/v1/operations/{op_id}")
 }
 
 impl Firmware {

@@ -54,14 +54,19 @@ pub async fn create_worker(
         Ok(row) => {
             let worker = Worker::from(row);
             let location = format!("/v1/workers/{}", worker.id);
-            let mut r = (StatusCode::CREATED, Json(worker)).into_response();
-            if let Ok(v) = HeaderValue::from_str(&location) {
-                r.headers_mut().insert(header::LOCATION, v);
-            }
-            r
+            located(StatusCode::CREATED, Json(worker), &location)
         }
         Err(e) => e.into_response(),
     }
+}
+
+/// `status` with `body` and `Location: location`.
+fn located(status: StatusCode, body: impl IntoResponse, location: &str) -> Response {
+    let mut r = (status, body).into_response();
+    if let Ok(v) = HeaderValue::from_str(location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    r
 }
 
 /// Reads one of the caller's workers.
@@ -204,12 +209,8 @@ pub async fn flash_firmware(
     match state.firmware.flash(&node_id, &req, &op).await {
         Ok(row) => {
             let operation = dto::Operation::from(row);
-            let location = format!("/admin/v1/operations/{}", operation.id);
-            let mut r = (StatusCode::ACCEPTED, Json(operation)).into_response();
-            if let Ok(v) = HeaderValue::from_str(&location) {
-                r.headers_mut().insert(header::LOCATION, v);
-            }
-            r
+            let location = crate::firmware::operation_location(&operation.id);
+            located(StatusCode::ACCEPTED, Json(operation), &location)
         }
         Err(e) => e.into_response(),
     }
