@@ -56,11 +56,13 @@ mod sqlite;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use migrate::MIGRATIONS_TABLE;
+#[doc(hidden)]
+pub use migrate::compare_with_directory;
 #[cfg(feature = "postgres")]
 pub use migrate::postgres_migrator;
 #[cfg(feature = "sqlite")]
 pub use migrate::sqlite_migrator;
+pub use migrate::{BadMigrationName, MIGRATIONS_TABLE, embedded_migrator};
 pub use pool::PING_IF_IDLE_FOR;
 #[cfg(feature = "postgres")]
 pub use pool::postgres_pool_options;

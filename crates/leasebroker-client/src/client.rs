@@ -393,8 +393,7 @@ trait Decode {
 
 impl Decode for HttpResponse {
     fn decoded<T: DeserializeOwned>(self) -> Result<Response<T>, Error> {
-        let value =
-            serde_json::from_slice(&self.body).map_err(|source| Error::Decode { status: self.status, source })?;
+        let value = serde_json::from_slice(&self.body).map_err(|error| Error::Decode { status: self.status, error })?;
         Ok(Response { value, replayed: self.replayed, attempts: self.attempts, status: self.status, body: self.body })
     }
 }

@@ -85,6 +85,11 @@ pub const OPERATION_CONFLICT: &str = "operation-conflict";
 ///
 /// The variants follow what a caller must do next: retry later ([`Error::is_retryable`]),
 /// fix the request, fix the credentials, or look at why the retry budget ran out.
+///
+/// Each message carries its cause (`to_string()` is the whole line a user needs, as lbctl
+/// prints it), so no variant also returns the cause from `source()`: `{:#}` of an `anyhow`
+/// chain prints every cause once. The causes stay reachable as fields
+/// (`Error::GaveUp { last, .. }`, `Error::Transport(e)`).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -136,12 +141,12 @@ pub enum Error {
     /// No complete response arrived: connection refused or reset, timeout, a body cut short.
     /// The request may or may not have been processed. Retried by the retry core.
     #[error("transport error: {}", chain(.0))]
-    Transport(#[source] reqwest::Error),
+    Transport(reqwest::Error),
     /// The TLS handshake failed (most often: the server's certificate is not trusted; a private CA
     /// needs [`crate::ClientBuilder::ca_certificates_pem`]). Nothing was sent. Never retried: asking
     /// again meets the same certificate.
     #[error("TLS handshake failed: {}", chain(.0))]
-    Tls(#[source] reqwest::Error),
+    Tls(reqwest::Error),
     /// The retry core stopped: the attempt or time budget ran out while the errors were retryable.
     #[error("gave up after {attempts} attempts in {:.1}s; last error: {last}", elapsed.as_secs_f64())]
     GaveUp {
@@ -150,17 +155,15 @@ pub enum Error {
         /// Time from the first attempt until giving up.
         elapsed: Duration,
         /// The last attempt's error.
-        #[source]
         last: Box<Error>,
     },
     /// A success response whose body is not what the API promises.
-    #[error("unexpected response body ({status}): {source}")]
+    #[error("unexpected response body ({status}): {error}")]
     Decode {
         /// The (successful) status of the response.
         status: StatusCode,
         /// Why the body did not parse.
-        #[source]
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// The request could not be built (a bad base URL, an unusable header value). Never retried.
     #[error("invalid request: {0}")]

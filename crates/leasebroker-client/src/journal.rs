@@ -100,17 +100,22 @@ pub enum JournalError {
     #[error("operation {0:?} has a corrupt key in the journal")]
     Corrupt(String),
     /// The journal's directory or file could not be created.
-    #[error("cannot create {}: {source}", path.display())]
+    #[error("cannot create {}: {error}", path.display())]
     Io {
         /// The directory or file.
         path: PathBuf,
         /// Why.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The database failed (cannot open, locked past the busy timeout, disk full).
     #[error("journal database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for JournalError {
+    fn from(error: sqlx::Error) -> Self {
+        JournalError::Database(error)
+    }
 }
 
 /// The outcome recorded by [`Journal::finish`].
@@ -138,7 +143,7 @@ impl Outcome {
 /// directory or file keeps the mode it has.
 fn create_private(path: &Path) -> Result<(), JournalError> {
     fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JournalError + '_ {
-        move |source| JournalError::Io { path: path.to_path_buf(), source }
+        move |error| JournalError::Io { path: path.to_path_buf(), error }
     }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
         let mut builder = std::fs::DirBuilder::new();

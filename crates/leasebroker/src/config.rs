@@ -31,12 +31,10 @@ pub enum LogFormat {
 }
 
 /// The subcommands.
-// Parsed once at start; boxing `ServeArgs` would buy nothing but a deref at every use.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the HTTP service.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the hypervisor simulator on its own, for tests: several `serve` replicas can share it.
     /// It has no authentication; do not expose it.
     HypervisorSim(SimArgs),

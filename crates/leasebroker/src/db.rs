@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idempotency::Store;
-use idempotency_sqlx::{PostgresStore, SqliteStore};
+use idempotency_sqlx::{PostgresStore, SqliteStore, embedded_migrator};
 use regex::Regex;
+use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
 
@@ -37,6 +38,34 @@ pub(crate) use with_pool;
 
 /// The table that records leasebroker's own migrations, apart from the idempotency store's.
 const MIGRATIONS_TABLE: &str = "_leasebroker_migrations";
+
+fn leasebroker_migrator(files: &[(&'static str, &'static str)]) -> Migrator {
+    let mut migrator = embedded_migrator(files).expect("the file names are checked by a test");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator
+}
+
+/// leasebroker's own SQLite migrations (`migrations/sqlite/`).
+pub(crate) fn sqlite_migrator() -> Migrator {
+    leasebroker_migrator(idempotency_sqlx::embedded_migrations!(
+        "migrations/sqlite",
+        "0001_domain.sql",
+        "0002_operations.sql",
+        "0003_rollback_fence.sql",
+        "0004_flash_operations.sql",
+    ))
+}
+
+/// leasebroker's own PostgreSQL migrations (`migrations/postgres/`).
+pub(crate) fn postgres_migrator() -> Migrator {
+    leasebroker_migrator(idempotency_sqlx::embedded_migrations!(
+        "migrations/postgres",
+        "0001_domain.sql",
+        "0002_operations.sql",
+        "0003_rollback_fence.sql",
+        "0004_flash_operations.sql",
+    ))
+}
 
 impl Db {
     /// Connects to `url` (`sqlite://PATH`, `sqlite:PATH` or `postgres://...`).
@@ -78,15 +107,11 @@ impl Db {
         match self {
             Self::Sqlite(p) => {
                 SqliteStore::from_pool(p.clone()).migrate().await.context("idempotency store migrations")?;
-                let mut m = sqlx::migrate!("./migrations/sqlite");
-                m.dangerous_set_table_name(MIGRATIONS_TABLE);
-                m.run(p).await.context("leasebroker migrations")?;
+                sqlite_migrator().run(p).await.context("leasebroker migrations")?;
             }
             Self::Postgres(p) => {
                 PostgresStore::from_pool(p.clone()).migrate().await.context("idempotency store migrations")?;
-                let mut m = sqlx::migrate!("./migrations/postgres");
-                m.dangerous_set_table_name(MIGRATIONS_TABLE);
-                m.run(p).await.context("leasebroker migrations")?;
+                postgres_migrator().run(p).await.context("leasebroker migrations")?;
             }
         }
         Ok(())
@@ -157,7 +182,19 @@ pub fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{postgres_migrator, redact, sqlite_migrator};
+
+    /// The compiled-in lists hold every file of their directory, read exactly as sqlx reads it
+    /// (a migration added to the directory but not to the list fails here).
+    #[tokio::test]
+    async fn the_embedded_migrations_are_the_directories() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for (migrator, dir) in [(sqlite_migrator(), "migrations/sqlite"), (postgres_migrator(), "migrations/postgres")]
+        {
+            let (ours, sqlx) = idempotency_sqlx::compare_with_directory(&migrator, &root.join(dir)).await;
+            assert_eq!(ours, sqlx, "{dir}");
+        }
+    }
 
     #[test]
     fn redacts_passwords() {

@@ -12,7 +12,7 @@
 //!
 //! let Command::Serve(args) = Cli::parse_from(["leasebroker", "serve", "--listen", "127.0.0.1:0"]).command
 //! else { unreachable!() };
-//! let app = Application::build(args).await?;
+//! let app = Application::build(*args).await?;
 //! println!("listening on port {}", app.port());
 //! app.run_until_stopped(leasebroker::app::shutdown_signal()).await
 //! # }

@@ -33,7 +33,7 @@ async fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
-            let app = Application::build(args).await?;
+            let app = Application::build(*args).await?;
             if let Some(token) = &app.generated_token {
                 println!("no --token configured; generated one for principal \"default\":");
                 println!("  token: {token}");

@@ -29,20 +29,30 @@ use utoipa::{Modify, OpenApi};
 struct ApiDoc;
 
 /// An RFC 9457 problem: the body of every error response, as `application/problem+json`.
-/// (Documentation only: `idempotency_tower::Problem` renders the real thing.)
-#[derive(serde::Serialize, utoipa::ToSchema)]
-#[allow(dead_code)]
-struct Problem {
-    /// A URI that ends in the problem's name, e.g. `/problems/idempotency-key-reused`.
-    #[serde(rename = "type")]
-    type_uri: String,
-    /// The same for every occurrence of the problem.
-    title: String,
-    /// The HTTP status.
-    status: u16,
-    /// About this occurrence.
-    detail: String,
+/// Only its schema is here: `idempotency_tower::Problem` renders the real thing.
+struct Problem;
+
+impl utoipa::PartialSchema for Problem {
+    fn schema() -> RefOr<utoipa::openapi::schema::Schema> {
+        let field = |ty, description: &str| ObjectBuilder::new().schema_type(ty).description(Some(description));
+        ObjectBuilder::new()
+            .description(Some("An RFC 9457 problem: the body of every error response, as `application/problem+json`."))
+            .property(
+                "type",
+                field(Type::String, "A URI that ends in the problem's name, e.g. `/problems/idempotency-key-reused`."),
+            )
+            .property("title", field(Type::String, "The same for every occurrence of the problem."))
+            .property("status", field(Type::Integer, "The HTTP status.").minimum(Some(100)).maximum(Some(599)))
+            .property("detail", field(Type::String, "About this occurrence."))
+            .required("type")
+            .required("title")
+            .required("status")
+            .required("detail")
+            .into()
+    }
 }
+
+impl utoipa::ToSchema for Problem {}
 
 struct Bearer;
 

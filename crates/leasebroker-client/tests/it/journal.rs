@@ -2,6 +2,8 @@
 
 use leasebroker_client::journal::{Journal, JournalError, RequestFingerprint};
 
+use crate::full_chain;
+
 fn create(cpu: u32) -> RequestFingerprint {
     RequestFingerprint::of("POST", "/v1/workers", format!(r#"{{"image":"img","cpu":{cpu},"memory_gb":4}}"#).as_bytes())
 }
@@ -140,4 +142,16 @@ async fn a_recorded_refusal_reads_back_as_the_error_it_was() {
         matches!(&err, leasebroker_client::Error::Refused { status, problem: Some(p) } if *status == 404 && p.is("not-found")),
         "{err:?}"
     );
+}
+
+#[tokio::test]
+async fn a_journal_that_cannot_be_created_names_the_path_and_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-directory");
+    std::fs::write(&file, b"").unwrap();
+    let err = Journal::open(file.join("lbctl/j.db")).await.expect_err("its parent is a file");
+    assert!(matches!(err, JournalError::Io { .. }), "{err:?}");
+    let line = err.to_string();
+    assert!(line.contains("not-a-directory"), "{line}");
+    assert_eq!(full_chain(&err), line, "the message already carries the cause");
 }

@@ -6,3 +6,15 @@ mod journal;
 mod operations;
 mod retry;
 mod server;
+
+/// The message and every `source()` after it, joined as `{:#}` of an anyhow chain prints them.
+pub(crate) fn full_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cause = err.source();
+    while let Some(e) = cause {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cause = e.source();
+    }
+    out
+}

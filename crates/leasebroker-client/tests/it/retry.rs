@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use leasebroker_client::Error;
 use leasebroker_client::retry::{AttemptOutcome, HttpResponse, OpKey, Retrier, RetryPolicy};
 
+use crate::full_chain;
 use crate::server::{Reply, Scripted, closed_port_url};
 
 const CREATED: &str = r#"{"id":"res-1"}"#;
@@ -201,6 +202,24 @@ async fn connection_refused_is_retried_then_gives_up() {
         }
         other => panic!("expected GaveUp, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn a_gave_up_error_names_its_cause_once_in_its_full_chain() {
+    let url = closed_port_url();
+    let http = reqwest::Client::new();
+    let policy = fast().with_max_elapsed(Duration::from_millis(300));
+    let err = Retrier::new(policy)
+        .send(Some(&OpKey::new_v4()), || http.post(format!("{url}/v1/things")))
+        .await
+        .expect_err("nothing listens");
+    let line = err.to_string();
+    assert!(line.starts_with("gave up after") && line.contains("transport error"), "{line}");
+    // Logged with `{:#}` (or any chain walker), the transport error appears once, not once in
+    // the message and again as each source.
+    let chained = full_chain(&err);
+    assert_eq!(chained.matches("transport error").count(), 1, "{chained}");
+    assert_eq!(chained, line, "the message already carries every cause");
 }
 
 #[tokio::test]

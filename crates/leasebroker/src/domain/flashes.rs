@@ -5,7 +5,7 @@ use super::*;
 use crate::db::with_pool;
 
 /// A firmware-flash operation, as stored.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashRow {
     /// `op-...`: a prefix and 16 hex digits of the request's derived sub-key `flash-op`.
     pub op_id: String,
@@ -33,6 +33,21 @@ pub struct FlashRow {
     /// Until when that lease holds (µs since the epoch).
     pub watch_until: i64,
 }
+
+from_row!(FlashRow {
+    op_id,
+    node_id,
+    version,
+    state,
+    error,
+    intent,
+    tag,
+    sent_at,
+    created_at,
+    finished_at,
+    watcher,
+    watch_until
+});
 
 impl FlashRow {
     /// Whether the operation ended.

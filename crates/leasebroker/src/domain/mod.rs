@@ -24,10 +24,28 @@ pub enum DomainError {
 
 type Result<T> = std::result::Result<T, DomainError>;
 
+/// `sqlx::FromRow` for a row struct, by column name, on SQLite and PostgreSQL rows: what
+/// `#[derive(sqlx::FromRow)]` writes, without sqlx's `macros` feature (which builds both database
+/// drivers a second time, for the compiler). A field left out is a compile error.
+macro_rules! from_row {
+    ($ty:ident { $($field:ident),+ $(,)? }) => {
+        from_row!(@one $ty sqlx::sqlite::SqliteRow { $($field),+ });
+        from_row!(@one $ty sqlx::postgres::PgRow { $($field),+ });
+    };
+    (@one $ty:ident $row:ty { $($field:ident),+ }) => {
+        impl<'r> sqlx::FromRow<'r, $row> for $ty {
+            fn from_row(row: &'r $row) -> std::result::Result<Self, sqlx::Error> {
+                use sqlx::Row as _;
+                Ok(Self { $($field: row.try_get(stringify!($field))?),+ })
+            }
+        }
+    };
+}
+
 pub use flashes::{FlashRow, FlashStart};
 
 /// A node allocated to a worker.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
     /// `node-0001`...
     pub node_id: String,
@@ -37,8 +55,10 @@ pub struct Node {
     pub memory_gb: i64,
 }
 
+from_row!(Node { node_id, cpu, memory_gb });
+
 /// An intent to call the hypervisor, recorded before the call.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Intent {
     /// The derived sub-key; also the tag sent to the hypervisor.
     pub intent_id: String,
@@ -54,9 +74,11 @@ pub struct Intent {
     pub last_attempt_at: i64,
 }
 
+from_row!(Intent { intent_id, kind, state, vm_id, created_at, last_attempt_at });
+
 /// A protected operation and the idempotency record it runs under, written at the start of
 /// every attempt so the reaper can map the operation back to its record.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OperationRow {
     /// The record's derived sub-key `op`.
     pub op_id: String,
@@ -74,6 +96,8 @@ pub struct OperationRow {
     pub last_attempt_at: i64,
 }
 
+from_row!(OperationRow { op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at });
+
 /// What the reaper freed when it rolled back a create.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Released {
@@ -86,7 +110,7 @@ pub struct Released {
 }
 
 /// A worker row.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerRow {
     /// `wkr-...`.
     pub worker_id: String,
@@ -113,6 +137,21 @@ pub struct WorkerRow {
     /// Creation time (µs since the epoch).
     pub created_at: i64,
 }
+
+from_row!(WorkerRow {
+    worker_id,
+    principal,
+    image,
+    cpu,
+    memory_gb,
+    labels,
+    node_id,
+    lease_id,
+    vm_id,
+    state,
+    reboot_count,
+    created_at
+});
 
 /// The outcome of [`Domain::allocate_within`].
 #[derive(Debug, Clone, PartialEq, Eq)]

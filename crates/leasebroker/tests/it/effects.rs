@@ -360,7 +360,7 @@ async fn in_process() -> InProcess {
     ]);
     let Command::Serve(args) = cli.command else { panic!("serve") };
     let mut slot = None;
-    let app = Application::build_with_store(args, |store| {
+    let app = Application::build_with_store(*args, |store| {
         let faulty = Arc::new(FaultyStore::new(store));
         slot = Some(faulty.clone());
         faulty
