@@ -298,6 +298,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
         &key("size", "", 0, "raw"),
         None,
     ));
+    out.extend(partition_ratios(runs));
     for db in ["sqlite", "postgres"] {
         let e = |case: &str| key("e2e", case, 16, db);
         push(runs.ratio(
@@ -308,6 +309,82 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             &e("create"),
             None,
         ));
+    }
+    out
+}
+
+/// Part `partition`: sweeping 1M expired rows by dropping whole days (the layout partitioned by
+/// expiry day) against the default layout's batched DELETE.
+fn partition_ratios(runs: &Runs) -> Vec<Ratio> {
+    let k = |case: &str, variant: &str| key("partition", case, 0, variant);
+    let sweep = |what: &str, metric: &'static str, goal: Option<Goal>| {
+        runs.ratio(
+            "partition",
+            format!("sweep 1M expired, {what}: drop days / batched DELETE"),
+            metric,
+            &k("sweep", "partitioned"),
+            &k("sweep", "delete"),
+            goal,
+        )
+    };
+    let mut out = vec![
+        sweep("WAL bytes", "wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("seconds", "sweep_seconds", None),
+        runs.ratio(
+            "partition",
+            "claim p99 while sweeping: drop days / batched DELETE".into(),
+            "p99_us",
+            &k("claim", "partitioned-sweeping"),
+            &k("claim", "delete-sweeping"),
+            None,
+        ),
+        runs.ratio(
+            "partition",
+            "idle claim p50: partitioned layout / default layout".into(),
+            "p50_us",
+            &k("claim", "partitioned-idle"),
+            &k("claim", "delete-idle"),
+            None,
+        ),
+    ];
+    for layout in ["partitioned", "delete"] {
+        out.push(runs.ratio(
+            "partition",
+            format!("{layout}: claim p99 sweeping / idle"),
+            "p99_us",
+            &k("claim", &format!("{layout}-sweeping")),
+            &k("claim", &format!("{layout}-idle")),
+            (layout == "partitioned").then_some(Goal::AtMost(2.0)),
+        ));
+    }
+    out.into_iter().flatten().collect()
+}
+
+/// Part `partition`'s one line as keyed runs: per layout, the sweep alone and the claims
+/// (idle: the mean of the phases before and after).
+fn expand_partition(raw: &Raw) -> Vec<Raw> {
+    let mut out = Vec::new();
+    for layout in ["delete", "partitioned"] {
+        let m = &raw.m[layout];
+        let sub = |case: &str, variant: String, m: Value| Raw {
+            part: raw.part.clone(),
+            case: case.into(),
+            conns: 0,
+            variant,
+            round: raw.round,
+            m,
+        };
+        let avg = |f: &str| {
+            (m["idle_before"][f].as_f64().unwrap_or(f64::NAN) + m["idle_after"][f].as_f64().unwrap_or(f64::NAN)) / 2.0
+        };
+        let idle = json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") });
+        out.push(sub(
+            "sweep",
+            layout.into(),
+            json!({ "wal_bytes": m["wal_bytes"], "sweep_seconds": m["sweep_seconds"] }),
+        ));
+        out.push(sub("claim", format!("{layout}-idle"), idle));
+        out.push(sub("claim", format!("{layout}-sweeping"), m["sweeping"].clone()));
     }
     out
 }
@@ -334,6 +411,7 @@ fn expand(raw: Raw) -> Vec<Raw> {
             vec![sub("idle", "claim", &idle), sub("sweeping", "claim", &raw.m["sweeping"])]
         }
         "size" => vec![sub("raw", "", &raw.m["raw"]), sub("compressed", "", &raw.m["compressed"])],
+        "partition" => expand_partition(&raw),
         _ => vec![raw],
     }
 }

@@ -1,7 +1,8 @@
 #![doc = include_str!("../README.md")]
 //!
 //! The stores: [`SqliteStore`] and [`PostgresStore`]; see [`ClaimStrategy`] for the two claim
-//! statements on offer on PostgreSQL.
+//! statements on offer on PostgreSQL, and [`PartitionedPostgresStore`] for the opt-in layout
+//! partitioned by expiry day, whose sweeper drops whole days.
 //!
 //! With the `sqlite` feature: [`SqliteStore`], [`sqlite_migrator`], [`sqlite_pool_options`].
 //! With `postgres`: [`PostgresStore`], [`postgres_migrator`], [`postgres_pool_options`].
@@ -45,6 +46,8 @@
 //! ownership.
 
 mod migrate;
+#[cfg(feature = "postgres")]
+mod partitioned;
 mod pool;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -61,6 +64,11 @@ pub use migrate::MIGRATIONS_TABLE;
 pub use migrate::postgres_migrator;
 #[cfg(feature = "sqlite")]
 pub use migrate::sqlite_migrator;
+#[cfg(feature = "postgres")]
+pub use partitioned::{
+    DEFAULT_DAYS_AHEAD, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,
+    postgres_partitioned_migrator,
+};
 pub use pool::PING_IF_IDLE_FOR;
 #[cfg(feature = "postgres")]
 pub use pool::postgres_pool_options;
