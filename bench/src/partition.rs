@@ -93,6 +93,29 @@ async fn wal_since(pool: &PgPool, before: &str) -> anyhow::Result<f64> {
         .await?)
 }
 
+/// The WAL since `before` that touched this database's pages (`pg_walinspect`, when the server
+/// has it): what the sweep wrote, without other databases' writes on a shared server. Records
+/// that touch no page (commits) are left out, for both layouts.
+async fn database_wal_since(pool: &PgPool, before: &str) -> anyhow::Result<Option<f64>> {
+    if sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_walinspect").execute(pool).await.is_err() {
+        return Ok(None);
+    }
+    let pattern: String =
+        sqlx::query_scalar("SELECT '%/' || oid || '/%' FROM pg_database WHERE datname = current_database()")
+            .fetch_one(pool)
+            .await?;
+    Ok(Some(
+        sqlx::query_scalar(
+            "SELECT coalesce(sum(record_length), 0)::float8 \
+             FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_lsn()) WHERE block_ref LIKE $2",
+        )
+        .bind(before)
+        .bind(pattern)
+        .fetch_one(pool)
+        .await?,
+    ))
+}
+
 async fn claims(store: &Arc<dyn Store>, a: &PartitionArgs, tag: String, max: f64, stop: Arc<AtomicBool>) -> Stats {
     let store = store.clone();
     let pace = Duration::from_millis(a.pace_ms);
@@ -118,6 +141,7 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
     let swept = sweep(&l.store).await?;
     let sweep_seconds = t.elapsed().as_secs_f64();
     let wal_bytes = wal_since(&l.pool, &before).await?;
+    let database_wal_bytes = database_wal_since(&l.pool, &before).await?;
 
     // Under claims: idle, sweeping, idle.
     load_expired(l, &format!("{}-b-", l.name), a.rows).await?;
@@ -138,7 +162,7 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
     let idle_after = claims(&l.store, a, format!("{}-idle2", l.name), a.idle_seconds, never()).await;
     Ok(json!({
         "swept": swept, "sweep_seconds": sweep_seconds, "wal_bytes": wal_bytes,
-        "wal_bytes_per_row": wal_bytes / swept.max(1) as f64,
+        "wal_bytes_per_row": wal_bytes / swept.max(1) as f64, "database_wal_bytes": database_wal_bytes,
         "swept_under_claims": swept_loaded, "sweep_seconds_under_claims": loaded_seconds,
         "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
     }))

@@ -298,7 +298,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
         &key("size", "", 0, "raw"),
         None,
     ));
-    out.extend(partition_ratios(runs));
+    partition_ratios(runs).into_iter().for_each(|r| push(Some(r)));
     for db in ["sqlite", "postgres"] {
         let e = |case: &str| key("e2e", case, 16, db);
         push(runs.ratio(
@@ -328,7 +328,8 @@ fn partition_ratios(runs: &Runs) -> Vec<Ratio> {
         )
     };
     let mut out = vec![
-        sweep("WAL bytes", "wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("WAL bytes (server)", "wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("WAL bytes (this database's pages)", "database_wal_bytes", Some(Goal::AtMost(0.01))),
         sweep("seconds", "sweep_seconds", None),
         runs.ratio(
             "partition",
@@ -381,7 +382,11 @@ fn expand_partition(raw: &Raw) -> Vec<Raw> {
         out.push(sub(
             "sweep",
             layout.into(),
-            json!({ "wal_bytes": m["wal_bytes"], "sweep_seconds": m["sweep_seconds"] }),
+            json!({
+                "wal_bytes": m["wal_bytes"],
+                "database_wal_bytes": m["database_wal_bytes"],
+                "sweep_seconds": m["sweep_seconds"],
+            }),
         ));
         out.push(sub("claim", format!("{layout}-idle"), idle));
         out.push(sub("claim", format!("{layout}-sweeping"), m["sweeping"].clone()));
@@ -421,6 +426,8 @@ fn fmt(x: f64) -> String {
         "-".into()
     } else if x.abs() >= 100.0 {
         format!("{x:.0}")
+    } else if x != 0.0 && x.abs() < 0.1 {
+        format!("{x:.4}")
     } else {
         format!("{x:.2}")
     }
