@@ -13,6 +13,11 @@
 //! or simply [`SqliteStore::migrate`] / [`PostgresStore::migrate`]): one table,
 //! `idempotency_records`, primary key `(principal, endpoint, key)`, an index on `expires_at`.
 //!
+//! The opt-in partitioned layout ([`PartitionedPostgresStore::migrate`],
+//! [`postgres_partitioned_migrator`]) creates `idempotency_records_by_day` and its claim function,
+//! with a history table of its own, [`PARTITIONED_MIGRATIONS_TABLE`]; the store creates the
+//! day partitions itself.
+//!
 //! A service usually keeps its own tables in the same database and runs its own sqlx migrator.
 //! Two migrators that share sqlx's default bookkeeping table `_sqlx_migrations` break each
 //! other: each sees the other's applied versions as "missing" and refuses to run
