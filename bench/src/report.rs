@@ -544,4 +544,30 @@ mod tests {
         assert_eq!(r.met, Some(true));
         assert!(!Goal::AtMost(2.0).met(2.5));
     }
+
+    #[test]
+    fn the_partition_line_becomes_its_rows() {
+        let claims = |p50: u64, p99: u64| json!({ "rps": 500.0, "p50_us": p50, "p99_us": p99 });
+        let layout = |wal: f64, idle99: u64, sweep99: u64| {
+            json!({
+                "wal_bytes": wal, "database_wal_bytes": wal / 2.0, "sweep_seconds": 1.0,
+                "idle_before": claims(1000, idle99), "idle_after": claims(3000, idle99 * 3), "sweeping": claims(0, sweep99),
+            })
+        };
+        let line = json!({ "part": "partition", "case": "sweep", "variant": "all", "round": 1,
+            "m": { "delete": layout(1e8, 10, 30), "partitioned": layout(1e4, 20, 40) } });
+        let mut runs = Runs(BTreeMap::new());
+        for r in expand(serde_json::from_value(line).expect("raw")) {
+            runs.0.entry(key(&r.part, &r.case, r.conns, &r.variant)).or_default().insert(r.round, r.m);
+        }
+        let rows = partition_ratios(&runs);
+        let wal = rows.iter().find(|r| r.metric == "wal_bytes").expect("WAL row");
+        assert_eq!((wal.ratio, wal.met), (1e-4, Some(true)));
+        let db = rows.iter().find(|r| r.metric == "database_wal_bytes").expect("database WAL row");
+        assert_eq!(db.ratio, 1e-4);
+        // Idle is the mean of the phases before and after: partitioned 40 / 40, delete 30 / 20.
+        let p99 = |what: &str| rows.iter().find(|r| r.what == what).expect(what).ratio;
+        assert_eq!(p99("partitioned: claim p99 sweeping / idle"), 1.0);
+        assert_eq!(p99("delete: claim p99 sweeping / idle"), 1.5);
+    }
 }
