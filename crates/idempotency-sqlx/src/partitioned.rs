@@ -236,7 +236,9 @@ impl PartitionedPostgresStore {
             if !detached(&mut *tx).await?.contains(&day) {
                 continue;
             }
-            // Nothing writes to a detached table, so the count is exact.
+            // Nothing writes to a detached table, so the count is exact. One process scans it:
+            // parallel workers would take every core from the claims for the scan's length.
+            sqlx::query("SET LOCAL max_parallel_workers_per_gather = 0").execute(&mut *tx).await.map_err(db_error)?;
             let count: i64 = sqlx::query_scalar(AssertSqlSafe(format!(r#"SELECT count(*) FROM "{name}""#)))
                 .fetch_one(&mut *tx)
                 .await
