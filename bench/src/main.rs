@@ -3,6 +3,7 @@
 //! table of ratios. See `bench/README.md`.
 
 mod load;
+mod partition;
 mod pg;
 mod redis;
 mod report;
@@ -39,6 +40,9 @@ enum Command {
     },
     /// Claim latency while the sweeper deletes `--rows` expired rows, against idle.
     Sweeper(pg::SweeperArgs),
+    /// Sweeping `--rows` expired rows: batched DELETE against dropping whole days (the layout
+    /// partitioned by expiry day): WAL, duration, claim latency while sweeping.
+    Partition(partition::PartitionArgs),
     /// Bytes per stored record with a 1 KiB JSON body, compressed and raw.
     RecordSize(pg::SizeArgs),
     /// Completes the record Redis replays read and writes the `redis-benchmark` floor's
@@ -63,6 +67,7 @@ fn main() -> anyhow::Result<()> {
         Command::PgStore(a) => rt.block_on(pg::drive_store(a)),
         Command::PgbenchScripts { dir, keys } => pg::write_pgbench_scripts(&dir, keys),
         Command::Sweeper(a) => rt.block_on(pg::sweeper(a)),
+        Command::Partition(a) => rt.block_on(partition::partition(a)),
         Command::RecordSize(a) => rt.block_on(pg::record_size(a)),
         Command::RedisPrepare(a) => rt.block_on(redis::prepare(a)),
         Command::RedisFill(a) => rt.block_on(redis::fill(a)),

@@ -298,6 +298,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
         &key("size", "", 0, "raw"),
         None,
     ));
+    partition_ratios(runs).into_iter().for_each(|r| push(Some(r)));
     for db in ["sqlite", "postgres"] {
         let e = |case: &str| key("e2e", case, 16, db);
         push(runs.ratio(
@@ -308,6 +309,87 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             &e("create"),
             None,
         ));
+    }
+    out
+}
+
+/// Part `partition`: sweeping 1M expired rows by dropping whole days (the layout partitioned by
+/// expiry day) against the default layout's batched DELETE.
+fn partition_ratios(runs: &Runs) -> Vec<Ratio> {
+    let k = |case: &str, variant: &str| key("partition", case, 0, variant);
+    let sweep = |what: &str, metric: &'static str, goal: Option<Goal>| {
+        runs.ratio(
+            "partition",
+            format!("sweep 1M expired, {what}: drop days / batched DELETE"),
+            metric,
+            &k("sweep", "partitioned"),
+            &k("sweep", "delete"),
+            goal,
+        )
+    };
+    let mut out = vec![
+        sweep("WAL bytes (server)", "wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("WAL bytes (this database's pages)", "database_wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("seconds", "sweep_seconds", None),
+        runs.ratio(
+            "partition",
+            "claim p99 while sweeping: drop days / batched DELETE".into(),
+            "p99_us",
+            &k("claim", "partitioned-sweeping"),
+            &k("claim", "delete-sweeping"),
+            None,
+        ),
+        runs.ratio(
+            "partition",
+            "idle claim p50: partitioned layout / default layout".into(),
+            "p50_us",
+            &k("claim", "partitioned-idle"),
+            &k("claim", "delete-idle"),
+            None,
+        ),
+    ];
+    for layout in ["partitioned", "delete"] {
+        out.push(runs.ratio(
+            "partition",
+            format!("{layout}: claim p99 sweeping / idle"),
+            "p99_us",
+            &k("claim", &format!("{layout}-sweeping")),
+            &k("claim", &format!("{layout}-idle")),
+            (layout == "partitioned").then_some(Goal::AtMost(2.0)),
+        ));
+    }
+    out.into_iter().flatten().collect()
+}
+
+/// Part `partition`'s one line as keyed runs: per layout, the sweep alone and the claims
+/// (idle: the mean of the phases before and after).
+fn expand_partition(raw: &Raw) -> Vec<Raw> {
+    let mut out = Vec::new();
+    for layout in ["delete", "partitioned"] {
+        let m = &raw.m[layout];
+        let sub = |case: &str, variant: String, m: Value| Raw {
+            part: raw.part.clone(),
+            case: case.into(),
+            conns: 0,
+            variant,
+            round: raw.round,
+            m,
+        };
+        let avg = |f: &str| {
+            (m["idle_before"][f].as_f64().unwrap_or(f64::NAN) + m["idle_after"][f].as_f64().unwrap_or(f64::NAN)) / 2.0
+        };
+        let idle = json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") });
+        out.push(sub(
+            "sweep",
+            layout.into(),
+            json!({
+                "wal_bytes": m["wal_bytes"],
+                "database_wal_bytes": m["database_wal_bytes"],
+                "sweep_seconds": m["sweep_seconds"],
+            }),
+        ));
+        out.push(sub("claim", format!("{layout}-idle"), idle));
+        out.push(sub("claim", format!("{layout}-sweeping"), m["sweeping"].clone()));
     }
     out
 }
@@ -334,6 +416,7 @@ fn expand(raw: Raw) -> Vec<Raw> {
             vec![sub("idle", "claim", &idle), sub("sweeping", "claim", &raw.m["sweeping"])]
         }
         "size" => vec![sub("raw", "", &raw.m["raw"]), sub("compressed", "", &raw.m["compressed"])],
+        "partition" => expand_partition(&raw),
         _ => vec![raw],
     }
 }
@@ -343,6 +426,8 @@ fn fmt(x: f64) -> String {
         "-".into()
     } else if x.abs() >= 100.0 {
         format!("{x:.0}")
+    } else if x != 0.0 && x.abs() < 0.1 {
+        format!("{x:.4}")
     } else {
         format!("{x:.2}")
     }
@@ -458,5 +543,31 @@ mod tests {
         assert_eq!((r.ratio, r.ratio_min, r.ratio_max, r.rounds), (0.9, 0.8, 0.95, 3));
         assert_eq!(r.met, Some(true));
         assert!(!Goal::AtMost(2.0).met(2.5));
+    }
+
+    #[test]
+    fn the_partition_line_becomes_its_rows() {
+        let claims = |p50: u64, p99: u64| json!({ "rps": 500.0, "p50_us": p50, "p99_us": p99 });
+        let layout = |wal: f64, idle99: u64, sweep99: u64| {
+            json!({
+                "wal_bytes": wal, "database_wal_bytes": wal / 2.0, "sweep_seconds": 1.0,
+                "idle_before": claims(1000, idle99), "idle_after": claims(3000, idle99 * 3), "sweeping": claims(0, sweep99),
+            })
+        };
+        let line = json!({ "part": "partition", "case": "sweep", "variant": "all", "round": 1,
+            "m": { "delete": layout(1e8, 10, 30), "partitioned": layout(1e4, 20, 40) } });
+        let mut runs = Runs(BTreeMap::new());
+        for r in expand(serde_json::from_value(line).expect("raw")) {
+            runs.0.entry(key(&r.part, &r.case, r.conns, &r.variant)).or_default().insert(r.round, r.m);
+        }
+        let rows = partition_ratios(&runs);
+        let wal = rows.iter().find(|r| r.metric == "wal_bytes").expect("WAL row");
+        assert_eq!((wal.ratio, wal.met), (1e-4, Some(true)));
+        let db = rows.iter().find(|r| r.metric == "database_wal_bytes").expect("database WAL row");
+        assert_eq!(db.ratio, 1e-4);
+        // Idle is the mean of the phases before and after: partitioned 40 / 40, delete 30 / 20.
+        let p99 = |what: &str| rows.iter().find(|r| r.what == what).expect(what).ratio;
+        assert_eq!(p99("partitioned: claim p99 sweeping / idle"), 1.0);
+        assert_eq!(p99("delete: claim p99 sweeping / idle"), 1.5);
     }
 }

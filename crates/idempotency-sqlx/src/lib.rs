@@ -1,7 +1,8 @@
 #![doc = include_str!("../README.md")]
 //!
 //! The stores: [`SqliteStore`] and [`PostgresStore`]; see [`ClaimStrategy`] for the two claim
-//! statements on offer on PostgreSQL.
+//! statements on offer on PostgreSQL, and [`PartitionedPostgresStore`] for the opt-in layout
+//! partitioned by expiry day, whose sweeper drops whole days.
 //!
 //! With the `sqlite` feature: [`SqliteStore`], [`sqlite_migrator`], [`sqlite_pool_options`].
 //! With `postgres`: [`PostgresStore`], [`postgres_migrator`], [`postgres_pool_options`].
@@ -11,6 +12,11 @@
 //! The schema is created by versioned sqlx migrations ([`sqlite_migrator`], [`postgres_migrator`],
 //! or simply [`SqliteStore::migrate`] / [`PostgresStore::migrate`]): one table,
 //! `idempotency_records`, primary key `(principal, endpoint, key)`, an index on `expires_at`.
+//!
+//! The opt-in partitioned layout ([`PartitionedPostgresStore::migrate`],
+//! [`postgres_partitioned_migrator`]) creates `idempotency_records_by_day` and its claim function,
+//! with a history table of its own, [`PARTITIONED_MIGRATIONS_TABLE`]; the store creates the
+//! day partitions itself.
 //!
 //! A service usually keeps its own tables in the same database and runs its own sqlx migrator.
 //! Two migrators that share sqlx's default bookkeeping table `_sqlx_migrations` break each
@@ -45,6 +51,8 @@
 //! ownership.
 
 mod migrate;
+#[cfg(feature = "postgres")]
+mod partitioned;
 mod pool;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -63,6 +71,11 @@ pub use migrate::postgres_migrator;
 #[cfg(feature = "sqlite")]
 pub use migrate::sqlite_migrator;
 pub use migrate::{BadMigrationName, MIGRATIONS_TABLE, embedded_migrator};
+#[cfg(feature = "postgres")]
+pub use partitioned::{
+    DEFAULT_DAYS_AHEAD, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,
+    postgres_partitioned_migrator,
+};
 pub use pool::PING_IF_IDLE_FOR;
 #[cfg(feature = "postgres")]
 pub use pool::postgres_pool_options;

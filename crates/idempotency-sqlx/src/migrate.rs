@@ -118,6 +118,10 @@ mod tests {
         {
             let (ours, sqlx) = compare_with_directory(&postgres_migrator(), &root.join("migrations/postgres")).await;
             assert_eq!(ours, sqlx);
+            let partitioned = crate::postgres_partitioned_migrator();
+            let (ours, sqlx) =
+                compare_with_directory(&partitioned, &root.join("migrations/postgres-partitioned")).await;
+            assert_eq!(ours, sqlx);
         }
     }
 }

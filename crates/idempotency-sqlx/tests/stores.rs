@@ -17,7 +17,7 @@ mod support {
     use idempotency::conformance::Fixture;
     use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
     use idempotency_sqlx::testing::TestDatabase;
-    use idempotency_sqlx::{ClaimStrategy, PostgresStore, SqliteStore};
+    use idempotency_sqlx::{ClaimStrategy, PartitionedPostgresStore, PostgresStore, SqliteStore};
     use sqlx::postgres::{PgPool, PgPoolOptions};
 
     /// A store that keeps what it lives in (a temp dir, a test database) alive as long as it is.
@@ -94,6 +94,22 @@ mod support {
         Some(Fixture { store: Arc::new(Holding::new(store, db.clone())), peer: Arc::new(Holding::new(peer, db)) })
     }
 
+    /// A fresh database with the layout partitioned by expiry day; two pools, as two replicas.
+    pub(crate) async fn partitioned_fixture() -> Option<Fixture> {
+        let (store, db) = partitioned_store().await?;
+        let db = Arc::new(db);
+        let peer = PartitionedPostgresStore::from_pool(pg_pool(db.url()).await);
+        Some(Fixture { store: Arc::new(Holding::new(store, db.clone())), peer: Arc::new(Holding::new(peer, db)) })
+    }
+
+    /// A store with the partitioned layout on a fresh, migrated database, and the database.
+    pub(crate) async fn partitioned_store() -> Option<(PartitionedPostgresStore, TestDatabase)> {
+        let db = TestDatabase::create().await?;
+        let store = PartitionedPostgresStore::from_pool(pg_pool(db.url()).await);
+        store.migrate().await.expect("migrate");
+        Some((store, db))
+    }
+
     /// A PostgreSQL store on a fresh, migrated database, and the database.
     pub(crate) async fn postgres_store(strategy: ClaimStrategy) -> Option<(PostgresStore, TestDatabase)> {
         let db = TestDatabase::create().await?;
@@ -109,6 +125,7 @@ idempotency::store_conformance_suite!(
     postgres_seed_upsert,
     optional support::postgres_fixture(ClaimStrategy::SeedUpsert)
 );
+idempotency::store_conformance_suite!(postgres_partitioned, whole_days optional support::partitioned_fixture());
 
 /// Requests and responses for the backend-specific tests.
 mod common {
@@ -576,3 +593,192 @@ const _: fn(SqliteStore, PostgresStore) -> (Fixture, Fixture) = |s, p| {
     let p: Arc<dyn idempotency::Store> = Arc::new(p);
     (Fixture { store: s.clone(), peer: s }, Fixture { store: p.clone(), peer: p })
 };
+
+/// The layout partitioned by expiry day: one owner per key with no table-wide unique index,
+/// whole days swept, partitions made ahead and on demand.
+mod postgres_partitioned_layout {
+    use std::sync::Arc;
+
+    use chrono::{Duration as Span, NaiveDate, TimeZone, Utc};
+    use idempotency::{
+        ClaimOutcome, ClaimRequest, Fingerprint, RecordState, Scope, Store, StoreError, Sweeper, Timestamp, now,
+    };
+    use idempotency_sqlx::PartitionedPostgresStore;
+    use sqlx::postgres::PgPoolOptions;
+
+    use crate::common::{own, request, response, unique_scope};
+    use crate::support::partitioned_store;
+
+    fn midnight(day: NaiveDate) -> Timestamp {
+        Utc.from_utc_datetime(&day.and_time(chrono::NaiveTime::MIN))
+    }
+
+    fn claim_request(scope: &Scope, at: Timestamp, expires_at: Timestamp) -> ClaimRequest {
+        ClaimRequest { scope: scope.clone(), fingerprint: Fingerprint::from_stored("sha256:ab"), now: at, expires_at }
+    }
+
+    async fn rows_of(store: &PartitionedPostgresStore, scope: &Scope) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_records_by_day WHERE principal = $1 AND key = $2")
+            .bind(scope.principal.as_str())
+            .bind(scope.key.as_str())
+            .fetch_one(store.pool())
+            .await
+            .expect("count")
+    }
+
+    /// Many tasks on two pools claim one key at once, their requests' expiries alternating
+    /// between two days (so their inserts would land in two partitions, where no unique index
+    /// could stop a second row): exactly one owns it, and the table holds one row. Then the same
+    /// race on an expired record, which every claimer tries to replace.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_claims_of_one_key_have_one_owner_across_days() {
+        let Some((store, db)) = partitioned_store().await else { return };
+        let pool = || PgPoolOptions::new().max_connections(12).connect(db.url());
+        let stores = [
+            Arc::new(PartitionedPostgresStore::from_pool(pool().await.expect("pool"))),
+            Arc::new(PartitionedPostgresStore::from_pool(pool().await.expect("pool"))),
+        ];
+        // A midnight with partitions on both sides of it.
+        let boundary = midnight(now().date_naive() + chrono::Days::new(2));
+        const TASKS: usize = 48;
+        for round in 0..6 {
+            let scope = unique_scope();
+            let t = now();
+            if round % 2 == 1 {
+                // An expired record to replace, from three days ago.
+                let old = t - Span::days(3);
+                let c = own(&store, claim_request(&scope, old, old + Span::minutes(1))).await;
+                store.complete(&c, &response(), old + Span::minutes(1)).await.expect("complete");
+            }
+            let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
+            let tasks: Vec<_> = (0..TASKS)
+                .map(|i| {
+                    let (store, barrier, scope) = (stores[i % 2].clone(), barrier.clone(), scope.clone());
+                    let side = if i % 4 < 2 { -Span::milliseconds(1) } else { Span::milliseconds(1) };
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        store.claim(claim_request(&scope, t, boundary + side)).await
+                    })
+                })
+                .collect();
+            let mut owners = 0;
+            for task in tasks {
+                match task.await.expect("task").expect("claim") {
+                    ClaimOutcome::Owned(_) => owners += 1,
+                    ClaimOutcome::Existing(r) => assert_eq!(r.state, RecordState::InFlight),
+                }
+            }
+            assert_eq!(owners, 1, "round {round}: one key, one owner");
+            assert_eq!(rows_of(&store, &scope).await, 1, "round {round}: one key, one row");
+        }
+    }
+
+    /// A sweep drops exactly the partitions whose day has ended by its `now`, counts their
+    /// records exactly, and keeps every record of a day not yet over, expired or not.
+    #[tokio::test]
+    async fn the_sweep_drops_only_ended_days_and_counts_exactly() {
+        let Some((store, _db)) = partitioned_store().await else { return };
+        let today = now().date_naive();
+        let d0 = midnight(today);
+        let (gone, kept): (Vec<Timestamp>, Vec<Timestamp>) = (
+            vec![d0 - Span::hours(36), d0 - Span::microseconds(1)],
+            vec![d0, d0 + Span::hours(11), d0 + Span::days(1) + Span::hours(1)],
+        );
+        let mut scopes = vec![];
+        for (i, &expires) in gone.iter().chain(&kept).enumerate() {
+            let scope = unique_scope();
+            let c = own(&store, claim_request(&scope, expires - Span::hours(1), expires)).await;
+            if i % 2 == 0 {
+                store.complete(&c, &response(), expires).await.expect("complete");
+            }
+            scopes.push(scope);
+        }
+        let at = d0 + Span::hours(12);
+        assert_eq!(store.sweep_expired(at, 1).await.expect("sweep"), 2, "the two records of ended days");
+        for (scope, expected) in scopes.iter().zip([false, false, true, true, true]) {
+            assert_eq!(store.get(scope).await.expect("get").is_some(), expected, "{scope:?}");
+        }
+        assert_eq!(store.sweep_expired(at, 1).await.expect("sweep"), 0, "nothing more has ended");
+        let days = store.partition_days().await.expect("days");
+        assert_eq!(days.first(), Some(&today), "{days:?}");
+
+        // When today ends, today's two records go; tomorrow's stays.
+        assert_eq!(store.sweep_expired(d0 + Span::days(1), 1000).await.expect("sweep"), 2);
+        let alive: Vec<bool> = futures::future::join_all(scopes.iter().map(|s| store.get(s)))
+            .await
+            .into_iter()
+            .map(|r| r.expect("get").is_some())
+            .collect();
+        assert_eq!(alive, [false, false, false, false, true]);
+
+        // The Sweeper reports the exact count it dropped.
+        let past = now() - Span::days(10);
+        for _ in 0..3 {
+            own(&store, claim_request(&unique_scope(), past, past + Span::hours(1))).await;
+        }
+        let swept = Sweeper::new(Arc::new(store.clone()), std::time::Duration::from_secs(60)).run_once().await;
+        assert_eq!(swept.expect("sweep"), 3);
+    }
+
+    /// The partitions of today and the days ahead exist after `migrate` and after every sweep;
+    /// a write whose expiry has no partition creates it; a completion moves the record to the
+    /// partition of its new expiry.
+    #[tokio::test]
+    async fn partitions_are_created_ahead_and_on_demand() {
+        let Some((store, _db)) = partitioned_store().await else { return };
+        let today = now().date_naive();
+        let ahead = |n: u64| (0..=n).map(|d| today + chrono::Days::new(d)).collect::<Vec<_>>();
+        assert_eq!(store.partition_days().await.expect("days"), ahead(u64::from(idempotency_sqlx::DEFAULT_DAYS_AHEAD)));
+        let store = store.with_days_ahead(6);
+        store.sweep_expired(now(), 1000).await.expect("sweep");
+        assert_eq!(store.partition_days().await.expect("days"), ahead(6));
+
+        let t = now();
+        let scope = unique_scope();
+        let c = own(&store, claim_request(&scope, t, t + Span::days(40))).await;
+        assert!(store.partition_days().await.expect("days").contains(&(t + Span::days(40)).date_naive()));
+        let retention = t + Span::days(100);
+        store.complete(&c, &response(), retention).await.expect("complete");
+        let (partition, expires): (String, Timestamp) = sqlx::query_as(
+            "SELECT tableoid::regclass::text, expires_at FROM idempotency_records_by_day WHERE key = $1",
+        )
+        .bind(scope.key.as_str())
+        .fetch_one(store.pool())
+        .await
+        .expect("row");
+        assert_eq!(partition, format!("idempotency_records_by_day_p{}", retention.format("%Y%m%d")));
+        assert_eq!(expires, chrono::SubsecRound::trunc_subsecs(retention, 6));
+        assert_eq!(store.get(&scope).await.expect("get").expect("row").state, RecordState::Completed);
+    }
+
+    /// Heartbeats racing with the completion that moves their row to another partition settle
+    /// (they meet the moved row, run again and are fenced): never an error, one row left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn updates_racing_with_a_move_between_partitions_settle() {
+        let Some((store, db)) = partitioned_store().await else { return };
+        let peer = Arc::new(PartitionedPostgresStore::from_pool(
+            PgPoolOptions::new().max_connections(8).connect(db.url()).await.expect("pool"),
+        ));
+        for _ in 0..10 {
+            let t = now();
+            let scope = unique_scope();
+            let claim = Arc::new(own(&store, request(&scope, t)).await);
+            let beats: Vec<_> = (0..8)
+                .map(|i| {
+                    let (peer, claim) = (peer.clone(), claim.clone());
+                    tokio::spawn(async move { peer.heartbeat(&claim, t + Span::milliseconds(i)).await })
+                })
+                .collect();
+            store.complete(&claim, &response(), t + Span::days(3)).await.expect("complete");
+            for beat in beats {
+                match beat.await.expect("task") {
+                    Ok(()) | Err(StoreError::Fenced { .. }) => {}
+                    Err(e) => panic!("a heartbeat must settle, not fail: {e:?}"),
+                }
+            }
+            assert_eq!(rows_of(&store, &scope).await, 1);
+            let r = store.get(&scope).await.expect("get").expect("row");
+            assert_eq!(r.state, RecordState::Completed);
+        }
+    }
+}

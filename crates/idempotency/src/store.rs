@@ -117,6 +117,11 @@ pub trait Store: Send + Sync + 'static {
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError>;
 
     /// Deletes at most `batch` records with `expires_at <= now`; returns how many it deleted.
+    ///
+    /// A store that drops whole partitions of expired records (PostgreSQL partitioned by expiry
+    /// day) deletes, in one call, every record of each partition that has expired as a whole,
+    /// however many (dropping costs the same whatever a partition holds), and returns that
+    /// exact count; records whose partition has not expired as a whole stay until it has.
     async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError>;
 
     /// Checks that the store answers.

@@ -122,6 +122,76 @@ pub async fn expired_records_vanish_without_a_sweep(fx: Fixture) {
     assert_eq!((kept.record_id, kept.state), (c.record().record_id, RecordState::Completed));
 }
 
+/// For a store that sweeps whole days of expiry (UTC) at once, in place of
+/// [`expiry_frees_the_key`]: an expired record counts as absent to a claim before any sweep, and
+/// a sweep once the record's expiry day has ended removes it; the key is then free.
+pub async fn expiry_frees_the_key_by_the_day(fx: Fixture) {
+    // Three days ago, so that the records' expiry day has ended by now.
+    let t = now() - Span::days(3);
+    let (swept, unswept) = (fresh_scope(), fresh_scope());
+    let mut first_ids = vec![];
+    for scope in [&swept, &unswept] {
+        let c = owned(&*fx.store, request(scope, &fp("a"), t)).await;
+        fx.store.complete(&c, &response(201, b"old"), t + Span::seconds(60)).await.expect("complete");
+        first_ids.push(c.record().record_id);
+    }
+    existing(&*fx.peer, request(&swept, &fp("a"), t + Span::seconds(59))).await;
+
+    // Expired: absent to a claim before any sweep. The new record lives until tomorrow.
+    let at = t + Span::seconds(61);
+    let renewed =
+        ClaimRequest { scope: unswept.clone(), fingerprint: fp("b"), now: at, expires_at: now() + Span::days(1) };
+    let again = owned(&*fx.peer, renewed).await;
+    assert_ne!(again.record().record_id, first_ids[1]);
+    assert_eq!(again.generation(), 1);
+    assert_ne!(again.derive("alloc"), crate::derive(again.scope(), &first_ids[1], "alloc"));
+
+    let mut n = 0;
+    loop {
+        let k = fx.store.sweep_expired(now(), 1000).await.expect("sweep");
+        n += k;
+        if k < 1000 {
+            break;
+        }
+    }
+    assert!(n >= 1, "the expired record must be swept once its day has ended");
+    assert!(fx.store.get(&swept).await.expect("get").is_none());
+    let kept = fx.peer.get(&unswept).await.expect("get").expect("the re-claimed record is live");
+    assert_eq!(kept.record_id, again.record().record_id);
+    let fresh = owned(&*fx.store, request(&swept, &fp("c"), now())).await;
+    assert_ne!(fresh.record().record_id, first_ids[0]);
+}
+
+/// For a store that sweeps whole days of expiry (UTC) at once, in place of
+/// [`sweep_is_bounded_and_spares_live_records`]: a sweep removes every record whose expiry day
+/// has ended, whatever the batch, and never a live record, not even one that expires later
+/// today or was completed with a long retention.
+pub async fn sweep_drops_ended_days_and_spares_live_records(fx: Fixture) {
+    let t = now() - Span::days(3650);
+    let live = fresh_scope();
+    let c = owned(&*fx.store, request(&live, &fp("a"), t)).await;
+    fx.store.complete(&c, &response(201, b"{}"), t + Span::days(36500)).await.expect("complete");
+    let soon = fresh_scope();
+    let s = owned(&*fx.store, request(&soon, &fp("a"), now())).await;
+    fx.store.complete(&s, &response(201, b"{}"), now() + Span::seconds(30)).await.expect("complete");
+    let mut expired = vec![];
+    for _ in 0..25 {
+        let s = fresh_scope();
+        let c = owned(&*fx.store, request(&s, &fp("a"), t)).await;
+        fx.store.complete(&c, &response(201, b"{}"), t + Span::seconds(1)).await.expect("complete");
+        expired.push(s);
+    }
+    let first = fx.store.sweep_expired(now(), 10).await.expect("sweep");
+    assert!(first >= 25, "a whole day goes at once, whatever the batch: {first}");
+    for s in &expired {
+        assert!(fx.peer.get(s).await.expect("get").is_none());
+    }
+    for s in [&live, &soon] {
+        let kept = fx.peer.get(s).await.expect("get").expect("a live record is kept");
+        assert_eq!(kept.state, RecordState::Completed);
+    }
+}
+
 /// A reclaim moves `expires_at` to at least the new attempt's expiry (never earlier): a retry
 /// near the end of the retention window is neither swept nor replaced by a new record while it
 /// runs.

@@ -136,8 +136,19 @@ pub(super) async fn existing(store: &dyn Store, req: ClaimRequest) -> crate::Rec
 /// [`expired_records_vanish_without_a_sweep`] in place of [`expiry_frees_the_key`] and
 /// [`sweep_is_bounded_and_spares_live_records`], which need a sweep to delete records that
 /// expire at a time the test names.
+///
+/// A store that sweeps whole days of expiry at once (PostgreSQL partitioned by expiry day),
+/// whose sweep so removes a record only once its expiry day has ended and is not bounded by the
+/// batch, writes `whole_days optional`: [`expiry_frees_the_key_by_the_day`] and
+/// [`sweep_drops_ended_days_and_spares_live_records`] replace the same two cases.
 #[macro_export]
 macro_rules! store_conformance_suite {
+    ($name:ident, whole_days optional $fixture:expr) => {
+        $crate::store_conformance_suite!(@suite $name, $fixture;
+            expiry_frees_the_key_by_the_day,
+            sweep_drops_ended_days_and_spares_live_records,
+        );
+    };
     ($name:ident, self_expiring optional $fixture:expr) => {
         $crate::store_conformance_suite!(@suite $name, $fixture;
             expiry_frees_the_key_by_itself,

@@ -1,0 +1,201 @@
+//! Retention at scale: sweeping 1M expired records with the default layout's batched DELETE
+//! against dropping whole days with the layout partitioned by expiry day. Per layout: the WAL
+//! the sweep writes and how long it takes (alone), then claim latency while it runs against idle.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{NaiveTime, TimeZone, Utc};
+use clap::Args;
+use idempotency::{ClaimOutcome, Store, Sweeper, Timestamp, now};
+use idempotency_sqlx::{PartitionedPostgresStore, PostgresStore};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::load::{self, Stats};
+use crate::pg::{claim_request, response};
+
+#[derive(Debug, Args)]
+pub(crate) struct PartitionArgs {
+    #[arg(long)]
+    database: String,
+    /// Expired rows to insert and sweep, per layout and phase.
+    #[arg(long, default_value_t = 1_000_000)]
+    rows: u32,
+    /// Claiming tasks, each pausing `--pace-ms` between claims.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 5)]
+    pace_ms: u64,
+    #[arg(long, default_value_t = 5.0)]
+    idle_seconds: f64,
+    /// Stop measuring (the sweep goes on) after this long.
+    #[arg(long, default_value_t = 120.0)]
+    max_sweep_seconds: f64,
+}
+
+/// One layout: its store and the table the rows go into.
+struct Layout {
+    name: &'static str,
+    store: Arc<dyn Store>,
+    pool: PgPool,
+    table: &'static str,
+    /// The partitioned store, which must create the (past) day's partition before a load.
+    partitioned: Option<PartitionedPostgresStore>,
+}
+
+/// The end of yesterday (UTC) less an hour: expired, and on a day that has ended, so both
+/// layouts' sweeps remove every such row.
+fn expired_at() -> Timestamp {
+    Utc.from_utc_datetime(&now().date_naive().and_time(NaiveTime::MIN)) - chrono::Duration::hours(1)
+}
+
+/// Inserts `count` completed, expired records in one statement, then vacuums and checkpoints
+/// so that neither autovacuum nor the first writes' full-page images of the load land in the
+/// measurement.
+async fn load_expired(l: &Layout, prefix: &str, count: u32) -> anyhow::Result<u64> {
+    if let Some(p) = &l.partitioned {
+        p.create_partition(expired_at().date_naive()).await?;
+    }
+    let r = response();
+    let sql = format!(
+        "INSERT INTO {} (principal, endpoint, key, record_id, fingerprint, state, generation, \
+           response_status, response_headers, response_body, response_encoding, created_at, started_at, expires_at) \
+         SELECT 'bench', 'POST /v1/workers', $1 || g, decode(lpad(to_hex(g), 32, '0'), 'hex'), 'sha256:00', \
+           'completed', 1, $2, $3, $4, $5, $6 - interval '1 hour', $6 - interval '1 hour', $6 \
+         FROM generate_series(0, $7 - 1) AS g",
+        l.table
+    );
+    let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(prefix)
+        .bind(i32::from(r.status))
+        .bind(r.headers_json())
+        .bind(r.body.stored_bytes().as_ref())
+        .bind(r.body.encoding().as_str())
+        .bind(expired_at())
+        .bind(i64::from(count))
+        .execute(&l.pool)
+        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM (ANALYZE) {}", l.table))).execute(&l.pool).await?;
+    sqlx::query("CHECKPOINT").execute(&l.pool).await?;
+    Ok(done.rows_affected())
+}
+
+async fn wal_lsn(pool: &PgPool) -> anyhow::Result<String> {
+    Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(pool).await?)
+}
+
+async fn wal_since(pool: &PgPool, before: &str) -> anyhow::Result<f64> {
+    Ok(sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
+        .bind(before)
+        .fetch_one(pool)
+        .await?)
+}
+
+/// The WAL since `before` that touched this database's pages (`pg_walinspect`, when the server
+/// has it): what the sweep wrote, without other databases' writes on a shared server. Records
+/// that touch no page (commits) are left out, for both layouts.
+async fn database_wal_since(pool: &PgPool, before: &str) -> anyhow::Result<Option<f64>> {
+    if sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_walinspect").execute(pool).await.is_err() {
+        return Ok(None);
+    }
+    let pattern: String =
+        sqlx::query_scalar("SELECT '%/' || oid || '/%' FROM pg_database WHERE datname = current_database()")
+            .fetch_one(pool)
+            .await?;
+    Ok(Some(
+        sqlx::query_scalar(
+            "SELECT coalesce(sum(record_length), 0)::float8 \
+             FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_lsn()) WHERE block_ref LIKE $2",
+        )
+        .bind(before)
+        .bind(pattern)
+        .fetch_one(pool)
+        .await?,
+    ))
+}
+
+async fn claims(store: &Arc<dyn Store>, a: &PartitionArgs, tag: String, max: f64, stop: Arc<AtomicBool>) -> Stats {
+    let store = store.clone();
+    let pace = Duration::from_millis(a.pace_ms);
+    load::run_until(a.concurrency, Duration::from_secs_f64(max), pace, stop, move |task, i| {
+        let (store, key) = (store.clone(), format!("pt-{tag}-{task}-{i}"));
+        async move { Ok(matches!(store.claim(claim_request(&key)?).await?, ClaimOutcome::Owned(_))) }
+    })
+    .await
+}
+
+/// One pass of the service's sweeper over everything expired.
+async fn sweep(store: &Arc<dyn Store>) -> anyhow::Result<u64> {
+    Ok(Sweeper::new(store.clone(), Duration::from_secs(3600)).run_once().await?)
+}
+
+async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
+    let never = || Arc::new(AtomicBool::new(false));
+    // Alone: WAL and duration. The WAL position is the server's, so anything else writing to
+    // the same server during the sweep counts too: run on a quiet server.
+    load_expired(l, &format!("{}-a-", l.name), a.rows).await?;
+    let before = wal_lsn(&l.pool).await?;
+    let t = Instant::now();
+    let swept = sweep(&l.store).await?;
+    let sweep_seconds = t.elapsed().as_secs_f64();
+    let wal_bytes = wal_since(&l.pool, &before).await?;
+    let database_wal_bytes = database_wal_since(&l.pool, &before).await?;
+
+    // Under claims: idle, sweeping, idle.
+    load_expired(l, &format!("{}-b-", l.name), a.rows).await?;
+    let idle_before = claims(&l.store, a, format!("{}-idle1", l.name), a.idle_seconds, never()).await;
+    let done = never();
+    let sweeping = {
+        let (store, done) = (l.store.clone(), done.clone());
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let swept = sweep(&store).await;
+            done.store(true, Ordering::Relaxed);
+            (swept, t.elapsed().as_secs_f64())
+        })
+    };
+    let during = claims(&l.store, a, format!("{}-sweep", l.name), a.max_sweep_seconds, done.clone()).await;
+    let (swept_loaded, loaded_seconds) = sweeping.await?;
+    let swept_loaded = swept_loaded?;
+    let idle_after = claims(&l.store, a, format!("{}-idle2", l.name), a.idle_seconds, never()).await;
+    Ok(json!({
+        "swept": swept, "sweep_seconds": sweep_seconds, "wal_bytes": wal_bytes,
+        "wal_bytes_per_row": wal_bytes / swept.max(1) as f64, "database_wal_bytes": database_wal_bytes,
+        "swept_under_claims": swept_loaded, "sweep_seconds_under_claims": loaded_seconds,
+        "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
+    }))
+}
+
+/// Both layouts in one database, one after the other; prints one JSON object with a member per
+/// layout.
+pub(crate) async fn partition(a: PartitionArgs) -> anyhow::Result<()> {
+    let delete = PostgresStore::connect(&a.database).await?;
+    delete.migrate().await?;
+    let partitioned = PartitionedPostgresStore::connect(&a.database).await?;
+    partitioned.migrate().await?;
+    let layouts = [
+        Layout {
+            name: "delete",
+            pool: delete.pool().clone(),
+            store: Arc::new(delete),
+            table: "idempotency_records",
+            partitioned: None,
+        },
+        Layout {
+            name: "partitioned",
+            pool: partitioned.pool().clone(),
+            store: Arc::new(partitioned.clone()),
+            table: "idempotency_records_by_day",
+            partitioned: Some(partitioned.clone()),
+        },
+    ];
+    let mut out = serde_json::Map::new();
+    for l in &layouts {
+        let m = measure(l, &a).await?;
+        out.insert(l.name.into(), m);
+    }
+    println!("{}", Value::Object(out));
+    Ok(())
+}

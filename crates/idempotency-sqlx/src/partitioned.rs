@@ -1,0 +1,582 @@
+//! The PostgreSQL store on a records table partitioned by expiry day: the opt-in layout for
+//! retention at scale, where the sweeper drops whole days instead of deleting rows.
+//!
+//! # Layout
+//!
+//! `idempotency_records_by_day` (its own table, beside the default layout's
+//! `idempotency_records`) is partitioned by range on `expires_at`, one partition per UTC day,
+//! named `idempotency_records_by_day_pYYYYMMDD`. The partition key is the expiry itself, so when
+//! an update moves a record's expiry to another day (a completion stores the retention, a reclaim
+//! extends it) PostgreSQL moves the row to that day's partition. Every row of day D's partition
+//! therefore expires before D + 1 day: once `D + 1 day <= now`, every row in it has expired for
+//! sure, and dropping the partition removes exactly what a `DELETE ... WHERE expires_at <= now`
+//! would have removed from it (PostgreSQL itself enforces the bound on every insert and update).
+//!
+//! # One key, one record
+//!
+//! A unique index on a partitioned table must contain the partition key, so
+//! `(principal, endpoint, key)` is not unique across partitions by an index. Claims are
+//! serialised per key instead: the claim is one call of the `idempotency_claim_by_day` function
+//! (one round trip, see the migration), which takes a transaction-scoped advisory lock on a hash
+//! of the scope, then looks the key up, then inserts or replaces. Only the claim creates a record
+//! for a key, always under that lock, and each statement of the function reads a fresh snapshot
+//! (READ COMMITTED; the function refuses any other isolation), so the look-up sees every earlier
+//! claim of the key. The other transitions change an existing row found by its scope, record id
+//! and generation, like the default layout's; an update that moves the row between partitions
+//! is a delete and an insert in one transaction, which a snapshot sees as one row. An update that
+//! meets a row a concurrent update just moved fails with a serialization failure (SQLSTATE
+//! 40001); the store runs the statement again, which is safe since every update is a
+//! compare-and-set.
+//!
+//! # Partitions
+//!
+//! [`PartitionedPostgresStore::sweep_expired`] creates the partitions of today and the next
+//! [`days_ahead`](PartitionedPostgresStore::with_days_ahead) days, then detaches and drops every
+//! partition whose day has ended. A write whose expiry falls on a day without a partition (a
+//! retention longer than the days created ahead, a clock far off) creates that day's partition
+//! and runs again, so a claim never fails for want of one. Creating attaches a new empty table
+//! (`SHARE UPDATE EXCLUSIVE` on the parent: claims go on); detaching takes the parent's
+//! `ACCESS EXCLUSIVE` lock for a catalog update only (with a lock timeout, so it never queues
+//! claims behind a long transaction for long); the rows are then counted and the table dropped
+//! with no lock on the parent. There is no default partition: it would have to be scanned on
+//! every partition created.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{NaiveDate, TimeZone, Utc};
+use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+
+/// The partitioned table.
+pub const PARTITIONED_TABLE: &str = "idempotency_records_by_day";
+
+/// The default number of days after today whose partitions the sweeper creates ahead.
+pub const DEFAULT_DAYS_AHEAD: u32 = 3;
+
+/// Connections in a pool made by [`PartitionedPostgresStore::connect`].
+const MAX_CONNECTIONS: u32 = 10;
+
+/// How long the sweeper waits for the parent table's lock to detach a partition before it
+/// leaves the partition for its next pass: claims that arrive meanwhile queue behind it.
+const DETACH_LOCK_TIMEOUT: &str = "200ms";
+
+/// The advisory lock (two-int form, this layout's namespace) that serialises partition
+/// creation, detaching and dropping between replicas. The claim function uses the same first
+/// number with a hash of the scope as the second; a collision with `0` only makes one claim wait
+/// for one DDL transaction.
+const LOCK_NAMESPACE: i32 = 1_229_144_399;
+
+/// The partitioned layout's migrations (`migrations/postgres-partitioned/`), with a history
+/// table of their own so they run beside [`crate::postgres_migrator`]'s.
+pub const PARTITIONED_MIGRATIONS_TABLE: &str = "_idempotency_partitioned_migrations";
+
+/// The partitioned layout's migrator: the table and the claim function, no partitions (the store
+/// creates those).
+pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
+    let mut m = crate::embedded_migrator(crate::embedded_migrations!(
+        "migrations/postgres-partitioned",
+        "20261201000001_records_by_day.sql"
+    ))
+    .expect("the file names are checked by a test");
+    m.dangerous_set_table_name(PARTITIONED_MIGRATIONS_TABLE);
+    m
+}
+
+/// An [`idempotency::Store`] in PostgreSQL whose records table is partitioned by expiry day, so
+/// that [`Store::sweep_expired`] drops whole expired days (a catalog change and a file unlink)
+/// instead of deleting rows one by one (a WAL record and a dead tuple each). See the module
+/// docs for the design and [`crate::PostgresStore`] for the default layout.
+///
+/// The price: a key's partition is not known from the key, so every look-up probes each
+/// partition's index (today, the days ahead, the days not yet swept), and a claim takes an
+/// advisory lock. Use it when the retention's DELETE traffic (WAL, vacuum, replica lag) costs
+/// more than that.
+///
+/// `sweep_expired`'s `batch` bounds nothing here: each call drops every partition whose day
+/// has ended, whatever it holds, and returns the exact number of records they held.
+#[derive(Debug, Clone)]
+pub struct PartitionedPostgresStore {
+    pool: PgPool,
+    days_ahead: u32,
+}
+
+impl PartitionedPostgresStore {
+    /// Connects to `url` with a pool of up to 10 connections ([`crate::postgres_pool_options`]).
+    /// Does not create the table; call [`PartitionedPostgresStore::migrate`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = crate::postgres_pool_options(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Wraps an existing pool; creates partitions [`DEFAULT_DAYS_AHEAD`] days ahead.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self { pool, days_ahead: DEFAULT_DAYS_AHEAD }
+    }
+
+    /// Creates the partitions of the next `days` days ahead of today on every sweep (and
+    /// migration). Make it at least the retention in days plus one, so that claims and
+    /// completions find their partition ready; a missing one is created on demand, at the cost
+    /// of a catalog change on that request's path.
+    pub fn with_days_ahead(mut self, days: u32) -> Self {
+        self.days_ahead = days;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs the layout's migrations ([`postgres_partitioned_migrator`]) and creates the
+    /// partitions of today and the days ahead; safe to call on every start, from several
+    /// replicas at once.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        postgres_partitioned_migrator().run(&self.pool).await.map_err(StoreError::unavailable)?;
+        self.create_partitions_ahead(idempotency::now()).await
+    }
+
+    /// Creates the partitions of `now`'s day and the days ahead that do not exist yet.
+    pub async fn create_partitions_ahead(&self, now: Timestamp) -> Result<(), StoreError> {
+        let today = day_of(now);
+        let days: Vec<NaiveDate> =
+            (0..=u64::from(self.days_ahead)).filter_map(|d| today.checked_add_days(chrono::Days::new(d))).collect();
+        self.ensure_partitions(&days).await
+    }
+
+    /// Creates the partition of `day` if it does not exist (for example to load records
+    /// expiring on a day not created ahead).
+    pub async fn create_partition(&self, day: NaiveDate) -> Result<(), StoreError> {
+        self.ensure_partitions(&[day]).await
+    }
+
+    /// The days that have a partition now, oldest first.
+    pub async fn partition_days(&self) -> Result<Vec<NaiveDate>, StoreError> {
+        Ok(attached(&self.pool).await?.into_iter().collect())
+    }
+
+    /// Creates the partitions of `days` that are missing, in one transaction.
+    async fn ensure_partitions(&self, days: &[NaiveDate]) -> Result<(), StoreError> {
+        let have = attached(&self.pool).await?;
+        if days.iter().all(|d| have.contains(d)) {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await.map_err(db_error)?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+            .bind(LOCK_NAMESPACE)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        // Again under the lock: another replica may have created them meanwhile.
+        let have = attached(&mut *tx).await?;
+        for &day in days.iter().filter(|d| !have.contains(d)) {
+            let name = partition_name(day)?;
+            // A table of this name that is not a partition is what a sweep detached and did not
+            // get to drop (a crash in between): all its rows had expired. Never attach it back:
+            // its keys may have been claimed again since.
+            let ddl = format!(
+                r#"DROP TABLE IF EXISTS "{name}";
+                   CREATE TABLE "{name}" (LIKE {PARTITIONED_TABLE} INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+                   ALTER TABLE {PARTITIONED_TABLE} ATTACH PARTITION "{name}"
+                     FOR VALUES FROM ('{from} 00:00:00+00') TO ('{to} 00:00:00+00')"#,
+                from = day.format("%Y-%m-%d"),
+                to = next_day(day)?.format("%Y-%m-%d"),
+            );
+            sqlx::raw_sql(AssertSqlSafe(ddl)).execute(&mut *tx).await.map_err(db_error)?;
+        }
+        tx.commit().await.map_err(db_error)
+    }
+
+    /// Detaches every partition whose day ended by `now`, then counts and drops every detached
+    /// one. Returns the number of records dropped.
+    async fn drop_expired_partitions(&self, now: Timestamp) -> Result<u64, StoreError> {
+        for day in attached(&self.pool).await? {
+            if day_end(day)? > now {
+                break;
+            }
+            let mut tx = self.pool.begin().await.map_err(db_error)?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+                .bind(LOCK_NAMESPACE)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")))
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            if !attached(&mut *tx).await?.contains(&day) {
+                continue; // another replica's sweep took it
+            }
+            let name = partition_name(day)?;
+            let detach = format!(r#"ALTER TABLE {PARTITIONED_TABLE} DETACH PARTITION "{name}""#);
+            match sqlx::query(AssertSqlSafe(detach)).execute(&mut *tx).await {
+                Ok(_) => tx.commit().await.map_err(db_error)?,
+                // A long transaction holds the table: leave this day for the next pass rather
+                // than stall the claims queued behind us.
+                Err(e) if sqlstate(&e) == Some("55P03") => {
+                    tracing::info!(partition = %name, "partition busy; dropping it on a later sweep");
+                    break;
+                }
+                Err(e) => return Err(db_error(e)),
+            }
+        }
+        let mut dropped = 0;
+        for day in detached(&self.pool).await? {
+            if day_end(day)? > now {
+                continue;
+            }
+            let name = partition_name(day)?;
+            let mut tx = self.pool.begin().await.map_err(db_error)?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+                .bind(LOCK_NAMESPACE)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            if !detached(&mut *tx).await?.contains(&day) {
+                continue;
+            }
+            // Nothing writes to a detached table, so the count is exact. One process scans it:
+            // parallel workers would take every core from the claims for the scan's length.
+            sqlx::query("SET LOCAL max_parallel_workers_per_gather = 0").execute(&mut *tx).await.map_err(db_error)?;
+            let count: i64 = sqlx::query_scalar(AssertSqlSafe(format!(r#"SELECT count(*) FROM "{name}""#)))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            sqlx::query(AssertSqlSafe(format!(r#"DROP TABLE "{name}""#))).execute(&mut *tx).await.map_err(db_error)?;
+            tx.commit().await.map_err(db_error)?;
+            dropped += u64::try_from(count).unwrap_or(0);
+        }
+        Ok(dropped)
+    }
+
+    /// Runs `op` until it settles: again after a serialization failure (it met a row a
+    /// concurrent update moved to another partition), and once more after creating the
+    /// partition of `expiry` when no partition took the row.
+    async fn settle<T, F, Fut>(&self, expiry: Option<Timestamp>, mut op: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        let mut created = false;
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            match op().await {
+                Ok(v) => return Ok(v),
+                Err(e) if sqlstate(&e) == Some("40001") => continue,
+                // check_violation: no partition for the row (or a CHECK constraint, which
+                // fails again and is returned then).
+                Err(e) if sqlstate(&e) == Some("23514") && !created && expiry.is_some() => {
+                    let day = day_of(expiry.unwrap_or_else(idempotency::now));
+                    self.ensure_partitions(&[day]).await?;
+                    created = true;
+                }
+                Err(e) => return Err(db_error(e)),
+            }
+        }
+        Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
+    }
+}
+
+fn sqlstate(e: &sqlx::Error) -> Option<&str> {
+    match e {
+        sqlx::Error::Database(d) => d.code().map(|c| match c {
+            std::borrow::Cow::Borrowed(s) => s,
+            // sqlx's PostgreSQL errors borrow their code; an owned one is never one of ours.
+            std::borrow::Cow::Owned(_) => "",
+        }),
+        _ => None,
+    }
+}
+
+/// The UTC day of `t`.
+fn day_of(t: Timestamp) -> NaiveDate {
+    t.date_naive()
+}
+
+fn next_day(day: NaiveDate) -> Result<NaiveDate, StoreError> {
+    day.succ_opt().ok_or_else(|| StoreError::Corrupt(format!("no day after {day}")))
+}
+
+/// The first instant after `day`.
+fn day_end(day: NaiveDate) -> Result<Timestamp, StoreError> {
+    let next = next_day(day)?;
+    Ok(Utc.from_utc_datetime(&next.and_time(chrono::NaiveTime::MIN)))
+}
+
+const PARTITION_PREFIX: &str = "idempotency_records_by_day_p";
+
+/// `idempotency_records_by_day_pYYYYMMDD`; years outside 1..=9999 have no partition (and a
+/// record expiring then cannot be stored in this layout).
+fn partition_name(day: NaiveDate) -> Result<String, StoreError> {
+    use chrono::Datelike;
+    if !(1..=9999).contains(&day.year()) {
+        return Err(StoreError::unavailable(OutOfRange(day)));
+    }
+    Ok(format!("{PARTITION_PREFIX}{}", day.format("%Y%m%d")))
+}
+
+/// A record expiring on a day this layout cannot name.
+#[derive(Debug, thiserror::Error)]
+#[error("the partitioned layout stores expiries in the years 1 to 9999, not {0}")]
+struct OutOfRange(NaiveDate);
+
+fn parse_partition_name(name: &str) -> Option<NaiveDate> {
+    let digits = name.strip_prefix(PARTITION_PREFIX)?;
+    (digits.len() == 8).then(|| NaiveDate::parse_from_str(digits, "%Y%m%d").ok()).flatten()
+}
+
+/// The days whose partitions are attached.
+async fn attached<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = to_regclass('idempotency_records_by_day')",
+    )
+    .fetch_all(e)
+    .await
+    .map_err(db_error)?;
+    Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
+}
+
+/// The days of tables named like partitions that are not attached: detached by a sweep.
+async fn detached<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_class c \
+         WHERE c.relnamespace = to_regnamespace(current_schema())::oid AND c.relkind = 'r' \
+           AND NOT c.relispartition AND starts_with(c.relname::text, 'idempotency_records_by_day_p')",
+    )
+    .fetch_all(e)
+    .await
+    .map_err(db_error)?;
+    Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
+}
+
+const CLAIM: &str = "SELECT * FROM idempotency_claim_by_day($1, $2, $3, $4, $5, $6, $7)";
+
+const SELECT: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_records_by_day WHERE principal = $1 AND endpoint = $2 AND key = $3"
+);
+
+const RECLAIM: &str = concat!(
+    "UPDATE idempotency_records_by_day SET state = 'in_flight', generation = generation + 1, started_at = $6, \
+       expires_at = GREATEST(expires_at, $8) \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
+     RETURNING ",
+    record_columns!()
+);
+
+const COMPLETE: &str = "UPDATE idempotency_records_by_day SET state = 'completed', response_status = $6, \
+       response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+const FAIL: &str = "UPDATE idempotency_records_by_day SET state = 'failed' \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+const HEARTBEAT: &str = "UPDATE idempotency_records_by_day SET started_at = GREATEST(started_at, $6) \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+const REMOVE: &str = "DELETE FROM idempotency_records_by_day \
+     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+       AND state = 'in_flight'";
+
+fn decode(row: &PgRow) -> Result<Record, StoreError> {
+    let get = |e| db_error(e);
+    RawRecord {
+        principal: row.try_get(0).map_err(get)?,
+        endpoint: row.try_get(1).map_err(get)?,
+        key: row.try_get(2).map_err(get)?,
+        record_id: row.try_get(3).map_err(get)?,
+        fingerprint: row.try_get(4).map_err(get)?,
+        state: row.try_get(5).map_err(get)?,
+        generation: row.try_get(6).map_err(get)?,
+        response_status: row.try_get(7).map_err(get)?,
+        response_headers: row.try_get(8).map_err(get)?,
+        response_body: row.try_get(9).map_err(get)?,
+        response_encoding: row.try_get(10).map_err(get)?,
+        created_at: row.try_get(11).map_err(get)?,
+        started_at: row.try_get(12).map_err(get)?,
+        expires_at: row.try_get(13).map_err(get)?,
+    }
+    .into_record()
+}
+
+#[async_trait]
+impl Store for PartitionedPostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let fresh = req.new_record();
+        let pool = &self.pool;
+        let (req_ref, id) = (&req, fresh.record_id.as_bytes().as_slice());
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let row = self
+                .settle(Some(req.expires_at), move || {
+                    sqlx::query(CLAIM)
+                        .bind(req_ref.scope.principal.as_str())
+                        .bind(req_ref.scope.endpoint.as_str())
+                        .bind(req_ref.scope.key.as_str())
+                        .bind(id)
+                        .bind(req_ref.fingerprint.as_str())
+                        .bind(req_ref.now)
+                        .bind(req_ref.expires_at)
+                        .fetch_optional(pool)
+                })
+                .await?;
+            // None: the expired record it meant to replace changed under it; look again.
+            let Some(row) = row else { continue };
+            let inserted: bool = row.try_get(14).map_err(db_error)?;
+            let record = decode(&row)?;
+            return Ok(if inserted { ClaimOutcome::Owned(Claim::new(record)) } else { ClaimOutcome::Existing(record) });
+        }
+        Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
+    }
+
+    async fn reclaim(
+        &self,
+        record: &Record,
+        now: Timestamp,
+        in_flight_ttl: Duration,
+        expires_at: Timestamp,
+    ) -> Result<Option<Claim>, StoreError> {
+        let pool = &self.pool;
+        // NULL when no claim can be that old: `started_at <= NULL` is never true.
+        let cutoff = stale_cutoff(now, in_flight_ttl);
+        let row = self
+            .settle(Some(expires_at), move || {
+                sqlx::query(RECLAIM)
+                    .bind(record.scope.principal.as_str())
+                    .bind(record.scope.endpoint.as_str())
+                    .bind(record.scope.key.as_str())
+                    .bind(record.record_id.as_bytes().as_slice())
+                    .bind(record.generation)
+                    .bind(now)
+                    .bind(cutoff)
+                    .bind(expires_at)
+                    .fetch_optional(pool)
+            })
+            .await?;
+        row.map(|r| decode(&r).map(Claim::new)).transpose()
+    }
+
+    async fn complete(
+        &self,
+        claim: &Claim,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (pool, r) = (&self.pool, claim.record());
+        let headers = response.headers_json();
+        let headers = headers.as_str();
+        let done = self
+            .settle(Some(expires_at), move || {
+                sqlx::query(COMPLETE)
+                    .bind(r.scope.principal.as_str())
+                    .bind(r.scope.endpoint.as_str())
+                    .bind(r.scope.key.as_str())
+                    .bind(r.record_id.as_bytes().as_slice())
+                    .bind(r.generation)
+                    .bind(i32::from(response.status))
+                    .bind(headers)
+                    .bind(response.body.stored_bytes().as_ref())
+                    .bind(response.body.encoding().as_str())
+                    .bind(expires_at)
+                    .execute(pool)
+            })
+            .await?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.fenced_write(FAIL, claim, None).await
+    }
+
+    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+        self.fenced_write(HEARTBEAT, claim, Some(now)).await
+    }
+
+    async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.fenced_write(REMOVE, claim, None).await
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(SELECT)
+            .bind(scope.principal.as_str())
+            .bind(scope.endpoint.as_str())
+            .bind(scope.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|r| decode(&r)).transpose()
+    }
+
+    /// Creates the partitions ahead, then drops every partition whose day ended by `now`
+    /// (`batch` does not apply: a whole day goes at once). Returns the exact number of records
+    /// dropped. Records that expired earlier today stay on disk until their day ends; claims
+    /// treat them as absent meanwhile.
+    async fn sweep_expired(&self, now: Timestamp, _batch: u32) -> Result<u64, StoreError> {
+        self.create_partitions_ahead(now).await?;
+        self.drop_expired_partitions(now).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        Ok(())
+    }
+}
+
+impl PartitionedPostgresStore {
+    /// `fail`, `heartbeat` and `remove`: fenced by the claim's generation; none moves a row.
+    async fn fenced_write(&self, sql: &'static str, claim: &Claim, now: Option<Timestamp>) -> Result<(), StoreError> {
+        let (pool, r) = (&self.pool, claim.record());
+        let done = self
+            .settle(None, move || {
+                let q = sqlx::query(sql)
+                    .bind(r.scope.principal.as_str())
+                    .bind(r.scope.endpoint.as_str())
+                    .bind(r.scope.key.as_str())
+                    .bind(r.record_id.as_bytes().as_slice())
+                    .bind(r.generation);
+                match now {
+                    Some(now) => q.bind(now),
+                    None => q,
+                }
+                .execute(pool)
+            })
+            .await?;
+        fenced(done.rows_affected(), claim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_names_round_trip_and_reject_other_tables() {
+        let day = NaiveDate::from_ymd_opt(2026, 12, 1).expect("date");
+        let name = partition_name(day).expect("name");
+        assert_eq!(name, "idempotency_records_by_day_p20261201");
+        assert_eq!(parse_partition_name(&name), Some(day));
+        for other in
+            ["idempotency_records", "idempotency_records_by_day_p2026120", "idempotency_records_by_day_p20261301x"]
+        {
+            assert_eq!(parse_partition_name(other), None, "{other}");
+        }
+        assert!(partition_name(NaiveDate::from_ymd_opt(10_000, 1, 1).expect("date")).is_err());
+    }
+
+    #[test]
+    fn a_day_ends_at_the_next_midnight_utc() {
+        let day = NaiveDate::from_ymd_opt(2026, 12, 31).expect("date");
+        assert_eq!(day_end(day).expect("end").to_rfc3339(), "2027-01-01T00:00:00+00:00");
+        let t = day_end(day).expect("end") - chrono::Duration::microseconds(1);
+        assert_eq!(day_of(t), day);
+    }
+}
