@@ -83,7 +83,7 @@ struct Ratio {
     met: Option<bool>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -309,7 +309,40 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    // The scale part (issue 16, goal 4): the largest table against the smallest, and the pool
+    // at 50% and 99% allocated against empty.
+    for (case, what) in [("replay", "replay"), ("first", "first execution"), ("create", "leasebroker create")] {
+        let sizes: Vec<(u64, &Key)> = runs
+            .0
+            .keys()
+            .filter(|k| k.0 == "scale" && k.1 == case)
+            .filter_map(|k| Some((k.3.parse::<u64>().ok()?, k)))
+            .collect();
+        let Some(&(low, base)) = sizes.iter().min_by_key(|s| s.0) else { continue };
+        let unit = if case == "create" { "% allocated" } else { " records" };
+        for &(n, k) in sizes.iter().filter(|s| s.0 != low) {
+            for (metric, goal) in [("p50_us", Some(Goal::AtMost(1.5))), ("p99_us", None)] {
+                let name = if metric == "p50_us" { "p50" } else { "p99" };
+                push(runs.ratio("scale", format!("{what} {name}: {n}{unit} / {low}{unit}"), metric, k, base, goal));
+            }
+        }
+    }
     out
+}
+
+/// The allocation plans the scale part recorded (EXPLAIN of the free-node search at each share
+/// of the pool allocated), for the Markdown report.
+fn scale_plans(runs: &Runs) -> String {
+    let mut md = String::new();
+    for ((part, case, _, variant), rounds) in &runs.0 {
+        if part != "scale" || case != "create" {
+            continue;
+        }
+        if let Some(plan) = rounds.values().find_map(|m| m["plan"].as_str()) {
+            let _ = writeln!(md, "- {variant}% allocated: `{plan}`");
+        }
+    }
+    if md.is_empty() { md } else { format!("\nFree-node search at each allocation level (EXPLAIN ANALYZE):\n\n{md}") }
 }
 
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
@@ -319,7 +352,8 @@ fn expand(raw: Raw) -> Vec<Raw> {
         case: case.into(),
         conns: 0,
         variant: variant.into(),
-        round: 1,
+        // Repeated passes (the sweeper's) are rounds of their own.
+        round: raw.round.max(1),
         m: m.clone(),
     };
     match raw.part.as_str() {
@@ -429,6 +463,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             f["errors"].as_f64().map(fmt).unwrap_or_else(|| "-".into()),
         )?;
     }
+    md.push_str(&scale_plans(&runs));
     std::fs::write(a.out.join("results.md"), &md)?;
     print!("{md}");
     Ok(())
