@@ -44,7 +44,8 @@ pub(crate) struct FillArgs {
 
 /// Adds the completed records `r-{from}` .. `r-{records-1}` in the store's row format, then
 /// `VACUUM (ANALYZE)` and `CHECKPOINT`, as an operator would after a bulk load. Expiries are
-/// spread over the next 24 hours (records made over the last day), ids and fingerprints are
+/// spread over the next 1 to 24 hours (records made over the last 23 hours; none expires while
+/// it is measured, which would turn a replay into a first execution), ids and fingerprints are
 /// hashes, as the store writes them.
 pub(crate) async fn fill(a: FillArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.from <= a.records, "--from {} is above --records {}", a.from, a.records);
@@ -66,7 +67,7 @@ pub(crate) async fn fill(a: FillArgs) -> anyhow::Result<()> {
                now() - (86400 - o) * interval '1 second', now() - (86400 - o) * interval '1 second', \
                now() + o * interval '1 second' \
              FROM generate_series($5::bigint, $6::bigint - 1) AS g, \
-               LATERAL (SELECT 'r-' || g AS k, (g * 7919) % 86400 AS o) AS x \
+               LATERAL (SELECT 'r-' || g AS k, 3600 + (g * 7919) % 82800 AS o) AS x \
              ON CONFLICT DO NOTHING",
         )
         .bind(i32::from(r.status))
