@@ -494,4 +494,28 @@ mod tests {
         assert_eq!(r.met, Some(true));
         assert!(!Goal::AtMost(2.0).met(2.5));
     }
+
+    #[test]
+    fn scale_rows_compare_each_size_with_the_smallest() {
+        let mut runs = Runs(BTreeMap::new());
+        for (n, p50) in [("10000000", 900.0), ("10000", 600.0), ("1000000", 700.0)] {
+            runs.0.entry(key("scale", "replay", 8, n)).or_default().insert(1, json!({ "p50_us": p50, "p99_us": 1.0 }));
+        }
+        runs.0
+            .entry(key("scale", "create", 4, "0"))
+            .or_default()
+            .insert(1, json!({ "p50_us": 10.0, "plan": "Seq Scan" }));
+        runs.0
+            .entry(key("scale", "create", 4, "99"))
+            .or_default()
+            .insert(1, json!({ "p50_us": 20.0, "plan": "Index" }));
+        let rows = ratios(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
+        let r = find("replay p50: 10000000 records / 10000 records");
+        assert_eq!((r.ratio, r.met), (1.5, Some(true)));
+        assert_eq!(find("leasebroker create p50: 99% allocated / 0% allocated").met, Some(false));
+        assert!(!rows.iter().any(|r| r.what.contains("/ 1000000")), "only the smallest size is the base");
+        let plans = scale_plans(&runs);
+        assert!(plans.contains("- 0% allocated: `Seq Scan`") && plans.contains("- 99% allocated: `Index`"), "{plans}");
+    }
 }

@@ -162,7 +162,11 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
         a.raw.display()
     );
     let ymax = |cases: &[&str]| {
-        cases.iter().flat_map(|c| s.get(*c).into_iter().flatten()).map(|p| p.2).fold(0.0_f64, f64::max).max(0.1) * 1.15
+        cases.iter().flat_map(|c| s.get(*c).into_iter().flatten()).map(|p| p.2).fold(0.0_f64, f64::max).max(1.0) * 1.15
+    };
+    let ymin = |cases: &[&str]| {
+        cases.iter().flat_map(|c| s.get(*c).into_iter().flatten()).map(|p| p.1).fold(f64::INFINITY, f64::min).min(1.0)
+            / 1.5
     };
     if let Some(dir) = a.out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -182,12 +186,16 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((5e3_f64..2e7_f64).log_scale(), 0.0..ymax(&["replay", "first"]))
+        // Log on both axes: replays take a fraction of a millisecond, first executions' p99 tens.
+        .build_cartesian_2d(
+            (5e3_f64..2e7_f64).log_scale(),
+            (ymin(&["replay", "first"])..ymax(&["replay", "first"])).log_scale(),
+        )
         .map_err(err)?;
     chart
         .configure_mesh()
         .x_desc("records in the table")
-        .y_desc("latency (ms)")
+        .y_desc("latency (ms, log scale)")
         .x_label_formatter(&|x| format!("{x:.0e}"))
         .draw()
         .map_err(err)?;
@@ -207,12 +215,13 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-type Chart<'a, X> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, plotters::coord::types::RangedCoordf64>>;
+type Chart<'a, X, Y> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>;
 
-/// p50 solid, p99 dashed-looking (lighter), with markers, per case.
-fn lines<X>(chart: &mut Chart<'_, X>, s: &Series, cases: &[(&str, &str, RGBColor)]) -> anyhow::Result<()>
+/// p50 solid, p99 lighter, with markers, per case.
+fn lines<X, Y>(chart: &mut Chart<'_, X, Y>, s: &Series, cases: &[(&str, &str, RGBColor)]) -> anyhow::Result<()>
 where
     X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
 {
     for &(case, name, color) in cases {
         let Some(points) = s.get(case) else { continue };
