@@ -311,7 +311,12 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
     }
     // The scale part (issue 16, goal 4): the largest table against the smallest, and the pool
     // at 50% and 99% allocated against empty.
-    for (case, what) in [("replay", "replay"), ("first", "first execution"), ("create", "leasebroker create")] {
+    for (case, what) in [
+        ("replay", "replay"),
+        ("first", "first execution"),
+        ("create", "leasebroker create"),
+        ("create-sqlite", "leasebroker on SQLite create"),
+    ] {
         let sizes: Vec<(u64, &Key)> = runs
             .0
             .keys()
@@ -319,7 +324,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             .filter_map(|k| Some((k.3.parse::<u64>().ok()?, k)))
             .collect();
         let Some(&(low, base)) = sizes.iter().min_by_key(|s| s.0) else { continue };
-        let unit = if case == "create" { "% allocated" } else { " records" };
+        let unit = if case.starts_with("create") { "% allocated" } else { " records" };
         for &(n, k) in sizes.iter().filter(|s| s.0 != low) {
             for (metric, goal) in [("p50_us", Some(Goal::AtMost(1.5))), ("p99_us", None)] {
                 let name = if metric == "p50_us" { "p50" } else { "p99" };
@@ -335,14 +340,25 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
 fn scale_plans(runs: &Runs) -> String {
     let mut md = String::new();
     for ((part, case, _, variant), rounds) in &runs.0 {
-        if part != "scale" || case != "create" {
+        let db = match case.as_str() {
+            "create" => "PostgreSQL",
+            "create-sqlite" => "SQLite",
+            _ => continue,
+        };
+        if part != "scale" {
             continue;
         }
         if let Some(plan) = rounds.values().find_map(|m| m["plan"].as_str()) {
-            let _ = writeln!(md, "- {variant}% allocated: `{plan}`");
+            let _ = writeln!(md, "- {db}, {variant}% allocated: `{plan}`");
         }
     }
-    if md.is_empty() { md } else { format!("\nFree-node search at each allocation level (EXPLAIN ANALYZE):\n\n{md}") }
+    if md.is_empty() {
+        md
+    } else {
+        format!(
+            "\nFree-node search at each allocation level (PostgreSQL: EXPLAIN ANALYZE; SQLite: EXPLAIN QUERY PLAN):\n\n{md}"
+        )
+    }
 }
 
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
@@ -516,6 +532,10 @@ mod tests {
         assert_eq!(find("leasebroker create p50: 99% allocated / 0% allocated").met, Some(false));
         assert!(!rows.iter().any(|r| r.what.contains("/ 1000000")), "only the smallest size is the base");
         let plans = scale_plans(&runs);
-        assert!(plans.contains("- 0% allocated: `Seq Scan`") && plans.contains("- 99% allocated: `Index`"), "{plans}");
+        assert!(
+            plans.contains("- PostgreSQL, 0% allocated: `Seq Scan`")
+                && plans.contains("- PostgreSQL, 99% allocated: `Index`"),
+            "{plans}"
+        );
     }
 }

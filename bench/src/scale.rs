@@ -157,7 +157,7 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.raw).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", a.raw.display()))?;
     let s = series(&text)?;
     anyhow::ensure!(
-        s.contains_key("replay") || s.contains_key("create"),
+        ["replay", "first", "create", "create-sqlite"].iter().any(|c| s.contains_key(*c)),
         "{} holds no scale rows: run `bench/run scale` first",
         a.raw.display()
     );
@@ -206,10 +206,10 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(-5.0_f64..105.0, 0.0..ymax(&["create"]))
+        .build_cartesian_2d(-5.0_f64..105.0, 0.0..ymax(&["create", "create-sqlite"]))
         .map_err(err)?;
     chart.configure_mesh().x_desc("% of 100,000 nodes allocated").y_desc("latency (ms)").draw().map_err(err)?;
-    lines(&mut chart, &s, &[("create", "create (PostgreSQL)", GREEN)])?;
+    lines(&mut chart, &s, &[("create", "create (PostgreSQL)", GREEN), ("create-sqlite", "create (SQLite)", MAGENTA)])?;
     root.present().map_err(err)?;
     println!("{}", json!({ "wrote": a.out }));
     Ok(())
