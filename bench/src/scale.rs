@@ -206,9 +206,18 @@ pub(crate) fn plot(a: PlotArgs) -> anyhow::Result<()> {
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(-5.0_f64..105.0, 0.0..ymax(&["create", "create-sqlite"]))
+        // Log latency here too: p50 in tens of milliseconds, SQLite's p99 in seconds.
+        .build_cartesian_2d(
+            -5.0_f64..105.0,
+            (ymin(&["create", "create-sqlite"])..ymax(&["create", "create-sqlite"])).log_scale(),
+        )
         .map_err(err)?;
-    chart.configure_mesh().x_desc("% of 100,000 nodes allocated").y_desc("latency (ms)").draw().map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("% of 100,000 nodes allocated")
+        .y_desc("latency (ms, log scale)")
+        .draw()
+        .map_err(err)?;
     lines(&mut chart, &s, &[("create", "create (PostgreSQL)", GREEN), ("create-sqlite", "create (SQLite)", MAGENTA)])?;
     root.present().map_err(err)?;
     println!("{}", json!({ "wrote": a.out }));
