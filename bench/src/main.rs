@@ -7,6 +7,7 @@ mod partition;
 mod pg;
 mod redis;
 mod report;
+mod scale;
 mod server;
 
 use std::path::PathBuf;
@@ -56,6 +57,10 @@ enum Command {
     RedisStore(redis::StoreArgs),
     /// Reads the raw measurements and writes `results.json` and `results.md`.
     Report(report::ReportArgs),
+    /// Grows the scale part's table to `--records` completed records (set-based SQL).
+    ScaleFill(scale::FillArgs),
+    /// Plots the scale part's rows of the raw measurements as an SVG.
+    PlotScale(scale::PlotArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -74,5 +79,7 @@ fn main() -> anyhow::Result<()> {
         Command::RedisClean(a) => rt.block_on(redis::clean(a)),
         Command::RedisStore(a) => rt.block_on(redis::drive_store(a)),
         Command::Report(a) => report::report(a),
+        Command::ScaleFill(a) => rt.block_on(scale::fill(a)),
+        Command::PlotScale(a) => scale::plot(a),
     }
 }

@@ -83,7 +83,7 @@ struct Ratio {
     met: Option<bool>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -310,6 +310,29 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    // The scale part (issue 16, goal 4): the largest table against the smallest, and the pool
+    // at 50% and 99% allocated against empty.
+    for (case, what) in [
+        ("replay", "replay"),
+        ("first", "first execution"),
+        ("create", "leasebroker create"),
+        ("create-sqlite", "leasebroker on SQLite create"),
+    ] {
+        let sizes: Vec<(u64, &Key)> = runs
+            .0
+            .keys()
+            .filter(|k| k.0 == "scale" && k.1 == case)
+            .filter_map(|k| Some((k.3.parse::<u64>().ok()?, k)))
+            .collect();
+        let Some(&(low, base)) = sizes.iter().min_by_key(|s| s.0) else { continue };
+        let unit = if case.starts_with("create") { "% allocated" } else { " records" };
+        for &(n, k) in sizes.iter().filter(|s| s.0 != low) {
+            for (metric, goal) in [("p50_us", Some(Goal::AtMost(1.5))), ("p99_us", None)] {
+                let name = if metric == "p50_us" { "p50" } else { "p99" };
+                push(runs.ratio("scale", format!("{what} {name}: {n}{unit} / {low}{unit}"), metric, k, base, goal));
+            }
+        }
+    }
     out
 }
 
@@ -394,6 +417,32 @@ fn expand_partition(raw: &Raw) -> Vec<Raw> {
     out
 }
 
+/// The allocation plans the scale part recorded (EXPLAIN of the free-node search at each share
+/// of the pool allocated), for the Markdown report.
+fn scale_plans(runs: &Runs) -> String {
+    let mut md = String::new();
+    for ((part, case, _, variant), rounds) in &runs.0 {
+        let db = match case.as_str() {
+            "create" => "PostgreSQL",
+            "create-sqlite" => "SQLite",
+            _ => continue,
+        };
+        if part != "scale" {
+            continue;
+        }
+        if let Some(plan) = rounds.values().find_map(|m| m["plan"].as_str()) {
+            let _ = writeln!(md, "- {db}, {variant}% allocated: `{plan}`");
+        }
+    }
+    if md.is_empty() {
+        md
+    } else {
+        format!(
+            "\nFree-node search at each allocation level (PostgreSQL: EXPLAIN ANALYZE; SQLite: EXPLAIN QUERY PLAN):\n\n{md}"
+        )
+    }
+}
+
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
 fn expand(raw: Raw) -> Vec<Raw> {
     let sub = |variant: &str, case: &str, m: &Value| Raw {
@@ -401,7 +450,8 @@ fn expand(raw: Raw) -> Vec<Raw> {
         case: case.into(),
         conns: 0,
         variant: variant.into(),
-        round: 1,
+        // Repeated passes (the sweeper's) are rounds of their own.
+        round: raw.round.max(1),
         m: m.clone(),
     };
     match raw.part.as_str() {
@@ -514,6 +564,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             f["errors"].as_f64().map(fmt).unwrap_or_else(|| "-".into()),
         )?;
     }
+    md.push_str(&scale_plans(&runs));
     std::fs::write(a.out.join("results.md"), &md)?;
     print!("{md}");
     Ok(())
@@ -569,5 +620,33 @@ mod tests {
         let p99 = |what: &str| rows.iter().find(|r| r.what == what).expect(what).ratio;
         assert_eq!(p99("partitioned: claim p99 sweeping / idle"), 1.0);
         assert_eq!(p99("delete: claim p99 sweeping / idle"), 1.5);
+    }
+
+    #[test]
+    fn scale_rows_compare_each_size_with_the_smallest() {
+        let mut runs = Runs(BTreeMap::new());
+        for (n, p50) in [("10000000", 900.0), ("10000", 600.0), ("1000000", 700.0)] {
+            runs.0.entry(key("scale", "replay", 8, n)).or_default().insert(1, json!({ "p50_us": p50, "p99_us": 1.0 }));
+        }
+        runs.0
+            .entry(key("scale", "create", 4, "0"))
+            .or_default()
+            .insert(1, json!({ "p50_us": 10.0, "plan": "Seq Scan" }));
+        runs.0
+            .entry(key("scale", "create", 4, "99"))
+            .or_default()
+            .insert(1, json!({ "p50_us": 20.0, "plan": "Index" }));
+        let rows = ratios(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
+        let r = find("replay p50: 10000000 records / 10000 records");
+        assert_eq!((r.ratio, r.met), (1.5, Some(true)));
+        assert_eq!(find("leasebroker create p50: 99% allocated / 0% allocated").met, Some(false));
+        assert!(!rows.iter().any(|r| r.what.contains("/ 1000000")), "only the smallest size is the base");
+        let plans = scale_plans(&runs);
+        assert!(
+            plans.contains("- PostgreSQL, 0% allocated: `Seq Scan`")
+                && plans.contains("- PostgreSQL, 99% allocated: `Index`"),
+            "{plans}"
+        );
     }
 }
