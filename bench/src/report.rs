@@ -178,6 +178,8 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             ));
         }
     }
+    out.extend(layer_cost(runs));
+    let mut push = |r: Option<Ratio>| out.extend(r);
     let f = |case: &str, v: &str| key("floor", case, 16, v);
     push(runs.ratio(
         "floor",
@@ -312,6 +314,41 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
     out
 }
 
+/// The layer's own cost (issue 16, goal 2): layer+memory against the baseline a user compares
+/// with, a handler that parses the same body with axum's `Json` (mode `json`), in requests per
+/// second and in instructions per request (part `instr`: callgrind, a count that does not move
+/// with the machine's load).
+fn layer_cost(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    for case in ["first", "replay"] {
+        for c in [16, 64] {
+            let k = |v: &str| key("layer", case, c, v);
+            out.extend(runs.ratio(
+                "layer",
+                format!("layer+memory / Json handler ({case}, {c} conn)"),
+                "rps",
+                &k("memory"),
+                &k("json"),
+                Some(Goal::AtLeast(0.85)),
+            ));
+        }
+    }
+    for case in ["first", "replay"] {
+        let k = |v: &str| key("instr", case, 4, v);
+        for (v, name) in [("json", "Json handler"), ("bare", "bare")] {
+            out.extend(runs.ratio(
+                "instr",
+                format!("instructions/request: layer+memory / {name} ({case})"),
+                "instructions_per_request",
+                &k("memory"),
+                &k(v),
+                None,
+            ));
+        }
+    }
+    out
+}
+
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
 fn expand(raw: Raw) -> Vec<Raw> {
     let sub = |variant: &str, case: &str, m: &Value| Raw {
@@ -375,6 +412,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             "row_bytes",
             "stored_body_bytes",
             "completed_share",
+            "instructions_per_request",
         ] {
             let v = runs.median(&k, m);
             if v.is_finite() {
