@@ -345,6 +345,15 @@ fn layer_cost(runs: &Runs) -> Vec<Ratio> {
                 None,
             ));
         }
+        // SHA-256 runs in software under valgrind, in the CPU's SHA extensions natively.
+        out.extend(runs.ratio(
+            "instr",
+            format!("instructions/request without SHA-256 blocks: layer+memory / Json handler ({case})"),
+            "instructions_per_request_without_sha256",
+            &k("memory"),
+            &k("json"),
+            None,
+        ));
     }
     out
 }
@@ -413,6 +422,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             "stored_body_bytes",
             "completed_share",
             "instructions_per_request",
+            "instructions_per_request_without_sha256",
         ] {
             let v = runs.median(&k, m);
             if v.is_finite() {
@@ -496,5 +506,28 @@ mod tests {
         assert_eq!((r.ratio, r.ratio_min, r.ratio_max, r.rounds), (0.9, 0.8, 0.95, 3));
         assert_eq!(r.met, Some(true));
         assert!(!Goal::AtMost(2.0).met(2.5));
+    }
+
+    #[test]
+    fn the_layer_is_compared_with_the_json_handler_and_by_instructions() {
+        let mut runs = Runs(BTreeMap::new());
+        for (variant, rps) in [("memory", 80.0), ("json", 100.0)] {
+            runs.0.entry(key("layer", "replay", 64, variant)).or_default().insert(1, json!({ "rps": rps }));
+        }
+        for (variant, n, without) in
+            [("memory", 40_000.0, 30_000.0), ("json", 25_000.0, 25_000.0), ("bare", 20_000.0, 20_000.0)]
+        {
+            let m = json!({ "instructions_per_request": n, "instructions_per_request_without_sha256": without });
+            runs.0.entry(key("instr", "first", 4, variant)).or_default().insert(1, m);
+        }
+        let rows = layer_cost(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
+        let json = find("layer+memory / Json handler (replay, 64 conn)");
+        assert_eq!((json.ratio, json.met), (0.8, Some(false)));
+        assert_eq!(find("instructions/request: layer+memory / Json handler (first)").ratio, 1.6);
+        assert_eq!(find("instructions/request: layer+memory / bare (first)").ratio, 2.0);
+        assert_eq!(find("instructions/request without SHA-256 blocks: layer+memory / Json handler (first)").ratio, 1.2);
+        // Rounds that measured nothing make no row.
+        assert!(rows.iter().all(|r| !r.what.contains("(first, 16 conn)")));
     }
 }
