@@ -205,8 +205,10 @@ pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
 // The store's statements (crates/idempotency-sqlx/src/postgres.rs, INSERT_OR_READ and
 // COMPLETE), with literal arguments where the store binds parameters; a test below checks
 // they are still the store's.
-const COLUMNS: &str = "principal, endpoint, key, record_id, fingerprint, state, generation, response_status, \
-     response_headers, response_body, response_encoding, created_at, started_at, expires_at";
+// The claim returns the record's columns after its scope (`state_columns!` in row.rs): the
+// caller knows the scope it asked about.
+const COLUMNS: &str = "record_id, fingerprint, state, generation, response_status, response_headers, response_body, \
+     response_encoding, created_at, started_at, expires_at";
 
 fn insert_or_read(key: &str) -> String {
     format!(

@@ -178,6 +178,8 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             ));
         }
     }
+    out.extend(layer_cost(runs));
+    let mut push = |r: Option<Ratio>| out.extend(r);
     let f = |case: &str, v: &str| key("floor", case, 16, v);
     push(runs.ratio(
         "floor",
@@ -417,6 +419,50 @@ fn expand_partition(raw: &Raw) -> Vec<Raw> {
     out
 }
 
+/// The layer's own cost (issue 16, goal 2): layer+memory against the baseline a user compares
+/// with, a handler that parses the same body with axum's `Json` (mode `json`), in requests per
+/// second and in instructions per request (part `instr`: callgrind, a count that does not move
+/// with the machine's load).
+fn layer_cost(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    for case in ["first", "replay"] {
+        for c in [16, 64] {
+            let k = |v: &str| key("layer", case, c, v);
+            out.extend(runs.ratio(
+                "layer",
+                format!("layer+memory / Json handler ({case}, {c} conn)"),
+                "rps",
+                &k("memory"),
+                &k("json"),
+                Some(Goal::AtLeast(0.85)),
+            ));
+        }
+    }
+    for case in ["first", "replay"] {
+        let k = |v: &str| key("instr", case, 4, v);
+        for (v, name) in [("json", "Json handler"), ("bare", "bare")] {
+            out.extend(runs.ratio(
+                "instr",
+                format!("instructions/request: layer+memory / {name} ({case})"),
+                "instructions_per_request",
+                &k("memory"),
+                &k(v),
+                None,
+            ));
+        }
+        // SHA-256 runs in software under valgrind, in the CPU's SHA extensions natively.
+        out.extend(runs.ratio(
+            "instr",
+            format!("instructions/request without SHA-256 blocks: layer+memory / Json handler ({case})"),
+            "instructions_per_request_without_sha256",
+            &k("memory"),
+            &k("json"),
+            None,
+        ));
+    }
+    out
+}
+
 /// The allocation plans the scale part recorded (EXPLAIN of the free-node search at each share
 /// of the pool allocated), for the Markdown report.
 fn scale_plans(runs: &Runs) -> String {
@@ -510,6 +556,8 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
             "row_bytes",
             "stored_body_bytes",
             "completed_share",
+            "instructions_per_request",
+            "instructions_per_request_without_sha256",
         ] {
             let v = runs.median(&k, m);
             if v.is_finite() {
@@ -648,5 +696,28 @@ mod tests {
                 && plans.contains("- PostgreSQL, 99% allocated: `Index`"),
             "{plans}"
         );
+    }
+
+    #[test]
+    fn the_layer_is_compared_with_the_json_handler_and_by_instructions() {
+        let mut runs = Runs(BTreeMap::new());
+        for (variant, rps) in [("memory", 80.0), ("json", 100.0)] {
+            runs.0.entry(key("layer", "replay", 64, variant)).or_default().insert(1, json!({ "rps": rps }));
+        }
+        for (variant, n, without) in
+            [("memory", 40_000.0, 30_000.0), ("json", 25_000.0, 25_000.0), ("bare", 20_000.0, 20_000.0)]
+        {
+            let m = json!({ "instructions_per_request": n, "instructions_per_request_without_sha256": without });
+            runs.0.entry(key("instr", "first", 4, variant)).or_default().insert(1, m);
+        }
+        let rows = layer_cost(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
+        let json = find("layer+memory / Json handler (replay, 64 conn)");
+        assert_eq!((json.ratio, json.met), (0.8, Some(false)));
+        assert_eq!(find("instructions/request: layer+memory / Json handler (first)").ratio, 1.6);
+        assert_eq!(find("instructions/request: layer+memory / bare (first)").ratio, 2.0);
+        assert_eq!(find("instructions/request without SHA-256 blocks: layer+memory / Json handler (first)").ratio, 1.2);
+        // Rounds that measured nothing make no row.
+        assert!(rows.iter().all(|r| !r.what.contains("(first, 16 conn)")));
     }
 }

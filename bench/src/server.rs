@@ -1,4 +1,4 @@
-//! The layer-overhead server: one trivial handler, five ways of serving it.
+//! The layer-overhead server: one trivial handler, six ways of serving it.
 
 use std::sync::Arc;
 
@@ -15,6 +15,9 @@ use idempotency_tower::IdempotencyLayer;
 pub(crate) enum Mode {
     /// No layer at all.
     Bare,
+    /// No layer; the handler parses the body with axum's `Json` extractor (what a user's own
+    /// handler does), and answers the same bytes.
+    Json,
     /// Our layer, in-memory store.
     Memory,
     /// Our layer, SQLite store in a temporary file.
@@ -38,6 +41,23 @@ pub(crate) struct ServeArgs {
 /// The handler: the cheapest thing that still looks like a create.
 async fn create() -> (StatusCode, [(&'static str, &'static str); 1], &'static str) {
     (StatusCode::CREATED, [("content-type", "application/json")], r#"{"id":"wkr-1","state":"booting"}"#)
+}
+
+/// The body `bench/wrk/idem.lua` sends, as a user's handler would declare it.
+#[derive(Debug, serde::Deserialize)]
+struct CreateWorker {
+    image: String,
+    cpu: u32,
+    memory_gb: u32,
+}
+
+/// The `json` baseline: the same answer, after parsing the body as a typed handler does.
+async fn create_json(
+    axum::Json(req): axum::Json<CreateWorker>,
+) -> (StatusCode, [(&'static str, &'static str); 1], &'static str) {
+    // Read, as a handler would, so the parse is not optimized away.
+    std::hint::black_box((&req.image, req.cpu, req.memory_gb));
+    create().await
 }
 
 fn ours(store: Arc<dyn Store>) -> Router {
@@ -66,6 +86,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let app = match args.mode {
         Mode::Bare => Router::new().route("/v1/workers", post(create)),
+        Mode::Json => Router::new().route("/v1/workers", post(create_json)),
         Mode::Memory => ours(Arc::new(MemoryStore::new())),
         Mode::Sqlite => {
             let path = dir.path().join("bench.db");

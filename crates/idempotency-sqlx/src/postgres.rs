@@ -7,7 +7,7 @@ use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, Store
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
-use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, db_error, fenced, stale_cutoff, state_columns};
 
 /// Connections in a pool made by [`PostgresStore::connect`].
 const MAX_CONNECTIONS: u32 = 10;
@@ -84,12 +84,12 @@ const INSERT_OR_READ: &str = concat!(
        VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $6, $7) \
        ON CONFLICT (principal, endpoint, key) DO NOTHING \
        RETURNING ",
-    record_columns!(),
+    state_columns!(),
     ", true AS inserted) \
      SELECT * FROM ins \
      UNION ALL \
      SELECT ",
-    record_columns!(),
+    state_columns!(),
     ", false AS inserted FROM idempotency_records \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)"
 );
@@ -100,7 +100,7 @@ const SEED_UPSERT: &str = concat!(
      VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $6, $7) \
      ON CONFLICT (principal, endpoint, key) DO UPDATE SET key = EXCLUDED.key \
      RETURNING ",
-    record_columns!(),
+    state_columns!(),
     ", (xmax = 0) AS inserted"
 );
 
@@ -113,12 +113,12 @@ const REPLACE_EXPIRED: &str = concat!(
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $8 AND generation = $9 \
        AND expires_at <= $6 \
      RETURNING ",
-    record_columns!()
+    state_columns!()
 );
 
 const SELECT: &str = concat!(
     "SELECT ",
-    record_columns!(),
+    state_columns!(),
     " FROM idempotency_records WHERE principal = $1 AND endpoint = $2 AND key = $3"
 );
 
@@ -128,7 +128,7 @@ const RECLAIM: &str = concat!(
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
        AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
      RETURNING ",
-    record_columns!()
+    state_columns!()
 );
 
 const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = $6, \
@@ -155,26 +155,28 @@ const SWEEP: &str = "DELETE FROM idempotency_records WHERE ctid = ANY(ARRAY( \
        SELECT ctid FROM idempotency_records WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)) \
      AND expires_at <= $1";
 
-fn decode(row: &PgRow) -> Result<Record, StoreError> {
+/// The record of `scope` from a row of [`state_columns!`]: every statement names its row by the
+/// scope, so the row does not carry it back. Text and bytes are read borrowed from the row.
+fn decode(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
     let get = |e| db_error(e);
-    RawRecord {
-        principal: row.try_get(0).map_err(get)?,
-        endpoint: row.try_get(1).map_err(get)?,
-        key: row.try_get(2).map_err(get)?,
-        record_id: row.try_get(3).map_err(get)?,
-        fingerprint: row.try_get(4).map_err(get)?,
-        state: row.try_get(5).map_err(get)?,
-        generation: row.try_get(6).map_err(get)?,
-        response_status: row.try_get(7).map_err(get)?,
-        response_headers: row.try_get(8).map_err(get)?,
-        response_body: row.try_get(9).map_err(get)?,
-        response_encoding: row.try_get(10).map_err(get)?,
-        created_at: row.try_get(11).map_err(get)?,
-        started_at: row.try_get(12).map_err(get)?,
-        expires_at: row.try_get(13).map_err(get)?,
+    RawState {
+        record_id: row.try_get(0).map_err(get)?,
+        fingerprint: row.try_get(1).map_err(get)?,
+        state: row.try_get(2).map_err(get)?,
+        generation: row.try_get(3).map_err(get)?,
+        response_status: row.try_get(4).map_err(get)?,
+        response_headers: row.try_get(5).map_err(get)?,
+        response_body: row.try_get(6).map_err(get)?,
+        response_encoding: row.try_get(7).map_err(get)?,
+        created_at: row.try_get(8).map_err(get)?,
+        started_at: row.try_get(9).map_err(get)?,
+        expires_at: row.try_get(10).map_err(get)?,
     }
-    .into_record()
+    .into_record(scope.clone())
 }
+
+/// The column after [`state_columns!`] in a claim's row: whether this statement inserted it.
+const INSERTED: usize = 11;
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -203,8 +205,8 @@ impl Store for PostgresStore {
             // again sees it. (Also when the sweeper deleted the row in between: then the
             // insert wins.)
             let Some(row) = row else { continue };
-            let inserted: bool = row.try_get(14).map_err(db_error)?;
-            let record = decode(&row)?;
+            let inserted: bool = row.try_get(INSERTED).map_err(db_error)?;
+            let record = decode(&row, &req.scope)?;
             if inserted {
                 return Ok(ClaimOutcome::Owned(Claim::new(record)));
             }
@@ -225,7 +227,7 @@ impl Store for PostgresStore {
                 .await
                 .map_err(db_error)?;
             if let Some(row) = replaced {
-                return Ok(ClaimOutcome::Owned(Claim::new(decode(&row)?)));
+                return Ok(ClaimOutcome::Owned(Claim::new(decode(&row, &req.scope)?)));
             }
             // Another claimer replaced it first, its owner completed it, or the sweeper
             // deleted it: look again.
@@ -253,7 +255,7 @@ impl Store for PostgresStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
-        row.map(|r| decode(&r).map(Claim::new)).transpose()
+        row.map(|r| decode(&r, &record.scope).map(Claim::new)).transpose()
     }
 
     async fn complete(
@@ -331,7 +333,7 @@ impl Store for PostgresStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
-        row.map(|r| decode(&r)).transpose()
+        row.map(|r| decode(&r, scope)).transpose()
     }
 
     async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {

@@ -2,35 +2,66 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use chrono::SubsecRound;
 use idempotency::{
-    BodyEncoding, Endpoint, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
-    StoredBody, StoredResponse, Timestamp,
+    BodyEncoding, Fingerprint, Record, RecordId, RecordState, Scope, StoreError, StoredBody, StoredResponse, Timestamp,
 };
+#[cfg(feature = "sqlite")]
+use idempotency::{Endpoint, IdempotencyKey, Principal};
 
 /// The record's columns, in the order [`RawRecord`] reads them. A macro so that SQL strings can
 /// be built with `concat!` and stay `&'static str`.
+#[cfg(feature = "sqlite")]
 macro_rules! record_columns {
     () => {
-        "principal, endpoint, key, record_id, fingerprint, state, generation, response_status, response_headers, \
-         response_body, response_encoding, created_at, started_at, expires_at"
+        concat!("principal, endpoint, key, ", $crate::row::state_columns!())
     };
 }
+#[cfg(feature = "sqlite")]
 pub(crate) use record_columns;
 
-/// A row as the database returned it, before validation.
-pub(crate) struct RawRecord {
-    pub principal: String,
-    pub endpoint: String,
-    pub key: String,
-    pub record_id: Vec<u8>,
-    pub fingerprint: String,
-    pub state: String,
+/// The record's columns after its scope, in the order [`RawState`] reads them: what a statement
+/// returns when the caller already knows the scope it asked about (the PostgreSQL store, where
+/// every statement names the row by its scope), so the row carries no copy of it back.
+macro_rules! state_columns {
+    () => {
+        "record_id, fingerprint, state, generation, response_status, response_headers, response_body, \
+         response_encoding, created_at, started_at, expires_at"
+    };
+}
+pub(crate) use state_columns;
+
+/// A row as the database returned it, before validation, borrowed from the row.
+#[cfg(feature = "sqlite")]
+pub(crate) struct RawRecord<'r> {
+    pub principal: &'r str,
+    pub endpoint: &'r str,
+    pub key: &'r str,
+    pub record_id: &'r [u8],
+    pub fingerprint: &'r str,
+    pub state: &'r str,
     pub generation: i64,
     pub response_status: Option<i32>,
-    pub response_headers: Option<String>,
-    pub response_body: Option<Vec<u8>>,
-    pub response_encoding: Option<String>,
+    pub response_headers: Option<&'r str>,
+    pub response_body: Option<&'r [u8]>,
+    pub response_encoding: Option<&'r str>,
+    pub created_at: Timestamp,
+    pub started_at: Timestamp,
+    pub expires_at: Timestamp,
+}
+
+/// The columns of [`state_columns!`] as the database returned them, before validation, borrowed
+/// from the row.
+pub(crate) struct RawState<'r> {
+    pub record_id: &'r [u8],
+    pub fingerprint: &'r str,
+    pub state: &'r str,
+    pub generation: i64,
+    pub response_status: Option<i32>,
+    pub response_headers: Option<&'r str>,
+    pub response_body: Option<&'r [u8]>,
+    pub response_encoding: Option<&'r str>,
     pub created_at: Timestamp,
     pub started_at: Timestamp,
     pub expires_at: Timestamp,
@@ -40,24 +71,51 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
 
-impl RawRecord {
+#[cfg(feature = "sqlite")]
+impl RawRecord<'_> {
     /// Validates the row into a [`Record`]; anything unexpected is [`StoreError::Corrupt`].
     pub(crate) fn into_record(self) -> Result<Record, StoreError> {
-        let key = IdempotencyKey::try_from(self.key.as_str()).map_err(|e| corrupt(format!("stored key: {e}")))?;
-        let record_id = <[u8; 16]>::try_from(self.record_id.as_slice())
+        let key = IdempotencyKey::try_from(self.key).map_err(|e| corrupt(format!("stored key: {e}")))?;
+        let scope = Scope::new(Principal::new(self.principal), Endpoint::from_stored(self.endpoint), key);
+        RawState {
+            record_id: self.record_id,
+            fingerprint: self.fingerprint,
+            state: self.state,
+            generation: self.generation,
+            response_status: self.response_status,
+            response_headers: self.response_headers,
+            response_body: self.response_body,
+            response_encoding: self.response_encoding,
+            created_at: self.created_at,
+            started_at: self.started_at,
+            expires_at: self.expires_at,
+        }
+        .into_record(scope)
+    }
+}
+
+impl RawState<'_> {
+    /// Validates the row into the [`Record`] of `scope`; anything unexpected is
+    /// [`StoreError::Corrupt`].
+    pub(crate) fn into_record(self, scope: Scope) -> Result<Record, StoreError> {
+        let record_id = <[u8; 16]>::try_from(self.record_id)
             .map(RecordId::from_bytes)
             .map_err(|_| corrupt(format!("record id of {} bytes", self.record_id.len())))?;
         let state =
-            RecordState::from_stored(&self.state).ok_or_else(|| corrupt(format!("unknown state {:?}", self.state)))?;
+            RecordState::from_stored(self.state).ok_or_else(|| corrupt(format!("unknown state {:?}", self.state)))?;
         let response = match (self.response_status, self.response_headers, self.response_body, self.response_encoding) {
             (None, None, None, None) => None,
             (Some(status), Some(headers), Some(body), Some(encoding)) => {
                 let status = u16::try_from(status).map_err(|_| corrupt(format!("response status {status}")))?;
-                let headers = StoredResponse::headers_from_json(&headers)
+                let headers = StoredResponse::headers_from_json(headers)
                     .map_err(|e| corrupt(format!("response headers: {e}")))?;
-                let encoding = BodyEncoding::from_stored(&encoding)
+                let encoding = BodyEncoding::from_stored(encoding)
                     .ok_or_else(|| corrupt(format!("unknown body encoding {encoding:?}")))?;
-                Some(StoredResponse { status, headers, body: StoredBody::from_stored(encoding, body) })
+                Some(StoredResponse {
+                    status,
+                    headers,
+                    body: StoredBody::from_stored(encoding, Bytes::copy_from_slice(body)),
+                })
             }
             _ => return Err(corrupt("a response stored in part")),
         };
@@ -68,7 +126,7 @@ impl RawRecord {
             )));
         }
         Ok(Record {
-            scope: Scope::new(Principal::new(self.principal), Endpoint::from_stored(self.endpoint), key),
+            scope,
             record_id,
             fingerprint: Fingerprint::from_stored(self.fingerprint),
             state,

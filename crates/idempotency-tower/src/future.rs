@@ -9,6 +9,7 @@ use std::task::{Context, Poll, ready};
 use axum::body::Body;
 use http::Response;
 use pin_project_lite::pin_project;
+use tracing::Instrument;
 
 use crate::BoxError;
 
@@ -94,14 +95,22 @@ pub(crate) type Caught<T> = Result<T, Box<dyn std::any::Any + Send>>;
 ///
 /// A panic inside is caught and yielded as `Err`, so a panicked future is never polled again,
 /// in place or detached.
+///
+/// In place, the future runs inside whatever span its caller is in; detached, it runs in the
+/// span that was current when it was made. (Instrumenting it up front would enter and leave
+/// that span once more on every poll of every request, for the rare one that detaches.)
 pub(crate) struct Detach<T: Send + 'static> {
     future: Option<Pin<Box<dyn Future<Output = Caught<T>> + Send>>>,
+    span: tracing::Span,
 }
 
 impl<T: Send + 'static> Detach<T> {
     pub(crate) fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
         use futures::FutureExt;
-        Self { future: Some(Box::pin(std::panic::AssertUnwindSafe(future).catch_unwind())) }
+        Self {
+            future: Some(Box::pin(std::panic::AssertUnwindSafe(future).catch_unwind())),
+            span: tracing::Span::current(),
+        }
     }
 }
 
@@ -152,10 +161,14 @@ impl<T: Send + 'static> Drop for Detach<T> {
             Ok(runtime) => {
                 // Counted from here, before the task exists, so a waiter never misses it.
                 let guard = DetachedGuard::new();
-                runtime.spawn(async move {
-                    let _guard = guard;
-                    future.await
-                });
+                let span = std::mem::replace(&mut self.span, tracing::Span::none());
+                runtime.spawn(
+                    async move {
+                        let _guard = guard;
+                        future.await
+                    }
+                    .instrument(span),
+                );
             }
             // Only reachable when the runtime itself is gone, and its tasks with it.
             Err(_) => tracing::error!("a protected request was dropped outside a tokio runtime; it cannot finish"),

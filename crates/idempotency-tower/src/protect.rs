@@ -74,7 +74,7 @@ where
     let mut claim_next = true;
     loop {
         let t = now();
-        let record = if claim_next {
+        let mut record = if claim_next {
             let req = ClaimRequest {
                 scope: p.scope.clone(),
                 fingerprint: p.fingerprint.clone(),
@@ -102,6 +102,10 @@ where
             }
         };
         claim_next = false;
+        // A replay takes the response out of the record it owns instead of copying it.
+        if let Some(stored) = record.take_replay(&p.fingerprint) {
+            return Ok(replay(&cfg, &stored));
+        }
         match record.decide(&p.fingerprint, t, cfg.in_flight_ttl) {
             Decision::Replay(stored) => return Ok(replay(&cfg, &stored)),
             Decision::Mismatch => return Ok(rejection_response(&cfg, Rejection::Mismatch)),
@@ -418,13 +422,28 @@ fn replayable_headers(cfg: &Config, headers: &http::HeaderMap) -> Vec<(String, S
     headers
         .iter()
         .filter(|(name, _)| !never_replayed(name) && cfg.replay_headers.contains(name))
-        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().iter().map(|&b| char::from(b)).collect()))
+        .map(|(name, value)| (name.as_str().to_owned(), stored_value(value)))
         .collect()
 }
 
+/// A header value one char per byte. ASCII (nearly every value) is the same text either way,
+/// and is copied as is.
+fn stored_value(value: &HeaderValue) -> String {
+    match std::str::from_utf8(value.as_bytes()) {
+        Ok(ascii) if ascii.is_ascii() => ascii.to_owned(),
+        _ => value.as_bytes().iter().map(|&b| char::from(b)).collect(),
+    }
+}
+
 fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValue)> {
-    let bytes: Option<Vec<u8>> = value.chars().map(|c| u8::try_from(c).ok()).collect();
-    Some((HeaderName::from_bytes(name.as_bytes()).ok()?, HeaderValue::from_bytes(&bytes?).ok()?))
+    let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
+    let value = if value.is_ascii() {
+        HeaderValue::from_str(value).ok()?
+    } else {
+        let bytes: Option<Vec<u8>> = value.chars().map(|c| u8::try_from(c).ok()).collect();
+        HeaderValue::from_bytes(&bytes?).ok()?
+    };
+    Some((name, value))
 }
 
 /// Replays a stored response: status, headers and body as stored, plus `Idempotent-Replayed`.

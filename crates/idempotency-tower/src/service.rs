@@ -86,8 +86,8 @@ where
             return ResponseFuture::inner(self.inner.call(req.map(Body::new)));
         }
         let (parts, body) = req.into_parts();
-        let path = request_path(&parts).to_owned();
-        let policy = (cfg.policy)(&parts.method, &path);
+        let path = request_path(&parts);
+        let policy = (cfg.policy)(&parts.method, path);
         if policy == RoutePolicy::Off {
             return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
         }
@@ -102,7 +102,7 @@ where
         let Some(principal) = (cfg.principal)(&parts).or_else(|| cfg.anonymous.clone()) else {
             return reject(cfg, Rejection::PrincipalMissing, Some(&key));
         };
-        let endpoint = Endpoint::new(parts.method.as_str(), &path);
+        let endpoint = Endpoint::new(parts.method.as_str(), path);
         let span = tracing::info_span!(
             "idempotency",
             key = %key,
@@ -126,7 +126,8 @@ where
                 let content_type = parts.headers.get(http::header::CONTENT_TYPE).map_or(&b""[..], |v| v.as_bytes());
                 let parts = RequestParts {
                     method: parts.method.as_str(),
-                    path: &path,
+                    // Read again from `parts` (which the future owns) rather than copied.
+                    path: request_path(&parts),
                     query: parts.uri.query().unwrap_or(""),
                     content_type,
                     body: &body,
@@ -142,10 +143,7 @@ where
             // this future, but must not cut the handler between two side effects, nor leave a
             // claim that nobody completes. `Detach` runs it here while the client waits and in a
             // task of its own if this future is dropped first.
-            let work = Detach::new(
-                run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint })
-                    .instrument(tracing::Span::current()),
-            );
+            let work = Detach::new(run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint }));
             match work.await {
                 Ok(result) => result,
                 Err(_panic) => {

@@ -1,7 +1,6 @@
 //! The in-memory store: for tests and single-process services that need no durability.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -70,19 +69,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut shard = self.shard(&req.scope);
-        match shard.entry(req.scope.clone()) {
-            Entry::Occupied(mut e) if e.get().is_expired(req.now) => {
-                let record = req.new_record();
-                e.insert(record.clone());
-                Ok(ClaimOutcome::Owned(Claim::new(record)))
+        // Looked up by reference first: a replay (the key exists) copies nothing but the record.
+        if let Some(current) = shard.get_mut(&req.scope) {
+            if !current.is_expired(req.now) {
+                return Ok(ClaimOutcome::Existing(current.clone()));
             }
-            Entry::Occupied(e) => Ok(ClaimOutcome::Existing(e.get().clone())),
-            Entry::Vacant(e) => {
-                let record = req.new_record();
-                e.insert(record.clone());
-                Ok(ClaimOutcome::Owned(Claim::new(record)))
-            }
+            let record = req.new_record();
+            *current = record.clone();
+            return Ok(ClaimOutcome::Owned(Claim::new(record)));
         }
+        let record = req.new_record();
+        shard.insert(req.scope, record.clone());
+        Ok(ClaimOutcome::Owned(Claim::new(record)))
     }
 
     async fn reclaim(

@@ -219,6 +219,17 @@ impl Record {
         self.state == RecordState::InFlight && now >= stale_after(self.started_at, in_flight_ttl)
     }
 
+    /// Takes the stored response out of the record when [`Record::decide`] would replay it (the
+    /// same fingerprint, completed), and leaves the record unchanged otherwise. For a caller
+    /// that is done with the record once it replays: the response is moved, not copied.
+    pub fn take_replay(&mut self, fingerprint: &Fingerprint) -> Option<StoredResponse> {
+        if self.state == RecordState::Completed && self.fingerprint == *fingerprint {
+            self.response.take()
+        } else {
+            None
+        }
+    }
+
     /// Decides what a request with `fingerprint` gets at `now` (SPEC 1.3).
     pub fn decide(&self, fingerprint: &Fingerprint, now: Timestamp, in_flight_ttl: Duration) -> Decision {
         if &self.fingerprint != fingerprint {
@@ -366,6 +377,28 @@ mod tests {
         assert_eq!(flying.decide(&fp, flying.started_at + chrono::Duration::seconds(300), ttl), Decision::Reclaim);
         assert_eq!(flying.decide(&other, now(), ttl), Decision::Mismatch);
         assert_eq!(record(RecordState::Failed, "sha256:a").decide(&fp, now(), ttl), Decision::Reclaim);
+    }
+
+    #[test]
+    fn take_replay_agrees_with_decide() {
+        let ttl = Duration::from_secs(300);
+        let fp = Fingerprint::from_stored("sha256:a");
+        for state in [RecordState::Completed, RecordState::InFlight, RecordState::Failed] {
+            for stored in ["sha256:a", "sha256:b"] {
+                let r = record(state, stored);
+                let mut taken = r.clone();
+                match (r.decide(&fp, now(), ttl), taken.take_replay(&fp)) {
+                    (Decision::Replay(a), Some(b)) => assert_eq!(a, b),
+                    (_, None) => assert_eq!(taken, r, "a record that is not replayed is left as it was"),
+                    (d, Some(_)) => panic!("{state:?} {stored}: decide says {d:?}, take_replay replays"),
+                }
+            }
+        }
+        // A completed record without a response is not replayed by either.
+        let mut broken = record(RecordState::Completed, "sha256:a");
+        broken.response = None;
+        assert!(!matches!(broken.decide(&fp, now(), ttl), Decision::Replay(_)));
+        assert_eq!(broken.take_replay(&fp), None);
     }
 
     #[test]
