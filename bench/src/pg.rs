@@ -208,7 +208,7 @@ pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
 const COLUMNS: &str = "principal, endpoint, key, record_id, fingerprint, state, generation, response_status, \
      response_headers, response_body, response_encoding, created_at, started_at, expires_at";
 
-fn insert_or_read(key: &str) -> String {
+pub(crate) fn insert_or_read(key: &str) -> String {
     format!(
         "WITH ins AS ( INSERT INTO idempotency_records \
            (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
@@ -221,7 +221,7 @@ fn insert_or_read(key: &str) -> String {
     )
 }
 
-fn complete(key: &str) -> String {
+pub(crate) fn complete(key: &str) -> String {
     let r = response();
     format!(
         "UPDATE idempotency_records SET state = 'completed', response_status = {}, response_headers = '{}', \
