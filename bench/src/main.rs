@@ -2,6 +2,7 @@
 //! subcommand prints one JSON object on stdout; `report` turns the collected lines into the
 //! table of ratios. See `bench/README.md`.
 
+mod create;
 mod load;
 mod partition;
 mod pg;
@@ -39,6 +40,14 @@ enum Command {
         #[arg(long, default_value_t = pg::DEFAULT_KEYS)]
         keys: u32,
     },
+    /// Writes `create.sql`: one leasebroker create's unavoidable writes, for pgbench.
+    CreateFloorScript {
+        /// Where to write `create.sql`.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// The same writes on a SQLite file from 16 tasks: the SQLite floor under a create.
+    SqliteCreateFloor(create::SqliteFloorArgs),
     /// Claim latency while the sweeper deletes `--rows` expired rows, against idle.
     Sweeper(pg::SweeperArgs),
     /// Sweeping `--rows` expired rows: batched DELETE against dropping whole days (the layout
@@ -71,6 +80,8 @@ fn main() -> anyhow::Result<()> {
         Command::PgPrepare(a) => rt.block_on(pg::prepare(a)),
         Command::PgStore(a) => rt.block_on(pg::drive_store(a)),
         Command::PgbenchScripts { dir, keys } => pg::write_pgbench_scripts(&dir, keys),
+        Command::CreateFloorScript { dir } => create::write_pgbench_script(&dir),
+        Command::SqliteCreateFloor(a) => rt.block_on(create::sqlite_floor(a)),
         Command::Sweeper(a) => rt.block_on(pg::sweeper(a)),
         Command::Partition(a) => rt.block_on(partition::partition(a)),
         Command::RecordSize(a) => rt.block_on(pg::record_size(a)),

@@ -210,7 +210,7 @@ pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
 const COLUMNS: &str = "record_id, fingerprint, state, generation, response_status, response_headers, response_body, \
      response_encoding, created_at, started_at, expires_at";
 
-fn insert_or_read(key: &str) -> String {
+pub(crate) fn insert_or_read(key: &str) -> String {
     format!(
         "WITH ins AS ( INSERT INTO idempotency_records \
            (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
@@ -223,7 +223,7 @@ fn insert_or_read(key: &str) -> String {
     )
 }
 
-fn complete(key: &str) -> String {
+pub(crate) fn complete(key: &str) -> String {
     let r = response();
     format!(
         "UPDATE idempotency_records SET state = 'completed', response_status = {}, response_headers = '{}', \

@@ -335,6 +335,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             }
         }
     }
+    push_create_rows(runs, &mut out);
     out
 }
 
@@ -488,6 +489,116 @@ fn scale_plans(runs: &Runs) -> String {
         )
     }
 }
+
+// --- leasebroker creates against their floor (issue 16, goal 1) ---
+
+/// Variants of the e2e part: the service (`sqlite`, `postgres`), its floor (`floor`: the
+/// unavoidable writes, `bench/src/create.rs`), and the levers' other sides: SQLite with 8
+/// connections (busy-waiting writers, the old default) and the build before the change
+/// (`-before`, when `LB_BEFORE` names one).
+fn push_create_rows(runs: &Runs, out: &mut Vec<Ratio>) {
+    let mut push = |r: Option<Ratio>| out.extend(r);
+    let e = |case: &str, v: &str| key("e2e", case, 16, v);
+    for (db, name) in [("sqlite", "SQLite"), ("postgres", "PostgreSQL")] {
+        let floor = format!("{db}-floor");
+        push(runs.ratio(
+            "e2e",
+            format!("leasebroker creates/s / floor ({name}, 16 conns)"),
+            "rps",
+            &e("create", db),
+            &e("create", &floor),
+            Some(Goal::AtLeast(0.6)),
+        ));
+        push(runs.within(
+            "e2e",
+            format!("leasebroker create p99 / p50 ({name})"),
+            &e("create", db),
+            ("p99_us", "p50_us"),
+            (db == "sqlite").then_some(Goal::AtMost(5.0)),
+        ));
+        push(runs.within("e2e", format!("floor p99 / p50 ({name})"), &e("create", &floor), ("p99_us", "p50_us"), None));
+        let before = format!("{db}-before");
+        push(runs.ratio(
+            "e2e",
+            format!("creates/s: this build / the build before (LB_BEFORE) ({name})"),
+            "rps",
+            &e("create", db),
+            &e("create", &before),
+            None,
+        ));
+        push(runs.ratio(
+            "e2e",
+            format!("create p99: this build / the build before ({name})"),
+            "p99_us",
+            &e("create", db),
+            &e("create", &before),
+            None,
+        ));
+    }
+    push(runs.ratio(
+        "e2e",
+        "creates/s: SQLite, 1 connection (one writer queue) / 8 (busy-waiting writers)".into(),
+        "rps",
+        &e("create", "sqlite"),
+        &e("create", "sqlite-8conn"),
+        None,
+    ));
+    push(runs.ratio(
+        "e2e",
+        "create p99: SQLite, 1 connection / 8".into(),
+        "p99_us",
+        &e("create", "sqlite"),
+        &e("create", "sqlite-8conn"),
+        None,
+    ));
+    push(runs.ratio(
+        "e2e",
+        "SQLite floor: 1 connection / 8".into(),
+        "rps",
+        &e("create", "sqlite-floor"),
+        &e("create", "sqlite-floor-8conn"),
+        None,
+    ));
+}
+
+impl Runs {
+    /// One run's metric A / metric B (say p99 / p50), per round, as a ratio row.
+    fn within(
+        &self,
+        part: &'static str,
+        what: String,
+        k: &Key,
+        (a, b): (&'static str, &'static str),
+        goal: Option<Goal>,
+    ) -> Option<Ratio> {
+        let per: Vec<f64> = self
+            .0
+            .get(k)?
+            .keys()
+            .filter_map(|&r| Some(self.metric(k, r, a)? / self.metric(k, r, b)?))
+            .filter(|x| x.is_finite())
+            .collect();
+        if per.is_empty() {
+            return None;
+        }
+        let ratio = median(per.clone());
+        Some(Ratio {
+            part,
+            what,
+            metric: if a == "p99_us" && b == "p50_us" { "p99/p50" } else { a },
+            a: self.median(k, a),
+            b: self.median(k, b),
+            ratio,
+            ratio_min: per.iter().copied().fold(f64::INFINITY, f64::min),
+            ratio_max: per.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            rounds: per.len(),
+            goal,
+            met: goal.map(|g| g.met(ratio)),
+        })
+    }
+}
+
+// --- end of leasebroker creates against their floor ---
 
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
 fn expand(raw: Raw) -> Vec<Raw> {

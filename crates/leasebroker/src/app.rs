@@ -70,7 +70,7 @@ impl Application {
     ) -> anyhow::Result<Self> {
         args.validate().map_err(anyhow::Error::msg)?;
         let metrics = metrics_handle()?;
-        let db = Db::connect(&args.database).await?;
+        let db = Db::connect_with(&args.database, args.sqlite_connections).await?;
         db.migrate().await?;
         let domain = Domain::new(db.clone());
         domain

@@ -53,6 +53,14 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true, default_value = "sqlite://leasebroker.db")]
     pub database: String,
 
+    /// Connections to a SQLite database (ignored on PostgreSQL). 1, the default, puts every
+    /// database call of the service in one queue: SQLite commits one writer at a time, and
+    /// writers on several connections busy-wait for its lock (sleeping up to 100 ms a try)
+    /// instead of taking turns.
+    #[arg(long, env = "LEASEBROKER_SQLITE_CONNECTIONS", default_value_t = crate::db::DEFAULT_SQLITE_CONNECTIONS,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub sqlite_connections: u32,
+
     /// An API token and the principal it authenticates, `TOKEN=PRINCIPAL`; repeatable. From the
     /// environment: `LEASEBROKER_TOKENS=TOKEN=PRINCIPAL,TOKEN=PRINCIPAL`. With none, a random
     /// token is generated and printed.

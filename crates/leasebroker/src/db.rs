@@ -36,6 +36,15 @@ macro_rules! with_pool {
 }
 pub(crate) use with_pool;
 
+/// SQLite connections by default: one. SQLite commits one writer at a time, and a writer that
+/// finds the file locked sleeps and retries (the busy timeout, in steps of up to 100 ms), so
+/// several connections that write at once wait in those sleeps rather than in turn: under load
+/// a few requests sleep for hundreds of milliseconds while others pass. With one connection the
+/// pool's queue (first come, first served) is the writer queue, shared by the domain tables and
+/// the idempotency store on the same file; each commit is still `synchronous = FULL`.
+/// `leasebroker serve --sqlite-connections` sets it.
+pub const DEFAULT_SQLITE_CONNECTIONS: u32 = 1;
+
 /// The table that records leasebroker's own migrations, apart from the idempotency store's.
 const MIGRATIONS_TABLE: &str = "_leasebroker_migrations";
 
@@ -53,6 +62,7 @@ pub(crate) fn sqlite_migrator() -> Migrator {
         "0002_operations.sql",
         "0003_rollback_fence.sql",
         "0004_flash_operations.sql",
+        "0005_free_node_index.sql",
     ))
 }
 
@@ -64,12 +74,19 @@ pub(crate) fn postgres_migrator() -> Migrator {
         "0002_operations.sql",
         "0003_rollback_fence.sql",
         "0004_flash_operations.sql",
+        "0005_free_node_index.sql",
     ))
 }
 
 impl Db {
-    /// Connects to `url` (`sqlite://PATH`, `sqlite:PATH` or `postgres://...`).
+    /// Connects to `url` (`sqlite://PATH`, `sqlite:PATH` or `postgres://...`), with
+    /// [`DEFAULT_SQLITE_CONNECTIONS`] on SQLite.
     pub async fn connect(url: &str) -> anyhow::Result<Self> {
+        Self::connect_with(url, DEFAULT_SQLITE_CONNECTIONS).await
+    }
+
+    /// Connects to `url`; a SQLite pool has `sqlite_connections` connections (at least 1).
+    pub async fn connect_with(url: &str, sqlite_connections: u32) -> anyhow::Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = idempotency_sqlx::postgres_pool_options(16)
                 .acquire_timeout(Duration::from_secs(5))
@@ -91,7 +108,7 @@ impl Db {
             if !url.contains(":memory:") && !url.contains("mode=memory") {
                 create_owner_only(opts.get_filename())?;
             }
-            let pool = idempotency_sqlx::sqlite_pool_options(8)
+            let pool = idempotency_sqlx::sqlite_pool_options(sqlite_connections.max(1))
                 .acquire_timeout(Duration::from_secs(10))
                 .connect_with(opts)
                 .await

@@ -67,7 +67,7 @@ impl Domain {
             let changed = sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
                 .bind(intent_id).bind(vm_id).execute(&mut *tx).await?.rows_affected();
             if changed == 1 {
-                sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'boots'").execute(&mut *tx).await?;
+                sqlx::query(COUNT_BOOT).bind(boot_counter(intent_id)).execute(&mut *tx).await?;
             }
             tx.commit().await?;
         });

@@ -5,6 +5,56 @@ use sqlx::Row;
 use super::*;
 use crate::db::with_pool;
 
+// The allocation statements (public for the tests that read their plans). The first free node
+// in id order, read through the partial index `lb_nodes_free` (migration 0005): its first entry. PostgreSQL replicas race for nodes: SKIP LOCKED hands each its own free
+// row. SQLite has one writer at a time, so the sub-select and update are atomic as one statement;
+// `INDEXED BY` because SQLite's planner, without statistics, would rather read every free node
+// through the UNIQUE index on `alloc_id` and sort them (and it errs if the index is missing).
+// The `_CAPPED` forms also require the principal to hold fewer than `$4` nodes, counted by the
+// same statement (`lb_nodes_by_principal`).
+/// Allocates the first free node (PostgreSQL).
+pub const ALLOCATE_PG: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 \
+     WHERE node_id = (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+     RETURNING node_id, cpu, memory_gb";
+/// Allocates the first free node (SQLite).
+pub const ALLOCATE_SQLITE: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 \
+     WHERE node_id = (SELECT node_id FROM lb_nodes INDEXED BY lb_nodes_free WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
+     RETURNING node_id, cpu, memory_gb";
+/// Allocates the first free node within a quota (PostgreSQL).
+pub const ALLOCATE_CAPPED_PG: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 \
+     WHERE node_id = (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+     AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
+     RETURNING node_id, cpu, memory_gb";
+/// Allocates the first free node within a quota (SQLite).
+pub const ALLOCATE_CAPPED_SQLITE: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 \
+     WHERE node_id = (SELECT node_id FROM lb_nodes INDEXED BY lb_nodes_free WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
+     AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
+     RETURNING node_id, cpu, memory_gb";
+
+/// Allocates a free node under `$alloc_id` in the transaction `$tx`, within `$quota` (0: no
+/// limit): `Some(node)`, or `None` when no node is free or the quota is reached. On PostgreSQL a
+/// quota is serialized per principal by an advisory lock held to the end of the transaction.
+macro_rules! allocate_in {
+    ($tx:ident, $postgres:expr, $alloc_id:expr, $principal:expr, $now:expr, $quota:expr) => {{
+        let quota = i64::from($quota);
+        let sql = match ($postgres, quota > 0) {
+            (true, false) => $crate::domain::ALLOCATE_PG,
+            (false, false) => $crate::domain::ALLOCATE_SQLITE,
+            (true, true) => $crate::domain::ALLOCATE_CAPPED_PG,
+            (false, true) => $crate::domain::ALLOCATE_CAPPED_SQLITE,
+        };
+        if $postgres && quota > 0 {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7541))")
+                .bind($principal)
+                .execute(&mut *$tx)
+                .await?;
+        }
+        let q = sqlx::query_as::<_, $crate::domain::Node>(sql).bind($alloc_id).bind($principal).bind($now);
+        (if quota > 0 { q.bind(quota) } else { q }).fetch_optional(&mut *$tx).await?
+    }};
+}
+pub(super) use allocate_in;
+
 impl Domain {
     /// Adds nodes `node-0001`..`node-NNNN` that do not exist yet, in one statement. Safe to run
     /// from several replicas at once.
@@ -26,45 +76,11 @@ impl Domain {
     }
 
     /// Allocates a free node under `alloc_id` for the operation `op_id` (fenced: see
-    /// [`DomainError::RolledBack`]), or returns the node already allocated under it. `None`: no
-    /// node is free.
-    pub async fn allocate(&self, alloc_id: &str, principal: &str, now: i64, op_id: &str) -> Result<Option<Node>> {
-        if let Some(node) = self.allocation(alloc_id).await? {
-            return Ok(Some(node));
-        }
-        // PostgreSQL replicas race for nodes: SKIP LOCKED hands each its own free row. SQLite has
-        // one writer at a time, so the sub-select and update are atomic as one statement.
-        let sql = if self.db.is_postgres() {
-            "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
-             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
-             RETURNING node_id, cpu, memory_gb"
-        } else {
-            "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
-             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
-             RETURNING node_id, cpu, memory_gb"
-        };
-        let res = with_pool!(&self.db, p => {
-            async {
-                let mut tx = p.begin().await?;
-                guard!(self, tx, op_id);
-                let node = sqlx::query_as::<_, Node>(sql)
-                    .bind(alloc_id).bind(principal).bind(now).fetch_optional(&mut *tx).await?;
-                tx.commit().await?;
-                Ok::<_, DomainError>(node)
-            }.await
-        });
-        match res {
-            Ok(node) => Ok(node),
-            // A superseded attempt of the same request allocated concurrently: use its node.
-            Err(DomainError::Db(e)) if is_unique_violation(&e) => self.allocation(alloc_id).await,
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Like [`Domain::allocate`], but refuses a new allocation that would give `principal` more
-    /// than `quota` nodes. The count and the allocation are one statement (SQLite's single
-    /// writer) or one transaction serialized per principal by an advisory lock (PostgreSQL), so
-    /// concurrent creates, on one replica or several, cannot overshoot it.
+    /// [`DomainError::RolledBack`]), or returns the node already allocated under it; refuses a
+    /// new allocation that would give `principal` more than `quota` nodes (0: no limit). The
+    /// count and the allocation are one statement (SQLite's single writer) or one transaction
+    /// serialized per principal by an advisory lock (PostgreSQL), so concurrent creates, on one
+    /// replica or several, cannot overshoot it.
     pub async fn allocate_within(
         &self,
         alloc_id: &str,
@@ -73,50 +89,23 @@ impl Domain {
         quota: u32,
         op_id: &str,
     ) -> Result<Allocation> {
-        if quota == 0 {
-            return Ok(self
-                .allocate(alloc_id, principal, now, op_id)
-                .await?
-                .map_or(Allocation::Exhausted, Allocation::Node));
-        }
         if let Some(node) = self.allocation(alloc_id).await? {
             return Ok(Allocation::Node(node));
         }
-        // One statement: the free node and the principal's count are read by the same write.
-        const CAPPED_PG: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
-             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1 FOR UPDATE SKIP LOCKED) \
-             AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
-             RETURNING node_id, cpu, memory_gb";
-        const CAPPED_SQLITE: &str = "UPDATE lb_nodes SET alloc_id = $1, principal = $2, allocated_at = $3 WHERE node_id = \
-             (SELECT node_id FROM lb_nodes WHERE alloc_id IS NULL ORDER BY node_id LIMIT 1) \
-             AND (SELECT COUNT(*) FROM lb_nodes WHERE principal = $2) < $4 \
-             RETURNING node_id, cpu, memory_gb";
-        let quota = i64::from(quota);
         let postgres = self.db.is_postgres();
-        let capped = if postgres { CAPPED_PG } else { CAPPED_SQLITE };
         let res = with_pool!(&self.db, p => {
             async {
                 let mut tx = p.begin().await?;
                 guard!(self, tx, op_id);
-                if postgres {
-                    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7541))")
-                        .bind(principal).execute(&mut *tx).await?;
-                }
-                let node = sqlx::query_as::<_, Node>(capped)
-                    .bind(alloc_id).bind(principal).bind(now).bind(quota)
-                    .fetch_optional(&mut *tx).await?;
+                let node = allocate_in!(tx, postgres, alloc_id, principal, now, quota);
                 tx.commit().await?;
                 Ok::<_, DomainError>(node)
             }.await
         });
         match res {
             Ok(Some(node)) => Ok(Allocation::Node(node)),
-            Ok(None) => {
-                let held: i64 = with_pool!(&self.db, p => {
-                    sqlx::query_scalar("SELECT COUNT(*) FROM lb_nodes WHERE principal = $1").bind(principal).fetch_one(p).await?
-                });
-                Ok(if held >= quota { Allocation::QuotaExceeded } else { Allocation::Exhausted })
-            }
+            Ok(None) => self.refusal(principal, quota).await,
+            // A superseded attempt of the same request allocated concurrently: use its node.
             Err(DomainError::Db(e)) if is_unique_violation(&e) => {
                 Ok(self.allocation(alloc_id).await?.map_or(Allocation::Exhausted, Allocation::Node))
             }
@@ -124,7 +113,18 @@ impl Domain {
         }
     }
 
-    async fn allocation(&self, alloc_id: &str) -> Result<Option<Node>> {
+    /// Why no node was allocated to `principal`: its quota, or no free node.
+    pub(super) async fn refusal(&self, principal: &str, quota: u32) -> Result<Allocation> {
+        if quota == 0 {
+            return Ok(Allocation::Exhausted);
+        }
+        let held: i64 = with_pool!(&self.db, p => {
+            sqlx::query_scalar("SELECT COUNT(*) FROM lb_nodes WHERE principal = $1").bind(principal).fetch_one(p).await?
+        });
+        Ok(if held >= i64::from(quota) { Allocation::QuotaExceeded } else { Allocation::Exhausted })
+    }
+
+    pub(super) async fn allocation(&self, alloc_id: &str) -> Result<Option<Node>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, Node>("SELECT node_id, cpu, memory_gb FROM lb_nodes WHERE alloc_id = $1")
                 .bind(alloc_id)

@@ -44,10 +44,7 @@ impl Domain {
     /// operation for a rollback: an attempt that still runs must not start it again.
     pub async fn begin_attempt(&self, op: &OperationRow) -> Result<()> {
         let written = with_pool!(&self.db, p => {
-            sqlx::query("INSERT INTO lb_operations (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                         ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at \
-                         WHERE lb_operations.rolled_back = 0")
+            sqlx::query(create::BEGIN_ATTEMPT)
                 .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
                 .bind(&op.record_id).bind(op.last_attempt_at)
                 .execute(p).await?.rows_affected()

@@ -6,27 +6,6 @@ use super::*;
 use crate::db::with_pool;
 
 impl Domain {
-    /// Inserts a worker, or finds the one a previous attempt inserted under the same id. The
-    /// create `op_id` is finished with it: its intents and its row are deleted in the same
-    /// transaction (a retry answers from the worker row).
-    pub async fn insert_worker(&self, w: &WorkerRow, op_id: &str) -> Result<WorkerRow> {
-        with_pool!(&self.db, p => {
-            let mut tx = p.begin().await?;
-            guard!(self, tx, op_id);
-            sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
-                         vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
-                         ON CONFLICT (worker_id) DO NOTHING")
-                .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
-                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
-                .bind(w.reboot_count).bind(w.created_at)
-                .execute(&mut *tx).await?;
-            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            tx.commit().await?;
-        });
-        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
-    }
-
     /// A principal's worker.
     pub async fn worker(&self, principal: &str, worker_id: &str) -> Result<Option<WorkerRow>> {
         Ok(with_pool!(&self.db, p => {

@@ -13,12 +13,21 @@
 //!    503 + Retry-After instead of calling twice.
 //! 4. the worker row, keyed by `derive("worker")`.
 //!
+//! The steps share transactions where nothing outside the database happens between them: the
+//! attempt's row, 1, 2 and the intent (with its send stamp, when it is new) are one commit before
+//! the call ([`Domain::start_create`]); the VM, 4 and the operation's end are one commit after it
+//! ([`Domain::finish_create`]). With the idempotency record's claim and completion that is four
+//! commits a create, the floor `bench/run e2e` measures against. Each write keeps its sub-key and
+//! its `ON CONFLICT` rule, so a retry that finds an earlier attempt's rows goes on from them; when
+//! an overlapping attempt allocated at the same moment (a unique violation) the steps run one
+//! transaction each, as before.
+//!
 //! Attempts of one record can overlap: a holder whose claim went stale (its heartbeats could not
 //! reach a restarting database) still runs when a retry or the reaper takes the record. So the
 //! steps are fenced in the database, not by the claim alone: a call is sent only by the attempt
-//! that moved the intent's send stamp by compare-and-set from the value it decided on, and every
-//! step of a create (allocate, lease, intent, stamp, worker) first checks, in its transaction,
-//! that the reaper has not taken the operation for a rollback.
+//! that recorded the intent with its send stamp, or moved that stamp by compare-and-set from the
+//! value it decided on; and every commit of a create first checks, in its transaction, that the
+//! reaper has not taken the operation for a rollback.
 //!
 //! A definite refusal (the hypervisor answered 4xx, or could not be reached at all) gives back
 //! the node and the lease before answering. A create nobody finishes is rolled back by the
@@ -31,7 +40,10 @@ pub use leasebroker_validation::{
     CreateWorker, FlashFirmware, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
-use crate::domain::{Allocation, Domain, DomainError, Intent, WorkerRow};
+use crate::domain::{
+    Allocation, CreateStart, Domain, DomainError, Intent, Node, OperationRow, StartCreate, WorkerRow,
+    is_unique_violation,
+};
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
 
 mod calls;
@@ -80,28 +92,46 @@ impl Workers {
             return Err(ServiceError::Gone(worker_id));
         }
         let now = now_micros();
-        self.domain.begin_attempt(&op.row("create", now)).await?;
-        let node =
-            match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota, keys.op.as_str()).await?
-            {
-                Allocation::Node(node) => node,
-                Allocation::Exhausted => return Err(ServiceError::CapacityExhausted),
-                Allocation::QuotaExceeded => return Err(ServiceError::QuotaExceeded(self.quota)),
-            };
+        let op_row = op.row("create", now);
         let lease_id = keys.lease_id();
-        self.domain.insert_lease(&lease_id, &node.node_id, principal, now, keys.op.as_str()).await?;
-
         let tag = keys.boot.as_str();
-        let (intent, created) = self.domain.begin_intent(tag, "boot", keys.op.as_str(), now).await?;
+        // One commit for everything before the call: the attempt, the node, the lease, and the
+        // intent, born with its send stamp when it is new.
+        let stamp = send_stamp(now);
+        let start = StartCreate {
+            op: &op_row,
+            alloc_id: keys.alloc.as_str(),
+            lease_id: &lease_id,
+            intent_id: tag,
+            quota: self.quota,
+            stamp,
+        };
+        // `stamped`: the intent was recorded by this call with its send stamp.
+        let (node, intent, created, stamped) = match self.domain.start_create(start).await {
+            Ok(CreateStart::Held { node, intent, created }) => (node, intent, created, created),
+            Ok(CreateStart::Refused(refused)) => return Err(self.refused(refused)),
+            // An overlapping attempt of this request allocated at the same moment: step by step,
+            // each step finds what it did.
+            Err(DomainError::Db(e)) if is_unique_violation(&e) => self.start_stepwise(&keys, &op_row).await?,
+            Err(e) => return Err(e.into()),
+        };
+
         let vm_id = match intent.state.as_str() {
             "done" => intent.vm_id.clone().unwrap_or_default(),
             _ => {
                 let adopted = if created { None } else { self.adopt_boot(&intent).await? };
                 match adopted {
-                    Some(vm_id) => self.domain.finish_boot(tag, &vm_id).await?,
+                    Some(vm_id) => vm_id,
                     None => {
                         if !created {
                             self.settled(&intent)?;
+                        }
+                        if stamped {
+                            // The stamp was taken with the intent: the call goes out only if
+                            // that commit came back before the stamped moment.
+                            stamped_in_time(tag, intent.last_attempt_at)?;
+                        } else {
+                            self.mark_sending(&intent, keys.op.as_str()).await?;
                         }
                         let boot = BootRequest {
                             image: req.image.clone(),
@@ -109,9 +139,8 @@ impl Workers {
                             memory_gb: req.memory_gb,
                             tag: tag.to_owned(),
                         };
-                        self.mark_sending(&intent, keys.op.as_str()).await?;
                         match self.hypervisor.boot(&boot).await {
-                            Ok(vm) => self.domain.finish_boot(tag, &vm.vm_id).await?,
+                            Ok(vm) => vm.vm_id,
                             Err(e) => return Err(self.boot_failed(&keys, e).await),
                         }
                     }
@@ -134,15 +163,51 @@ impl Workers {
             reboot_count: 0,
             created_at: now_micros(),
         };
-        match self.domain.insert_worker(&row, keys.op.as_str()).await {
+        // One commit for everything after the call: the VM, the worker, the operation finished.
+        match self.domain.finish_create(tag, &row.vm_id, &row, keys.op.as_str()).await {
             Ok(w) => Ok(w),
             // The operation row is gone: an overlapping attempt finished it first (or the reaper
-            // took it, and then there is no worker).
-            Err(DomainError::RolledBack) => match self.domain.worker(principal, &row.worker_id).await? {
-                Some(w) => Ok(w),
-                None => Err(DomainError::RolledBack.into()),
-            },
+            // took it, and then there is no worker). The VM is recorded all the same, unfenced,
+            // as the reaper and a late retry reconcile by it.
+            Err(DomainError::RolledBack) => {
+                self.domain.finish_boot(tag, &row.vm_id).await?;
+                match self.domain.worker(principal, &row.worker_id).await? {
+                    Some(w) => Ok(w),
+                    None => Err(DomainError::RolledBack.into()),
+                }
+            }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The steps before the call one transaction each, as an overlapping attempt needs them:
+    /// each step resolves a unique violation by finding the other attempt's row. Returns the
+    /// node, the intent, whether this call recorded it, and `false`: the intent is not stamped
+    /// yet (the compare-and-set of `mark_sending` takes the right to send).
+    async fn start_stepwise(
+        &self,
+        keys: &CreateKeys,
+        op_row: &OperationRow,
+    ) -> Result<(Node, Intent, bool, bool), ServiceError> {
+        let now = op_row.last_attempt_at;
+        let principal = op_row.principal.as_str();
+        self.domain.begin_attempt(op_row).await?;
+        let node =
+            match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota, keys.op.as_str()).await?
+            {
+                Allocation::Node(node) => node,
+                refused => return Err(self.refused(refused)),
+            };
+        self.domain.insert_lease(&keys.lease_id(), &node.node_id, principal, now, keys.op.as_str()).await?;
+        let (intent, created) = self.domain.begin_intent(keys.boot.as_str(), "boot", keys.op.as_str(), now).await?;
+        Ok((node, intent, created, false))
+    }
+
+    /// The answer to an allocation that took no node.
+    fn refused(&self, refused: Allocation) -> ServiceError {
+        match refused {
+            Allocation::QuotaExceeded => ServiceError::QuotaExceeded(self.quota),
+            Allocation::Exhausted | Allocation::Node(_) => ServiceError::CapacityExhausted,
         }
     }
 

@@ -709,3 +709,133 @@ async fn concurrent_allocations_never_overshoot_the_quota_on_sqlite() {
     let dir = tempfile::tempdir().expect("tempdir");
     concurrent_allocations_case(&sqlite_url(&dir)).await;
 }
+
+/// A create's first commit (attempt, node, lease, intent in one transaction) keeps the quota:
+/// 64 creates of one principal race through two pools, and exactly 5 hold a node and a lease.
+/// A second start of one of them finds what the first did, intent and send stamp included.
+async fn concurrent_create_starts_case(url: &str) {
+    use leasebroker::db::Db;
+    use leasebroker::domain::{Allocation, CreateStart, Domain, DomainError, OperationRow, StartCreate};
+    let first = Db::connect(url).await.expect("connect");
+    first.migrate().await.expect("migrate");
+    let domains = [Domain::new(first), Domain::new(Db::connect(url).await.expect("connect"))];
+    domains[0].seed_nodes(200, 64, 512).await.expect("seed");
+    let op = |i: usize| OperationRow {
+        op_id: format!("op-{i}"),
+        kind: "create".into(),
+        principal: "alice".into(),
+        endpoint: "POST /v1/workers".into(),
+        idem_key: format!("k-{i}"),
+        record_id: "00".into(),
+        last_attempt_at: 10,
+    };
+    let start = |domain: Domain, i: usize| async move {
+        let op = op(i);
+        let (alloc, lease, intent) = (format!("alloc-{i}"), format!("lse-{i}"), format!("sk-boot-{i}"));
+        let s = StartCreate {
+            op: &op,
+            alloc_id: &alloc,
+            lease_id: &lease,
+            intent_id: &intent,
+            quota: 5,
+            stamp: 1000 + i as i64,
+        };
+        domain.start_create(s).await
+    };
+    let tasks: Vec<_> = (0..64).map(|i| tokio::spawn(start(domains[i % 2].clone(), i))).collect();
+    let mut held = Vec::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        match task.await.expect("task").expect("start") {
+            CreateStart::Held { node, intent, created } => {
+                assert!(created, "the first start records the intent");
+                assert_eq!(
+                    (intent.state.as_str(), intent.last_attempt_at, intent.created_at),
+                    ("pending", 1000 + i as i64, 10)
+                );
+                held.push((i, node));
+            }
+            CreateStart::Refused(Allocation::QuotaExceeded) => {}
+            CreateStart::Refused(other) => panic!("200 nodes cannot run out: {other:?}"),
+        }
+    }
+    assert_eq!(held.len(), 5);
+    let counts = domains[0].counts().await.expect("counts");
+    assert_eq!((counts.nodes_allocated, counts.leases_active), (5, 5));
+
+    // A retry of one that holds a node: the same node, the intent as recorded (not stamped again).
+    let (i, node) = held[0].clone();
+    match start(domains[1].clone(), i).await.expect("again") {
+        CreateStart::Held { node: again, intent, created } => {
+            assert_eq!(again, node);
+            assert!(!created);
+            assert_eq!(intent.last_attempt_at, 1000 + i as i64);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Taken for a rollback: a start commits nothing more.
+    assert!(domains[0].mark_rolling_back(&op(i).op_id).await.expect("mark"));
+    assert!(matches!(start(domains[0].clone(), i).await, Err(DomainError::RolledBack)));
+    assert_eq!(domains[0].counts().await.expect("counts").leases_active, 5);
+}
+
+#[tokio::test]
+async fn concurrent_create_starts_never_overshoot_the_quota_on_postgres() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    concurrent_create_starts_case(pg.url()).await;
+}
+
+#[tokio::test]
+async fn concurrent_create_starts_never_overshoot_the_quota_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    concurrent_create_starts_case(&sqlite_url(&dir)).await;
+}
+
+/// Allocation reads the free-node index (migration 0005), not every node: the plans of the
+/// statements the service runs, on a pool of 20,000 nodes.
+#[tokio::test]
+async fn allocation_reads_the_free_node_index_on_sqlite() {
+    use leasebroker::db::Db;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = Db::connect(&sqlite_url(&dir)).await.expect("connect");
+    db.migrate().await.expect("migrate");
+    leasebroker::domain::Domain::new(db.clone()).seed_nodes(20_000, 1, 1).await.expect("seed");
+    let Db::Sqlite(pool) = &db else { panic!("sqlite") };
+    for sql in [leasebroker::domain::ALLOCATE_SQLITE, leasebroker::domain::ALLOCATE_CAPPED_SQLITE] {
+        let plan = explain_sqlite(pool, sql).await;
+        assert!(plan.contains("USING INDEX lb_nodes_free"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "no sort of the free nodes: {plan}");
+        assert!(!plan.contains("SCAN lb_nodes\n") && !plan.ends_with("SCAN lb_nodes"), "no full scan: {plan}");
+    }
+}
+
+async fn explain_sqlite(pool: &sqlx::SqlitePool, sql: &str) -> String {
+    use sqlx::Row;
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+        .bind("a")
+        .bind("alice")
+        .bind(0_i64)
+        .bind(5_i64)
+        .fetch_all(pool)
+        .await
+        .expect("explain");
+    rows.iter().map(|r| r.try_get::<String, _>(3).expect("detail")).collect::<Vec<_>>().join("\n")
+}
+
+#[tokio::test]
+async fn allocation_reads_the_free_node_index_on_postgres() {
+    use leasebroker::db::Db;
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let db = Db::connect(pg.url()).await.expect("connect");
+    db.migrate().await.expect("migrate");
+    leasebroker::domain::Domain::new(db.clone()).seed_nodes(20_000, 1, 1).await.expect("seed");
+    let Db::Postgres(pool) = &db else { panic!("postgres") };
+    sqlx::query("ANALYZE lb_nodes").execute(pool).await.expect("analyze");
+    for sql in [leasebroker::domain::ALLOCATE_PG, leasebroker::domain::ALLOCATE_CAPPED_PG] {
+        let q = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}"))).bind("a").bind("alice").bind(0_i64);
+        let q = if sql.contains("$4") { q.bind(5_i64) } else { q };
+        let plan: Vec<String> = q.fetch_all(pool).await.expect("explain");
+        let plan = plan.join("\n");
+        assert!(plan.contains("Index Scan using lb_nodes_free"), "{plan}");
+        assert!(!plan.contains("Seq Scan"), "{plan}");
+    }
+}
