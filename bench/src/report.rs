@@ -203,7 +203,7 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
         "rps",
         &f("replay", "layer"),
         &f("replay", "pgbench"),
-        Some(Goal::AtLeast(0.8)),
+        Some(Goal::AtLeast(0.7)),
     ));
     push(runs.ratio(
         "floor",
