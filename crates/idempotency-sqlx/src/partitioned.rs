@@ -35,11 +35,13 @@
 //! partition whose day has ended. A write whose expiry falls on a day without a partition (a
 //! retention longer than the days created ahead, a clock far off) creates that day's partition
 //! and runs again, so a claim never fails for want of one. Creating attaches a new empty table
-//! (`SHARE UPDATE EXCLUSIVE` on the parent: claims go on); detaching takes the parent's
-//! `ACCESS EXCLUSIVE` lock for a catalog update only (with a lock timeout, so it never queues
-//! claims behind a long transaction for long); the rows are then counted and the table dropped
-//! with no lock on the parent. There is no default partition: it would have to be scanned on
-//! every partition created.
+//! and detaching runs `DETACH PARTITION ... CONCURRENTLY`: both take only `SHARE UPDATE
+//! EXCLUSIVE` on the parent, so claims go on. A concurrent detach waits for every transaction
+//! that may still be using the partition, so a long transaction on the table delays the drop of
+//! a day, never the claims; one interrupted half-way is finished by the next sweep. The rows are
+//! then counted and the table dropped with no lock on the parent. There is no default
+//! partition: it would have to be scanned on every partition created, and a concurrent detach
+//! refuses a table that has one.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -61,10 +63,6 @@ pub const DEFAULT_DAYS_AHEAD: u32 = 3;
 
 /// Connections in a pool made by [`PartitionedPostgresStore::connect`].
 const MAX_CONNECTIONS: u32 = 10;
-
-/// How long the sweeper waits for the parent table's lock to detach a partition before it
-/// leaves the partition for its next pass: claims that arrive meanwhile queue behind it.
-const DETACH_LOCK_TIMEOUT: &str = "200ms";
 
 /// The advisory lock (two-int form, this layout's namespace) that serialises partition
 /// creation, detaching and dropping between replicas. The claim function uses the same first
@@ -195,35 +193,15 @@ impl PartitionedPostgresStore {
     /// Detaches every partition whose day ended by `now`, then counts and drops every detached
     /// one. Returns the number of records dropped.
     async fn drop_expired_partitions(&self, now: Timestamp) -> Result<u64, StoreError> {
+        let mut ended = vec![];
         for day in attached(&self.pool).await? {
             if day_end(day)? > now {
                 break;
             }
-            let mut tx = self.pool.begin().await.map_err(db_error)?;
-            sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
-                .bind(LOCK_NAMESPACE)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?;
-            sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")))
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?;
-            if !attached(&mut *tx).await?.contains(&day) {
-                continue; // another replica's sweep took it
-            }
-            let name = partition_name(day)?;
-            let detach = format!(r#"ALTER TABLE {PARTITIONED_TABLE} DETACH PARTITION "{name}""#);
-            match sqlx::query(AssertSqlSafe(detach)).execute(&mut *tx).await {
-                Ok(_) => tx.commit().await.map_err(db_error)?,
-                // A long transaction holds the table: leave this day for the next pass rather
-                // than stall the claims queued behind us.
-                Err(e) if sqlstate(&e) == Some("55P03") => {
-                    tracing::info!(partition = %name, "partition busy; dropping it on a later sweep");
-                    break;
-                }
-                Err(e) => return Err(db_error(e)),
-            }
+            ended.push(day);
+        }
+        if !ended.is_empty() {
+            self.detach(&ended).await?;
         }
         let mut dropped = 0;
         for day in detached(&self.pool).await? {
@@ -252,6 +230,41 @@ impl PartitionedPostgresStore {
             dropped += u64::try_from(count).unwrap_or(0);
         }
         Ok(dropped)
+    }
+
+    /// Detaches the partitions of `days` (ended days) without holding claims up.
+    ///
+    /// `DETACH PARTITION ... CONCURRENTLY` takes only `SHARE UPDATE EXCLUSIVE` on the parent,
+    /// which no claim, completion or read conflicts with, marks the partition pending detach
+    /// (from then on new statements no longer see it), waits for every transaction that may
+    /// still be using it, and finishes in a second transaction. A long transaction on the table
+    /// therefore delays the drop of the day, not the claims. A detach cancelled or killed
+    /// half-way leaves its partition pending; the next sweep finishes it (`FINALIZE`) first.
+    ///
+    /// Neither form can run in a transaction block, so replicas take turns with a session
+    /// advisory lock, on a connection that is closed afterwards: whatever happens, closing the
+    /// session releases the lock.
+    async fn detach(&self, days: &[NaiveDate]) -> Result<(), StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        conn.close_on_drop();
+        sqlx::query("SELECT pg_advisory_lock($1, 0)")
+            .bind(LOCK_NAMESPACE)
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        // Again under the lock: another replica's sweep may have taken some meanwhile.
+        let pending = pending_detach(&mut *conn).await?;
+        let attached = attached(&mut *conn).await?;
+        let finish = days.iter().filter(|d| pending.contains(d)).map(|d| (d, "FINALIZE"));
+        let start = days.iter().filter(|d| attached.contains(d) && !pending.contains(d)).map(|d| (d, "CONCURRENTLY"));
+        // PostgreSQL allows one pending detach per table: finish those before starting others.
+        for (&day, how) in finish.chain(start) {
+            let name = partition_name(day)?;
+            tracing::debug!(partition = %name, how, "detaching an ended day");
+            let detach = format!(r#"ALTER TABLE {PARTITIONED_TABLE} DETACH PARTITION "{name}" {how}"#);
+            sqlx::raw_sql(AssertSqlSafe(detach)).execute(&mut *conn).await.map_err(db_error)?;
+        }
+        Ok(())
     }
 
     /// Runs `op` until it settles: again after a serialization failure (it met a row a
@@ -334,6 +347,18 @@ async fn attached<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDat
     let names: Vec<String> = sqlx::query_scalar(
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = to_regclass('idempotency_records_by_day')",
+    )
+    .fetch_all(e)
+    .await
+    .map_err(db_error)?;
+    Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
+}
+
+/// The days of the partitions a detach left pending (cancelled or killed half-way).
+async fn pending_detach<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = to_regclass('idempotency_records_by_day') AND i.inhdetachpending",
     )
     .fetch_all(e)
     .await

@@ -751,6 +751,96 @@ mod postgres_partitioned_layout {
         assert_eq!(store.get(&scope).await.expect("get").expect("row").state, RecordState::Completed);
     }
 
+    /// Claims `n` records that expired yesterday; returns yesterday's partition's name.
+    async fn expired_yesterday(store: &PartitionedPostgresStore, n: usize) -> String {
+        let yesterday = midnight(now().date_naive()) - Span::hours(1);
+        for _ in 0..n {
+            own(store, claim_request(&unique_scope(), yesterday - Span::hours(1), yesterday)).await;
+        }
+        format!("idempotency_records_by_day_p{}", yesterday.format("%Y%m%d"))
+    }
+
+    /// A connection in a transaction that has read the partitioned table, as a long report
+    /// would: it holds a lock on the table and every partition until it ends.
+    async fn long_reader(url: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let pool = PgPoolOptions::new().max_connections(1).connect(url).await.expect("pool");
+        let mut tx = pool.begin().await.expect("begin");
+        sqlx::query("SELECT count(*) FROM idempotency_records_by_day").execute(&mut *tx).await.expect("read");
+        tx
+    }
+
+    /// Waits until a session runs a statement containing `text`.
+    async fn until_running(store: &PartitionedPostgresStore, text: &str) {
+        for _ in 0..1000 {
+            let running: bool = sqlx::query_scalar(
+                "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'active' AND strpos(query, $1) > 0 \
+                   AND pid <> pg_backend_pid()",
+            )
+            .bind(text)
+            .fetch_one(store.pool())
+            .await
+            .expect("activity");
+            if running {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("no session ran {text:?}");
+    }
+
+    /// A transaction that holds the table (a long report) delays the drop of an ended day, not
+    /// the claims: the sweep waits for it, claims go on meanwhile, and once it ends the sweep
+    /// drops the day and counts its records.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_transaction_delays_the_drop_of_a_day_and_not_the_claims() {
+        let Some((store, db)) = partitioned_store().await else { return };
+        let partition = expired_yesterday(&store, 3).await;
+        let reader = long_reader(db.url()).await;
+        let sweep = tokio::spawn({
+            let store = store.clone();
+            async move { store.sweep_expired(now(), 1000).await }
+        });
+        until_running(&store, "DETACH PARTITION").await;
+        for _ in 0..5 {
+            own(&store, request(&unique_scope(), now())).await;
+        }
+        assert!(!sweep.is_finished(), "the sweep waits for the long transaction, the claims do not");
+        reader.commit().await.expect("end the long transaction");
+        assert_eq!(sweep.await.expect("task").expect("sweep"), 3, "the day is dropped once the reader ends");
+        let left: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&partition)
+            .fetch_one(store.pool())
+            .await
+            .expect("regclass");
+        assert!(!left, "{partition} is dropped");
+    }
+
+    /// A detach interrupted half-way (cancelled while it waited, or the sweeper's process
+    /// killed) leaves the partition pending detach; the next sweep finishes it and drops the day.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweep_finishes_a_detach_left_pending() {
+        let Some((store, db)) = partitioned_store().await else { return };
+        let partition = expired_yesterday(&store, 2).await;
+        let reader = long_reader(db.url()).await;
+        let mut conn = store.pool().acquire().await.expect("connection");
+        sqlx::query("SET statement_timeout = '300ms'").execute(&mut *conn).await.expect("timeout");
+        let detach = format!(r#"ALTER TABLE idempotency_records_by_day DETACH PARTITION "{partition}" CONCURRENTLY"#);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(detach)).execute(&mut *conn).await.expect_err("cancelled while it waits");
+        sqlx::query("RESET statement_timeout").execute(&mut *conn).await.expect("reset");
+        drop(conn);
+        let pending: bool =
+            sqlx::query_scalar("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1)")
+                .bind(&partition)
+                .fetch_one(store.pool())
+                .await
+                .expect("pg_inherits");
+        assert!(pending, "the cancelled detach leaves {partition} pending");
+        reader.commit().await.expect("end the long transaction");
+        assert_eq!(store.sweep_expired(now(), 1000).await.expect("sweep"), 2);
+        assert!(!store.partition_days().await.expect("days").contains(&(now().date_naive() - chrono::Days::new(1))));
+        assert_eq!(store.sweep_expired(now(), 1000).await.expect("sweep"), 0);
+    }
+
     /// Heartbeats racing with the completion that moves their row to another partition settle
     /// (they meet the moved row, run again and are fenced): never an error, one row left.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
