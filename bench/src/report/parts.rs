@@ -1,0 +1,269 @@
+//! The rows of the parts with more than one comparison per line: the partitioned sweep, the
+//! layer's own cost, the scale part's plans, and leasebroker creates against their floor.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use super::{Goal, Key, Ratio, Raw, Runs, key, median};
+
+/// Part `partition`: sweeping 1M expired rows by dropping whole days (the layout partitioned by
+/// expiry day) against the default layout's batched DELETE.
+pub(super) fn partition_ratios(runs: &Runs) -> Vec<Ratio> {
+    let k = |case: &str, variant: &str| key("partition", case, 0, variant);
+    let sweep = |what: &str, metric: &'static str, goal: Option<Goal>| {
+        runs.ratio(
+            "partition",
+            format!("sweep 1M expired, {what}: drop days / batched DELETE"),
+            metric,
+            &k("sweep", "partitioned"),
+            &k("sweep", "delete"),
+            goal,
+        )
+    };
+    let mut out = vec![
+        sweep("WAL bytes (server)", "wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("WAL bytes (this database's pages)", "database_wal_bytes", Some(Goal::AtMost(0.01))),
+        sweep("seconds", "sweep_seconds", None),
+        runs.ratio(
+            "partition",
+            "claim p99 while sweeping: drop days / batched DELETE".into(),
+            "p99_us",
+            &k("claim", "partitioned-sweeping"),
+            &k("claim", "delete-sweeping"),
+            None,
+        ),
+        runs.ratio(
+            "partition",
+            "idle claim p50: partitioned layout / default layout".into(),
+            "p50_us",
+            &k("claim", "partitioned-idle"),
+            &k("claim", "delete-idle"),
+            None,
+        ),
+    ];
+    for layout in ["partitioned", "delete"] {
+        out.push(runs.ratio(
+            "partition",
+            format!("{layout}: claim p99 sweeping / idle"),
+            "p99_us",
+            &k("claim", &format!("{layout}-sweeping")),
+            &k("claim", &format!("{layout}-idle")),
+            (layout == "partitioned").then_some(Goal::AtMost(2.0)),
+        ));
+    }
+    out.into_iter().flatten().collect()
+}
+
+/// Part `partition`'s one line as keyed runs: per layout, the sweep alone and the claims
+/// (idle: the mean of the phases before and after).
+pub(super) fn expand_partition(raw: &Raw) -> Vec<Raw> {
+    let mut out = Vec::new();
+    for layout in ["delete", "partitioned"] {
+        let m = &raw.m[layout];
+        let sub = |case: &str, variant: String, m: Value| Raw {
+            part: raw.part.clone(),
+            case: case.into(),
+            conns: 0,
+            variant,
+            round: raw.round,
+            m,
+        };
+        let avg = |f: &str| {
+            (m["idle_before"][f].as_f64().unwrap_or(f64::NAN) + m["idle_after"][f].as_f64().unwrap_or(f64::NAN)) / 2.0
+        };
+        let idle = json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") });
+        out.push(sub(
+            "sweep",
+            layout.into(),
+            json!({
+                "wal_bytes": m["wal_bytes"],
+                "database_wal_bytes": m["database_wal_bytes"],
+                "sweep_seconds": m["sweep_seconds"],
+            }),
+        ));
+        out.push(sub("claim", format!("{layout}-idle"), idle));
+        out.push(sub("claim", format!("{layout}-sweeping"), m["sweeping"].clone()));
+    }
+    out
+}
+
+/// The layer's own cost (issue 16, goal 2): layer+memory against the baseline a user compares
+/// with, a handler that parses the same body with axum's `Json` (mode `json`), in requests per
+/// second and in instructions per request (part `instr`: callgrind, a count that does not move
+/// with the machine's load).
+pub(super) fn layer_cost(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    for case in ["first", "replay"] {
+        for c in [16, 64] {
+            let k = |v: &str| key("layer", case, c, v);
+            out.extend(runs.ratio(
+                "layer",
+                format!("layer+memory / Json handler ({case}, {c} conn)"),
+                "rps",
+                &k("memory"),
+                &k("json"),
+                Some(Goal::AtLeast(0.85)),
+            ));
+        }
+    }
+    for case in ["first", "replay"] {
+        let k = |v: &str| key("instr", case, 4, v);
+        for (v, name) in [("json", "Json handler"), ("bare", "bare")] {
+            out.extend(runs.ratio(
+                "instr",
+                format!("instructions/request: layer+memory / {name} ({case})"),
+                "instructions_per_request",
+                &k("memory"),
+                &k(v),
+                None,
+            ));
+        }
+        // SHA-256 runs in software under valgrind, in the CPU's SHA extensions natively.
+        out.extend(runs.ratio(
+            "instr",
+            format!("instructions/request without SHA-256 blocks: layer+memory / Json handler ({case})"),
+            "instructions_per_request_without_sha256",
+            &k("memory"),
+            &k("json"),
+            None,
+        ));
+    }
+    out
+}
+
+/// The allocation plans the scale part recorded (EXPLAIN of the free-node search at each share
+/// of the pool allocated), for the Markdown report.
+pub(super) fn scale_plans(runs: &Runs) -> String {
+    let mut md = String::new();
+    for ((part, case, _, variant), rounds) in &runs.0 {
+        let db = match case.as_str() {
+            "create" => "PostgreSQL",
+            "create-sqlite" => "SQLite",
+            _ => continue,
+        };
+        if part != "scale" {
+            continue;
+        }
+        if let Some(plan) = rounds.values().find_map(|m| m["plan"].as_str()) {
+            let _ = writeln!(md, "- {db}, {variant}% allocated: `{plan}`");
+        }
+    }
+    if md.is_empty() {
+        md
+    } else {
+        format!(
+            "\nFree-node search at each allocation level (PostgreSQL: EXPLAIN ANALYZE; SQLite: EXPLAIN QUERY PLAN):\n\n{md}"
+        )
+    }
+}
+
+// --- leasebroker creates against their floor (issue 16, goal 1) ---
+
+/// Variants of the e2e part: the service (`sqlite`, `postgres`), its floor (`floor`: the
+/// unavoidable writes, `bench/src/create.rs`), and the levers' other sides: SQLite with 8
+/// connections (busy-waiting writers, the old default) and the build before the change
+/// (`-before`, when `LB_BEFORE` names one).
+pub(super) fn push_create_rows(runs: &Runs, out: &mut Vec<Ratio>) {
+    let mut push = |r: Option<Ratio>| out.extend(r);
+    let e = |case: &str, v: &str| key("e2e", case, 16, v);
+    for (db, name) in [("sqlite", "SQLite"), ("postgres", "PostgreSQL")] {
+        let floor = format!("{db}-floor");
+        push(runs.ratio(
+            "e2e",
+            format!("leasebroker creates/s / floor ({name}, 16 conns)"),
+            "rps",
+            &e("create", db),
+            &e("create", &floor),
+            Some(Goal::AtLeast(0.6)),
+        ));
+        push(runs.within(
+            "e2e",
+            format!("leasebroker create p99 / p50 ({name})"),
+            &e("create", db),
+            ("p99_us", "p50_us"),
+            (db == "sqlite").then_some(Goal::AtMost(5.0)),
+        ));
+        push(runs.within("e2e", format!("floor p99 / p50 ({name})"), &e("create", &floor), ("p99_us", "p50_us"), None));
+        let before = format!("{db}-before");
+        push(runs.ratio(
+            "e2e",
+            format!("creates/s: this build / the build before (LB_BEFORE) ({name})"),
+            "rps",
+            &e("create", db),
+            &e("create", &before),
+            None,
+        ));
+        push(runs.ratio(
+            "e2e",
+            format!("create p99: this build / the build before ({name})"),
+            "p99_us",
+            &e("create", db),
+            &e("create", &before),
+            None,
+        ));
+    }
+    push(runs.ratio(
+        "e2e",
+        "creates/s: SQLite, 1 connection (one writer queue) / 8 (busy-waiting writers)".into(),
+        "rps",
+        &e("create", "sqlite"),
+        &e("create", "sqlite-8conn"),
+        None,
+    ));
+    push(runs.ratio(
+        "e2e",
+        "create p99: SQLite, 1 connection / 8".into(),
+        "p99_us",
+        &e("create", "sqlite"),
+        &e("create", "sqlite-8conn"),
+        None,
+    ));
+    push(runs.ratio(
+        "e2e",
+        "SQLite floor: 1 connection / 8".into(),
+        "rps",
+        &e("create", "sqlite-floor"),
+        &e("create", "sqlite-floor-8conn"),
+        None,
+    ));
+}
+
+impl Runs {
+    /// One run's metric A / metric B (say p99 / p50), per round, as a ratio row.
+    fn within(
+        &self,
+        part: &'static str,
+        what: String,
+        k: &Key,
+        (a, b): (&'static str, &'static str),
+        goal: Option<Goal>,
+    ) -> Option<Ratio> {
+        let per: Vec<f64> = self
+            .0
+            .get(k)?
+            .keys()
+            .filter_map(|&r| Some(self.metric(k, r, a)? / self.metric(k, r, b)?))
+            .filter(|x| x.is_finite())
+            .collect();
+        if per.is_empty() {
+            return None;
+        }
+        let ratio = median(per.clone());
+        Some(Ratio {
+            part,
+            what,
+            metric: if a == "p99_us" && b == "p50_us" { "p99/p50" } else { a },
+            a: self.median(k, a),
+            b: self.median(k, b),
+            ratio,
+            ratio_min: per.iter().copied().fold(f64::INFINITY, f64::min),
+            ratio_max: per.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            rounds: per.len(),
+            goal,
+            met: goal.map(|g| g.met(ratio)),
+        })
+    }
+}
+
+// --- end of leasebroker creates against their floor ---
