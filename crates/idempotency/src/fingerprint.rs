@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use crate::canonical_json::canonical_json;
+
 /// The default largest body the fingerprint reads (1 MiB).
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
@@ -136,27 +138,6 @@ impl Fingerprinter {
     }
 }
 
-fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    // serde_json's default map is ordered by key, so re-serialising sorts every object.
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    // A non-integer, or an integer beyond 64 bits, is parsed into an f64, which cannot keep
-    // every decimal text apart (`18446744073709551616` and `...617` become one value). Two
-    // different requests must never fingerprint equal, so such a body is fingerprinted raw.
-    if has_inexact_number(&value) {
-        return None;
-    }
-    serde_json::to_vec(&value).ok()
-}
-
-fn has_inexact_number(v: &serde_json::Value) -> bool {
-    match v {
-        serde_json::Value::Number(n) => n.is_f64(),
-        serde_json::Value::Array(items) => items.iter().any(has_inexact_number),
-        serde_json::Value::Object(map) => map.values().any(has_inexact_number),
-        _ => false,
-    }
-}
-
 impl Fingerprint {
     /// Restores a fingerprint from its stored `sha256:<hex>` form.
     pub fn from_stored(s: impl Into<Arc<str>>) -> Self {
@@ -260,6 +241,61 @@ mod tests {
             fp(m, "POST", "", ct, br#"{"b":-7,"a":18446744073709551615}"#),
             fp(m, "POST", "", ct, br#"{ "a": 18446744073709551615, "b": -7 }"#)
         );
+    }
+
+    /// serde_json's `raw_value` feature (which axum turns on, so every service with the layer has
+    /// it) reads an object whose first member is named `$serde_json::private::RawValue` as the
+    /// JSON text in its value. Canonical mode must not: that body is not the body it quotes, and
+    /// it is one value however its members are ordered. Found by the `fingerprint` fuzz target.
+    #[test]
+    fn a_member_named_like_serde_jsons_raw_value_token_is_an_ordinary_member() {
+        let m = FingerprintMode::CanonicalJson;
+        let ct = b"application/json";
+        assert_ne!(
+            fp(m, "POST", "", ct, br#"{"image":"x"}"#),
+            fp(m, "POST", "", ct, br#"{"$serde_json::private::RawValue":"{\"image\":\"x\"}"}"#),
+        );
+        assert_ne!(
+            fp(m, "POST", "", ct, br#"{"image":"x"}"#),
+            fp(m, "POST", "", ct, br#"{"\u0024serde_json::private::RawValue":"{\"image\":\"x\"}"}"#),
+        );
+        assert_eq!(
+            fp(m, "POST", "", ct, br#"{"$serde_json::private::RawValue":true,"\u0017o":3038287258508722431}"#),
+            fp(
+                m,
+                "POST",
+                "",
+                ct,
+                b"{ \"\\u0017o\" : 3038287258508722431 , \"$serde_json::private::RawValue\" : true }"
+            ),
+        );
+    }
+
+    /// Canonical bytes are what serde_json's `Value` wrote for every ordinary body, so the
+    /// fingerprints stored before the layer read JSON itself still match their retries.
+    #[test]
+    fn canonical_bytes_are_serde_jsons_for_ordinary_bodies() {
+        let bodies: [&[u8]; 9] = [
+            br#"{"image":"worker-base","cpu":2,"memory_gb":4,"labels":{"team":"infra","tier":"gold"}}"#,
+            br#"[1,-2,18446744073709551615,-9223372036854775808,0,true,false,null,"",[],{}]"#,
+            "{\"z\":\"\u{e9}\\u00e9\\n\\\"\\/\",\"a\":{\"y\":[{\"b\":1,\"a\":2}]}}".as_bytes(),
+            br#"{"dup":1,"dup":2}"#,
+            br#""a string""#,
+            b"  42 ",
+            br#"{"\ud83d\ude00":"\u0000\u001f"}"#,
+            br#"{"B":1,"a":2,"A":3,"b":4,"\u00e9":5}"#,
+            br#"{"nested":{"deeper":{"deepest":[[[]]]}}}"#,
+        ];
+        for body in bodies {
+            let value: serde_json::Value = serde_json::from_slice(body).expect("valid JSON");
+            let expected = serde_json::to_vec(&value).expect("serialise");
+            assert_eq!(
+                canonical_json(body).map(String::from_utf8),
+                Some(Ok(String::from_utf8(expected).expect("UTF-8"))),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! [`Sweeper`]. With feature `conformance`, the store conformance suite (`conformance`) and a
 //! store that fails on demand (`faulty`).
 
+mod canonical_json;
 mod derive;
 mod fingerprint;
 mod key;
