@@ -769,12 +769,12 @@ mod postgres_partitioned_layout {
         tx
     }
 
-    /// Waits until a session runs a statement containing `text`.
+    /// Waits until a session on this test's database runs a statement containing `text`.
     async fn until_running(store: &PartitionedPostgresStore, text: &str) {
         for _ in 0..1000 {
             let running: bool = sqlx::query_scalar(
                 "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'active' AND strpos(query, $1) > 0 \
-                   AND pid <> pg_backend_pid()",
+                   AND datname = current_database() AND pid <> pg_backend_pid()",
             )
             .bind(text)
             .fetch_one(store.pool())
