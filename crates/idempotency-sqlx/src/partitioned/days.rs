@@ -161,38 +161,41 @@ fn parse_partition_name(name: &str) -> Option<NaiveDate> {
 
 /// The days whose partitions are attached.
 pub(super) async fn attached<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
-    let names: Vec<String> = sqlx::query_scalar(
+    days_of_tables(
+        e,
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = to_regclass('idempotency_records_by_day')",
     )
-    .fetch_all(e)
     .await
-    .map_err(db_error)?;
-    Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
 }
 
 /// The days of the partitions a detach left pending (cancelled or killed half-way).
 async fn pending_detach<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
-    let names: Vec<String> = sqlx::query_scalar(
+    days_of_tables(
+        e,
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = to_regclass('idempotency_records_by_day') AND i.inhdetachpending",
     )
-    .fetch_all(e)
     .await
-    .map_err(db_error)?;
-    Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
 }
 
 /// The days of tables named like partitions that are not attached: detached by a sweep.
 async fn detached<'c, E: sqlx::PgExecutor<'c>>(e: E) -> Result<BTreeSet<NaiveDate>, StoreError> {
-    let names: Vec<String> = sqlx::query_scalar(
+    days_of_tables(
+        e,
         "SELECT c.relname::text FROM pg_class c \
          WHERE c.relnamespace = to_regnamespace(current_schema())::oid AND c.relkind = 'r' \
            AND NOT c.relispartition AND starts_with(c.relname::text, 'idempotency_records_by_day_p')",
     )
-    .fetch_all(e)
     .await
-    .map_err(db_error)?;
+}
+
+/// The days of the partition-named tables a catalog query (one `relname` column) lists.
+async fn days_of_tables<'c, E: sqlx::PgExecutor<'c>>(
+    e: E,
+    sql: &'static str,
+) -> Result<BTreeSet<NaiveDate>, StoreError> {
+    let names: Vec<String> = sqlx::query_scalar(sql).fetch_all(e).await.map_err(db_error)?;
     Ok(names.iter().filter_map(|n| parse_partition_name(n)).collect())
 }
 
