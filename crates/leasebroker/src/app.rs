@@ -79,11 +79,12 @@ impl Application {
             .context("seeding the node pool")?;
 
         let mut background = Vec::new();
+        let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
         let hypervisor = match &args.hypervisor_url {
-            Some(url) => {
+            Some(url) if libvirt.is_none() => {
                 HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
             }
-            None => {
+            _ => {
                 let sim = Simulator::new(SimConfig {
                     fail_before: args.sim_fail_before,
                     fail_after: args.sim_fail_after,
@@ -98,6 +99,10 @@ impl Application {
             }
         }
         .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
+        let hypervisor = match libvirt {
+            Some(url) => with_libvirt(hypervisor, url, &args).await?,
+            None => hypervisor,
+        };
         let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
         let store = wrap(match &args.record_store {
             None => db.idempotency_store(),
@@ -265,4 +270,23 @@ pub async fn shutdown_signal() {
     let term = std::future::pending::<()>();
     tokio::select! { () = ctrl_c => {}, () = term => {} }
     tracing::info!("shutting down: draining in-flight requests");
+}
+
+/// The hypervisor client with its VMs on the libvirt host at `url` (`libvirt+URI`).
+#[cfg(feature = "libvirt")]
+async fn with_libvirt(hypervisor: HypervisorClient, url: &str, args: &ServeArgs) -> anyhow::Result<HypervisorClient> {
+    let vms =
+        crate::hypervisor::libvirt::LibvirtVms::connect(url, args.libvirt_images.clone(), args.hypervisor_timeout)
+            .await
+            .map_err(|e| anyhow::anyhow!("libvirt at {}: {e}", redact(url)))?;
+    Ok(hypervisor.with_libvirt(vms))
+}
+
+/// Without the `libvirt` feature a libvirt URL is refused at start, in one line.
+#[cfg(not(feature = "libvirt"))]
+async fn with_libvirt(_: HypervisorClient, url: &str, _: &ServeArgs) -> anyhow::Result<HypervisorClient> {
+    anyhow::bail!(
+        "--hypervisor-url {}: this leasebroker was built without libvirt support (build it with `--features libvirt`)",
+        redact(url)
+    )
 }

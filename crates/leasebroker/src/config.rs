@@ -86,6 +86,9 @@ pub struct ServeArgs {
     pub node_memory_gb: u32,
 
     /// The hypervisor's base URL. Default: the simulator, run inside this process.
+    /// `libvirt+qemu:///system` (any libvirt URI after `libvirt+`) puts the VMs on a real
+    /// libvirt/QEMU host (a build with the `libvirt` feature); the BMCs are then the in-process
+    /// simulator's.
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL", hide_env_values = true)]
     pub hypervisor_url: Option<String>,
 
@@ -107,6 +110,12 @@ pub struct ServeArgs {
     /// A PEM file of CA certificates to trust for an https hypervisor, besides the system's roots.
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_CA_CERT", value_name = "PATH")]
     pub hypervisor_ca_cert: Option<std::path::PathBuf>,
+
+    /// With a libvirt hypervisor: the directory of base images (`<image>.qcow2`); a VM boots
+    /// from a qcow2 overlay of its image made under `DIR/vms/`, or without a disk when the image
+    /// has no file there.
+    #[arg(long, env = "LEASEBROKER_LIBVIRT_IMAGES", value_name = "DIR")]
+    pub libvirt_images: Option<std::path::PathBuf>,
 
     /// In-process simulator: probability that a mutating call fails before doing anything.
     #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse::probability)]

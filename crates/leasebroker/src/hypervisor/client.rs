@@ -68,6 +68,19 @@ pub enum HvError {
     /// was done, but its result (the VM id) is unknown.
     #[error("could not decode the hypervisor's answer")]
     Decode(#[source] reqwest::Error),
+    /// A libvirt call failed (`--hypervisor-url libvirt+...`). Definite when libvirt refused it
+    /// before acting (no such domain, an invalid definition, no connection); ambiguous when the
+    /// connection was lost mid-call, the call timed out, or libvirt failed inside.
+    #[error("{message}")]
+    Libvirt {
+        /// libvirt's message (bounded).
+        message: String,
+        /// The HTTP status the refusal stands for (404: no such domain; 422: a definition
+        /// libvirt refused), so the service answers as it would for the HTTP hypervisor.
+        status: Option<StatusCode>,
+        /// Whether libvirt certainly did nothing.
+        definite: bool,
+    },
 }
 
 impl HvError {
@@ -82,6 +95,7 @@ impl HvError {
             Self::InvalidUrl { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => false,
             Self::Status { status, .. } => !status.is_client_error(),
             Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => true,
+            Self::Libvirt { definite, .. } => !definite,
         }
     }
 
@@ -89,6 +103,7 @@ impl HvError {
     pub fn status(&self) -> Option<StatusCode> {
         match self {
             Self::Status { status, .. } => Some(*status),
+            Self::Libvirt { status, .. } => *status,
             Self::InvalidUrl { .. }
             | Self::InvalidCaCert { .. }
             | Self::Connect(_)
@@ -124,6 +139,9 @@ impl HvError {
 pub struct HypervisorClient {
     http: reqwest::Client,
     base: Url,
+    /// Where the VMs live when not behind the HTTP API: a libvirt host.
+    #[cfg(feature = "libvirt")]
+    libvirt: Option<super::libvirt::LibvirtVms>,
 }
 
 impl HypervisorClient {
@@ -188,29 +206,58 @@ impl HypervisorClient {
         let http = if base.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }
             .build()
             .map_err(|e| invalid(&e.to_string()))?;
-        Ok(Self { http, base })
+        Ok(Self {
+            http,
+            base,
+            #[cfg(feature = "libvirt")]
+            libvirt: None,
+        })
+    }
+
+    /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
+    /// calls still go to the HTTP API).
+    #[cfg(feature = "libvirt")]
+    pub fn with_libvirt(mut self, vms: super::libvirt::LibvirtVms) -> Self {
+        self.libvirt = Some(vms);
+        self
     }
 
     /// Boots a VM (`POST /v1/vms`), stamping `req.tag` on it.
     pub async fn boot(&self, req: &BootRequest) -> Result<Vm, HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.boot(req).await;
+        }
         let response = self.send(Method::POST, &["v1", "vms"], None, Some(req)).await?;
         expect(response, StatusCode::CREATED).await
     }
 
     /// The VMs whose tag is exactly `tag` (`GET /v1/vms?tag=T`).
     pub async fn list_by_tag(&self, tag: &str) -> Result<Vec<Vm>, HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.list_by_tag(tag).await;
+        }
         let response = self.send::<()>(Method::GET, &["v1", "vms"], Some(tag), None).await?;
         Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
     }
 
     /// Every VM (`GET /v1/vms`).
     pub async fn list_all(&self) -> Result<Vec<Vm>, HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.list_all().await;
+        }
         let response = self.send::<()>(Method::GET, &["v1", "vms"], None, None).await?;
         Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
     }
 
     /// One VM in full (`GET /v1/vms/{vm_id}`), or `None` when the hypervisor has no such VM.
     pub async fn get(&self, vm_id: &str) -> Result<Option<VmDetail>, HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.get(vm_id).await;
+        }
         let response = self.send::<()>(Method::GET, &["v1", "vms", vm_id], None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -221,6 +268,10 @@ impl HypervisorClient {
     /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot. A VM that does
     /// not exist is [`HvError::Status`] with `404` (definite).
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.reboot(vm_id, tag).await;
+        }
         let body = RebootRequest { tag: tag.to_owned() };
         let response = self.send(Method::POST, &["v1", "vms", vm_id, "reboot"], None, Some(&body)).await?;
         expect_status(response, StatusCode::ACCEPTED).await
@@ -228,6 +279,10 @@ impl HypervisorClient {
 
     /// Deletes a VM (`DELETE /v1/vms/{vm_id}`): `true` if it existed, `false` on `404`.
     pub async fn delete(&self, vm_id: &str) -> Result<bool, HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt {
+            return vms.delete(vm_id).await;
+        }
         let response = self.send::<()>(Method::DELETE, &["v1", "vms", vm_id], None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(false);

@@ -7,6 +7,8 @@
 //! - [`sim`]: the simulator, an axum app with injectable faults and the counters the fault harness
 //!   checks ([`SimStats`]).
 //! - [`client`]: [`HypervisorClient`], which tells a definite failure from an ambiguous one.
+//! - `libvirt` (cargo feature `libvirt`): the VMs on a real libvirt/QEMU host instead of the HTTP
+//!   API (`--hypervisor-url libvirt+qemu:///system`).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -32,6 +34,8 @@
 
 mod api;
 pub mod client;
+#[cfg(feature = "libvirt")]
+pub mod libvirt;
 pub mod sim;
 
 pub use api::{

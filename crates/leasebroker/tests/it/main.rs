@@ -6,6 +6,8 @@
 
 mod effects;
 mod flashes;
+#[cfg(feature = "libvirt")]
+mod libvirt;
 mod service;
 mod support;
 mod tenants;
