@@ -91,6 +91,8 @@ pub(crate) struct Config {
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
+    /// Claims whose `fail` waits for the store to answer again.
+    pub(crate) releases: crate::release::Releases,
 }
 
 /// How a failed `complete` is retried in the background.

@@ -301,6 +301,7 @@ impl IdempotencyLayerBuilder {
                 completion_retry: self.completion_retry,
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
+                releases: Default::default(),
             }),
         }
     }

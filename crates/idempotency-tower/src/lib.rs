@@ -37,6 +37,8 @@ mod layer;
 mod metrics;
 mod problem;
 mod protect;
+mod release;
+mod replay;
 mod service;
 
 pub use config::{MismatchStatus, RoutePolicy};

@@ -11,7 +11,7 @@ use bytes::BytesMut;
 use futures::future::Either;
 use futures::{FutureExt, StreamExt};
 use http::request::Parts;
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Decision, ErrorChain, Fingerprint, Record, RecordState, Scope, StoreError,
@@ -21,11 +21,12 @@ use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
 use crate::BoxError;
-use crate::config::{Config, never_replayed};
+use crate::config::Config;
 use crate::context::IdempotencyContext;
-use crate::headers::IDEMPOTENT_REPLAYED;
 use crate::metrics::{count, timed};
 use crate::problem::{Rejection, rejection_response};
+use crate::release::Releases;
+use crate::replay::{replay, replayable_headers};
 
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
@@ -296,9 +297,9 @@ fn too_large_response(cfg: &Config) -> StoredResponse {
 
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
 /// with backoff in a task of its own, so the client is answered at once; the claim is renewed
-/// while it retries. If every retry fails, the record stays in flight until its claim goes
-/// stale, and the next retry after that runs the handler again, which resumes through its
-/// sub-keys.
+/// while it retries. If every retry fails, the record is released (failed) as soon as the store
+/// answers again ([`Releases`]), and the next retry runs the handler again, which resumes
+/// through its sub-keys.
 async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse) {
     let expires_at = after(now(), cfg.retention);
     let first = timed("complete", cfg.store.complete(claim, &stored, expires_at)).await;
@@ -347,10 +348,14 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
             Err(StoreError::Fenced { generation }) => {
                 tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
             }
-            Err(e) => tracing::error!(
-                error = %ErrorChain(&e),
-                "storing the response failed on every retry; the key stays in flight until its claim goes stale"
-            ),
+            Err(e) => {
+                tracing::error!(
+                    error = %ErrorChain(&e),
+                    "storing the response failed on every retry; the record is released when the store answers, \
+                     and the next retry runs the handler again"
+                );
+                Releases::push(&cfg, claim, "the response could not be stored");
+            }
         }
     };
     // Counted like a detached handler, so a shutdown drain waits for the response to be stored.
@@ -401,78 +406,22 @@ fn outcome(how: Run) -> &'static str {
     }
 }
 
-/// Marks the attempt failed so the next retry runs the handler at once.
-async fn fail(cfg: &Config, claim: &Claim, why: &'static str) {
+/// Marks the attempt failed so the next retry runs the handler at once. When the store does not
+/// take it, the claim is queued for release as soon as the store answers again
+/// ([`Releases`]).
+async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
     match timed("fail", cfg.store.fail(claim)).await {
         Ok(()) => tracing::info!(why, "attempt failed; a retry runs the handler again"),
         Err(StoreError::Fenced { generation }) => {
             tracing::warn!(generation, why, "attempt failed after a newer attempt took the key over")
         }
-        Err(e) => tracing::error!(
-            error = %ErrorChain(&e),
-            why,
-            "marking the attempt failed did not work; it goes stale instead"
-        ),
-    }
-}
-
-/// The allowlisted headers, in order, repeated values kept. Values are stored one char per byte
-/// (Latin-1), so any header value, even one with obs-text, round-trips byte for byte.
-fn replayable_headers(cfg: &Config, headers: &http::HeaderMap) -> Vec<(String, String)> {
-    headers
-        .iter()
-        .filter(|(name, _)| !never_replayed(name) && cfg.replay_headers.contains(name))
-        .map(|(name, value)| (name.as_str().to_owned(), stored_value(value)))
-        .collect()
-}
-
-/// A header value one char per byte. ASCII (nearly every value) is the same text either way,
-/// and is copied as is.
-fn stored_value(value: &HeaderValue) -> String {
-    match std::str::from_utf8(value.as_bytes()) {
-        Ok(ascii) if ascii.is_ascii() => ascii.to_owned(),
-        _ => value.as_bytes().iter().map(|&b| char::from(b)).collect(),
-    }
-}
-
-fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValue)> {
-    let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
-    let value = if value.is_ascii() {
-        HeaderValue::from_str(value).ok()?
-    } else {
-        let bytes: Option<Vec<u8>> = value.chars().map(|c| u8::try_from(c).ok()).collect();
-        HeaderValue::from_bytes(&bytes?).ok()?
-    };
-    Some((name, value))
-}
-
-/// Replays a stored response: status, headers and body as stored, plus `Idempotent-Replayed`.
-fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
-    let rebuilt = (|| {
-        let status = StatusCode::from_u16(stored.status).map_err(|e| e.to_string())?;
-        let body = stored.body.decode().map_err(|e| e.to_string())?;
-        let mut res = Response::new(Body::from(body));
-        *res.status_mut() = status;
-        for (name, value) in &stored.headers {
-            let (name, value) =
-                header_from_stored(name, value).ok_or_else(|| format!("stored header {name:?} is not valid"))?;
-            res.headers_mut().append(name, value);
-        }
-        res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-        Ok::<_, String>(res)
-    })();
-    match rebuilt {
-        Ok(res) => {
-            count("replayed");
-            let span = tracing::Span::current();
-            span.record("outcome", "replayed");
-            span.record("status", stored.status);
-            tracing::debug!(status = stored.status, "stored response replayed");
-            res
-        }
         Err(e) => {
-            tracing::error!(error = %e, "stored response cannot be replayed");
-            rejection_response(cfg, Rejection::StoredResponseCorrupt(e))
+            tracing::error!(
+                error = %ErrorChain(&e),
+                why,
+                "marking the attempt failed did not work; it is released when the store answers again"
+            );
+            Releases::push(cfg, claim.clone(), why);
         }
     }
 }

@@ -359,31 +359,105 @@ mod failed_completion {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
+    /// SPEC 3.1: when every retry of the completion fails, the record is not left in flight for
+    /// the in-flight TTL (5 minutes by default): it is released as soon as the store takes a
+    /// `fail`, and the next retry runs the handler again (a real handler resumes through its
+    /// sub-keys), this time storing its response.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn when_every_retry_fails_the_record_stays_in_flight_until_its_ttl() {
+    async fn when_every_retry_fails_the_record_is_released_once_the_store_answers() {
         let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-        // The first completion and both retries fail; the next one (a later attempt's) works.
+        // The first completion and both retries fail, and so do the first releases.
         store.fail_next(Op::Complete, 3);
-        let ttl = Duration::from_secs(2);
-        let built =
-            builder_for_p(store.clone()).in_flight_ttl(ttl).completion_retries(2, Duration::from_millis(10)).build();
+        store.fail_always(Op::Fail);
+        let built = builder_for_p(store.clone()).completion_retries(2, Duration::from_millis(10)).build();
         let (app, calls) = counting_route("/v1/things", Duration::ZERO, built);
         assert_eq!(send(&app, post_key("/v1/things", "k1")).await.status, StatusCode::CREATED);
         wait_until("every retry ran", Duration::from_secs(60), async || store.calls(Op::Complete) >= 3).await;
+        wait_until("a release was tried", Duration::from_secs(60), async || store.injected(Op::Fail) >= 2).await;
         let s = scope("/v1/things", "k1");
         let record = store.inner().get(&s).await.expect("get").expect("record");
-        assert_eq!(record.state, RecordState::InFlight, "not completed, not failed: the side effects happened");
-        // Before the TTL: the key is busy, the handler does not run again.
+        assert_eq!(record.state, RecordState::InFlight, "the store refuses every write of it");
+        // While the store refuses: the key is busy, the handler does not run again.
         let busy = send(&app, post_key("/v1/things", "k1")).await;
         assert_eq!(busy.problem_type(), "/problems/request-in-progress");
-        assert_eq!((calls.load(Ordering::SeqCst), store.calls(Op::Complete)), (1, 3), "bounded: no more retries");
-        // After it, the next retry takes the key over and runs again (a real handler resumes
-        // through its sub-keys), and this time the response is stored.
-        let stale_at = record.started_at + chrono::Duration::from_std(ttl).expect("ttl");
-        wait_until("the claim is stale", Duration::from_secs(60), async || idempotency::now() >= stale_at).await;
+        assert_eq!((calls.load(Ordering::SeqCst), store.calls(Op::Complete)), (1, 3), "bounded: no more completions");
+        // The store answers again: the record is released long before its 5-minute TTL.
+        store.heal(Op::Fail);
+        wait_until("the record is released", Duration::from_secs(60), async || {
+            store.inner().get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+        })
+        .await;
         let resumed = send(&app, post_key("/v1/things", "k1")).await;
         assert_eq!((resumed.status, resumed.replayed(), resumed.text()), (StatusCode::CREATED, false, "call 1"));
         assert!(send(&app, post_key("/v1/things", "k1")).await.replayed());
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+}
+
+/// SPEC 3.1: an attempt whose handler was cut by a store outage (it answered 503, and the store
+/// would not take the `fail`) holds its key only until the store answers again, not for the
+/// in-flight TTL.
+mod outage {
+    use super::*;
+
+    /// A handler that answers 503 while `down` is set (its own use of the store failed), and
+    /// 201 after; it counts its calls.
+    fn cut_route(layer: IdempotencyLayer, down: Arc<std::sync::atomic::AtomicBool>) -> (Router, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = Router::new()
+            .route(
+                "/v1/things",
+                post(move || async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst);
+                    if down.load(Ordering::SeqCst) {
+                        (StatusCode::SERVICE_UNAVAILABLE, format!("cut {n}"))
+                    } else {
+                        (StatusCode::CREATED, format!("call {n}"))
+                    }
+                }),
+            )
+            .layer(layer);
+        (app, calls)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cut_attempts_are_released_as_soon_as_the_store_answers() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        // Default in-flight TTL (5 minutes): a record left in flight would block these keys.
+        let (app, calls) = cut_route(builder_for_p(store.clone()).build(), down.clone());
+        store.fail_always(Op::Fail);
+        let keys: Vec<String> = (0..16).map(|i| format!("cut-{i}")).collect();
+        for key in &keys {
+            let cut = send(&app, post_key("/v1/things", key)).await;
+            assert_eq!(cut.status, StatusCode::SERVICE_UNAVAILABLE, "{}", cut.text());
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), keys.len());
+        wait_until("a release was retried", Duration::from_secs(60), async || {
+            store.injected(Op::Fail) > keys.len() as u64
+        })
+        .await;
+        // While the store refuses, each retry finds its key in flight.
+        for key in &keys {
+            let busy = send(&app, post_key("/v1/things", key)).await;
+            assert_eq!(busy.problem_type(), "/problems/request-in-progress", "{key}");
+        }
+        // The store answers again: every record is released, and every retry runs at once.
+        store.heal(Op::Fail);
+        down.store(false, Ordering::SeqCst);
+        for key in &keys {
+            let s = scope("/v1/things", key);
+            wait_until("the record is released", Duration::from_secs(60), async || {
+                store.inner().get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+            })
+            .await;
+            let resumed = send(&app, post_key("/v1/things", key)).await;
+            assert_eq!((resumed.status, resumed.replayed()), (StatusCode::CREATED, false), "{}", resumed.text());
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 2 * keys.len(), "each key ran once more, no more");
+        for key in &keys {
+            assert!(send(&app, post_key("/v1/things", key)).await.replayed(), "{key}");
+        }
     }
 }

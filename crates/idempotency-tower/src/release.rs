@@ -1,0 +1,124 @@
+//! Releasing records whose attempt ended while the store was down (SPEC 3.1).
+//!
+//! An attempt whose handler was cut by a store outage (or whose response could not be stored on
+//! any retry) ends with a `fail` that the store cannot take either. Without more, its record
+//! stays in flight until the claim goes stale, and every retry meanwhile gets
+//! `409 request-in-progress`, for up to the in-flight TTL after the store is back. So the layer
+//! keeps such claims in a small queue and one background task tries them again with backoff:
+//! the first `fail` the store takes releases its record, and the rest follow at once, so a retry
+//! resumes within about a second of the store's return. `fail` is fenced by the claim's
+//! generation: a release that comes late (the claim went stale and another attempt took it) is
+//! refused by the store and changes nothing.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use idempotency::{Claim, ErrorChain, StoreError};
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::future::DetachedGuard;
+use crate::metrics::timed;
+
+/// The most claims kept for release; past it the oldest one is left to go stale instead.
+const MAX_PENDING: usize = 10_000;
+/// The longest wait between two tries while the store does not answer: how late after the
+/// store's return a record is released, at worst.
+const MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// The claims waiting for the store to take their `fail`.
+#[derive(Default)]
+pub(crate) struct Releases {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Pending>,
+    /// Whether a task is draining the queue.
+    draining: bool,
+}
+
+struct Pending {
+    claim: Arc<Claim>,
+    why: &'static str,
+    /// After this the claim is stale anyway: the in-flight TTL takes over.
+    until: Instant,
+    /// Counted as detached work, so a shutdown drain gives the store a chance to come back.
+    _guard: DetachedGuard,
+}
+
+impl Releases {
+    /// Queues `claim` for release and starts the draining task if none runs.
+    pub(crate) fn push(cfg: &Arc<Config>, claim: Arc<Claim>, why: &'static str) {
+        let pending = Pending { claim, why, until: Instant::now() + cfg.in_flight_ttl, _guard: DetachedGuard::new() };
+        let start = {
+            let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
+            if state.queue.len() >= MAX_PENDING
+                && let Some(dropped) = state.queue.pop_front()
+            {
+                tracing::warn!(
+                    generation = dropped.claim.generation(),
+                    "too many records wait for release; the oldest is left to go stale"
+                );
+            }
+            state.queue.push_back(pending);
+            !std::mem::replace(&mut state.draining, true)
+        };
+        if start {
+            tokio::spawn(drain(cfg.clone()));
+        }
+    }
+}
+
+/// Tries the queued releases in order until the queue is empty. While the store refuses, only
+/// the oldest is tried, once per backoff step: one probe, not one per waiting claim.
+async fn drain(cfg: Arc<Config>) {
+    let backoff = || {
+        ExponentialBuilder::default()
+            .with_min_delay(cfg.completion_retry.first_delay.min(MAX_DELAY))
+            .with_max_delay(MAX_DELAY)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    };
+    let mut delays = backoff();
+    loop {
+        let next = {
+            let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
+            match state.queue.pop_front() {
+                Some(pending) => pending,
+                None => {
+                    state.draining = false;
+                    return;
+                }
+            }
+        };
+        if Instant::now() >= next.until {
+            tracing::warn!(
+                generation = next.claim.generation(),
+                "the store did not answer within the in-flight TTL; the record goes stale instead of being released"
+            );
+            continue;
+        }
+        match timed("fail", cfg.store.fail(&next.claim)).await {
+            Ok(()) => {
+                tracing::info!(why = next.why, "the store answers again; the attempt's record is released");
+                delays = backoff();
+            }
+            Err(StoreError::Fenced { generation }) => {
+                tracing::info!(generation, "a newer attempt took the key over before the release");
+                delays = backoff();
+            }
+            Err(e) => {
+                tracing::debug!(error = %ErrorChain(&e), "releasing the record failed again");
+                // Back to the front: the order of release is the order the attempts ended.
+                cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_front(next);
+                let delay = delays.next().unwrap_or(MAX_DELAY);
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
