@@ -50,6 +50,24 @@ impl Domain {
         }))
     }
 
+    /// Decides which VM a pending boot intent of the operation `op_id` adopts, in one
+    /// transaction fenced on the operation (see [`DomainError::RolledBack`],
+    /// [`DomainError::Finished`]): the VM it records already (an overlapping attempt adopted
+    /// one), or else `candidate`, recorded now. Returns the VM adopted.
+    pub async fn adopt_vm(&self, intent_id: &str, op_id: &str, candidate: &str) -> Result<String> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
+            sqlx::query("UPDATE lb_intents SET vm_id = $2 WHERE intent_id = $1 AND vm_id IS NULL")
+                .bind(intent_id).bind(candidate).execute(&mut *tx).await?;
+            let recorded: Option<String> = sqlx::query("SELECT vm_id FROM lb_intents WHERE intent_id = $1")
+                .bind(intent_id).fetch_optional(&mut *tx).await?
+                .map(|r| r.try_get::<Option<String>, _>(0)).transpose()?.flatten();
+            tx.commit().await?;
+            recorded.unwrap_or_else(|| candidate.to_owned())
+        }))
+    }
+
     /// Marks an intent failed: the hypervisor definitely did not act on it.
     pub async fn fail_intent(&self, intent_id: &str) -> Result<()> {
         with_pool!(&self.db, p => {

@@ -13,6 +13,9 @@ pub enum Step {
     /// A create read what an earlier attempt left (its worker, its tombstone) and is about to
     /// decide in the database.
     CreateDecide,
+    /// A create found its boot intent pending (an earlier attempt's call may have landed) and is
+    /// about to reconcile it by tag.
+    CreateAdopt,
     /// A reboot read its worker and is about to record its attempt.
     RebootDecide,
 }

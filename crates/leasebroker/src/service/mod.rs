@@ -124,7 +124,17 @@ impl Workers {
         let vm_id = match intent.state.as_str() {
             "done" => intent.vm_id.clone().unwrap_or_default(),
             _ => {
-                let adopted = if created { None } else { self.adopt_boot(&intent).await? };
+                let adopted = if created {
+                    None
+                } else {
+                    self.hook.at(Step::CreateAdopt).await;
+                    match self.adopt_boot(&intent, keys.op.as_str()).await {
+                        Err(ServiceError::Database(DomainError::Finished)) => {
+                            return self.finished(principal, &worker_id).await;
+                        }
+                        adopted => adopted?,
+                    }
+                };
                 match adopted {
                     Some(vm_id) => vm_id,
                     None => {
@@ -230,9 +240,12 @@ impl Workers {
     }
 
     /// A pending boot intent from an earlier attempt: the VM it booted, if one exists. When a
-    /// late landing made a second VM with the same tag, the one adopted is kept (the first by
-    /// id, so every replica picks the same) and the others are deleted.
-    async fn adopt_boot(&self, intent: &Intent) -> Result<Option<String>, ServiceError> {
+    /// late landing made a second VM with the same tag, one is kept and the others are deleted.
+    /// Which one is decided in the database, not from `intent` as this attempt read it (an
+    /// overlapping attempt may have adopted one since): the VM the intent records, or else the
+    /// first by id (so every replica picks the same), recorded in a transaction fenced on the
+    /// operation (a finished or rolled-back operation adopts and deletes nothing).
+    async fn adopt_boot(&self, intent: &Intent, op_id: &str) -> Result<Option<String>, ServiceError> {
         let found = self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| {
             tracing::warn!(error = %ErrorChain(&e), "cannot list VMs by tag to reconcile a boot");
             ServiceError::UpstreamUnavailable {
@@ -240,13 +253,8 @@ impl Workers {
                 retry_after: 1,
             }
         })?;
-        let keep = match &intent.vm_id {
-            Some(recorded) if found.iter().any(|vm| &vm.vm_id == recorded) => recorded.clone(),
-            _ => match found.iter().map(|vm| &vm.vm_id).min() {
-                Some(first) => first.clone(),
-                None => return Ok(None),
-            },
-        };
+        let Some(first) = found.iter().map(|vm| &vm.vm_id).min() else { return Ok(None) };
+        let keep = self.domain.adopt_vm(&intent.intent_id, op_id, first).await?;
         let extra: Vec<String> = found.into_iter().map(|vm| vm.vm_id).filter(|id| *id != keep).collect();
         destroy_duplicates(&self.hypervisor, &intent.intent_id, &keep, &extra).await;
         tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");

@@ -554,7 +554,7 @@ mod racing_attempts {
     use idempotency::{ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope};
     use leasebroker::db::Db;
     use leasebroker::domain::Domain;
-    use leasebroker::hypervisor::{HypervisorClient, SimConfig, Simulator};
+    use leasebroker::hypervisor::{BootRequest, HypervisorClient, SimConfig, Simulator};
     use leasebroker::service::{CreateWorker, Hook, Limits, Operation, Step, Workers};
 
     const ATTEMPTS: usize = 16;
@@ -930,5 +930,40 @@ mod racing_attempts {
         assert_eq!(first.rolled_back + second.rolled_back, 1, "{first:?} {second:?}");
         let counts = rig.workers.domain.counts().await.expect("counts");
         assert_eq!((counts.nodes_allocated, counts.leases_active), (0, 0), "{counts:?}");
+    }
+
+    /// Issue 24, hole 6 (`adopt_boot`): attempt A1 found the boot intent pending (the first
+    /// boot's answer was lost) and stalled before reconciling; A2 adopted the VM and finished;
+    /// then a late landing put a second VM with the same tag and a lower id on the hypervisor.
+    /// A1 wakes: it must not keep the second VM chosen from its stale read and delete the one
+    /// the worker runs on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_adoption_never_deletes_the_vm_another_attempt_adopted() {
+        let (hook, mut held) = hold_first(Step::CreateAdopt);
+        let rig = rig_with(hook).await;
+        let op = operation("POST", "/v1/workers");
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        rig.sim.set_faults(SimConfig { fail_after: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first boot's answer is lost");
+        rig.sim.set_faults(SimConfig::default());
+        let a1 = {
+            let (workers, op, req) = (rig.workers.clone(), op.clone(), req.clone());
+            tokio::spawn(async move { workers.create("alice", &req, &op).await })
+        };
+        held.reached().await;
+        let w = rig.workers.create("alice", &req, &op).await.expect("A2 adopts the VM");
+        let hv = &rig.workers.hypervisor;
+        let boot =
+            BootRequest { image: "img".into(), cpu: 2, memory_gb: 4, tag: op.derive("boot").as_str().to_owned() };
+        loop {
+            let late = hv.boot(&boot).await.expect("a late landing");
+            if late.vm_id < w.vm_id {
+                break;
+            }
+            hv.delete(&late.vm_id).await.expect("delete");
+        }
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
     }
 }
