@@ -484,6 +484,29 @@ mod tests {
         assert!(!err.may_have_happened(), "{err:?}");
     }
 
+    /// A downstream that answers each call with another success than the simulator and only
+    /// what the contract promises (issue 24, hole 5): every call succeeds.
+    #[tokio::test]
+    async fn terse_successes_are_successes() {
+        use axum::routing::{delete, get, post};
+        let app = axum::Router::new()
+            .route("/v1/vms", post(|| async { (StatusCode::OK, axum::Json(serde_json::json!({"vm_id": "vm-1"}))) }))
+            .route("/v1/vms/{vm_id}/reboot", post(|| async { StatusCode::NO_CONTENT }))
+            .route("/v1/vms/{vm_id}", delete(|| async { (StatusCode::OK, "deleted") }))
+            .route("/v1/bmc/{node}/flash", post(|| async { (StatusCode::ACCEPTED, "{\"node_id\":\"n\"}") }))
+            .route("/v1/bmc", get(|| async { axum::Json(serde_json::json!({"nodes": [{"node_id": "n"}]})) }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let client = HypervisorClient::new(&url, TIMEOUT).expect("client");
+        let vm = client.boot(&boot_req("t")).await.expect("a 200 with only vm_id is a boot");
+        assert_eq!((vm.vm_id.as_str(), vm.tag.as_str()), ("vm-1", "t"));
+        client.reboot("vm-1", "r").await.expect("a 204 is a reboot");
+        assert!(client.delete("vm-1").await.expect("a 200 is a delete"));
+        client.flash("n", &FlashRequest { version: "2".into(), tag: "f".into() }).await.expect("a terse 202");
+        assert_eq!(client.bmcs_by_tag("f").await.expect("a terse listing"), 1);
+    }
+
     #[tokio::test]
     async fn refusals_are_definite_and_a_missing_vm_is_none() {
         let (sim, client) = start(SimConfig::default()).await;
