@@ -91,6 +91,7 @@ pub(crate) struct Config {
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
+    pub(crate) record_limit: Option<crate::quota::RecordLimit>,
 }
 
 /// How a failed `complete` is retried in the background.

@@ -37,6 +37,7 @@ mod layer;
 mod metrics;
 mod problem;
 mod protect;
+mod quota;
 mod service;
 
 pub use config::{MismatchStatus, RoutePolicy};
