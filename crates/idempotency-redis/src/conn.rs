@@ -208,6 +208,27 @@ fn info_policy(v: Value) -> Option<String> {
     text.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:").map(|p| p.trim().to_owned()))
 }
 
+/// Whether an `INFO memory` reply says the server refuses writes for lack of memory: with
+/// `maxmemory` set, Redis refuses a write (`OOM`, under `noeviction`) when `used_memory` less
+/// the buffers it does not count (`mem_not_counted_for_evict`) exceeds it. `false` when the
+/// reply lacks the fields.
+pub(crate) fn info_out_of_memory(v: &Value) -> bool {
+    let text = match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        _ => return false,
+    };
+    let field = |name: &str| -> Option<u64> {
+        text.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+    };
+    match (field("maxmemory"), field("used_memory")) {
+        (Some(max), Some(used)) if max > 0 => {
+            used.saturating_sub(field("mem_not_counted_for_evict").unwrap_or(0)) > max
+        }
+        _ => false,
+    }
+}
+
 fn refuse_evicting(node: String, policy: String) -> Result<(), ConnectError> {
     if policy == "noeviction" { Ok(()) } else { Err(ConnectError::EvictingPolicy { node, policy }) }
 }

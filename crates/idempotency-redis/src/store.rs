@@ -217,6 +217,45 @@ impl RedisStore {
 
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
+/// A primary that refuses writes for lack of memory.
+#[derive(Debug, thiserror::Error)]
+#[error("Redis node {node} is out of memory: it refuses writes (maxmemory reached under noeviction)")]
+struct OutOfMemory {
+    node: String,
+}
+
+/// The sorted set that indexes a principal's records for [`Store::count_records`]: each member
+/// a record's key, scored by its expiry in epoch milliseconds.
+fn principal_index(prefix: &str, principal: &idempotency::Principal) -> String {
+    use sha2::Digest;
+    format!("{prefix}principal:{}", hex::encode(sha2::Sha256::digest(principal.as_str().as_bytes())))
+}
+
+impl RedisStore {
+    /// Adds a record just created to its principal's index, which keeps the index alive until its
+    /// latest member expires. Not atomic with the claim (the index is another key, on another
+    /// slot of a cluster): if it fails, the record is not counted, and the principal's count
+    /// is that much lower until the record expires. Logged, never an error of the claim.
+    async fn index_record(&self, scope: &Scope, eat_ms: &str) {
+        let index = principal_index(&self.prefix, &scope.principal);
+        let mut add = redis::cmd("EVAL");
+        add.arg(INDEX_SCRIPT).arg(1).arg(&index).arg(eat_ms).arg(self.key_of(scope));
+        if let Err(e) = self.conn.query(&add).await {
+            tracing::warn!(error = %e, "cannot index a record under its principal; it is not counted");
+        }
+    }
+}
+
+/// ZADD the record (ARGV[2]) scored by its expiry (ARGV[1], epoch ms), and make the index
+/// expire no earlier than it.
+const INDEX_SCRIPT: &str = "\
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+local at = redis.call('PEXPIRETIME', KEYS[1])
+if at >= 0 and at < tonumber(ARGV[1]) then redis.call('PEXPIREAT', KEYS[1], ARGV[1])
+elseif at == -1 then redis.call('PEXPIREAT', KEYS[1], ARGV[1]) end
+return 1
+";
+
 fn redis_error(e: RedisError) -> StoreError {
     match e.code() {
         Some("WRONGTYPE" | "CORRUPT") => StoreError::Corrupt(e.to_string()),
@@ -247,9 +286,15 @@ impl RedisStore {
     pub async fn claim_as(&self, req: &ClaimRequest, fresh: Record) -> Result<ClaimOutcome, StoreError> {
         let args = ClaimArgs::new(req, &fresh);
         match self.eval(&self.scripts.claim, &self.key_of(&req.scope), &args.args()).await? {
-            Value::Int(1) => Ok(ClaimOutcome::Owned(Claim::new(fresh))),
+            Value::Int(1) => {
+                self.index_record(&req.scope, &args.eat_ms).await;
+                Ok(ClaimOutcome::Owned(Claim::new(fresh)))
+            }
             reply => match record_reply(reply)? {
-                Some(record) if is_own(&record, &fresh) => Ok(ClaimOutcome::Owned(Claim::new(fresh))),
+                Some(record) if is_own(&record, &fresh) => {
+                    self.index_record(&req.scope, &args.eat_ms).await;
+                    Ok(ClaimOutcome::Owned(Claim::new(fresh)))
+                }
                 Some(record) => Ok(ClaimOutcome::Existing(record)),
                 None => Err(StoreError::Corrupt("the claim script returned neither ownership nor a record".into())),
             },
@@ -341,11 +386,38 @@ impl Store for RedisStore {
 
     /// `PING`; on a cluster every primary that serves slots must answer on its own
     /// connection, so a cluster with an unreachable primary is reported unavailable.
+    /// Every primary answers `PING`, and none refuses writes for lack of memory (`INFO memory`,
+    /// where allowed): a full server still answers reads, but is not ready for requests that
+    /// create records.
     async fn ping(&self) -> Result<(), StoreError> {
         for (_, reply) in self.conn.on_every_primary(&redis::cmd("PING")).await.map_err(redis_error)? {
             reply.map_err(redis_error)?;
         }
+        let info = redis::cmd("INFO").arg("memory").clone();
+        for (node, reply) in self.conn.on_every_primary(&info).await.map_err(redis_error)? {
+            if reply.is_ok_and(|v| crate::conn::info_out_of_memory(&v)) {
+                return Err(StoreError::unavailable(OutOfMemory { node }));
+            }
+        }
         Ok(())
+    }
+
+    async fn count_records(
+        &self,
+        principal: &idempotency::Principal,
+        now: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let index = principal_index(&self.prefix, principal);
+        let now_ms = expiry_millis(now).to_string();
+        let mut trim = redis::cmd("ZREMRANGEBYSCORE");
+        trim.arg(&index).arg("-inf").arg(&now_ms);
+        self.conn.query(&trim).await.map_err(redis_error)?;
+        let mut count = redis::cmd("ZCARD");
+        count.arg(&index);
+        match self.conn.query(&count).await.map_err(redis_error)? {
+            Value::Int(n) => Ok(Some(u64::try_from(n).unwrap_or(0))),
+            other => Err(StoreError::Corrupt(format!("unexpected ZCARD reply {other:?}"))),
+        }
     }
 }
 

@@ -313,4 +313,20 @@ impl Store for SqliteStore {
         sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
         Ok(())
     }
+
+    /// A range scan of the primary key, whose first column is the principal.
+    async fn count_records(
+        &self,
+        principal: &idempotency::Principal,
+        now: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = ?1 AND expires_at > ?2")
+                .bind(principal.as_str())
+                .bind(micros(now))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db_error)?;
+        Ok(Some(u64::try_from(n).unwrap_or(0)))
+    }
 }

@@ -93,6 +93,7 @@ pub(crate) struct Config {
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
     /// Claims whose `fail` waits for the store to answer again.
     pub(crate) releases: crate::release::Releases,
+    pub(crate) record_limit: Option<crate::quota::RecordLimit>,
 }
 
 /// How a failed `complete` is retried in the background.

@@ -76,6 +76,7 @@ impl IdempotencyLayer {
             },
             anonymous: None,
             operation_link: None,
+            max_records_per_principal: None,
         }
     }
 
@@ -113,6 +114,7 @@ pub struct IdempotencyLayerBuilder {
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
     operation_link: Option<Box<OperationLinkFn>>,
+    max_records_per_principal: Option<u64>,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -125,6 +127,7 @@ impl fmt::Debug for IdempotencyLayerBuilder {
             .field("body_limit", &self.body_limit)
             .field("max_stored_response", &self.max_stored_response)
             .field("anonymous", &self.anonymous)
+            .field("max_records_per_principal", &self.max_records_per_principal)
             .finish_non_exhaustive()
     }
 }
@@ -277,6 +280,18 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// The most live records one principal may hold (default: no limit). A request with a new
+    /// key from a principal at the limit is answered `429 too-many-requests` with `Retry-After`
+    /// and stores nothing; a retry of a key it already holds still replays or resumes. Needs a
+    /// store that counts ([`Store::count_records`]); on one that does not, nothing is limited.
+    /// Each process counts through the store at most once a second per principal and adds the
+    /// records it creates meanwhile, so several replicas may together overshoot the limit by the
+    /// records they create within that second.
+    pub fn max_records_per_principal(mut self, limit: Option<u64>) -> Self {
+        self.max_records_per_principal = limit;
+        self
+    }
+
     /// Builds the layer.
     pub fn build(self) -> IdempotencyLayer {
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
@@ -302,6 +317,7 @@ impl IdempotencyLayerBuilder {
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
                 releases: Default::default(),
+                record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
             }),
         }
     }

@@ -39,6 +39,7 @@ mod problem;
 mod protect;
 mod release;
 mod replay;
+mod quota;
 mod service;
 
 pub use config::{MismatchStatus, RoutePolicy};

@@ -147,14 +147,16 @@ pub(crate) enum Rejection {
     MissingKey,
     InvalidKey(KeyError),
     BodyTooLarge { limit: usize },
-    BodyUnreadable(String),
+    BodyUnreadable,
+    BodyTimeout,
+    TooManyRecords { retry_after: Duration },
     PrincipalMissing,
     Mismatch,
     InProgress { retry_after: Duration },
     StoreUnavailable(StoreError),
     HandlerPanicked,
-    ResponseBodyFailed(String),
-    StoredResponseCorrupt(String),
+    ResponseBodyFailed,
+    StoredResponseCorrupt,
     ResponseTooLarge { limit: usize },
 }
 
@@ -169,14 +171,16 @@ impl Rejection {
             Self::MissingKey => "missing_key",
             Self::InvalidKey(_) => "invalid_key",
             Self::BodyTooLarge { .. } => "body_too_large",
-            Self::BodyUnreadable(_) => "body_unreadable",
+            Self::BodyUnreadable => "body_unreadable",
+            Self::BodyTimeout => "body_timeout",
+            Self::TooManyRecords { .. } => "too_many_records",
             Self::PrincipalMissing => "principal_missing",
             Self::Mismatch => "mismatch",
             Self::InProgress { .. } => "in_progress",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::HandlerPanicked => "panicked",
-            Self::ResponseBodyFailed(_) => "handler_failed",
-            Self::StoredResponseCorrupt(_) => "replay_failed",
+            Self::ResponseBodyFailed => "handler_failed",
+            Self::StoredResponseCorrupt => "replay_failed",
             Self::ResponseTooLarge { .. } => "response_too_large",
         }
     }
@@ -202,12 +206,27 @@ impl Rejection {
                 "Request body too large",
                 format!("the request body exceeds {limit} bytes"),
             ),
-            Self::BodyUnreadable(e) => Problem::new(
+            // The reader's error (a hyper or I/O message) goes to the log, never to the client.
+            Self::BodyUnreadable => Problem::new(
                 StatusCode::BAD_REQUEST,
                 "body-unreadable",
                 "Request body could not be read",
-                format!("reading the request body failed: {e}"),
+                "the request body broke off before its end; nothing was stored, retry with the same key",
             ),
+            Self::BodyTimeout => Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "Request body too slow",
+                "the request body did not arrive in time; nothing was stored, retry with the same key",
+            ),
+            Self::TooManyRecords { retry_after } => Problem::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too-many-requests",
+                "Too many requests",
+                "this principal holds as many idempotency records as it may; nothing was stored, retry \
+                 after Retry-After seconds, when older records have expired",
+            )
+            .with_retry_after(ceil_secs(retry_after)),
             Self::PrincipalMissing => Problem::new(
                 StatusCode::UNAUTHORIZED,
                 "principal-missing",
@@ -245,17 +264,17 @@ impl Rejection {
                 "Internal error",
                 "the handler failed unexpectedly; nothing was stored, a retry with the same key runs it again",
             ),
-            Self::ResponseBodyFailed(e) => Problem::new(
+            Self::ResponseBodyFailed => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "response-body-failed",
                 "Internal error",
-                format!("the handler's response body failed ({e}); a retry with the same key runs it again"),
+                "the handler's response body failed; a retry with the same key runs it again",
             ),
-            Self::StoredResponseCorrupt(e) => Problem::new(
+            Self::StoredResponseCorrupt => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "stored-response-corrupt",
                 "Stored response unreadable",
-                format!("the response stored under this key cannot be replayed: {e}"),
+                "the response stored under this key cannot be replayed",
             ),
             Self::ResponseTooLarge { limit } => Problem::new(
                 StatusCode::GONE,

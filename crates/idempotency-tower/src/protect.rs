@@ -73,6 +73,22 @@ where
     let mut poll = FIRST_POLL;
     let mut races = 0u32;
     let mut claim_next = true;
+    let mut reserved = false;
+    if let Some(limit) = &cfg.record_limit {
+        match limit.reserve(store.as_ref(), &p.scope.principal, now()).await {
+            Ok(true) => reserved = true,
+            // At the limit only a key the principal already holds is answered (replay, resume).
+            Ok(false) => match timed("get", store.get(&p.scope)).await {
+                Ok(Some(record)) if !record.is_expired(now()) => claim_next = false,
+                Ok(_) => {
+                    let retry_after = crate::quota::RETRY_AFTER;
+                    return Ok(rejection_response(&cfg, Rejection::TooManyRecords { retry_after }));
+                }
+                Err(e) => return Ok(store_down(&cfg, "get", e)),
+            },
+            Err(e) => return Ok(store_down(&cfg, "count", e)),
+        }
+    }
     loop {
         let t = now();
         let mut record = if claim_next {
@@ -84,8 +100,14 @@ where
             };
             match timed("claim", store.claim(req)).await {
                 Ok(ClaimOutcome::Owned(claim)) => return Box::pin(own(p, claim, Run::Executed)).await,
-                Ok(ClaimOutcome::Existing(record)) => record,
-                Err(e) => return Ok(store_down(&cfg, "claim", e)),
+                Ok(ClaimOutcome::Existing(record)) => {
+                    release(&cfg, &p.scope, &mut reserved);
+                    record
+                }
+                Err(e) => {
+                    release(&cfg, &p.scope, &mut reserved);
+                    return Ok(store_down(&cfg, "claim", e));
+                }
             }
         } else {
             match timed("get", store.get(&p.scope)).await {
@@ -232,8 +254,9 @@ where
             return Err(e);
         }
         Ok(Handled::BodyError(e)) => {
+            tracing::warn!(error = %e, "the handler's response body failed");
             fail(&cfg, &claim, "the response body failed").await;
-            return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed(e.to_string())));
+            return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed));
         }
         Err(_panic) => {
             fail(&cfg, &claim, "the handler panicked").await;
@@ -444,6 +467,15 @@ fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Bod
 fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
     tracing::error!(error = %ErrorChain(&e), op, "idempotency store call failed; the handler did not run");
     rejection_response(cfg, Rejection::StoreUnavailable(e))
+}
+
+/// Gives back the record place this request reserved, once: it created no record.
+fn release(cfg: &Config, scope: &Scope, reserved: &mut bool) {
+    if std::mem::take(reserved)
+        && let Some(limit) = &cfg.record_limit
+    {
+        limit.release(&scope.principal);
+    }
 }
 
 /// `t + d`, saturating: a retention of "forever" must not overflow.

@@ -43,7 +43,7 @@ fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValu
 pub(crate) fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
     let rebuilt = (|| {
         let status = StatusCode::from_u16(stored.status).map_err(|e| e.to_string())?;
-        let body = stored.body.decode().map_err(|e| e.to_string())?;
+        let body = stored.body.decode_at_most(cfg.max_stored_response).map_err(|e| e.to_string())?;
         let mut res = Response::new(Body::from(body));
         *res.status_mut() = status;
         for (name, value) in &stored.headers {
@@ -65,7 +65,7 @@ pub(crate) fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
         }
         Err(e) => {
             tracing::error!(error = %e, "stored response cannot be replayed");
-            rejection_response(cfg, Rejection::StoredResponseCorrupt(e))
+            rejection_response(cfg, Rejection::StoredResponseCorrupt)
         }
     }
 }

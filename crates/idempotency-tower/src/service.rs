@@ -210,8 +210,29 @@ where
             drain(body, OVERSIZE_DRAIN).await;
             Err(Rejection::BodyTooLarge { limit })
         }
-        Err(e) => Err(Rejection::BodyUnreadable(e.to_string())),
+        Err(e) if is_timeout(&*e) => {
+            tracing::debug!(error = %e, "request body timed out");
+            Err(Rejection::BodyTimeout)
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "request body unreadable");
+            Err(Rejection::BodyUnreadable)
+        }
     }
+}
+
+/// Whether a body error is a deadline: an [`std::io::Error`] of kind
+/// [`TimedOut`](std::io::ErrorKind::TimedOut) anywhere in its chain (what a body wrapper that
+/// bounds the time of the whole body reports), answered `408` rather than `400`.
+fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// Reads and discards the rest of `body`, up to `budget` bytes; stops at the first error.

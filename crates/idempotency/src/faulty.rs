@@ -229,6 +229,10 @@ impl<S: Store> Store for FaultyStore<S> {
         self.enter(Op::Ping)?;
         self.inner.ping().await
     }
+
+    async fn count_records(&self, principal: &crate::Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
+        self.inner.count_records(principal, now).await
+    }
 }
 
 #[cfg(test)]

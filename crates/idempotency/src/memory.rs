@@ -169,6 +169,16 @@ impl Store for MemoryStore {
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// Walks every shard: the in-memory store is for tests and small services.
+    async fn count_records(&self, principal: &crate::Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
+        let n: usize = self
+            .shards
+            .iter()
+            .map(|s| lock(s).values().filter(|r| r.scope.principal == *principal && !r.is_expired(now)).count())
+            .sum();
+        Ok(Some(n as u64))
+    }
 }
 
 fn current_claim<'a>(shard: &'a mut Shard, claim: &Claim) -> Result<&'a mut Record, StoreError> {

@@ -134,9 +134,27 @@ impl StoredBody {
 
     /// The original body, byte for byte.
     pub fn decode(&self) -> Result<Bytes, std::io::Error> {
+        self.decode_at_most(usize::MAX)
+    }
+
+    /// The original body, byte for byte, if it is at most `limit` bytes; an error otherwise,
+    /// found without inflating more than `limit + 1` bytes, so a stored zstd "bomb" costs no
+    /// more memory than the largest response the store may hold.
+    pub fn decode_at_most(&self, limit: usize) -> Result<Bytes, std::io::Error> {
+        use std::io::Read;
+        let too_large = || std::io::Error::new(std::io::ErrorKind::InvalidData, "stored body exceeds the limit");
         match self.encoding {
+            BodyEncoding::Identity if self.bytes.len() > limit => Err(too_large()),
             BodyEncoding::Identity => Ok(self.bytes.clone()),
-            BodyEncoding::Zstd => zstd::stream::decode_all(&self.bytes[..]).map(Bytes::from),
+            BodyEncoding::Zstd => {
+                let decoder = zstd::stream::read::Decoder::new(&self.bytes[..])?;
+                let mut out = Vec::new();
+                decoder.take(u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1)).read_to_end(&mut out)?;
+                if out.len() > limit {
+                    return Err(too_large());
+                }
+                Ok(Bytes::from(out))
+            }
         }
     }
 }
@@ -418,6 +436,20 @@ mod tests {
         let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
         let n = StoredBody::encode(Bytes::from(noise.clone()), 1024);
         assert_eq!(n.decode().unwrap(), Bytes::from(noise));
+    }
+
+    #[test]
+    fn a_stored_zstd_bomb_is_refused_without_inflating_it() {
+        // 64 MiB of zeros compress to a few KiB; a record carrying them must not decode.
+        let bomb = zstd::bulk::compress(&vec![0u8; 64 << 20], 19).unwrap();
+        assert!(bomb.len() < 64 << 10, "{}", bomb.len());
+        let stored = StoredBody::from_stored(BodyEncoding::Zstd, bomb);
+        let err = stored.decode_at_most(1 << 20).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        let fits = StoredBody::encode(Bytes::from(vec![7u8; 4096]), 1024);
+        assert_eq!(fits.decode_at_most(4096).unwrap().len(), 4096);
+        assert!(fits.decode_at_most(4095).is_err());
+        assert!(StoredBody::encode(Bytes::from_static(b"abc"), 1024).decode_at_most(2).is_err());
     }
 
     #[test]

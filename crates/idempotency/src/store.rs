@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, StoredResponse, Timestamp};
+use crate::{Claim, ClaimOutcome, ClaimRequest, Principal, Record, Scope, StoredResponse, Timestamp};
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +126,15 @@ pub trait Store: Send + Sync + 'static {
 
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// How many records `principal` holds that have not expired at `now`, for a per-principal
+    /// limit (`max_records_per_principal` in the tower layer). `None`: this store does not count
+    /// (the default), and no such limit can be enforced on it. Stores answer from an index on
+    /// the principal, so a count costs one index range scan, not a table scan.
+    async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
+        let _ = (principal, now);
+        Ok(None)
+    }
 }
 
 #[async_trait]
@@ -167,5 +176,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn ping(&self) -> Result<(), StoreError> {
         (**self).ping().await
+    }
+    async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
+        (**self).count_records(principal, now).await
     }
 }

@@ -8,7 +8,9 @@
 //! id is refused locally (exit 4) without sending anything.
 //!
 //! `https` URLs are verified against the system's roots and, with `--ca-cert`, a private CA.
-//! Text that came from the server is printed to stderr with control characters removed.
+//! Text that came from the server is printed to stderr with control characters removed, and
+//! to stdout with control and bidirectional-override characters escaped (`\uXXXX`, the same
+//! JSON).
 //!
 //! `firmware flash NODE_ID --version V` (admin token) starts a firmware flash, a long-running
 //! operation: the server answers `202` with the operation as soon as it accepts the flash, and a
@@ -131,7 +133,6 @@ const MAX_LINE: usize = 2000;
 /// dropped (whitespace ones become a space), and the result is cut at `MAX_LINE` characters.
 /// Server-supplied text passes through here before it reaches stderr.
 pub fn one_line(text: &str) -> String {
-    let is_bidi = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
     let mut line = String::with_capacity(text.len().min(MAX_LINE));
     for (n, c) in text.chars().filter(|&c| (!c.is_control() || c.is_whitespace()) && !is_bidi(c)).enumerate() {
         if n == MAX_LINE {
@@ -148,12 +149,35 @@ fn warn(text: &str) {
     progress::eprint_line(&format!("lbctl: {}", one_line(text)));
 }
 
-/// Prints a response body and a newline to stdout.
+fn is_bidi(c: char) -> bool {
+    matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// A response body made safe for a terminal and still the same JSON: every control character
+/// but newline and tab (ESC, BEL, CR, the C1 controls such as U+009B) and every bidirectional
+/// override is written as a JSON escape `\uXXXX`, which inside a JSON string means the very same
+/// character, so a program parsing stdout reads the same value. Bytes that are not UTF-8 become
+/// U+FFFD. Everything lbctl prints to stdout passes through here.
+pub fn escape_for_terminal(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if (c.is_control() && c != '\n' && c != '\t') || is_bidi(c) {
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Prints a response body, escaped for the terminal ([`escape_for_terminal`]), and a newline to
+/// stdout.
 fn print(body: &[u8]) {
     let mut out = std::io::stdout().lock();
     if !body.is_empty() {
         // A closed stdout (`lbctl ... | head -0`) is the reader's choice, not a failure.
-        let _ = out.write_all(body).and_then(|()| out.write_all(b"\n"));
+        let _ = out.write_all(escape_for_terminal(body).as_bytes()).and_then(|()| out.write_all(b"\n"));
     }
 }
 

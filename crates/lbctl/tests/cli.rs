@@ -871,3 +871,58 @@ fn an_operation_state_this_lbctl_does_not_know_is_followed_until_it_ends() {
     assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(stderr(&out).contains("ended cancelled, not succeeded"), "{}", stderr(&out));
 }
+
+/// A server that answers every request with `status` and `body` as given, byte for byte.
+fn raw_server(status: u16, body: Vec<u8>) -> String {
+    let mut response = format!(
+        "HTTP/1.1 {status} Whatever\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    response.extend_from_slice(&body);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = stream.write_all(&response);
+        }
+    });
+    url
+}
+
+#[test]
+fn stdout_escapes_control_and_bidi_characters_and_stays_the_same_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("j.db");
+    let unsafe_char = |c: char| {
+        (c.is_control() && c != '\n' && c != '\t')
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    // Valid JSON carrying, raw inside its strings, a C1 CSI (U+009B) and a bidi override (U+202E):
+    // JSON allows both unescaped, and a terminal acts on them.
+    let value = serde_json::json!({"id": "wkr-1", "state": "running", "image": "a\u{9b}31m\u{202e}gnp.exe",
+        "labels": {"k\u{2066}": "v\u{85}"}});
+    let body = serde_json::to_vec(&value).unwrap();
+    assert!(String::from_utf8_lossy(&body).chars().any(unsafe_char), "the test body carries them raw");
+    let out = run(&raw_server(200, body), &journal, &["--token", TOKEN, "workers", "get", "wkr-1"]);
+    assert_exit(&out, 0);
+    let text = String::from_utf8(out.stdout.clone()).expect("utf-8");
+    let bad: Vec<char> = text.chars().filter(|&c| unsafe_char(c)).collect();
+    assert!(bad.is_empty(), "{bad:?} on stdout: {text:?}");
+    assert_eq!(json(&out), value, "stdout parses to the very same JSON");
+
+    // Not JSON at all, with raw ESC sequences and a carriage return: none reaches stdout raw.
+    let out = run(
+        &raw_server(200, b"\x1b[2J\x1b]0;owned\x07line\rover\xc2\x9b".to_vec()),
+        &journal,
+        &["--token", TOKEN, "workers", "get", "wkr-1"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!text.chars().any(unsafe_char), "{text:?}");
+}

@@ -107,6 +107,20 @@ pub enum JournalError {
         /// Why.
         error: std::io::Error,
     },
+    /// An existing journal file (or its WAL or shared-memory file) is readable or writable by
+    /// group or others: the keys and responses in it are not private, and anyone who can write
+    /// it could plant an answer.
+    #[error(
+        "{} is readable or writable by group or others (mode {mode:03o}); make it owner-only with `chmod 600 {}`",
+        path.display(),
+        path.display()
+    )]
+    Exposed {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The database failed (cannot open, locked past the busy timeout, disk full).
     #[error("journal database error: {0}")]
     Database(sqlx::Error),
@@ -140,7 +154,8 @@ impl Outcome {
 
 /// Creates the journal's missing directories (0700) and its file (0600) before SQLite opens it, so
 /// the keys and responses in it are never readable by others, not even for a moment. An existing
-/// directory or file keeps the mode it has.
+/// directory keeps the mode it has; an existing file that group or others can read or write is
+/// refused ([`JournalError::Exposed`]).
 fn create_private(path: &Path) -> Result<(), JournalError> {
     fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JournalError + '_ {
         move |error| JournalError::Io { path: path.to_path_buf(), error }
@@ -156,7 +171,19 @@ fn create_private(path: &Path) -> Result<(), JournalError> {
     options.write(true).create(true).truncate(false);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    options.open(path).map(drop).map_err(io(path))
+    options.open(path).map(drop).map_err(io(path))?;
+    #[cfg(unix)]
+    for suffix in ["", "-wal", "-shm"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let Ok(meta) = std::fs::metadata(&file) else { continue };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(JournalError::Exposed { path: PathBuf::from(file), mode });
+        }
+    }
+    Ok(())
 }
 
 /// One journal entry.

@@ -98,6 +98,10 @@ pub struct FlashFirmware {
     /// The firmware version to flash: 1-64 ASCII letters, digits, `.`, `-`, `_` or `+`.
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 64, example = "2.4.1"))]
     pub version: String,
+    /// Flash even though a worker holds the node (its VM is disrupted). Without it, a flash of
+    /// a held node answers `409 node-in-use`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 /// The longest firmware version.
@@ -132,7 +136,7 @@ mod tests {
 
     #[test]
     fn versions() {
-        let ok = |v: &str| FlashFirmware { version: v.into() }.validate().is_ok();
+        let ok = |v: &str| FlashFirmware { version: v.into(), force: false }.validate().is_ok();
         assert!(ok("2.4.1") && ok("v2.4.1-rc1+build_7") && ok(&"9".repeat(64)));
         assert!(!ok("") && !ok(&"9".repeat(65)) && !ok("2.4 1") && !ok("2/4") && !ok("é") && !ok("a\nb"));
         assert!(

@@ -80,6 +80,13 @@ impl Application {
 
         let mut background = Vec::new();
         let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
+        let timeouts = Timeouts {
+            max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            header: args.header_timeout,
+            idle: args.idle_timeout,
+            body: args.body_timeout,
+            shutdown: args.shutdown_timeout,
+        };
         let hypervisor = match &args.hypervisor_url {
             Some(url) if libvirt.is_none() => {
                 HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
@@ -93,9 +100,9 @@ impl Application {
                 })
                 .with_flash_time(Duration::from_millis(args.sim_flash_ms))
                 .with_flash_failure(args.sim_flash_fail);
-                let (url, headers, task) = spawn_private_simulator(sim).await?;
+                let (url, headers, task) = spawn_private_simulator(sim, timeouts).await?;
                 background.push(task);
-                HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers)
+                HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers, args.header_timeout / 2)
             }
         }
         .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
@@ -119,6 +126,7 @@ impl Application {
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)
+            .max_records_per_principal(Some(args.max_records_per_principal).filter(|&n| n > 0))
             .operation_link(crate::firmware::operation_link)
             .build();
         let reaper = Reaper {
@@ -176,18 +184,18 @@ impl Application {
             store,
             metrics,
             hypervisor,
-            rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst.unwrap_or(args.rate_limit)),
+            rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
         };
         let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
+            // Checked before any other limit: a long path is refused before it is authenticated.
+            .layer(axum::middleware::from_fn(crate::limits::path_length))
             .layer(tower_http::trace::TraceLayer::new_for_http());
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");
-        let timeouts =
-            Timeouts { header: args.header_timeout, idle: args.idle_timeout, shutdown: args.shutdown_timeout };
         Ok(Self { listener, router, background, generated_token, timeouts })
     }
 
@@ -228,7 +236,12 @@ const SIM_SECRET_HEADER: &str = "x-leasebroker-sim-secret";
 /// Serves the in-process simulator on a loopback port that answers only requests carrying a
 /// random secret this process holds, so no other local process can list VMs or switch faults
 /// on. Returns its URL, the headers the client must send, and the task.
-async fn spawn_private_simulator(sim: Simulator) -> anyhow::Result<(String, HeaderMap, JoinHandle<()>)> {
+///
+/// Its port has the same connection limits and timeouts as the service's.
+async fn spawn_private_simulator(
+    sim: Simulator,
+    timeouts: Timeouts,
+) -> anyhow::Result<(String, HeaderMap, JoinHandle<()>)> {
     let mut secret = [0u8; 32];
     rand::rng().fill_bytes(&mut secret);
     let secret = hex::encode(secret);
@@ -245,9 +258,7 @@ async fn spawn_private_simulator(sim: Simulator) -> anyhow::Result<(String, Head
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            tracing::error!(error = %e, "in-process hypervisor simulator stopped");
-        }
+        serve::serve(listener, router, timeouts, std::future::pending()).await;
     });
     let mut headers = HeaderMap::new();
     headers.insert(SIM_SECRET_HEADER, HeaderValue::from_str(&secret).context("simulator secret")?);

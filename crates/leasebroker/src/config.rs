@@ -176,15 +176,28 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_MAX_WORKERS_PER_PRINCIPAL", default_value_t = 0)]
     pub max_workers_per_principal: u32,
 
-    /// Mutating /v1 requests per second allowed to each principal (429 + Retry-After beyond).
-    /// 0: no limit.
-    #[arg(long, env = "LEASEBROKER_RATE_LIMIT", default_value_t = 0)]
+    /// Mutating /v1 requests per second allowed to each principal (429 `too-many-requests` +
+    /// Retry-After beyond, nothing stored). 0: no limit.
+    #[arg(long, env = "LEASEBROKER_RATE_LIMIT", default_value_t = 50)]
     pub rate_limit: u32,
 
-    /// How many mutating requests a principal may send at once above `--rate-limit`. Default:
-    /// the same as `--rate-limit`.
+    /// How many mutating requests a principal may send at once. Default: twice `--rate-limit`.
     #[arg(long, env = "LEASEBROKER_RATE_LIMIT_BURST")]
     pub rate_limit_burst: Option<u32>,
+
+    /// The most live idempotency records one principal may hold; a request with a new key
+    /// beyond it answers 429 `too-many-requests` + Retry-After and stores nothing. 0: no limit.
+    #[arg(long, env = "LEASEBROKER_MAX_RECORDS_PER_PRINCIPAL", default_value_t = 100_000)]
+    pub max_records_per_principal: u64,
+
+    /// The most connections served at once; one accepted beyond it is closed at once.
+    #[arg(long, env = "LEASEBROKER_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// A request body must arrive whole within this, however slowly it drips (408
+    /// `body-timeout` beyond, nothing stored).
+    #[arg(long, env = "LEASEBROKER_BODY_TIMEOUT", default_value = "30s", value_parser = parse::positive_duration)]
+    pub body_timeout: Duration,
 
     /// A connection whose request headers have not all arrived within this is closed.
     #[arg(long, env = "LEASEBROKER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse::positive_duration)]

@@ -150,9 +150,34 @@ impl Db {
     }
 }
 
+/// Refuses an existing database file, or its WAL or shared-memory file, that group or others
+/// may read or write: it holds every tenant's stored responses, and anyone who can write it can
+/// plant a record that is then replayed as if it were the service's own answer.
+#[cfg(unix)]
+fn refuse_exposed(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let file = Path::new(&file);
+        let Ok(meta) = std::fs::metadata(file) else { continue };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            anyhow::bail!(
+                "{} is readable or writable by group or others (mode {mode:03o}); make it owner-only with \
+                 `chmod 600 {}` and start again",
+                file.display(),
+                file.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Creates the SQLite file (and any missing directories) readable by its owner only, before
 /// SQLite opens it: SQLite gives the WAL and shared-memory files the database file's mode, so they
-/// are owner-only too. An existing file or directory is left as it is.
+/// are owner-only too. An existing directory is left as it is; an existing file that group or
+/// others can read or write is refused.
 fn create_owner_only(path: &Path) -> anyhow::Result<()> {
     #[cfg(unix)]
     {
@@ -166,7 +191,7 @@ fn create_owner_only(path: &Path) -> anyhow::Result<()> {
         }
         match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => refuse_exposed(path)?,
             Err(e) => return Err(e).with_context(|| format!("cannot create {}", path.display())),
         }
     }

@@ -84,6 +84,25 @@ pub fn operation_location(op_id: &str) -> String {
 }
 
 impl Firmware {
+    /// Whether a flash under `op` must be refused because a worker holds the node: it has not
+    /// started yet (a retry of a flash that started is answered with its operation whatever
+    /// holds the node now), the body does not say `"force": true`, and the node is allocated.
+    pub async fn refuses_in_use(
+        &self,
+        node_id: &str,
+        req: &FlashFirmware,
+        op: &Operation,
+    ) -> Result<bool, ServiceError> {
+        if req.force || !is_path_id(node_id) {
+            return Ok(false);
+        }
+        let (op_id, _) = keys(op);
+        if self.domain.flash_operation(&op_id).await?.is_some() {
+            return Ok(false);
+        }
+        Ok(self.domain.node_allocated(node_id).await?)
+    }
+
     /// Starts flashing `node_id` to `req.version` under the request `op`, or resumes what an
     /// earlier attempt of it did. Returns the operation once the BMC accepted the flash (or
     /// refused it: then the operation has failed).

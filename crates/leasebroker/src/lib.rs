@@ -25,6 +25,7 @@ pub mod db;
 pub mod domain;
 pub mod firmware;
 pub mod hypervisor;
+pub mod limits;
 pub mod openapi;
 pub mod reaper;
 pub mod routes;

@@ -10,6 +10,15 @@
 //!   long is shut down gracefully (a request being handled still gets its answer), and closed
 //!   outright after a second such period. A request body that stalls for that long is cut by the
 //!   router's per-frame body timeout, so its handler fails instead of waiting;
+//! - at most `--max-connections` connections at once: one accepted beyond that is closed at once;
+//! - a stream timeout for both protocols: a connection with no request in progress for
+//!   `--header-timeout` (none opened yet, or none since the last one ended) is shut down (a GOAWAY
+//!   on HTTP/2) and closed after a second such period. HTTP/2 PING frames open no stream, so
+//!   they do not keep a connection; hyper's own header timeout covers HTTP/1 only;
+//! - at most [`MAX_STREAMS`] concurrent HTTP/2 streams per connection, and at most
+//!   [`MAX_IN_FLIGHT`] requests handled at once in the process (more wait for a turn, their
+//!   bodies unread), so the request bodies the idempotency layer buffers (up to 1 MiB each) are
+//!   bounded in all;
 //! - on shutdown: stop accepting, let every connection finish its current request, then wait for
 //!   the handlers whose clients hung up (the idempotency layer moved them to tasks of their own;
 //!   [`idempotency_tower::detached_handlers`] counts them) so their results are stored, all within
@@ -28,17 +37,29 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-/// How connections are timed out and drained.
+use crate::limits::DeadlineBody;
+
+/// Concurrent HTTP/2 streams allowed on one connection.
+pub const MAX_STREAMS: u32 = 32;
+/// Requests handled at once in the whole process.
+pub const MAX_IN_FLIGHT: usize = 512;
+
+/// How connections are limited, timed out and drained.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
-    /// Request headers must arrive within this.
+    /// The most connections served at once.
+    pub max_connections: usize,
+    /// Request headers must arrive within this; a connection without a request in progress
+    /// for this long is shut down.
     pub header: Duration,
     /// A connection with no traffic for this long is shut down.
     pub idle: Duration,
+    /// A request body must arrive whole within this (`408` beyond, by the idempotency layer).
+    pub body: Duration,
     /// How long shutdown waits for connections and detached handlers.
     pub shutdown: Duration,
 }
@@ -53,14 +74,24 @@ pub async fn serve(
 ) -> bool {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
+    let slots = Arc::new(Semaphore::new(timeouts.max_connections));
+    let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    connections.spawn(connection(stream, router.clone(), timeouts, stop_rx.clone()));
-                }
+                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
+                    Ok(slot) => {
+                        let service = Counted::new(router.clone(), in_flight.clone(), timeouts.body);
+                        connections.spawn(connection(stream, service, timeouts, stop_rx.clone(), slot));
+                    }
+                    // Over --max-connections: closed at once, before a byte is read.
+                    Err(_) => {
+                        tracing::debug!("connection refused: --max-connections reached");
+                        drop(stream);
+                    }
+                },
                 // Out of file descriptors and the like: back off rather than spin.
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -91,22 +122,48 @@ pub async fn serve(
     }
 }
 
-async fn connection(stream: TcpStream, router: axum::Router, timeouts: Timeouts, mut stop: watch::Receiver<bool>) {
+async fn connection(
+    stream: TcpStream,
+    service: Counted,
+    timeouts: Timeouts,
+    mut stop: watch::Receiver<bool>,
+    _slot: OwnedSemaphorePermit,
+) {
     let activity = Arc::new(Activity::new());
+    let streams = service.streams.clone();
     let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(timeouts.header);
-    builder.http2().timer(TokioTimer::new());
-    let conn = builder.serve_connection_with_upgrades(io, TowerToHyperService::new(router));
+    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS);
+    let conn = builder.serve_connection_with_upgrades(io, TowerToHyperService::new(service));
     tokio::pin!(conn);
     let mut stopping = *stop.borrow();
     if stopping {
         conn.as_mut().graceful_shutdown();
     }
     let mut idle_periods = 0;
+    let mut streamless_close: Option<Instant> = None;
     loop {
         let deadline = activity.last() + timeouts.idle;
+        let streamless = streamless_close.unwrap_or_else(|| streams.quiet_since() + timeouts.header);
         tokio::select! {
+            // A stream ended: the stream timeout starts again from now.
+            () = streams.ended.notified() => {}
+            () = tokio::time::sleep_until(streamless), if streams.active() == 0 || streamless_close.is_some() => {
+                if streamless_close.is_some() {
+                    tracing::debug!("closing a connection that opened no stream after its GOAWAY");
+                    return;
+                }
+                if streams.active() > 0 || streams.quiet_since() + timeouts.header > Instant::now() {
+                    continue;
+                }
+                // No request in progress for the header timeout: GOAWAY (HTTP/2) or close
+                // (an idle HTTP/1 connection), then a hard close after one more such period.
+                tracing::debug!("shutting down a connection without a request for the header timeout");
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+                streamless_close = Some(Instant::now() + timeouts.header);
+            }
             result = conn.as_mut() => {
                 if let Err(e) = result {
                     tracing::debug!(error = %e, "connection ended with an error");
@@ -136,6 +193,88 @@ async fn connection(stream: TcpStream, router: axum::Router, timeouts: Timeouts,
                 activity.touch();
             }
         }
+    }
+}
+
+/// The requests (HTTP/2 streams) in progress on one connection, and when the last one started
+/// or ended.
+#[derive(Debug)]
+struct Streams {
+    active: AtomicU64,
+    quiet: Activity,
+    ended: tokio::sync::Notify,
+}
+
+impl Streams {
+    fn active(&self) -> u64 {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// When the connection last had a request start or end (its start, before any).
+    fn quiet_since(&self) -> Instant {
+        self.quiet.last()
+    }
+}
+
+/// Ends one stream when dropped (the response head was produced, or the request was dropped).
+struct StreamGuard {
+    streams: Arc<Streams>,
+    _turn: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.streams.active.fetch_sub(1, Ordering::Relaxed);
+        self.streams.quiet.touch();
+        self.streams.ended.notify_one();
+    }
+}
+
+/// The router, counting the requests in progress on its connection and taking a turn from
+/// the process-wide [`MAX_IN_FLIGHT`] before each.
+#[derive(Clone)]
+struct Counted {
+    router: axum::Router,
+    streams: Arc<Streams>,
+    in_flight: Arc<Semaphore>,
+    body_timeout: Duration,
+}
+
+impl Counted {
+    fn new(router: axum::Router, in_flight: Arc<Semaphore>, body_timeout: Duration) -> Self {
+        let streams = Streams { active: AtomicU64::new(0), quiet: Activity::new(), ended: tokio::sync::Notify::new() };
+        Self { router, streams: Arc::new(streams), in_flight, body_timeout }
+    }
+}
+
+impl<B> tower::Service<axum::http::Request<B>> for Counted
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
+        self.streams.active.fetch_add(1, Ordering::Relaxed);
+        self.streams.quiet.touch();
+        let mut guard = StreamGuard { streams: self.streams.clone(), _turn: None };
+        let (router, in_flight) = (self.router.clone(), self.in_flight.clone());
+        // The whole body must arrive within --body-timeout of the request's headers.
+        let deadline = Instant::now() + self.body_timeout;
+        let req = req.map(|body| axum::body::Body::new(DeadlineBody::new(axum::body::Body::new(body), deadline)));
+        Box::pin(async move {
+            // Closed only if the process is shutting down; then the request runs without a turn.
+            guard._turn = in_flight.acquire_owned().await.ok();
+            let response = tower::ServiceExt::oneshot(router, req).await;
+            drop(guard);
+            response
+        })
     }
 }
 

@@ -72,9 +72,10 @@ pub(crate) async fn rate_limit(State(state): State<AppState>, req: Request, next
             let secs = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
             Problem::new(
                 StatusCode::TOO_MANY_REQUESTS,
-                "rate-limited",
+                "too-many-requests",
                 "Too many requests",
-                "this principal is over its rate of mutating requests; retry after Retry-After seconds",
+                "this principal is over its rate of mutating requests; nothing was stored, retry after \
+                 Retry-After seconds",
             )
             .with_retry_after(secs)
             .into_response()

@@ -182,6 +182,7 @@ pub async fn reboot_worker(
         (status = 401, description = "Unauthorized", content_type = "application/problem+json"),
         (status = 404, description = "No such node", content_type = "application/problem+json"),
         (status = 409, description = "Another operation runs on the node (operation-conflict, naming it in operation_id), \
+         a worker holds the node and the body does not say \"force\": true (node-in-use), \
          or the key was reused with another request, or is in progress", content_type = "application/problem+json"),
         (status = 413, description = "Body over 1 MiB", content_type = "application/problem+json"),
         (status = 415, description = "Not JSON", content_type = "application/problem+json"),
@@ -206,6 +207,20 @@ pub async fn flash_firmware(
         Err(p) => return p.into_response(),
     };
     let op = Operation::new(ctx.claim().record().clone());
+    match state.firmware.refuses_in_use(&node_id, &req, &op).await {
+        Ok(false) => {}
+        Ok(true) => {
+            return Problem::new(
+                StatusCode::CONFLICT,
+                "node-in-use",
+                "Node in use",
+                "a worker holds this node and a flash would disrupt it; delete the worker first, or send \
+                 \"force\": true to flash anyway",
+            )
+            .into_response();
+        }
+        Err(e) => return e.into_response(),
+    }
     match state.firmware.flash(&node_id, &req, &op).await {
         Ok(row) => {
             let operation = dto::Operation::from(row);

@@ -53,10 +53,11 @@ pub struct AppState {
 /// principals: only authenticated requests reach it.
 pub type PrincipalRateLimiter = governor::DefaultKeyedRateLimiter<String>;
 
-/// A limiter allowing `per_second` mutating requests per principal, `burst` at once.
-pub fn rate_limiter(per_second: u32, burst: u32) -> Option<Arc<PrincipalRateLimiter>> {
+/// A limiter allowing `per_second` mutating requests per principal, `burst` at once (default:
+/// twice `per_second`). `None` when `per_second` is 0: no limit.
+pub fn rate_limiter(per_second: u32, burst: Option<u32>) -> Option<Arc<PrincipalRateLimiter>> {
     let rate = std::num::NonZeroU32::new(per_second)?;
-    let burst = std::num::NonZeroU32::new(burst).unwrap_or(rate);
+    let burst = burst.and_then(std::num::NonZeroU32::new).unwrap_or_else(|| rate.saturating_add(rate.get()));
     Some(Arc::new(governor::RateLimiter::keyed(governor::Quota::per_second(rate).allow_burst(burst))))
 }
 

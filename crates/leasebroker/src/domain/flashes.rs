@@ -98,6 +98,14 @@ impl Domain {
         }))
     }
 
+    /// Whether the node is allocated: a worker holds it, or a create is taking it.
+    pub async fn node_allocated(&self, node_id: &str) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_nodes WHERE node_id = $1 AND alloc_id IS NOT NULL")
+                .bind(node_id).fetch_optional(p).await?.is_some()
+        }))
+    }
+
     /// Finds the operation `op_id` or creates it, running, with its flash not sent yet. At most
     /// one operation runs per node (a partial UNIQUE index): when another one runs there, this
     /// one is not created and the running one is returned as a conflict.

@@ -148,23 +148,26 @@ impl HypervisorClient {
     /// A client for the hypervisor at `base_url` (e.g. `http://127.0.0.1:8090`; a path prefix is
     /// kept), giving each call at most `timeout` from sending the request to reading the answer.
     pub fn new(base_url: &str, timeout: Duration) -> Result<Self, HvError> {
-        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), None)
+        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), None, None)
     }
 
     /// Like [`HypervisorClient::new`], sending `headers` on every call (say, the secret of a
-    /// simulator that only its own service may use).
+    /// simulator that only its own service may use), and keeping an idle connection at most
+    /// `pool_idle` (shorter than the server's own keep-alive limit, so the client never reuses a
+    /// connection the server is closing).
     pub fn with_headers(
         base_url: &str,
         timeout: Duration,
         headers: reqwest::header::HeaderMap,
+        pool_idle: Duration,
     ) -> Result<Self, HvError> {
-        Self::build(base_url, timeout, headers, None)
+        Self::build(base_url, timeout, headers, None, Some(pool_idle))
     }
 
     /// [`HypervisorClient::new`], also trusting the CA certificates in the PEM file `ca_cert` (when
     /// given) for an `https` hypervisor, besides the system's roots.
     pub fn with_ca_cert(base_url: &str, timeout: Duration, ca_cert: Option<&Path>) -> Result<Self, HvError> {
-        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), ca_cert)
+        Self::build(base_url, timeout, reqwest::header::HeaderMap::new(), ca_cert, None)
     }
 
     fn build(
@@ -172,6 +175,7 @@ impl HypervisorClient {
         timeout: Duration,
         headers: reqwest::header::HeaderMap,
         ca_cert: Option<&Path>,
+        pool_idle: Option<Duration>,
     ) -> Result<Self, HvError> {
         let roots = match ca_cert {
             Some(path) => {
@@ -201,6 +205,10 @@ impl HypervisorClient {
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .tls_backend_rustls();
+        let http = match pool_idle {
+            Some(idle) => http.pool_idle_timeout(idle),
+            None => http,
+        };
         // Redirects are off, so an http hypervisor never needs TLS: skip loading the system's roots
         // (a host without them can still use one).
         let http = if base.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }

@@ -5,6 +5,7 @@
 //! a queue for the database, terse upstreams) and `tenants` (quotas, rate limits, timeouts, secrets).
 //! `support` starts the real binary and reads ground truth.
 
+mod bounds;
 mod effects;
 mod fences;
 mod flashes;

@@ -230,7 +230,7 @@ async fn the_rate_limit_answers_429_with_retry_after_per_principal() {
     for task in tasks {
         let r = task.await.expect("task");
         if r.status == StatusCode::TOO_MANY_REQUESTS {
-            assert_eq!(r.problem_type(), "rate-limited", "{}", r.text());
+            assert_eq!(r.problem_type(), "too-many-requests", "{}", r.text());
             let secs: u64 = r.headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
             assert!(secs >= 1, "{secs}");
         }
