@@ -4,7 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use idempotency::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
+    StoredResponse, Timestamp,
+};
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
@@ -18,9 +21,9 @@ use crate::scripts::{Lua, Scripts};
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
+    pub(crate) conn: Conn,
     prefix: Arc<str>,
-    scripts: Arc<Scripts>,
+    pub(crate) scripts: Arc<Scripts>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -72,7 +75,7 @@ impl RedisStore {
     /// caches it again. Not `redis::Script::invoke_async`'s fallback: that sends `SCRIPT LOAD`
     /// to every node of a cluster, so one unreachable primary would fail a call for a key on a
     /// healthy one, and it costs two more round trips instead of one.
-    async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+    pub(crate) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
         let build = |verb: &str, script: &str| {
             let mut cmd = redis::cmd(verb);
             cmd.arg(script).arg(1).arg(key);
@@ -217,7 +220,7 @@ impl RedisStore {
 
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
-fn redis_error(e: RedisError) -> StoreError {
+pub(crate) fn redis_error(e: RedisError) -> StoreError {
     match e.code() {
         Some("WRONGTYPE" | "CORRUPT") => StoreError::Corrupt(e.to_string()),
         _ => StoreError::unavailable(e),
@@ -236,7 +239,7 @@ fn stale_cutoff(now: Timestamp, ttl: Duration) -> String {
         .unwrap_or_default()
 }
 
-fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
+pub(crate) fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
     hash_fields(v)?.map(decode_record).transpose()
 }
 
@@ -323,6 +326,23 @@ impl Store for RedisStore {
             reply.map_err(redis_error)?;
         }
         Ok(())
+    }
+
+    /// `SCAN` over the prefix on each node in turn (see [`crate::admin`]).
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.admin_list(query).await
+    }
+
+    /// A scan of every record under the prefix: a record's key is a digest of its scope, so
+    /// there is no key to find it by its id alone.
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        Ok(self.admin_find(id).await?.map(|(_, r)| r))
+    }
+
+    /// Found like `get_by_id`, then one script on the record's key deletes it if it still has
+    /// this id and is not in flight.
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        self.admin_forget(id).await
     }
 }
 
