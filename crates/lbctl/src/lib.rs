@@ -40,7 +40,7 @@ use leasebroker_client::journal::{Journal, JournalError};
 use leasebroker_client::retry::{Retrier, RetryPolicy};
 use leasebroker_client::{
     Client, CreateWorker, Error, FlashFirmware, Mutation, OPERATION_CONFLICT, OpKey, Operation, OperationId,
-    OperationState,
+    OperationState, RecordFilter,
 };
 
 mod cli;
@@ -48,7 +48,7 @@ mod progress;
 
 use progress::{Display, Progress};
 
-pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, WorkersCommand};
+pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, RecordsCommand, WorkersCommand};
 
 /// lbctl's exit codes (SPEC 4, plus 1 for local failures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,6 +216,14 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
             return Ok(client.get_operation(&op_id).await?.body.to_vec());
         }
         Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id).await,
+        Command::Records(RecordsCommand::List { state, principal, older_than, limit, cursor }) => {
+            let filter = RecordFilter { state, principal, older_than, limit, cursor };
+            return Ok(client.list_records(&filter).await?.body.to_vec());
+        }
+        Command::Records(RecordsCommand::Get { id, body }) => {
+            return Ok(client.get_record(&id, body).await?.body.to_vec());
+        }
+        Command::Records(RecordsCommand::Forget { id, op }) => (Mutation::ForgetRecord(id), op.op_id, false),
     };
 
     let body = send(&client, &mutation, op_id.as_deref(), cli.journal, verbose).await?;

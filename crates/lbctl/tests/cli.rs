@@ -871,3 +871,42 @@ fn an_operation_state_this_lbctl_does_not_know_is_followed_until_it_ends() {
     assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(stderr(&out).contains("ended cancelled, not succeeded"), "{}", stderr(&out));
 }
+
+/// Issue 30: `lbctl records list|get|forget` with the admin token; forget is a mutation with an
+/// op id like the others, and its retry (a rerun of the op id) does not forget twice.
+#[test]
+fn records_list_get_and_forget() {
+    let server = Server::start(&[]);
+    let made = run(&server.url, &server.journal(), &with(CREATE, &["--op-id", "op-records-create"]));
+    assert_exit(&made, 0);
+    let admin = |args: &[&str]| run(&server.url, &server.journal(), &with(&["--token", ADMIN, "records"], args));
+
+    let listed = admin(&["list", "--state", "completed", "--principal", "alice"]);
+    assert_exit(&listed, 0);
+    let page = json(&listed);
+    let records = page["records"].as_array().expect("records");
+    assert_eq!(records.len(), 1, "{page}");
+    assert_eq!(records[0]["endpoint"], "POST /v1/workers");
+    assert_eq!(page["next_cursor"], serde_json::Value::Null);
+    let id = records[0]["id"].as_str().expect("id").to_owned();
+
+    let got = admin(&["get", &id, "--body"]);
+    assert_exit(&got, 0);
+    let body: serde_json::Value =
+        serde_json::from_str(json(&got)["response_body"].as_str().expect("body")).expect("the stored worker");
+    assert_eq!(body["id"], json(&made)["id"]);
+
+    // A tenant's token is refused (exit 6); a bad filter is the server's 400 (exit 3).
+    let tenant = run(&server.url, &server.journal(), &["--token", TOKEN, "records", "list"]);
+    assert_exit(&tenant, 6);
+    assert_exit(&admin(&["list", "--older-than", "soon"]), 3);
+    assert_exit(&admin(&["list", "--state", "running"]), 2);
+
+    assert_exit(&admin(&["forget", &id, "--op-id", "op-forget-1"]), 0);
+    assert_exit(&admin(&["forget", &id, "--op-id", "op-forget-1"]), 0);
+    let gone = admin(&["get", &id]);
+    assert_exit(&gone, 3);
+    assert!(stderr(&gone).contains("404") || stderr(&gone).contains("no such record"), "{}", stderr(&gone));
+    let unknown = admin(&["forget", "0123456789abcdef0123456789abcdef", "--op-id", "op-forget-2"]);
+    assert_exit(&unknown, 3);
+}

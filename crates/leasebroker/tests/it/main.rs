@@ -6,6 +6,7 @@
 
 mod effects;
 mod flashes;
+mod records;
 mod service;
 mod support;
 mod tenants;
