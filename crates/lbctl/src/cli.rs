@@ -34,6 +34,12 @@ pub struct Cli {
     /// Print every attempt and the wait before the next one to stderr.
     #[arg(long, short, global = true)]
     pub verbose: bool,
+    /// How to print the answer [default: table on a terminal, json when piped].
+    #[arg(long, short = 'o', value_enum, global = true)]
+    pub output: Option<crate::output::OutputFormat>,
+    /// Print only ids, one a line (of a page: its workers', records' or operations').
+    #[arg(long, short, global = true)]
+    pub quiet: bool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

@@ -44,11 +44,13 @@ use leasebroker_client::{
 };
 
 mod cli;
+mod output;
 mod progress;
 
 use progress::{Display, Progress};
 
 pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, RecordsCommand, WorkersCommand};
+pub use output::OutputFormat;
 
 /// lbctl's exit codes (SPEC 4, plus 1 for local failures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,15 +159,18 @@ fn print(body: &[u8]) {
     }
 }
 
-/// Runs the command: the response JSON to stdout, a one-line reason to stderr, and the exit code.
+/// Runs the command: the response to stdout (as `-o` and `--quiet` say), a one-line reason to
+/// stderr, and the exit code.
 pub async fn run(cli: Cli) -> ExitCode {
+    let (format, quiet) = (OutputFormat::for_stdout(cli.output), cli.quiet);
+    let shown = |body: Vec<u8>| output::render(&body, format, quiet).unwrap_or(body);
     match execute(cli).await {
         Ok(body) => {
-            print(&body);
+            print(&shown(body));
             Exit::Success.into()
         }
         Err(failure) => {
-            print(&failure.stdout);
+            print(&shown(failure.stdout));
             warn(&failure.message);
             failure.exit.into()
         }
