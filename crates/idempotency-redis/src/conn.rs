@@ -97,6 +97,42 @@ impl Conn {
     }
 }
 
+/// A node to send a command to: the one server, or a cluster primary by address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Node {
+    Server,
+    Primary(String, u16),
+}
+
+impl Conn {
+    /// The nodes that hold records, in a stable order: the server, or the cluster's primaries
+    /// sorted by address.
+    pub(crate) async fn nodes(&self) -> Result<Vec<Node>, RedisError> {
+        match self {
+            Conn::Server(_) => Ok(vec![Node::Server]),
+            Conn::Cluster(c) => {
+                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let mut all = primaries(slots)?;
+                all.sort();
+                Ok(all.into_iter().map(|(h, p)| Node::Primary(h, p)).collect())
+            }
+        }
+    }
+
+    /// Runs `cmd` on `node` (a command such as `SCAN` that names no key).
+    pub(crate) async fn query_on(&self, node: &Node, cmd: &Cmd) -> Result<Value, RedisError> {
+        match (self, node) {
+            (Conn::Cluster(c), Node::Primary(host, port)) => {
+                let by_address =
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port });
+                c.clone().route_command(cmd.clone(), by_address).await
+            }
+            _ => self.query(cmd).await,
+        }
+    }
+}
+
 /// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.
 fn primaries(reply: Value) -> Result<Vec<(String, u16)>, RedisError> {
     let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "an unexpected CLUSTER SLOTS reply"));

@@ -127,6 +127,7 @@
 
 #![warn(missing_docs)]
 
+mod admin;
 mod codec;
 mod conn;
 mod options;

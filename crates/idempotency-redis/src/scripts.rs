@@ -87,6 +87,18 @@ pub(crate) const HEARTBEAT: &str = concat!(
 /// Deletes the record, fenced. Returns 1, or 0 when fenced.
 pub(crate) const REMOVE: &str = concat!(fence!(), "redis.call('DEL', KEYS[1])\nreturn 1\n");
 
+/// Forgets a record that is not in flight. ARGV: record id. Returns the record (`HGETALL`)
+/// after deleting it; 2 when it is in flight (nothing deleted); 0 when the key holds another
+/// record or none.
+pub(crate) const FORGET: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'st')
+if h[1] ~= ARGV[1] then return 0 end
+if h[2] == 'in_flight' then return 2 end
+local all = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return all
+";
+
 /// The scripts with their SHA1 digests, computed once per store.
 #[derive(Debug)]
 pub(crate) struct Scripts {
@@ -96,6 +108,7 @@ pub(crate) struct Scripts {
     pub fail: Lua,
     pub heartbeat: Lua,
     pub remove: Lua,
+    pub forget: Lua,
 }
 
 impl Scripts {
@@ -107,6 +120,7 @@ impl Scripts {
             fail: Lua::new(FAIL),
             heartbeat: Lua::new(HEARTBEAT),
             remove: Lua::new(REMOVE),
+            forget: Lua::new(FORGET),
         }
     }
 }

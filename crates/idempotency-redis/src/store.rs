@@ -4,7 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use idempotency::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
+    StoredResponse, Timestamp,
+};
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
@@ -18,9 +21,9 @@ use crate::scripts::{Lua, Scripts};
 /// Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
+    pub(crate) conn: Conn,
     prefix: Arc<str>,
-    scripts: Arc<Scripts>,
+    pub(crate) scripts: Arc<Scripts>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -72,7 +75,7 @@ impl RedisStore {
     /// caches it again. Not `redis::Script::invoke_async`'s fallback: that sends `SCRIPT LOAD`
     /// to every node of a cluster, so one unreachable primary would fail a call for a key on a
     /// healthy one, and it costs two more round trips instead of one.
-    async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+    pub(crate) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
         let build = |verb: &str, script: &str| {
             let mut cmd = redis::cmd(verb);
             cmd.arg(script).arg(1).arg(key);
@@ -256,7 +259,7 @@ elseif at == -1 then redis.call('PEXPIREAT', KEYS[1], ARGV[1]) end
 return 1
 ";
 
-fn redis_error(e: RedisError) -> StoreError {
+pub(crate) fn redis_error(e: RedisError) -> StoreError {
     match e.code() {
         Some("WRONGTYPE" | "CORRUPT") => StoreError::Corrupt(e.to_string()),
         _ => StoreError::unavailable(e),
@@ -311,7 +314,7 @@ fn is_own(found: &Record, fresh: &Record) -> bool {
         && found.state == idempotency::RecordState::InFlight
 }
 
-fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
+pub(crate) fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
     hash_fields(v)?.map(decode_record).transpose()
 }
 

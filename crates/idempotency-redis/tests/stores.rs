@@ -108,6 +108,15 @@ mod support {
         async fn ping(&self) -> Result<(), StoreError> {
             self.store.ping().await
         }
+        async fn list_records(&self, q: &idempotency::RecordQuery) -> Result<idempotency::RecordPage, StoreError> {
+            self.store.list_records(q).await
+        }
+        async fn get_by_id(&self, id: &idempotency::RecordId) -> Result<Option<Record>, StoreError> {
+            self.store.get_by_id(id).await
+        }
+        async fn forget(&self, id: &idempotency::RecordId) -> Result<idempotency::Forget, StoreError> {
+            self.store.forget(id).await
+        }
     }
 
     /// Deletes every key under a prefix on the shared server when dropped.

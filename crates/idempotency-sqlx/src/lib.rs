@@ -50,6 +50,8 @@
 //! [`StoreError::Fenced`](idempotency::StoreError::Fenced). No error is ever reported as
 //! ownership.
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod admin;
 mod migrate;
 #[cfg(feature = "postgres")]
 mod partitioned;

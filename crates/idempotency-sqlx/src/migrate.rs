@@ -66,14 +66,22 @@ fn ours(files: &[(&'static str, &'static str)]) -> Migrator {
 #[cfg(feature = "sqlite")]
 /// The SQLite migrations (`migrations/sqlite/`), recording their history in [`MIGRATIONS_TABLE`].
 pub fn sqlite_migrator() -> Migrator {
-    ours(embedded_migrations!("migrations/sqlite", "20250101000001_idempotency_records.sql"))
+    ours(embedded_migrations!(
+        "migrations/sqlite",
+        "20250101000001_idempotency_records.sql",
+        "20261202000001_record_id_index.sql",
+    ))
 }
 
 #[cfg(feature = "postgres")]
 /// The PostgreSQL migrations (`migrations/postgres/`), recording their history in
 /// [`MIGRATIONS_TABLE`].
 pub fn postgres_migrator() -> Migrator {
-    ours(embedded_migrations!("migrations/postgres", "20250101000001_idempotency_records.sql"))
+    ours(embedded_migrations!(
+        "migrations/postgres",
+        "20250101000001_idempotency_records.sql",
+        "20261202000001_record_id_index.sql",
+    ))
 }
 
 /// For tests: what sqlx itself reads from `dir` (every file, as `Migrator::new` resolves a

@@ -3,7 +3,10 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use idempotency::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
+    StoredResponse, Timestamp,
+};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
@@ -360,5 +363,17 @@ impl Store for PostgresStore {
                 .await
                 .map_err(db_error)?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.admin_list(query).await
+    }
+
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.admin_get_by_id(id).await
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        self.admin_forget(id).await
     }
 }
+
+crate::admin::admin_methods!(PostgresStore, crate::admin::postgres, crate::partitioned::decode, |t: Timestamp| t);

@@ -7,18 +7,15 @@ use chrono::SubsecRound;
 use idempotency::{
     BodyEncoding, Fingerprint, Record, RecordId, RecordState, Scope, StoreError, StoredBody, StoredResponse, Timestamp,
 };
-#[cfg(feature = "sqlite")]
 use idempotency::{Endpoint, IdempotencyKey, Principal};
 
 /// The record's columns, in the order [`RawRecord`] reads them. A macro so that SQL strings can
 /// be built with `concat!` and stay `&'static str`.
-#[cfg(feature = "sqlite")]
 macro_rules! record_columns {
     () => {
         concat!("principal, endpoint, key, ", $crate::row::state_columns!())
     };
 }
-#[cfg(feature = "sqlite")]
 pub(crate) use record_columns;
 
 /// The record's columns after its scope, in the order [`RawState`] reads them: what a statement
@@ -33,7 +30,6 @@ macro_rules! state_columns {
 pub(crate) use state_columns;
 
 /// A row as the database returned it, before validation, borrowed from the row.
-#[cfg(feature = "sqlite")]
 pub(crate) struct RawRecord<'r> {
     pub principal: &'r str,
     pub endpoint: &'r str,
@@ -71,7 +67,6 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
 
-#[cfg(feature = "sqlite")]
 impl RawRecord<'_> {
     /// Validates the row into a [`Record`]; anything unexpected is [`StoreError::Corrupt`].
     pub(crate) fn into_record(self) -> Result<Record, StoreError> {

@@ -21,7 +21,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use crate::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
+    StoredResponse, Timestamp,
+};
 
 /// One method of the [`Store`] trait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -232,6 +235,17 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn count_records(&self, principal: &crate::Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         self.inner.count_records(principal, now).await
+    // Operating: passed through, never failed on purpose.
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.inner.list_records(query).await
+    }
+
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get_by_id(id).await
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        self.inner.forget(id).await
     }
 }
 

@@ -9,6 +9,7 @@
 //! [`Sweeper`]. With feature `conformance`, the store conformance suite (`conformance`) and a
 //! store that fails on demand (`faulty`).
 
+mod admin;
 mod canonical_json;
 mod derive;
 mod fingerprint;
@@ -26,6 +27,7 @@ pub mod conformance;
 #[cfg(feature = "conformance")]
 pub mod faulty;
 
+pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery};
 pub use derive::{SubKey, derive};
 pub use fingerprint::{DEFAULT_MAX_BODY, Fingerprint, FingerprintError, FingerprintMode, Fingerprinter, RequestParts};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

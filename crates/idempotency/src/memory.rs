@@ -10,7 +10,8 @@ use foldhash::quality::RandomState;
 
 use crate::record::stale_after;
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Scope, Store, StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, RecordState, Scope, Store,
+    StoreError, StoredResponse, Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -178,6 +179,39 @@ impl Store for MemoryStore {
             .map(|s| lock(s).values().filter(|r| r.scope.principal == *principal && !r.is_expired(now)).count())
             .sum();
         Ok(Some(n as u64))
+    // A scan of every shard: this store is for tests and small single-process services.
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        let after = query.cursor_record_id()?;
+        let mut found: Vec<Record> = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = lock(shard);
+            found.extend(
+                shard
+                    .values()
+                    .filter(|r| after.is_none_or(|a| r.record_id.as_bytes() > a.as_bytes()) && query.matches(r))
+                    .cloned(),
+            );
+        }
+        found.sort_unstable_by(|a, b| a.record_id.as_bytes().cmp(b.record_id.as_bytes()));
+        found.truncate(query.page_size() + 1);
+        Ok(RecordPage::from_sorted(found, query.page_size()))
+    }
+
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        Ok(self.shards.iter().find_map(|s| lock(s).values().find(|r| r.record_id == *id).cloned()))
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            let Some(record) = shard.values().find(|r| r.record_id == *id).cloned() else { continue };
+            if record.state == RecordState::InFlight {
+                return Ok(Forget::InFlight(record));
+            }
+            shard.remove(&record.scope);
+            return Ok(Forget::Forgotten(record));
+        }
+        Ok(Forget::Absent)
     }
 }
 

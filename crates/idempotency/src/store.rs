@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Claim, ClaimOutcome, ClaimRequest, Principal, Record, Scope, StoredResponse, Timestamp};
+use crate::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Principal, Record, RecordId, RecordPage, RecordQuery, Scope,
+    StoredResponse, Timestamp,
+};
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +28,9 @@ pub enum StoreError {
     /// A stored row could not be read back (unknown state, bad encoding).
     #[error("a stored record is corrupt: {0}")]
     Corrupt(String),
+    /// A listing's cursor is not one this store made (`list_records`). Nothing was read.
+    #[error("the cursor is not valid for this store")]
+    InvalidCursor,
 }
 
 impl StoreError {
@@ -135,6 +141,23 @@ pub trait Store: Send + Sync + 'static {
         let _ = (principal, now);
         Ok(None)
     }
+    // Operating (SPEC 7): list, read by id, forget.
+
+    /// Lists the live records (not expired at `query.now`) that match `query`'s filters, at most
+    /// [`RecordQuery::page_size`] of them, from `query.cursor` on. Paging is by cursor: a page
+    /// never re-reads the records of the pages before it. Every record that is live and matches
+    /// throughout a listing appears on exactly one of its pages. A cursor the store did not make
+    /// is [`StoreError::InvalidCursor`].
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError>;
+
+    /// Reads the record with this id, expired or not.
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
+
+    /// Deletes the record with this id if it is completed or failed ([`Forget::Forgotten`]), in
+    /// one atomic step that checks its state; one in flight is left alone
+    /// ([`Forget::InFlight`]). The key's next request then creates a new record, with a new
+    /// record id.
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError>;
 }
 
 #[async_trait]
@@ -179,5 +202,13 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         (**self).count_records(principal, now).await
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        (**self).list_records(query).await
+    }
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        (**self).get_by_id(id).await
+    }
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        (**self).forget(id).await
     }
 }

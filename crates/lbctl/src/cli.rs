@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use leasebroker_client::{NodeId, OperationId, WorkerId};
+use leasebroker_client::{NodeId, OperationId, RecordId, WorkerId};
 
 /// The command line.
 #[derive(Debug, Parser)]
@@ -34,6 +34,12 @@ pub struct Cli {
     /// Print every attempt and the wait before the next one to stderr.
     #[arg(long, short, global = true)]
     pub verbose: bool,
+    /// How to print the answer [default: table on a terminal, json when piped].
+    #[arg(long, short = 'o', value_enum, global = true)]
+    pub output: Option<crate::output::OutputFormat>,
+    /// Print only ids, one a line (of a page: its workers', records' or operations').
+    #[arg(long, short, global = true)]
+    pub quiet: bool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -51,6 +57,53 @@ pub enum Command {
     /// Long-running operations such as firmware flashes: get, wait (admin token).
     #[command(subcommand)]
     Operations(OperationsCommand),
+    /// Idempotency records: list, get, forget (admin token).
+    #[command(subcommand)]
+    Records(RecordsCommand),
+}
+
+/// `lbctl records ...`.
+#[derive(Debug, Subcommand)]
+pub enum RecordsCommand {
+    /// List idempotency records, one page (admin token).
+    ///
+    /// `--state in_flight --older-than 10m` lists the operations stuck in flight for ten minutes
+    /// or more (their attempt has not been renewed since).
+    List {
+        /// Only records in this state.
+        #[arg(long, value_parser = ["in_flight", "failed", "completed"])]
+        state: Option<String>,
+        /// Only this principal's records.
+        #[arg(long)]
+        principal: Option<String>,
+        /// Only records whose current attempt started at least this long ago (90s, 10m, 2h, 7d).
+        #[arg(long)]
+        older_than: Option<String>,
+        /// Page size (1-500; the server's default is 100).
+        #[arg(long)]
+        limit: Option<u32>,
+        /// The `next_cursor` of the previous page.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show one record (admin token).
+    Get {
+        /// The record id (32 hex digits).
+        id: RecordId,
+        /// Include the stored response body.
+        #[arg(long)]
+        body: bool,
+    },
+    /// Forget a completed or failed record, so that its key's next request runs as a new
+    /// operation (admin token). A record in flight is refused (exit 3). The server writes an
+    /// audit line and row.
+    Forget {
+        /// The record id (32 hex digits).
+        id: RecordId,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
+    },
 }
 
 /// `lbctl firmware ...`.

@@ -42,15 +42,17 @@ use leasebroker_client::journal::{Journal, JournalError};
 use leasebroker_client::retry::{Retrier, RetryPolicy};
 use leasebroker_client::{
     Client, CreateWorker, Error, FlashFirmware, Mutation, OPERATION_CONFLICT, OpKey, Operation, OperationId,
-    OperationState,
+    OperationState, RecordFilter,
 };
 
 mod cli;
+mod output;
 mod progress;
 
 use progress::{Display, Progress};
 
-pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, WorkersCommand};
+pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, RecordsCommand, WorkersCommand};
+pub use output::OutputFormat;
 
 /// lbctl's exit codes (SPEC 4, plus 1 for local failures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,15 +183,18 @@ fn print(body: &[u8]) {
     }
 }
 
-/// Runs the command: the response JSON to stdout, a one-line reason to stderr, and the exit code.
+/// Runs the command: the response to stdout (as `-o` and `--quiet` say), a one-line reason to
+/// stderr, and the exit code.
 pub async fn run(cli: Cli) -> ExitCode {
+    let (format, quiet) = (OutputFormat::for_stdout(cli.output), cli.quiet);
+    let shown = |body: Vec<u8>| output::render(&body, format, quiet).unwrap_or(body);
     match execute(cli).await {
         Ok(body) => {
-            print(&body);
+            print(&shown(body));
             Exit::Success.into()
         }
         Err(failure) => {
-            print(&failure.stdout);
+            print(&shown(failure.stdout));
             warn(&failure.message);
             failure.exit.into()
         }
@@ -240,6 +245,14 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
             return Ok(client.get_operation(&op_id).await?.body.to_vec());
         }
         Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id).await,
+        Command::Records(RecordsCommand::List { state, principal, older_than, limit, cursor }) => {
+            let filter = RecordFilter { state, principal, older_than, limit, cursor };
+            return Ok(client.list_records(&filter).await?.body.to_vec());
+        }
+        Command::Records(RecordsCommand::Get { id, body }) => {
+            return Ok(client.get_record(&id, body).await?.body.to_vec());
+        }
+        Command::Records(RecordsCommand::Forget { id, op }) => (Mutation::ForgetRecord(id), op.op_id, false),
     };
 
     let body = send(&client, &mutation, op_id.as_deref(), cli.journal, verbose).await?;

@@ -925,4 +925,92 @@ fn stdout_escapes_control_and_bidi_characters_and_stays_the_same_json() {
     );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!text.chars().any(unsafe_char), "{text:?}");
+/// Issue 30: `lbctl records list|get|forget` with the admin token; forget is a mutation with an
+/// op id like the others, and its retry (a rerun of the op id) does not forget twice.
+#[test]
+fn records_list_get_and_forget() {
+    let server = Server::start(&[]);
+    let made = run(&server.url, &server.journal(), &with(CREATE, &["--op-id", "op-records-create"]));
+    assert_exit(&made, 0);
+    let admin = |args: &[&str]| run(&server.url, &server.journal(), &with(&["--token", ADMIN, "records"], args));
+
+    let listed = admin(&["list", "--state", "completed", "--principal", "alice"]);
+    assert_exit(&listed, 0);
+    let page = json(&listed);
+    let records = page["records"].as_array().expect("records");
+    assert_eq!(records.len(), 1, "{page}");
+    assert_eq!(records[0]["endpoint"], "POST /v1/workers");
+    assert_eq!(page["next_cursor"], serde_json::Value::Null);
+    let id = records[0]["id"].as_str().expect("id").to_owned();
+
+    let got = admin(&["get", &id, "--body"]);
+    assert_exit(&got, 0);
+    let body: serde_json::Value =
+        serde_json::from_str(json(&got)["response_body"].as_str().expect("body")).expect("the stored worker");
+    assert_eq!(body["id"], json(&made)["id"]);
+
+    // A tenant's token is refused (exit 6); a bad filter is the server's 400 (exit 3).
+    let tenant = run(&server.url, &server.journal(), &["--token", TOKEN, "records", "list"]);
+    assert_exit(&tenant, 6);
+    assert_exit(&admin(&["list", "--older-than", "soon"]), 3);
+    assert_exit(&admin(&["list", "--state", "running"]), 2);
+
+    assert_exit(&admin(&["forget", &id, "--op-id", "op-forget-1"]), 0);
+    assert_exit(&admin(&["forget", &id, "--op-id", "op-forget-1"]), 0);
+    let gone = admin(&["get", &id]);
+    assert_exit(&gone, 3);
+    assert!(stderr(&gone).contains("404") || stderr(&gone).contains("no such record"), "{}", stderr(&gone));
+    let unknown = admin(&["forget", "0123456789abcdef0123456789abcdef", "--op-id", "op-forget-2"]);
+    assert_exit(&unknown, 3);
+}
+
+/// Issue 30: `-o table|json|yaml` and `--quiet` for people and scripts; a table by default on a
+/// terminal (stdout a pseudo-terminal made by `script`), the server's JSON when piped.
+#[test]
+fn output_is_a_table_on_a_terminal_json_when_piped_and_yaml_or_ids_when_asked() {
+    let server = Server::start(&[]);
+    let made = run(&server.url, &server.journal(), CREATE);
+    assert_exit(&made, 0);
+    let id = json(&made)["id"].as_str().expect("id").to_owned();
+    let list = |more: &[&str]| {
+        let out = run(&server.url, &server.journal(), &with(&["--token", TOKEN, "workers", "list"], more));
+        assert_exit(&out, 0);
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+
+    let piped = list(&[]);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&piped).expect("json")["workers"][0]["id"], id.as_str());
+    assert_eq!(list(&["-o", "json"]), piped);
+    let table = list(&["-o", "table"]);
+    let mut lines = table.lines();
+    assert!(
+        lines.next().is_some_and(|h| h.starts_with("ID") && h.contains("STATE") && h.contains("NODE_ID")),
+        "{table}"
+    );
+    assert!(lines.next().is_some_and(|row| row.starts_with(&id)), "{table}");
+    let yaml: serde_json::Value = yaml_serde::from_str(&list(&["-o", "yaml"])).expect("yaml");
+    assert_eq!(yaml, serde_json::from_str::<serde_json::Value>(&piped).expect("json"));
+    assert_eq!(list(&["--quiet"]), format!("{id}\n"));
+    assert_eq!(list(&["-q", "-o", "yaml"]), format!("{id}\n"));
+
+    let records = run(&server.url, &server.journal(), &["--token", ADMIN, "records", "list", "-q"]);
+    assert_exit(&records, 0);
+    let ids = String::from_utf8(records.stdout).expect("utf-8");
+    assert!(ids.lines().count() == 1 && ids.trim().len() == 32, "{ids:?}");
+
+    // On a terminal, a table unless told otherwise.
+    let journal = server.journal();
+    let command = format!(
+        "{} --url {} --journal {} --token {TOKEN} workers get {id}",
+        env!("CARGO_BIN_EXE_lbctl"),
+        server.url,
+        journal.display()
+    );
+    let tty = Command::new("script").args(["-qec", &command, "/dev/null"]).stdin(Stdio::null()).output();
+    let tty = tty.expect("run script (util-linux), which gives lbctl a terminal");
+    assert!(tty.status.success(), "{}", String::from_utf8_lossy(&tty.stdout));
+    let shown = String::from_utf8_lossy(&tty.stdout);
+    let header = shown.lines().next().map(|l| l.split_whitespace().collect::<Vec<_>>());
+    assert_eq!(header, Some(vec!["FIELD", "VALUE"]), "{shown:?}");
+    assert!(shown.lines().any(|l| l.starts_with("id") && l.trim_end().ends_with(&id)), "{shown:?}");
 }

@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{Error, retry_after};
 use crate::journal::RequestFingerprint;
+use crate::records::{Record, RecordFilter, RecordId, RecordPage};
 use crate::retry::{HttpResponse, OpKey, Retrier};
 use crate::types::{
     CreateWorker, FlashFirmware, Fleet, NodeId, Operation, OperationId, RebootResult, Worker, WorkerId, WorkerPage,
@@ -59,6 +60,8 @@ pub enum Mutation {
         /// The body.
         request: FlashFirmware,
     },
+    /// `DELETE /admin/v1/records/{id}`.
+    ForgetRecord(RecordId),
 }
 
 impl Mutation {
@@ -78,6 +81,7 @@ impl Mutation {
                 let body = serde_json::to_vec(request).unwrap_or_default();
                 (Method::POST, format!("/admin/v1/nodes/{node_id}/firmware"), Some(body))
             }
+            Mutation::ForgetRecord(id) => (Method::DELETE, format!("/admin/v1/records/{id}"), None),
         }
     }
 
@@ -353,6 +357,45 @@ impl Client {
             let wait = asked.map_or(self.poll_interval, |asked| asked.clamp(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL));
             tokio::time::sleep(wait).await;
         }
+    }
+
+    /// `GET /admin/v1/records`: one page of idempotency records; needs the admin token.
+    pub async fn list_records(&self, filter: &RecordFilter) -> Result<Response<RecordPage>, Error> {
+        let mut url = self.url("/admin/v1/records")?;
+        {
+            let mut query = url.query_pairs_mut();
+            let pairs = [
+                ("state", filter.state.clone()),
+                ("principal", filter.principal.clone()),
+                ("older_than", filter.older_than.clone()),
+                ("limit", filter.limit.map(|l| l.to_string())),
+                ("cursor", filter.cursor.clone()),
+            ];
+            for (name, value) in pairs {
+                if let Some(value) = value {
+                    query.append_pair(name, &value);
+                }
+            }
+        }
+        if url.query() == Some("") {
+            url.set_query(None);
+        }
+        self.get(url).await?.decoded()
+    }
+
+    /// `GET /admin/v1/records/{id}`, with the stored response body when `body`; needs the admin
+    /// token. An unknown record is [`Error::Refused`] (404).
+    pub async fn get_record(&self, id: &RecordId, body: bool) -> Result<Response<Record>, Error> {
+        let query = if body { "?body=true" } else { "" };
+        self.get(self.url(&format!("/admin/v1/records/{id}{query}"))?).await?.decoded()
+    }
+
+    /// `DELETE /admin/v1/records/{id}` with `key` on every attempt: forgets a completed or failed
+    /// record, so its key's next request runs as a new operation. One in flight is
+    /// [`Error::Refused`] (409, problem `record-in-flight`).
+    pub async fn forget_record(&self, id: &RecordId, key: &OpKey) -> Result<Response<()>, Error> {
+        let raw = self.mutate(&Mutation::ForgetRecord(id.clone()), key).await?;
+        Ok(Response { value: (), replayed: raw.replayed, attempts: raw.attempts, status: raw.status, body: raw.body })
     }
 
     /// Sends `mutation` with `key` on every attempt and returns the raw successful response.

@@ -6,11 +6,13 @@
 mod client;
 mod error;
 pub mod journal;
+mod records;
 pub mod retry;
 mod types;
 
 pub use client::{Client, ClientBuilder, DEFAULT_POLL_INTERVAL, Mutation, Response};
 pub use error::{Error, IN_PROGRESS, KEY_REUSED, OPERATION_CONFLICT, Problem, retry_after};
+pub use records::{InvalidRecordId, Record, RecordFilter, RecordId, RecordPage};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{
     CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, NodeId, Operation,

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// Whether `s` is 1 to 128 ASCII letters, digits, `-` or `_`: safe in a URL path as it is (no `/`,
 /// `.` or `%`), so a validated id can never address another route.
-fn is_path_safe_id(s: &str) -> bool {
+pub(crate) fn is_path_safe_id(s: &str) -> bool {
     !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
@@ -60,6 +60,8 @@ macro_rules! path_safe_id {
         }
     };
 }
+
+pub(crate) use path_safe_id;
 
 path_safe_id!(
     /// A worker id such as `wkr-7Q2K9`: 1 to 128 ASCII letters, digits, `-` or `_`.

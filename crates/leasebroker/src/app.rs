@@ -185,6 +185,7 @@ impl Application {
             metrics,
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
+            audit: crate::audit::Audit::new(db.clone()),
         };
         let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload

@@ -64,6 +64,7 @@ pub(crate) fn sqlite_migrator() -> Migrator {
         "0004_flash_operations.sql",
         "0005_free_node_index.sql",
         "0006_operation_marks.sql",
+        "0030_record_audit.sql",
     ))
 }
 
@@ -77,6 +78,7 @@ pub(crate) fn postgres_migrator() -> Migrator {
         "0004_flash_operations.sql",
         "0005_free_node_index.sql",
         "0006_operation_marks.sql",
+        "0030_record_audit.sql",
     ))
 }
 

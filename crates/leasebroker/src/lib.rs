@@ -20,6 +20,7 @@
 
 pub mod api;
 pub mod app;
+pub mod audit;
 pub mod config;
 pub mod db;
 pub mod domain;

@@ -19,11 +19,14 @@ use utoipa::{Modify, OpenApi};
         crate::api::flash_firmware,
         crate::api::get_operation,
         crate::api::fleet,
+        crate::api::list_records,
+        crate::api::get_record,
+        crate::api::forget_record,
         crate::api::healthz,
         crate::api::readyz,
         crate::api::metrics,
     ),
-    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, crate::service::FlashFirmware, crate::api::Operation, Problem)),
+    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, crate::service::FlashFirmware, crate::api::Operation, crate::api::AdminRecord, crate::api::RecordList, Problem)),
     modifiers(&Bearer, &CommonResponses),
 )]
 struct ApiDoc;

@@ -5,7 +5,7 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use idempotency_tower::{IdempotencyLayer, Problem};
 
@@ -13,6 +13,7 @@ use crate::api::{
     AppState, authenticate, authenticate_admin, create_worker, delete_worker, flash_firmware, fleet, get_operation,
     get_worker, healthz, list_workers, metrics, rate_limit, readyz, reboot_worker,
 };
+use crate::api::{forget_record, get_record, list_records};
 
 /// The OpenAPI document.
 pub async fn openapi() -> Response {
@@ -51,6 +52,8 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
         .route("/admin/v1/fleet", get(fleet))
         .route("/admin/v1/nodes/{node_id}/firmware", post(flash_firmware))
         .route("/admin/v1/operations/{op_id}", get(get_operation))
+        .route("/admin/v1/records", get(list_records))
+        .route("/admin/v1/records/{id}", get(get_record).merge(delete(forget_record)))
         .layer(idempotency)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
     Router::new()

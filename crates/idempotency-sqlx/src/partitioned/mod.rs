@@ -48,7 +48,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::NaiveDate;
-use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+use idempotency::{
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
+    StoredResponse, Timestamp,
+};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
@@ -81,7 +84,8 @@ pub const PARTITIONED_MIGRATIONS_TABLE: &str = "_idempotency_partitioned_migrati
 pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
     let mut m = crate::embedded_migrator(crate::embedded_migrations!(
         "migrations/postgres-partitioned",
-        "20261201000001_records_by_day.sql"
+        "20261201000001_records_by_day.sql",
+        "20261202000001_record_id_index.sql",
     ))
     .expect("the file names are checked by a test");
     m.dangerous_set_table_name(PARTITIONED_MIGRATIONS_TABLE);
@@ -232,7 +236,8 @@ const REMOVE: &str = "DELETE FROM idempotency_records_by_day \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
        AND state = 'in_flight'";
 
-fn decode(row: &PgRow) -> Result<Record, StoreError> {
+/// A record from a row of every column ([`record_columns!`]).
+pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
     let get = |e| db_error(e);
     RawRecord {
         principal: row.try_get(0).map_err(get)?,
@@ -389,8 +394,20 @@ impl Store for PartitionedPostgresStore {
         .await
         .map_err(db_error)?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.admin_list(query).await
+    }
+
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.admin_get_by_id(id).await
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        self.admin_forget(id).await
     }
 }
+
+crate::admin::admin_methods!(PartitionedPostgresStore, crate::admin::partitioned, decode, |t: Timestamp| t);
 
 impl PartitionedPostgresStore {
     /// `fail`, `heartbeat` and `remove`: fenced by the claim's generation; none moves a row.

@@ -230,6 +230,21 @@ mod outcomes {
         async fn ping(&self) -> Result<(), idempotency::StoreError> {
             Err(down())
         }
+        async fn list_records(
+            &self,
+            _: &idempotency::RecordQuery,
+        ) -> Result<idempotency::RecordPage, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn get_by_id(
+            &self,
+            _: &idempotency::RecordId,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn forget(&self, _: &idempotency::RecordId) -> Result<idempotency::Forget, idempotency::StoreError> {
+            Err(down())
+        }
     }
 
     /// A store with a bug: its claim panics.
@@ -281,6 +296,21 @@ mod outcomes {
         }
         async fn ping(&self) -> Result<(), idempotency::StoreError> {
             DownStore.ping().await
+        }
+        async fn list_records(
+            &self,
+            q: &idempotency::RecordQuery,
+        ) -> Result<idempotency::RecordPage, idempotency::StoreError> {
+            DownStore.list_records(q).await
+        }
+        async fn get_by_id(
+            &self,
+            id: &idempotency::RecordId,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            DownStore.get_by_id(id).await
+        }
+        async fn forget(&self, id: &idempotency::RecordId) -> Result<idempotency::Forget, idempotency::StoreError> {
+            DownStore.forget(id).await
         }
     }
 

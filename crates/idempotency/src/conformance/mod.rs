@@ -33,9 +33,11 @@ use crate::{
 pub use crate::faulty::{FaultyStore, InjectedFault, Op};
 pub use claims::*;
 pub use lifecycle::*;
+pub use operating::*;
 
 mod claims;
 mod lifecycle;
+mod operating;
 
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.
@@ -190,6 +192,11 @@ macro_rules! store_conformance_suite {
                 heartbeat_keeps_a_claim_live,
                 heartbeat_is_fenced,
                 remove_frees_the_key,
+                listing_pages_through_every_live_record,
+                listing_filters_by_state_principal_and_age,
+                records_are_found_by_id,
+                forget_spares_in_flight_and_frees_the_key,
+                foreign_cursor_is_refused,
                 $($expiry,)*
             );
         }

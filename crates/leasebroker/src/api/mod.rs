@@ -20,12 +20,14 @@ mod auth;
 pub mod dto;
 mod handlers;
 mod problems;
+mod records;
 
 pub use auth::ADMIN_PRINCIPAL;
 pub(crate) use auth::{authenticate, authenticate_admin, rate_limit};
 pub use dto::*;
 pub use handlers::*;
 pub use problems::{MAX_DETAIL, json_error_detail};
+pub use records::*;
 
 /// Shared state of the handlers.
 #[derive(Clone)]
@@ -47,6 +49,8 @@ pub struct AppState {
     pub hypervisor: HypervisorClient,
     /// The per-principal limit on mutating requests (`--rate-limit`), if any.
     pub rate_limiter: Option<Arc<PrincipalRateLimiter>>,
+    /// The audit trail of operators' actions on records.
+    pub audit: crate::audit::Audit,
 }
 
 /// A rate limiter with one budget per principal. Its memory is bounded by the configured

@@ -11,6 +11,7 @@ mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;
+mod records;
 mod service;
 mod support;
 mod tenants;

@@ -1,0 +1,155 @@
+//! Operating queries shared by the SQL stores: a page of records in record-id order (keyset
+//! paging on the `record_id` index: a page starts after the previous page's last id, never at an
+//! offset), one record by its id, and forgetting one that is not in flight.
+
+/// `SELECT` of a page, by id, and the forget `DELETE`, for one table and one placeholder style.
+/// Parameters of the page: after (record id or NULL), now, state, principal, started before,
+/// limit.
+macro_rules! admin_statements {
+    ($table:literal, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal) => {
+        pub(crate) const LIST: &str = concat!(
+            "SELECT ",
+            $crate::row::record_columns!(),
+            " FROM ",
+            $table,
+            " WHERE (",
+            $p1,
+            " IS NULL OR record_id > ",
+            $p1,
+            ") AND expires_at > ",
+            $p2,
+            " AND (",
+            $p3,
+            " IS NULL OR state = ",
+            $p3,
+            ") AND (",
+            $p4,
+            " IS NULL OR principal = ",
+            $p4,
+            ") AND (",
+            $p5,
+            " IS NULL OR started_at <= ",
+            $p5,
+            ") ORDER BY record_id LIMIT ",
+            $p6
+        );
+        pub(crate) const BY_ID: &str =
+            concat!("SELECT ", $crate::row::record_columns!(), " FROM ", $table, " WHERE record_id = ", $p1);
+        pub(crate) const FORGET: &str = concat!(
+            "DELETE FROM ",
+            $table,
+            " WHERE record_id = ",
+            $p1,
+            " AND state <> 'in_flight' RETURNING ",
+            $crate::row::record_columns!()
+        );
+    };
+}
+
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite {
+    admin_statements!("idempotency_records", "?1", "?2", "?3", "?4", "?5", "?6");
+}
+
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres {
+    admin_statements!(
+        "idempotency_records",
+        "$1::bytea",
+        "$2::timestamptz",
+        "$3::text",
+        "$4::text",
+        "$5::timestamptz",
+        "$6::bigint"
+    );
+}
+
+#[cfg(feature = "postgres")]
+pub(crate) mod partitioned {
+    admin_statements!(
+        "idempotency_records_by_day",
+        "$1::bytea",
+        "$2::timestamptz",
+        "$3::text",
+        "$4::text",
+        "$5::timestamptz",
+        "$6::bigint"
+    );
+}
+
+/// Runs the operating queries on one pool, decoding rows with `$decode`; implements
+/// `list_records`, `get_by_id` and `forget` as inherent helpers named `admin_*`.
+macro_rules! admin_methods {
+    ($store:ty, $statements:path, $decode:path, $ts:expr) => {
+        impl $store {
+            async fn admin_list(
+                &self,
+                query: &idempotency::RecordQuery,
+            ) -> Result<idempotency::RecordPage, idempotency::StoreError> {
+                use $statements as sql;
+                let after = query.cursor_record_id()?;
+                let size = query.page_size();
+                let ts = $ts;
+                let rows = sqlx::query(sql::LIST)
+                    .bind(after.as_ref().map(|a| a.as_bytes().as_slice()))
+                    .bind(ts(query.now))
+                    .bind(query.state.map(|s| s.as_str()))
+                    .bind(query.principal.as_ref().map(|p| p.as_str()))
+                    .bind(query.started_before.map(&ts))
+                    .bind(size as i64 + 1)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err($crate::row::db_error)?;
+                let records = rows.iter().map($decode).collect::<Result<Vec<_>, _>>()?;
+                Ok(idempotency::RecordPage::from_sorted(records, size))
+            }
+
+            async fn admin_get_by_id(
+                &self,
+                id: &idempotency::RecordId,
+            ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+                use $statements as sql;
+                let row = sqlx::query(sql::BY_ID)
+                    .bind(id.as_bytes().as_slice())
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err($crate::row::db_error)?;
+                row.as_ref().map($decode).transpose()
+            }
+
+            /// The `DELETE` is the atomic step: it deletes only a record that is not in flight.
+            /// When it deleted nothing, a read tells an in-flight record from an absent one; a
+            /// record that completed or failed between the two is deleted on the next round.
+            async fn admin_forget(
+                &self,
+                id: &idempotency::RecordId,
+            ) -> Result<idempotency::Forget, idempotency::StoreError> {
+                use $statements as sql;
+                for _ in 0..3 {
+                    let row = sqlx::query(sql::FORGET)
+                        .bind(id.as_bytes().as_slice())
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err($crate::row::db_error)?;
+                    if let Some(row) = row {
+                        return Ok(idempotency::Forget::Forgotten($decode(&row)?));
+                    }
+                    match self.admin_get_by_id(id).await? {
+                        None => return Ok(idempotency::Forget::Absent),
+                        Some(r) if r.state == idempotency::RecordState::InFlight => {
+                            return Ok(idempotency::Forget::InFlight(r));
+                        }
+                        Some(_) => continue,
+                    }
+                }
+                Err(idempotency::StoreError::unavailable($crate::admin::ForgetDidNotSettle))
+            }
+        }
+    };
+}
+pub(crate) use admin_methods;
+
+/// A record that kept changing state between the forget's `DELETE` and the read after it.
+#[derive(Debug, thiserror::Error)]
+#[error("the record kept changing state while it was being forgotten")]
+pub(crate) struct ForgetDidNotSettle;

@@ -1,0 +1,313 @@
+//! The admin records API (SPEC 7): list, read and forget idempotency records.
+
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use idempotency::{ErrorChain, Forget, Principal, Record, RecordId, RecordQuery, RecordState, StoreError};
+use idempotency_tower::{IdempotencyContext, Problem};
+use serde::{Deserialize, Serialize};
+
+use super::problems::context;
+use super::*;
+use crate::audit::AuditEntry;
+
+/// A record as the admin API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct AdminRecord {
+    /// The record id: 32 hex digits.
+    pub id: String,
+    /// Whose request it was.
+    pub principal: String,
+    /// Method and path, e.g. `POST /v1/workers`.
+    pub endpoint: String,
+    /// The request's `Idempotency-Key`.
+    pub key: String,
+    /// `in_flight`, `completed` or `failed`.
+    pub state: String,
+    /// `sha256:<hex>` of the request.
+    pub fingerprint: String,
+    /// The stored response's status, when completed.
+    pub response_status: Option<u16>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339: when the current attempt started (renewed while it runs).
+    pub started_at: String,
+    /// RFC 3339: when the key is free again.
+    pub expires_at: String,
+    /// The stored response body (only with `?body=true`, and only when completed): the text when
+    /// it is UTF-8, else its bytes in hex (see `response_body_encoding`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub response_body: Option<String>,
+    /// `utf-8` or `hex`: how `response_body` holds the body (only beside it).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub response_body_encoding: Option<String>,
+}
+
+fn rfc3339(t: idempotency::Timestamp) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+impl AdminRecord {
+    /// The record, with its response body when `body`.
+    pub fn from_record(r: &Record, body: bool) -> Self {
+        let (response_body, response_body_encoding) = match (&r.response, body) {
+            (Some(resp), true) => match resp.body.decode() {
+                Ok(bytes) => match std::str::from_utf8(&bytes) {
+                    Ok(text) => (Some(text.to_owned()), Some("utf-8".to_owned())),
+                    Err(_) => (Some(hex::encode(&bytes)), Some("hex".to_owned())),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, record_id = %r.record_id.to_hex(), "a stored body does not decode");
+                    (None, None)
+                }
+            },
+            _ => (None, None),
+        };
+        Self {
+            id: r.record_id.to_hex(),
+            principal: r.scope.principal.as_str().to_owned(),
+            endpoint: r.scope.endpoint.as_str().to_owned(),
+            key: r.scope.key.as_str().to_owned(),
+            state: r.state.as_str().to_owned(),
+            fingerprint: r.fingerprint.as_str().to_owned(),
+            response_status: r.response.as_ref().map(|resp| resp.status),
+            created_at: rfc3339(r.created_at),
+            started_at: rfc3339(r.started_at),
+            expires_at: rfc3339(r.expires_at),
+            response_body,
+            response_body_encoding,
+        }
+    }
+}
+
+/// `GET /admin/v1/records` response.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RecordList {
+    /// This page.
+    pub records: Vec<AdminRecord>,
+    /// Pass as `cursor` for the next page; null on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /admin/v1/records` query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct RecordsQuery {
+    /// `in_flight`, `failed` or `completed`.
+    pub state: Option<String>,
+    /// Only this principal's records.
+    pub principal: Option<String>,
+    /// Only records whose current attempt started at least this long ago (`90s`, `10m`, `2h`,
+    /// `7d`): with `state=in_flight`, the attempts that are stuck.
+    pub older_than: Option<String>,
+    /// Page size, 1-500 (default 100).
+    pub limit: Option<u32>,
+    /// The previous page's `next_cursor`.
+    pub cursor: Option<String>,
+}
+
+/// `GET /admin/v1/records/{id}` query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct RecordQueryParams {
+    /// `true`: include the stored response body.
+    pub body: Option<String>,
+}
+
+fn invalid_query(detail: &str) -> Response {
+    Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", detail.to_owned()).into_response()
+}
+
+fn no_such_record() -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "No such record", "no such record").into_response()
+}
+
+fn store_error(e: StoreError) -> Response {
+    if matches!(e, StoreError::InvalidCursor) {
+        return invalid_query("cursor is not a cursor this service gave out");
+    }
+    tracing::warn!(error = %ErrorChain(&e), "idempotency store unavailable (admin records)");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "Idempotency store unavailable",
+        "the record store did not answer; retry",
+    )
+    .with_retry_after(1)
+    .into_response()
+}
+
+/// The record id in a path: 32 lowercase hex digits, else none (a 404 like an unknown id).
+fn record_id(id: &str) -> Option<RecordId> {
+    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+        .then(|| RecordId::from_hex(id))
+        .flatten()
+}
+
+/// Turns the query into a store query at `now`, or the detail of the 400 to answer.
+fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
+    let state = match q.state.as_deref() {
+        None => None,
+        Some(s) => {
+            Some(RecordState::from_stored(s).ok_or_else(|| "state must be in_flight, failed or completed".to_owned())?)
+        }
+    };
+    let principal = match q.principal {
+        Some(p) if p.is_empty() || p.len() > 256 => return Err("principal must be 1 to 256 bytes".to_owned()),
+        p => p.map(Principal::new),
+    };
+    let started_before = match q.older_than.as_deref() {
+        None => None,
+        Some(d) => {
+            let d: Duration = humantime::parse_duration(d)
+                .map_err(|_| "older_than must be a duration such as 90s, 10m, 2h or 7d".to_owned())?;
+            let d = chrono::Duration::from_std(d).map_err(|_| "older_than is too long".to_owned())?;
+            Some(now.checked_sub_signed(d).ok_or_else(|| "older_than is too long".to_owned())?)
+        }
+    };
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(format!("limit must be 1 to {MAX_PAGE}"));
+    }
+    if q.cursor.as_ref().is_some_and(|c| c.is_empty() || c.len() > 512) {
+        return Err("cursor is not a cursor this service gave out".to_owned());
+    }
+    Ok(RecordQuery { state, principal, started_before, now, limit, cursor: q.cursor })
+}
+
+/// Lists idempotency records, a page at a time.
+#[utoipa::path(get, path = "/admin/v1/records", tag = "admin", params(RecordsQuery),
+    responses((status = 200, body = RecordList), (status = 400, description = "A bad filter, limit or cursor"),
+              (status = 401, description = "Unauthorized (tenants too)"),
+              (status = 503, description = "The record store is unavailable")),
+    security(("bearer" = [])))]
+pub async fn list_records(
+    State(state): State<AppState>,
+    query: Result<Query<RecordsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else { return invalid_query("limit must be a number") };
+    let query = match record_query(q, idempotency::now()) {
+        Ok(q) => q,
+        Err(detail) => return invalid_query(&detail),
+    };
+    match state.store.list_records(&query).await {
+        Ok(page) => Json(RecordList {
+            records: page.records.iter().map(|r| AdminRecord::from_record(r, false)).collect(),
+            next_cursor: page.next_cursor,
+        })
+        .into_response(),
+        Err(e) => store_error(e),
+    }
+}
+
+/// Reads one idempotency record; its stored response body with `?body=true`.
+#[utoipa::path(get, path = "/admin/v1/records/{id}", tag = "admin",
+    params(("id" = String, Path, description = "Record id (32 hex digits)"), RecordQueryParams),
+    responses((status = 200, body = AdminRecord), (status = 400, description = "body is not true or false"),
+              (status = 401, description = "Unauthorized (tenants too)"), (status = 404, description = "No such record"),
+              (status = 503, description = "The record store is unavailable")),
+    security(("bearer" = [])))]
+pub async fn get_record(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<RecordQueryParams>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = query else { return invalid_query("body must be true or false") };
+    let body = match q.body.as_deref() {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => return invalid_query("body must be true or false"),
+    };
+    let Some(id) = record_id(&id) else { return no_such_record() };
+    match state.store.get_by_id(&id).await {
+        Ok(Some(r)) if !r.is_expired(idempotency::now()) => Json(AdminRecord::from_record(&r, body)).into_response(),
+        Ok(_) => no_such_record(),
+        Err(e) => store_error(e),
+    }
+}
+
+/// Forgets a completed or failed record: its key's next request runs as a new operation.
+#[utoipa::path(delete, path = "/admin/v1/records/{id}", tag = "admin",
+    params(("id" = String, Path, description = "Record id (32 hex digits)"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
+    responses((status = 204, description = "Forgotten (replayed on every retry); an audit line and row were written"),
+              (status = 401, description = "Unauthorized (tenants too)"), (status = 404, description = "No such record"),
+              (status = 409, description = "The record is in flight (record-in-flight), or the key was reused or is in progress",
+               content_type = "application/problem+json"),
+              (status = 503, description = "The record store is unavailable")),
+    security(("bearer" = [])))]
+pub async fn forget_record(
+    State(state): State<AppState>,
+    Extension(actor): Extension<Principal>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = match context(ctx) {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    let Some(id) = record_id(&id) else { return no_such_record() };
+    match state.store.forget(&id).await {
+        Ok(Forget::Forgotten(record)) => {
+            let entry = AuditEntry::forget(actor.as_str(), Some(ctx.key().as_str()), &record);
+            if let Err(e) = state.audit.record(&entry).await {
+                // The record is gone and the log has the audit line; a retry would find nothing
+                // to forget, so the answer stays 204.
+                tracing::error!(error = %ErrorChain(&e), record_id = %entry.record_id, "cannot write the audit row");
+            }
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Ok(Forget::InFlight(_)) => Problem::new(
+            StatusCode::CONFLICT,
+            "record-in-flight",
+            "Record in flight",
+            "the record's request is still running; wait for it to complete or fail (or for --in-flight-ttl)",
+        )
+        .into_response(),
+        Ok(Forget::Absent) => no_such_record(),
+        Err(e) => store_error(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(state: Option<&str>, older_than: Option<&str>, limit: Option<u32>) -> RecordsQuery {
+        RecordsQuery {
+            state: state.map(str::to_owned),
+            principal: None,
+            older_than: older_than.map(str::to_owned),
+            limit,
+            cursor: None,
+        }
+    }
+
+    #[test]
+    fn queries_are_checked_and_translated() {
+        let now = idempotency::now();
+        let ok = record_query(q(Some("in_flight"), Some("10m"), Some(5)), now).expect("valid");
+        assert_eq!(ok.state, Some(RecordState::InFlight));
+        assert_eq!(ok.started_before, Some(now - chrono::Duration::minutes(10)));
+        assert_eq!(ok.limit, 5);
+        for bad in [
+            q(Some("running"), None, None),
+            q(None, Some("ten minutes"), None),
+            q(None, Some("1000000000y"), None),
+            q(None, None, Some(0)),
+            q(None, None, Some(MAX_PAGE + 1)),
+        ] {
+            assert!(record_query(bad, now).is_err());
+        }
+    }
+
+    #[test]
+    fn record_ids_are_32_lowercase_hex_digits() {
+        let id = RecordId::random();
+        assert_eq!(record_id(&id.to_hex()), Some(id));
+        for bad in ["", "abc", &id.to_hex().to_uppercase(), &format!("{}0", id.to_hex()), "zz".repeat(16).as_str()] {
+            assert_eq!(record_id(bad), None, "{bad}");
+        }
+    }
+}
