@@ -121,6 +121,31 @@ pub struct Scenario {
     /// the database.
     #[arg(long)]
     pub redis_cluster: bool,
+    /// Run the database as a highly available PostgreSQL of faultline's own: three members under
+    /// Patroni (leader lock in etcd), HAProxy in front sending connections to the primary (Debian
+    /// packages patroni, etcd-server, haproxy; on free loopback ports, removed after). Never the
+    /// --postgres server.
+    #[arg(long, conflicts_with = "postgres_restarts")]
+    pub postgres_ha: bool,
+    /// With --postgres-ha: `sync` (Patroni's synchronous mode: a commit waits for a standby,
+    /// nothing acknowledged is lost in a failover) or `async` (a failover may lose the last
+    /// commits).
+    #[arg(long, value_enum, default_value = "sync")]
+    pub postgres_replication: PgReplication,
+    /// With --postgres-ha: fail the primary over this many times during the run (spread over it):
+    /// odd ones kill it (Patroni and PostgreSQL, SIGKILL; it rejoins as a replica once another
+    /// is promoted), even ones are switchovers.
+    #[arg(long, default_value_t = 0, requires = "postgres_ha")]
+    pub postgres_failovers: u32,
+    /// With --redis-cluster: kill a Redis primary this many times during the run (spread over
+    /// it); its replica is promoted and the killed node restarted as a replica, as an operator
+    /// would. The cluster then has a replica per primary.
+    #[arg(long, default_value_t = 0, requires = "redis_cluster")]
+    pub redis_failovers: u32,
+    /// With --redis-cluster: passed to the servers as --record-store-replicas (each transition
+    /// waits for this many replicas; the cluster has one per primary when this is set).
+    #[arg(long, default_value_t = 0, requires = "redis_cluster", value_parser = clap::value_parser!(u32).range(0..=1))]
+    pub record_store_replicas: u32,
     /// How long the database stays down at each restart.
     #[arg(long, default_value = "2s", value_parser = parse::duration)]
     pub postgres_down: Duration,
@@ -171,6 +196,33 @@ pub struct Scenario {
     pub no_progress: bool,
 }
 
+/// `--postgres-replication`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PgReplication {
+    /// Synchronous (Patroni's `synchronous_mode`).
+    Sync,
+    /// Asynchronous streaming.
+    Async,
+}
+
+impl PgReplication {
+    /// As the HA cluster helper names it.
+    pub fn of_cluster(self) -> idempotency_sqlx::testing::ha::Replication {
+        match self {
+            Self::Sync => idempotency_sqlx::testing::ha::Replication::Synchronous,
+            Self::Async => idempotency_sqlx::testing::ha::Replication::Asynchronous,
+        }
+    }
+
+    /// `sync` or `async`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::Async => "async",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,5 +268,25 @@ mod tests {
         let s = r.scenario;
         assert_eq!((s.hv_slow, s.hv_refuse, s.abandon, s.postgres_restarts), (0.0, 0.0, 0.0, 0));
         assert!(Cli::try_parse_from(["faultline", "run", "--abandon", "1.1"]).is_err());
+    }
+
+    #[test]
+    fn parses_the_failover_modes() {
+        let run = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["faultline", "run"].iter().chain(args)).map_err(|e| e.to_string())?;
+            let Command::Run(r) = cli.command else { panic!("run") };
+            Ok::<_, String>(r.scenario)
+        };
+        let s = run(&["--postgres-ha", "--postgres-failovers", "2", "--postgres-replication", "async"]).unwrap();
+        assert_eq!((s.postgres_ha, s.postgres_failovers, s.postgres_replication), (true, 2, PgReplication::Async));
+        let s = run(&["--redis-cluster", "--redis-failovers", "3", "--record-store-replicas", "1"]).unwrap();
+        assert_eq!((s.redis_failovers, s.record_store_replicas), (3, 1));
+        let s = run(&[]).unwrap();
+        assert_eq!((s.postgres_ha, s.postgres_replication, s.redis_failovers), (false, PgReplication::Sync, 0));
+        // Each needs the cluster it fails over.
+        assert!(run(&["--postgres-failovers", "1"]).is_err());
+        assert!(run(&["--redis-failovers", "1"]).is_err());
+        assert!(run(&["--record-store-replicas", "1"]).is_err());
+        assert!(run(&["--postgres-ha", "--postgres-restarts", "1"]).is_err());
     }
 }

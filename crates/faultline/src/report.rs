@@ -57,6 +57,14 @@ pub struct Setup {
     pub abandon_after_ms: Option<u64>,
     /// Database restarts asked for.
     pub postgres_restarts: u32,
+    /// On an HA PostgreSQL (`--postgres-ha`): its replication, `sync` or `async`.
+    pub postgres_ha: Option<&'static str>,
+    /// PostgreSQL failovers asked for.
+    pub postgres_failovers: u32,
+    /// Redis primary failovers asked for.
+    pub redis_failovers: u32,
+    /// The servers' `--record-store-replicas`.
+    pub record_store_replicas: u32,
     /// `--pool-nodes`.
     pub pool_nodes: u32,
 }
@@ -127,6 +135,9 @@ pub struct RunReport {
     pub server_kills: u32,
     /// Times the database was stopped and started again.
     pub postgres_restarts: u32,
+    /// Failovers made (PostgreSQL primary killed or switched over; Redis primary killed and its
+    /// replica promoted).
+    pub failovers: u32,
     /// How the operations ended.
     pub outcomes: Outcomes,
     /// What was duplicated or lost.
@@ -163,8 +174,19 @@ pub fn table(runs: &[RunReport]) -> String {
     let header: Vec<String> =
         runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
     let rows: Vec<Row> = vec![
-        ("database / replicas", Box::new(|r| format!("{} x{}", r.setup.database, r.setup.replicas))),
+        (
+            "database / replicas",
+            Box::new(|r| match r.setup.postgres_ha {
+                Some(repl) => format!("postgres HA x3 ({repl} replication) / {}", r.setup.replicas),
+                None => format!("{} x{}", r.setup.database, r.setup.replicas),
+            }),
+        ),
         ("idempotency records", Box::new(|r| r.setup.record_store.to_owned())),
+        ("  --record-store-replicas (WAIT)", Box::new(|r| r.setup.record_store_replicas.to_string())),
+        (
+            "failovers made (postgres / redis asked)",
+            Box::new(|r| format!("{} ({}/{})", r.failovers, r.setup.postgres_failovers, r.setup.redis_failovers)),
+        ),
         ("operations", Box::new(|r| r.setup.ops.to_string())),
         ("  via lbctl processes", Box::new(|r| r.outcomes.via_lbctl.to_string())),
         ("attempts (HTTP requests)", Box::new(|r| r.attempts.to_string())),

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, RedisError, Value};
 
 use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions, UnverifiedPolicy};
@@ -38,7 +38,7 @@ impl Conn {
             let nodes = cluster_nodes(rest)?;
             let client = ClusterClient::builder(nodes)
                 .connection_timeout(options.connect_timeout)
-                .response_timeout(options.response_timeout)
+                .response_timeout(options.effective_response_timeout())
                 .retries(options.cluster_retries)
                 .min_retry_wait(10)
                 .max_retry_wait(500)
@@ -49,7 +49,7 @@ impl Conn {
             let client = redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(options.connect_timeout))
-                .set_response_timeout(Some(options.response_timeout))
+                .set_response_timeout(Some(options.effective_response_timeout()))
                 .set_number_of_retries(2);
             let mut all = Vec::with_capacity(options.connections);
             for _ in 0..options.connections.max(1) {
@@ -58,6 +58,16 @@ impl Conn {
             }
             Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0) }))
         })
+    }
+
+    /// One connection to the primary of `key`, for a transition and the `WAIT` after it: `WAIT`
+    /// counts the replicas that have the last write made on its own connection, so both must go
+    /// over the same one.
+    pub(crate) fn pin(&self, key: &str) -> Pinned {
+        match self {
+            Conn::Server(c) => Pinned::Server(c.pick()),
+            Conn::Cluster(c) => Pinned::Cluster(c.clone(), Route::with_key(key.as_bytes(), SlotAddr::Master)),
+        }
     }
 
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
@@ -129,6 +139,26 @@ impl Conn {
                 c.clone().route_command(cmd.clone(), by_address).await
             }
             _ => self.query(cmd).await,
+        }
+    }
+}
+
+/// One connection to one key's primary (see [`Conn::pin`]).
+pub(crate) enum Pinned {
+    Server(ConnectionManager),
+    Cluster(ClusterConnection, Route),
+}
+
+impl Pinned {
+    /// Sends `cmd` to the key's primary.
+    pub(crate) async fn query(&mut self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Pinned::Server(c) => cmd.query_async(c).await,
+            Pinned::Cluster(c, route) => {
+                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*route));
+                // A routed command's error reply comes back as a value.
+                c.route_command(cmd.clone(), to).await.and_then(Value::extract_error)
+            }
         }
     }
 }
@@ -207,6 +237,37 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// Whether every primary has `WAITAOF` (Redis 7.2 or later) and runs with `appendonly yes`,
+    /// read from `INFO`: then a write can wait for the append-only files too. Where `INFO` does
+    /// not say, `WAIT` it is.
+    pub(crate) async fn every_primary_has_waitaof(&self) -> Result<bool, RedisError> {
+        let replies = self.on_every_primary(redis::cmd("INFO").arg("server").arg("persistence")).await?;
+        Ok(!replies.is_empty()
+            && replies.into_iter().all(|(_, reply)| reply.ok().and_then(info_text).is_some_and(|t| has_waitaof(&t))))
+    }
+}
+
+fn info_text(v: Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(&b).into_owned()),
+        Value::VerbatimString { text, .. } => Some(text),
+        _ => None,
+    }
+}
+
+/// From an `INFO server persistence` text: version 7.2 or later and `aof_enabled:1`.
+fn has_waitaof(info: &str) -> bool {
+    let field = |name: &str| info.lines().find_map(|l| l.trim().strip_prefix(name).map(str::trim));
+    let version: Vec<u32> = field("redis_version:").unwrap_or("").split('.').map(|p| p.parse().unwrap_or(0)).collect();
+    let at_least_7_2 = match version.as_slice() {
+        [major, minor, ..] => (*major, *minor) >= (7, 2),
+        [major] => *major > 7,
+        [] => false,
+    };
+    at_least_7_2 && field("aof_enabled:") == Some("1")
+}
+
 /// The nodes of a `redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]...` URL as
 /// `redis://` URLs, each with the credentials.
 fn cluster_nodes(rest: &str) -> Result<Vec<String>, ConnectError> {
@@ -236,11 +297,7 @@ fn config_policy(v: Value) -> Option<String> {
 }
 
 fn info_policy(v: Value) -> Option<String> {
-    let text = match v {
-        Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        Value::VerbatimString { text, .. } => text,
-        _ => return None,
-    };
+    let text = info_text(v)?;
     text.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:").map(|p| p.trim().to_owned()))
 }
 
@@ -281,6 +338,15 @@ mod tests {
         );
         assert_eq!(cluster_nodes("u:p@a@h1:1, h2:2").unwrap(), ["redis://u:p@a@h1:1", "redis://u:p@a@h2:2"]);
         assert!(matches!(cluster_nodes(" , "), Err(ConnectError::InvalidUrl(_))));
+    }
+
+    #[test]
+    fn waitaof_needs_redis_7_2_and_an_append_only_file() {
+        assert!(has_waitaof("# Server\r\nredis_version:7.2.4\r\n# Persistence\r\naof_enabled:1\r\n"));
+        assert!(has_waitaof("redis_version:8.0.0\naof_enabled:1"));
+        assert!(!has_waitaof("redis_version:7.2.4\naof_enabled:0"));
+        assert!(!has_waitaof("redis_version:7.0.15\naof_enabled:1"));
+        assert!(!has_waitaof("aof_enabled:1"));
     }
 
     #[test]

@@ -99,12 +99,39 @@
 //! | one owner per key, fencing | the primary alive, or the record's write persisted before the primary restarts or is replaced | a claim, re-claim or completion written since the last persisted point: a retry finds no record (or an older generation) and runs the request again, with new sub-keys |
 //! | replay for the retention window | `appendonly yes` | without an append-only file a restart loads the last RDB snapshot (minutes old, or nothing with `save ""`): every record since is gone |
 //! | ... across a power loss or kernel crash | `appendfsync always` | with `everysec` (the default) up to about a second of acknowledged writes; with `no`, whatever the OS had not flushed (up to about 30 s). A crash of the Redis process alone loses nothing acknowledged with `everysec` |
-//! | ... across a failover to a replica | replicas, and `WAIT 1 <ms>` (or `WAITAOF` on Redis 7.2+) after each write | replication is asynchronous: the writes the promoted replica had not received. `WAIT` narrows that window but does not close it (Redis is not strongly consistent); `min-replicas-to-write` stops a primary cut off from its replicas from accepting writes that a failover would discard |
+//! | ... across a failover to a replica | a replica per primary, and [`RedisStoreOptions::replicas`]`(1)` (`WAIT 1 T` after each write; `WAITAOF 1 1 T` on Redis 7.2+ with `appendonly yes`) | replication is asynchronous: without the wait, the writes the promoted replica had not received, each acknowledged to the service. The test `failover::a_failover_keeps_what_the_replicas_acknowledged` makes a replica lag (paused, its stream backed up) and kills its primary: every record written while it lagged without the wait is gone after the promotion, and with the wait none was acknowledged (each failed as unavailable) while every acknowledged one survives |
 //!
-//! This store does not send `WAIT` itself. For the guarantees of the PostgreSQL store (a
-//! committed record survives any single crash), run Redis with `appendonly yes` and
-//! `appendfsync always`, and on a cluster or with Sentinel accept that a failover may lose the
-//! last writes, or do not fail over automatically.
+//! For the guarantees of the PostgreSQL store (a committed record survives any single crash),
+//! run Redis with `appendonly yes` and `appendfsync always`; for a record to survive a failover,
+//! give each primary a replica and wait for it (below).
+//!
+//! # Replica acknowledgement
+//!
+//! With [`RedisStoreOptions::replicas`]`(N)` (leasebroker: `--record-store-replicas N`, with
+//! `--record-store-replica-timeout T`) every transition that writes is followed, on the same
+//! connection to the record's primary, by `WAIT N T` (by `WAITAOF 1 N T` when every primary runs
+//! Redis 7.2 or later with `appendonly yes`, read from `INFO` at connect). When fewer than `N`
+//! replicas acknowledge within `T`, the transition fails as
+//! [`StoreError::Unavailable`](idempotency::StoreError::Unavailable) caused by
+//! [`idempotency::NotAcknowledged`] (the service answers `503 store-unavailable` with
+//! `Retry-After`), and:
+//!
+//! - a new **claim** is removed again (fenced on its record id): no handler runs for it, and a
+//!   retry finds the key free rather than in flight;
+//! - a **reclaim** is marked failed under its new generation, so the next retry reclaims it at once;
+//! - a **completion** stays written on the primary (a script cannot be taken back once its reply
+//!   is read), but the response is not answered as final: `idempotency-tower` answers `503` and
+//!   does not retry the write; the retry replays the stored response, or, if a failover lost it,
+//!   finds the claim and resumes after it goes stale;
+//! - `fail`, `heartbeat` and `remove` fail as unavailable, as any store error.
+//!
+//! What it does not do: `WAIT` makes a write durable on `N` replicas, not consensus. A failover
+//! that promotes a replica which did not acknowledge (Redis picks the replica with the most data,
+//! so with one replica per primary this is the acknowledging one) can still lose it, and a
+//! replay of a record another process wrote is answered without waiting again. A replica that
+//! reconnects between the write and the `WAIT` (the connection dropped and the manager made a
+//! new one) is counted against the new connection's offset; the window is one round trip. With
+//! 0 (the default) the store sends no `WAIT`, as before.
 //!
 //! # A Redis Cluster
 //!
@@ -137,6 +164,7 @@ mod store;
 pub mod testing;
 
 pub use options::{
-    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, RedisStoreOptions, UnverifiedPolicy,
+    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, DEFAULT_REPLICA_TIMEOUT, RedisStoreOptions,
+    UnverifiedPolicy,
 };
 pub use store::RedisStore;

@@ -11,6 +11,10 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// The URL scheme for a Redis Cluster: `redis+cluster://HOST:PORT[,HOST:PORT]...`.
 pub const CLUSTER_SCHEME: &str = "redis+cluster://";
 
+/// How long a transition waits for its replicas unless [`RedisStoreOptions::replica_timeout`]
+/// says otherwise.
+pub const DEFAULT_REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The multiplexed connections to a single server unless [`RedisStoreOptions::connections`]
 /// says otherwise. With one, a replay's reply (the whole record) is parsed in the connection's
 /// one task, which capped replays at about half of what `redis-benchmark` gets from the same
@@ -40,6 +44,8 @@ pub struct RedisStoreOptions {
     pub(crate) cluster_retries: u32,
     pub(crate) connections: usize,
     pub(crate) unverified_policy: UnverifiedPolicy,
+    pub(crate) replicas: u32,
+    pub(crate) replica_timeout: Duration,
 }
 
 impl Default for RedisStoreOptions {
@@ -51,6 +57,8 @@ impl Default for RedisStoreOptions {
             cluster_retries: 3,
             connections: DEFAULT_CONNECTIONS,
             unverified_policy: UnverifiedPolicy::Refuse,
+            replicas: 0,
+            replica_timeout: DEFAULT_REPLICA_TIMEOUT,
         }
     }
 }
@@ -96,6 +104,35 @@ impl RedisStoreOptions {
     pub fn on_unverified_policy(mut self, what: UnverifiedPolicy) -> Self {
         self.unverified_policy = what;
         self
+    }
+
+    /// After each transition that writes, wait until this many replicas of the record's primary
+    /// have it (`WAIT N T`, or `WAITAOF 1 N T` on Redis 7.2 and later when the primary runs
+    /// with `appendonly yes`), for at most [`RedisStoreOptions::replica_timeout`]. Default 0: no
+    /// wait, as Redis does by itself. A write that fewer replicas acknowledge in time fails as
+    /// [`StoreError::Unavailable`] caused by [`idempotency::NotAcknowledged`]; see the crate
+    /// docs (Replica acknowledgement) for what each transition then does.
+    pub fn replicas(mut self, replicas: u32) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// How long a transition waits for [`RedisStoreOptions::replicas`] replicas (default
+    /// [`DEFAULT_REPLICA_TIMEOUT`], at least 1 ms: `WAIT` with 0 would wait forever). The reply
+    /// timeout is raised to at least this plus a second, so the wait is never cut short by it.
+    pub fn replica_timeout(mut self, timeout: Duration) -> Self {
+        self.replica_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a reply may take: [`RedisStoreOptions::response_timeout`], raised to the replica
+    /// timeout plus a second when the store waits for replicas.
+    pub(crate) fn effective_response_timeout(&self) -> Duration {
+        if self.replicas == 0 {
+            self.response_timeout
+        } else {
+            self.response_timeout.max(self.replica_timeout + Duration::from_secs(1))
+        }
     }
 
     /// The key prefix.
@@ -161,5 +198,15 @@ mod tests {
         assert_eq!(RedisStoreOptions::default().connections, DEFAULT_CONNECTIONS);
         assert_eq!(RedisStoreOptions::default().connections(0).connections, 1);
         assert_eq!(RedisStoreOptions::default().connections(4).connections, 4);
+    }
+
+    #[test]
+    fn the_reply_timeout_outlasts_the_replica_wait() {
+        let o = RedisStoreOptions::default();
+        assert_eq!((o.replicas, o.replica_timeout), (0, DEFAULT_REPLICA_TIMEOUT));
+        assert_eq!(o.effective_response_timeout(), Duration::from_secs(5));
+        let o = o.replicas(1).replica_timeout(Duration::from_secs(9));
+        assert_eq!(o.effective_response_timeout(), Duration::from_secs(10));
+        assert_eq!(o.replica_timeout(Duration::ZERO).replica_timeout, Duration::from_millis(1));
     }
 }

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, NotAcknowledged, Record, RecordId, RecordPage, RecordQuery, Scope,
+    Store, StoreError, StoredResponse, Timestamp,
 };
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields, record_key};
-use crate::conn::Conn;
+use crate::conn::{Conn, Pinned};
 use crate::options::{ConnectError, RedisStoreOptions};
 use crate::scripts::{Lua, Scripts};
 
@@ -24,6 +24,7 @@ pub struct RedisStore {
     pub(crate) conn: Conn,
     prefix: Arc<str>,
     pub(crate) scripts: Arc<Scripts>,
+    ack: Option<Ack>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -32,7 +33,7 @@ impl std::fmt::Debug for RedisStore {
             Conn::Server(_) => "server",
             Conn::Cluster(_) => "cluster",
         };
-        f.debug_struct("RedisStore").field("kind", &kind).field("prefix", &self.prefix).finish()
+        f.debug_struct("RedisStore").field("kind", &kind).field("prefix", &self.prefix).field("ack", &self.ack).finish()
     }
 }
 
@@ -57,7 +58,25 @@ impl RedisStore {
         }
         let conn = Conn::open(url, &options).await?;
         conn.check_eviction_policy(options.unverified_policy).await?;
-        Ok(Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()) })
+        let ack = match options.replicas {
+            0 => None,
+            replicas => {
+                let aof = conn.every_primary_has_waitaof().await.map_err(ConnectError::Unreachable)?;
+                Some(Ack { replicas, timeout: options.replica_timeout, aof })
+            }
+        };
+        if let Some(ack) = &ack {
+            tracing::info!(command = ack.command_name(), replicas = ack.replicas, timeout = ?ack.timeout,
+                "each transition waits for its replicas");
+        }
+        Ok(Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()), ack })
+    }
+
+    /// The replica acknowledgement each write waits for: `None` without
+    /// [`RedisStoreOptions::replicas`]; otherwise the number of replicas, and whether it is
+    /// `WAITAOF` (true) or `WAIT`.
+    pub fn replica_ack(&self) -> Option<(u32, bool)> {
+        self.ack.as_ref().map(|a| (a.replicas, a.aof))
     }
 
     /// The key prefix.
@@ -70,12 +89,21 @@ impl RedisStore {
         record_key(&self.prefix, scope)
     }
 
+    /// [`Self::eval_on`] on a connection of its own, for a call that waits for no replica
+    /// (the admin routes).
+    pub(crate) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+        let mut conn = self.conn.pin(key);
+        self.eval_on(&mut conn, lua, key, args).await
+    }
+
     /// Runs one script on one key: `EVALSHA` by digest, and when the server answers `NOSCRIPT`
     /// (it restarted, failed over, or ran `SCRIPT FLUSH`) `EVAL` with the source, which also
     /// caches it again. Not `redis::Script::invoke_async`'s fallback: that sends `SCRIPT LOAD`
     /// to every node of a cluster, so one unreachable primary would fail a call for a key on a
     /// healthy one, and it costs two more round trips instead of one.
-    pub(crate) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+    ///
+    /// On a connection pinned to the key's primary, so a `WAIT` can follow on the same one.
+    async fn eval_on(&self, conn: &mut Pinned, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
         let build = |verb: &str, script: &str| {
             let mut cmd = redis::cmd(verb);
             cmd.arg(script).arg(1).arg(key);
@@ -84,24 +112,91 @@ impl RedisStore {
             }
             cmd
         };
-        match self.conn.query(&build("EVALSHA", lua.script.get_hash())).await {
+        match conn.query(&build("EVALSHA", lua.script.get_hash())).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.conn.query(&build("EVAL", lua.code)).await.map_err(redis_error)
+                conn.query(&build("EVAL", lua.code)).await.map_err(redis_error)
             }
             reply => reply.map_err(redis_error),
         }
     }
 
-    /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`.
-    async fn fenced(&self, lua: &Lua, claim: &Claim, extra: &[&[u8]]) -> Result<(), StoreError> {
+    /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`, then waits
+    /// for the replicas when told to ([`RedisStoreOptions::replicas`]).
+    async fn fenced(&self, what: &'static str, lua: &Lua, claim: &Claim, extra: &[&[u8]]) -> Result<(), StoreError> {
+        self.fenced_then(what, lua, claim, extra, true).await
+    }
+
+    async fn fenced_then(
+        &self,
+        what: &'static str,
+        lua: &Lua,
+        claim: &Claim,
+        extra: &[&[u8]],
+        wait: bool,
+    ) -> Result<(), StoreError> {
         let r = claim.record();
         let fence = Fence::new(claim);
         let mut args: Vec<&[u8]> = fence.args().to_vec();
         args.extend_from_slice(extra);
-        match self.eval(lua, &self.key_of(&r.scope), &args).await? {
+        let key = self.key_of(&r.scope);
+        let mut conn = self.conn.pin(&key);
+        match self.eval_on(&mut conn, lua, &key, &args).await? {
+            Value::Int(1) if wait => self.acknowledged(&mut conn, what).await,
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(StoreError::Fenced { generation: r.generation }),
             other => Err(StoreError::Corrupt(format!("unexpected script reply {other:?}"))),
+        }
+    }
+
+    /// After a write on `conn`: `WAIT` (or `WAITAOF`) for the configured replicas; fewer in
+    /// time is [`StoreError::Unavailable`] caused by [`NotAcknowledged`]. Without
+    /// [`RedisStoreOptions::replicas`], nothing.
+    async fn acknowledged(&self, conn: &mut Pinned, what: &'static str) -> Result<(), StoreError> {
+        let Some(ack) = &self.ack else { return Ok(()) };
+        let reply = conn.query(&ack.command()).await.map_err(redis_error)?;
+        let acknowledged = ack.replicas_in(&reply)?;
+        if acknowledged >= i64::from(ack.replicas) {
+            return Ok(());
+        }
+        tracing::warn!(what, acknowledged, wanted = ack.replicas, "a write was not acknowledged by enough replicas");
+        Err(StoreError::unavailable(NotAcknowledged { what, acknowledged, wanted: ack.replicas, timeout: ack.timeout }))
+    }
+}
+
+/// What each write waits for: `WAIT replicas timeout`, or `WAITAOF 1 replicas timeout` (the
+/// primary's and the replicas' append-only files synced) where every primary has it.
+#[derive(Debug, Clone)]
+struct Ack {
+    replicas: u32,
+    timeout: Duration,
+    aof: bool,
+}
+
+impl Ack {
+    fn command_name(&self) -> &'static str {
+        if self.aof { "WAITAOF" } else { "WAIT" }
+    }
+
+    fn command(&self) -> redis::Cmd {
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut cmd = redis::cmd(self.command_name());
+        if self.aof {
+            cmd.arg(1);
+        }
+        cmd.arg(self.replicas).arg(ms);
+        cmd
+    }
+
+    /// How many replicas acknowledged, from the reply: `WAIT`'s integer, or `WAITAOF`'s pair
+    /// (local, replicas), where a local file not synced counts as no replica at all.
+    fn replicas_in(&self, reply: &Value) -> Result<i64, StoreError> {
+        match (self.aof, reply) {
+            (false, Value::Int(n)) => Ok(*n),
+            (true, Value::Array(pair)) => match pair.as_slice() {
+                [Value::Int(local), Value::Int(replicas)] => Ok(if *local >= 1 { *replicas } else { 0 }),
+                _ => Err(StoreError::Corrupt(format!("unexpected WAITAOF reply {reply:?}"))),
+            },
+            _ => Err(StoreError::Corrupt(format!("unexpected {} reply {reply:?}", self.command_name()))),
         }
     }
 }
@@ -288,21 +383,30 @@ impl RedisStore {
     /// by this call) and first generation, in flight.
     pub async fn claim_as(&self, req: &ClaimRequest, fresh: Record) -> Result<ClaimOutcome, StoreError> {
         let args = ClaimArgs::new(req, &fresh);
-        match self.eval(&self.scripts.claim, &self.key_of(&req.scope), &args.args()).await? {
-            Value::Int(1) => {
-                self.index_record(&req.scope, &args.eat_ms).await;
-                Ok(ClaimOutcome::Owned(Claim::new(fresh)))
-            }
+        let key = self.key_of(&req.scope);
+        let mut conn = self.conn.pin(&key);
+        match self.eval_on(&mut conn, &self.scripts.claim, &key, &args.args()).await? {
+            Value::Int(1) => {}
             reply => match record_reply(reply)? {
-                Some(record) if is_own(&record, &fresh) => {
-                    self.index_record(&req.scope, &args.eat_ms).await;
-                    Ok(ClaimOutcome::Owned(Claim::new(fresh)))
+                Some(record) if is_own(&record, &fresh) => {}
+                Some(record) => return Ok(ClaimOutcome::Existing(record)),
+                None => {
+                    return Err(StoreError::Corrupt("the claim script returned neither ownership nor a record".into()));
                 }
-                Some(record) => Ok(ClaimOutcome::Existing(record)),
-                None => Err(StoreError::Corrupt("the claim script returned neither ownership nor a record".into())),
             },
         }
+        let claim = Claim::new(fresh);
+        if let Err(e) = self.acknowledged(&mut conn, "claim").await {
+            if let Err(undo) = self.fenced_then("remove", &self.scripts.remove, &claim, &[], false).await {
+                tracing::warn!(error = %idempotency::ErrorChain(&undo),
+                    "an unacknowledged claim could not be removed; it holds its key until its claim goes stale");
+            }
+            return Err(e);
+        }
+        self.index_record(&req.scope, &args.eat_ms).await;
+        Ok(ClaimOutcome::Owned(claim))
     }
+
 }
 
 /// Whether `found` is the record `fresh` as this call's claim script inserted it (and nobody
@@ -320,6 +424,9 @@ pub(crate) fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
 
 #[async_trait]
 impl Store for RedisStore {
+    /// With [`RedisStoreOptions::replicas`], a new claim the replicas do not acknowledge is
+    /// removed again (fenced on its record id, best effort) and fails as unavailable: no
+    /// handler runs for it, and a retry finds the key free rather than in flight.
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let fresh = req.new_record();
         self.claim_as(&req, fresh).await
@@ -348,16 +455,28 @@ impl Store for RedisStore {
             eat_ms.as_bytes(),
             next.as_bytes(),
         ];
-        let reply = self.eval(&self.scripts.reclaim, &self.key_of(&record.scope), &args).await?;
-        Ok(record_reply(reply)?.map(Claim::new))
+        let key = self.key_of(&record.scope);
+        let mut conn = self.conn.pin(&key);
+        let reply = self.eval_on(&mut conn, &self.scripts.reclaim, &key, &args).await?;
+        let Some(claim) = record_reply(reply)?.map(Claim::new) else { return Ok(None) };
+        if let Err(e) = self.acknowledged(&mut conn, "reclaim").await {
+            // Not taken: marked failed under the new generation, so the next retry reclaims it
+            // at once rather than after the in-flight TTL.
+            if let Err(undo) = self.fenced_then("fail", &self.scripts.fail, &claim, &[], false).await {
+                tracing::warn!(error = %idempotency::ErrorChain(&undo),
+                    "an unacknowledged reclaim could not be undone; it holds its key until its claim goes stale");
+            }
+            return Err(e);
+        }
+        Ok(Some(claim))
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced(&self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()]).await
+        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()]).await
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced(&self.scripts.remove, claim, &[]).await
+        self.fenced("remove", &self.scripts.remove, claim, &[]).await
     }
 
     async fn complete(
@@ -367,11 +486,11 @@ impl Store for RedisStore {
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
-        self.fenced(&self.scripts.complete, claim, &args.args()).await
+        self.fenced("complete", &self.scripts.complete, claim, &args.args()).await
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced(&self.scripts.fail, claim, &[]).await
+        self.fenced("fail", &self.scripts.fail, claim, &[]).await
     }
 
     /// One `HGETALL`: a single command on one key is atomic already, so it needs no script.

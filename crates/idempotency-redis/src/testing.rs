@@ -1,6 +1,7 @@
 //! Real Redis servers for tests (feature `testing`): one `redis-server` on a free port, or a
-//! Cluster of three primaries joined with `redis-cli --cluster create`, each in a temporary
-//! directory and killed when dropped. The binaries come from the machine (`redis-server` and
+//! Cluster of three primaries joined with `redis-cli --cluster create` (optionally with
+//! replicas, and a failover as an operator would do it: [`Cluster::fail_over`]), each in a
+//! temporary directory and killed when dropped. The binaries come from the machine (`redis-server` and
 //! `redis-cli` on the `PATH`); [`have_redis_binaries`] says whether they run.
 //!
 //! ```no_run
@@ -20,6 +21,14 @@ pub fn have_redis_binaries() -> bool {
     })
 }
 
+/// The primary's port in an `INFO replication` text of a replica; `None` for a primary.
+fn primary_of(info: &str) -> Option<u16> {
+    if !info.contains("role:slave") {
+        return None;
+    }
+    info.lines().find_map(|l| l.trim().strip_prefix("master_port:")).and_then(|p| p.trim().parse().ok())
+}
+
 /// A port that is free now, whose cluster bus port (+10000) is free too.
 fn free_port() -> u16 {
     loop {
@@ -31,12 +40,14 @@ fn free_port() -> u16 {
     }
 }
 
-/// One `redis-server` process, killed when dropped.
+/// One `redis-server` process, killed when dropped. It can be killed and restarted on the same
+/// port with the same arguments, and paused (`SIGSTOP`) and resumed.
 #[derive(Debug)]
 pub struct Node {
     /// The port it listens on (127.0.0.1).
     pub port: u16,
     child: std::sync::Mutex<Option<Child>>,
+    args: Vec<String>,
 }
 
 impl Node {
@@ -66,59 +77,119 @@ impl Node {
     pub fn connection(&self) -> ::redis::Connection {
         ::redis::Client::open(self.url()).expect("url").get_connection().expect("connect to the node")
     }
+
+    /// Starts it again after [`Node::kill`], on the same port with the same arguments (a
+    /// cluster node keeps its node id from its cluster config file), and waits until it answers.
+    ///
+    /// # Panics
+    /// When it is alive, or does not answer within 10 s.
+    pub fn restart(&self) {
+        assert!(!self.is_alive(), "restart of a node that runs");
+        let child = spawn(&self.args);
+        *self.child.lock().expect("node lock") = Some(child);
+        assert!(self.wait_until_answering(), "redis-server did not restart on port {}", self.port);
+    }
+
+    /// Pauses the process (`SIGSTOP`): it keeps its connections but answers nothing, as a
+    /// hung or partitioned node would.
+    ///
+    /// # Panics
+    /// When the signal cannot be sent.
+    pub fn pause(&self) {
+        assert!(self.signal("-STOP"), "SIGSTOP to redis-server on port {} failed", self.port);
+    }
+
+    /// Resumes it after [`Node::pause`] (`SIGCONT`); nothing when it does not run.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Sends a signal with `kill`; true when sent (or when there is no process).
+    fn signal(&self, which: &str) -> bool {
+        let pid = self.child.lock().ok().and_then(|c| c.as_ref().map(Child::id));
+        pid.is_none_or(|pid| Command::new("kill").arg(which).arg(pid.to_string()).status().is_ok_and(|s| s.success()))
+    }
+
+    /// `INFO replication` of the node, or an empty string when it does not answer.
+    pub fn replication_info(&self) -> String {
+        let con =
+            ::redis::Client::open(self.url()).and_then(|c| c.get_connection_with_timeout(Duration::from_millis(500)));
+        con.and_then(|mut c| ::redis::cmd("INFO").arg("replication").query::<String>(&mut c)).unwrap_or_default()
+    }
+
+    fn wait_until_answering(&self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let exited =
+                self.child.lock().is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
+            if exited {
+                return false;
+            }
+            let ok = ::redis::Client::open(self.url())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+                .and_then(|mut c| ::redis::cmd("PING").query::<String>(&mut c));
+            if ok.is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
+        self.resume();
         self.kill();
     }
 }
 
-/// Starts `redis-server` on a free port in `dir` with `extra` arguments and waits until it
-/// answers.
+fn spawn(args: &[String]) -> Child {
+    Command::new("redis-server")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start redis-server")
+}
+
+/// Starts `redis-server` on a free port in `dir` with `extra` arguments (`{port}` in them is
+/// replaced by the port) and waits until it answers.
 ///
 /// # Panics
 /// When no server starts after five tries.
 pub fn start_server(dir: &Path, extra: &[&str]) -> Node {
     for _ in 0..5 {
         let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--daemonize", "no", "--dir", &dir.display().to_string()])
-            .args(["--logfile", &dir.join(format!("redis-{port}.log")).display().to_string()])
-            .args(extra.iter().map(|a| a.replace("{port}", &port.to_string())))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        let node = Node { port, child: std::sync::Mutex::new(Some(child)) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            let exited =
-                node.child.lock().is_ok_and(|mut c| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_)))));
-            if exited {
-                break; // the port was taken meanwhile: try another
-            }
-            let ok = ::redis::Client::open(node.url())
-                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
-                .and_then(|mut c| ::redis::cmd("PING").query::<String>(&mut c));
-            if ok.is_ok() {
-                return node;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let mut args: Vec<String> =
+            ["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+                .iter()
+                .map(|a| a.to_string())
+                .collect();
+        args.extend(["--daemonize".into(), "no".into(), "--dir".into(), dir.display().to_string()]);
+        args.extend(["--logfile".into(), dir.join(format!("redis-{port}.log")).display().to_string()]);
+        args.extend(extra.iter().map(|a| a.replace("{port}", &port.to_string())));
+        let child = spawn(&args);
+        let node = Node { port, child: std::sync::Mutex::new(Some(child)), args };
+        if node.wait_until_answering() {
+            return node;
         }
-        node.kill();
+        node.kill(); // the port was taken meanwhile: try another
     }
     panic!("redis-server did not start in {}", dir.display());
 }
 
-/// Three primaries on free ports in a temp dir, joined into a cluster; killed and removed
-/// when dropped (nodes first, then the dir).
+/// Three primaries on free ports in a temp dir, joined into a cluster, each with as many
+/// replicas as asked for; killed and removed when dropped (nodes first, then the dir).
 #[derive(Debug)]
 pub struct Cluster {
-    /// The three primaries.
+    /// The three primaries (after [`Cluster::fail_over`], the promoted replica takes its
+    /// primary's place here).
     pub nodes: Vec<Node>,
+    /// The replicas, in the order of their primaries in `nodes` (`replicas[i]` replicates
+    /// `nodes[i]` when there is one replica each).
+    pub replicas: Vec<Node>,
     _dir: tempfile::TempDir,
 }
 
@@ -130,46 +201,88 @@ impl Cluster {
     /// # Panics
     /// When a server does not start or the cluster does not form.
     pub fn start() -> Cluster {
+        Self::start_with_replicas(0)
+    }
+
+    /// [`Cluster::start`] with `replicas` replicas per primary (`redis-cli --cluster create
+    /// --cluster-replicas N`); with replicas, `cluster-node-timeout` is 2 s rather than 15 s,
+    /// so a killed primary is noticed within seconds. Returns once every node reports
+    /// `cluster_state:ok` and every replica's link to its primary is up.
+    ///
+    /// # Panics
+    /// When a server does not start or the cluster does not form.
+    pub fn start_with_replicas(replicas: usize) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let nodes: Vec<Node> = (0..3)
-            .map(|_| {
-                start_server(
-                    dir.path(),
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &dir.path().join("nodes-{port}.conf").display().to_string(),
-                        // Keep serving the slots that are up when a primary is down.
-                        "--cluster-require-full-coverage",
-                        "no",
-                    ],
-                )
-            })
-            .collect();
+        let config = dir.path().join("nodes-{port}.conf").display().to_string();
+        let mut extra = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            &config,
+            // Keep serving the slots that are up when a primary is down.
+            "--cluster-require-full-coverage",
+            "no",
+        ];
+        if replicas > 0 {
+            extra.extend(["--cluster-node-timeout", "2000"]);
+        }
+        let all: Vec<Node> = (0..3 * (1 + replicas)).map(|_| start_server(dir.path(), &extra)).collect();
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
-        for n in &nodes {
+        for n in &all {
             create.arg(format!("127.0.0.1:{}", n.port));
         }
-        let out = create.args(["--cluster-replicas", "0", "--cluster-yes"]).output().expect("run redis-cli");
+        let out = create
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("run redis-cli");
         assert!(
             out.status.success(),
             "redis-cli --cluster create failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = Cluster { nodes, _dir: dir };
+        let mut cluster = Cluster { nodes: all, replicas: vec![], _dir: dir };
         cluster.wait_until_ok();
+        cluster.sort_roles();
         cluster
     }
 
-    fn wait_until_ok(&self) {
+    /// Splits the nodes into primaries and replicas by their role, each replica after the
+    /// primary it follows.
+    fn sort_roles(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = self.nodes.iter().all(|n| {
+            let roles: Vec<Option<u16>> = self.nodes.iter().map(|n| primary_of(&n.replication_info())).collect();
+            let linked = self
+                .nodes
+                .iter()
+                .zip(&roles)
+                .all(|(n, r)| r.is_none() || n.replication_info().contains("master_link_status:up"));
+            if linked {
+                let mut replicas = vec![];
+                for (node, of) in std::mem::take(&mut self.nodes).into_iter().zip(roles) {
+                    match of {
+                        None => self.nodes.push(node),
+                        Some(port) => replicas.push((node, port)),
+                    }
+                }
+                replicas.sort_by_key(|(_, of)| self.nodes.iter().position(|p| p.port == *of));
+                self.replicas = replicas.into_iter().map(|(n, _)| n).collect();
+                return;
+            }
+            assert!(Instant::now() < deadline, "the replicas did not link to their primaries");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn wait_until_ok(&self) {
+        let total = self.nodes.len() + self.replicas.len();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = self.nodes.iter().chain(&self.replicas).filter(|n| n.is_alive()).all(|n| {
                 let info: String = ::redis::cmd("CLUSTER").arg("INFO").query(&mut n.connection()).unwrap_or_default();
-                info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
+                info.contains("cluster_state:ok") && info.contains(&format!("cluster_known_nodes:{total}"))
             });
             if ok {
                 return;
@@ -179,7 +292,46 @@ impl Cluster {
         }
     }
 
-    /// `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
+    /// What an operator does when primary `i` dies: kills it (SIGKILL, if it still runs),
+    /// promotes its replica (`CLUSTER FAILOVER TAKEOVER`, unless the cluster has promoted it
+    /// already), waits until the cluster serves the slots again, restarts the killed node (it
+    /// rejoins as a replica of the promoted one and copies its data) and waits until it is
+    /// linked. The promoted replica then takes `nodes[i]`, the restarted node `replicas[i]`.
+    ///
+    /// # Panics
+    /// Without a replica for `i`, or when the cluster does not recover within 30 s.
+    pub fn fail_over(&mut self, i: usize) {
+        assert!(i < self.replicas.len(), "primary {i} has no replica to fail over to");
+        self.nodes[i].kill();
+        self.replicas[i].resume();
+        self.promote_replica(i);
+        std::mem::swap(&mut self.nodes[i], &mut self.replicas[i]);
+        self.wait_until_ok();
+        self.replicas[i].restart();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.replicas[i].replication_info().contains("master_link_status:up") {
+            assert!(Instant::now() < deadline, "the restarted node did not become a replica");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.wait_until_ok();
+    }
+
+    fn promote_replica(&self, i: usize) {
+        let replica = &self.replicas[i];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if replica.replication_info().contains("role:master") {
+                return;
+            }
+            // The cluster may be promoting it already; TAKEOVER needs no vote from the others.
+            let _: Result<String, _> =
+                ::redis::cmd("CLUSTER").arg("FAILOVER").arg("TAKEOVER").query(&mut replica.connection());
+            assert!(Instant::now() < deadline, "the replica of primary {i} was not promoted");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3` (the primaries).
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         format!("redis+cluster://{}", nodes.join(","))

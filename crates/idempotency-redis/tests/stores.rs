@@ -230,6 +230,9 @@ mod common {
 
 use common::{request, response, scope};
 
+#[path = "stores/failover.rs"]
+mod failover;
+
 fn cached_scripts(con: &mut ::redis::Connection) -> u64 {
     let info: String = ::redis::cmd("INFO").arg("memory").query(con).expect("info");
     info.lines()

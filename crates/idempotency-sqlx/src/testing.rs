@@ -18,6 +18,8 @@
 
 use std::io::Write;
 
+pub mod ha;
+
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
 /// The environment variable that holds the PostgreSQL server URL.

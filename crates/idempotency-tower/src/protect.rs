@@ -228,7 +228,9 @@ where
                 headers: replayable_headers(&cfg, &parts.headers),
                 body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
             };
-            complete(&cfg, &claim, stored).await;
+            if let Some(e) = complete(&cfg, &claim, stored).await {
+                return Ok(not_acknowledged(&cfg, e));
+            }
             (parts, Body::from(bytes))
         }
         Ok(Handled::TooLarge(parts, read, rest)) => {
@@ -239,7 +241,9 @@ where
                 status = parts.status.as_u16(),
                 "the response is larger than a stored response may be; a retry gets 410 response-too-large"
             );
-            complete(&cfg, &claim, too_large_response(&cfg)).await;
+            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg)).await {
+                return Ok(not_acknowledged(&cfg, e));
+            }
             let stream =
                 futures::stream::once(async move { Ok::<_, axum::Error>(read) }).chain(rest.into_data_stream());
             (parts, Body::from_stream(stream))
@@ -318,23 +322,41 @@ fn too_large_response(cfg: &Config) -> StoredResponse {
     }
 }
 
+/// What the client of an attempt whose completion the store wrote but could not get
+/// acknowledged by its replicas gets instead of the response: `503 store-unavailable`. The
+/// response is not answered as final, since a failover may lose it; a retry replays it once the
+/// store has it.
+fn not_acknowledged(cfg: &Config, e: StoreError) -> Response<Body> {
+    tracing::warn!(
+        error = %ErrorChain(&e),
+        "the response was stored but not acknowledged by the store's replicas; the client gets 503 and its retry \
+         replays it"
+    );
+    rejection_response(cfg, Rejection::StoreUnavailable(e))
+}
+
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
 /// with backoff in a task of its own, so the client is answered at once; the claim is renewed
 /// while it retries. If every retry fails, the record is released (failed) as soon as the store
 /// answers again ([`Releases`]), and the next retry runs the handler again, which resumes
 /// through its sub-keys.
-async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse) {
+///
+/// Returns the error when the store wrote the completion but its replicas did not acknowledge
+/// it ([`StoreError::is_not_acknowledged`]): nothing is retried (the write is in the store
+/// already), and the caller must not answer the response as final.
+async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse) -> Option<StoreError> {
     let expires_at = after(now(), cfg.retention);
     let first = timed("complete", cfg.store.complete(claim, &stored, expires_at)).await;
     let error = match first {
-        Ok(()) => return,
+        Ok(()) => return None,
         Err(StoreError::Fenced { generation }) => {
             tracing::warn!(
                 generation,
                 "a newer attempt owns this key; its response is the one replayed, this client gets its own"
             );
-            return;
+            return None;
         }
+        Err(e) if e.is_not_acknowledged() => return Some(e),
         Err(e) => e,
     };
     let retry = cfg.completion_retry;
@@ -390,6 +412,7 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
         }
         .instrument(tracing::Span::current()),
     );
+    None
 }
 
 /// Runs `work` while renewing `claim` every quarter of the in-flight TTL, so a live attempt

@@ -39,5 +39,5 @@ pub use record::{
 };
 pub use record_id::RecordId;
 pub use scope::{Endpoint, Principal, Scope, normalize_path};
-pub use store::{ErrorChain, Store, StoreError};
+pub use store::{ErrorChain, NotAcknowledged, Store, StoreError};
 pub use sweeper::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_PAUSE, Sweeper};

@@ -38,6 +38,38 @@ impl StoreError {
     pub fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Self {
         Self::Unavailable(Box::new(e))
     }
+
+    /// True when this is [`StoreError::Unavailable`] because the write was made but not
+    /// acknowledged as durable as the store was told to make it ([`NotAcknowledged`] anywhere in
+    /// its causes): the record may hold the write, or may lose it in a failover.
+    pub fn is_not_acknowledged(&self) -> bool {
+        let Self::Unavailable(source) = self else { return false };
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+        while let Some(e) = cause {
+            if e.is::<NotAcknowledged>() {
+                return true;
+            }
+            cause = e.source();
+        }
+        false
+    }
+}
+
+/// The cause of a [`StoreError::Unavailable`] for a write the store applied but could not get
+/// acknowledged by as many replicas as it was told to wait for (Redis `WAIT`), in time. A
+/// failover may lose such a write, so it is not taken as done: a claim so refused runs no
+/// handler, and a response whose completion is so refused is not answered as final.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {acknowledged} of {wanted} replicas acknowledged it within {timeout:?}")]
+pub struct NotAcknowledged {
+    /// The transition (`claim`, `complete`, ...).
+    pub what: &'static str,
+    /// How many replicas acknowledged it.
+    pub acknowledged: i64,
+    /// How many were asked for.
+    pub wanted: u32,
+    /// How long the store waited.
+    pub timeout: Duration,
 }
 
 /// An error and its causes on one line, `what failed: why: why`, for logs.

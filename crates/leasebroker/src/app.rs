@@ -114,9 +114,14 @@ impl Application {
         let store = wrap(match &args.record_store {
             None => db.idempotency_store(),
             Some(url) => Arc::new(
-                idempotency_redis::RedisStore::connect(url)
-                    .await
-                    .with_context(|| format!("record store {}", redact(url)))?,
+                idempotency_redis::RedisStore::connect_with(
+                    url,
+                    idempotency_redis::RedisStoreOptions::default()
+                        .replicas(args.record_store_replicas)
+                        .replica_timeout(args.record_store_replica_timeout),
+                )
+                .await
+                .with_context(|| format!("record store {}", redact(url)))?,
             ),
         });
         let layer = IdempotencyLayer::builder(store.clone())

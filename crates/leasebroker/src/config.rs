@@ -149,6 +149,17 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_RECORD_STORE", hide_env_values = true, value_name = "URL")]
     pub record_store: Option<String>,
 
+    /// Redis record store: after each transition, wait until this many replicas of the record's
+    /// primary have it (`WAIT`); a transition fewer replicas acknowledge in time fails as 503
+    /// `store-unavailable`. 0: no wait (a failover may lose the last acknowledged writes).
+    #[arg(long, env = "LEASEBROKER_RECORD_STORE_REPLICAS", default_value_t = 0)]
+    pub record_store_replicas: u32,
+
+    /// Redis record store: how long a transition waits for --record-store-replicas replicas.
+    #[arg(long, env = "LEASEBROKER_RECORD_STORE_REPLICA_TIMEOUT", default_value = "1s",
+        value_parser = parse::positive_duration)]
+    pub record_store_replica_timeout: Duration,
+
     /// How long completed idempotency records are kept (and replayed).
     #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse::duration)]
     pub retention: Duration,
@@ -233,6 +244,12 @@ impl ServeArgs {
                  (without it the records stay in --database)",
                 crate::db::redact(url)
             ));
+        }
+        if self.record_store_replicas > 0 && self.record_store.is_none() {
+            return Err(
+                "--record-store-replicas applies to a Redis --record-store only (the records are in --database)"
+                    .to_owned(),
+            );
         }
         if self.hypervisor_settle < self.hypervisor_timeout {
             return Err(format!(
@@ -368,6 +385,25 @@ mod tests {
         assert!(serve(&["--retention", "soon"]).is_err_and(|e| e.contains("examples")));
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--header-timeout", "0s"]).is_err());
         assert!(Cli::try_parse_from(["leasebroker", "serve", "--sim-fail-before", "1.5"]).is_err());
+    }
+
+    #[test]
+    fn record_store_replicas_need_a_redis_record_store() {
+        let serve = |extra: &[&str]| {
+            let cli = Cli::try_parse_from(["leasebroker", "serve"].iter().chain(extra)).map_err(|e| e.to_string())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            s.validate()?;
+            Ok::<_, String>((s.record_store_replicas, s.record_store_replica_timeout))
+        };
+        assert_eq!(serve(&[]), Ok((0, Duration::from_secs(1))), "the defaults");
+        let redis = ["--record-store", "redis://127.0.0.1:6379", "--record-store-replicas", "1"];
+        assert_eq!(serve(&redis), Ok((1, Duration::from_secs(1))));
+        let with_timeout = [&redis[..], &["--record-store-replica-timeout", "250ms"]].concat();
+        assert_eq!(serve(&with_timeout), Ok((1, Duration::from_millis(250))));
+        let err = serve(&["--record-store-replicas", "1"]).expect_err("no record store");
+        assert!(err.contains("--record-store-replicas"), "{err}");
+        assert!(serve(&[&redis[..], &["--record-store-replica-timeout", "0s"]].concat()).is_err());
+        assert!(serve(&["--record-store-replicas", "-1"]).is_err());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use super::binaries::{Binaries, serve_extra};
 use super::chaos::{kill_replicas, restart_database};
+use super::failover::{fail_over_postgres, fail_over_redis};
 use super::progress::{progress_bar, status};
 use crate::cli::Scenario;
 use crate::cluster::{self, Hypervisor, Replica, ServeConfig, SimFaults};
@@ -22,9 +23,18 @@ use crate::proxy::{FaultPlan, Proxy, ProxyCounts};
 use crate::report::{Faults, Outcomes, RunReport, Setup};
 use crate::verify::{self, Reader};
 use crate::workload::{ClientKind, Workload, WorkloadConfig};
+use idempotency_sqlx::testing::ha::HaPostgres;
 
 /// Flashes go to the first this many nodes of the pool, so that some meet a running flash.
 const FLASH_NODES: u32 = 16;
+
+/// The database servers of faultline's own that a run makes faults on.
+pub(super) struct OwnServers {
+    /// The one it stops and starts (`--postgres-restarts`).
+    pub(super) restarted: Option<Arc<Mutex<LocalCluster>>>,
+    /// The HA cluster it fails over (`--postgres-ha`).
+    pub(super) ha: Option<Arc<std::sync::Mutex<HaPostgres>>>,
+}
 
 /// One run in `dir` against `database`: everything it starts is stopped when it returns.
 pub(super) async fn run_in(
@@ -34,8 +44,9 @@ pub(super) async fn run_in(
     kind: ClientKind,
     dir: &Path,
     database: &str,
-    own_cluster: Option<Arc<Mutex<LocalCluster>>>,
+    own: OwnServers,
 ) -> anyhow::Result<RunReport> {
+    let own_cluster = own.restarted;
     let started = Instant::now();
     let on_postgres = database.starts_with("postgres");
     let replicas_n = if on_postgres { sc.replicas } else { 1 };
@@ -58,11 +69,17 @@ pub(super) async fn run_in(
         if !idempotency_redis::testing::have_redis_binaries() {
             bail!("--redis-cluster needs redis-server and redis-cli on the PATH (Debian: redis-server, redis-tools)");
         }
-        let cluster = tokio::task::spawn_blocking(idempotency_redis::testing::Cluster::start)
-            .await
-            .context("starting a Redis Cluster")?;
+        let with_replicas = usize::from(sc.redis_failovers > 0 || sc.record_store_replicas > 0);
+        let cluster = tokio::task::spawn_blocking(move || {
+            idempotency_redis::testing::Cluster::start_with_replicas(with_replicas)
+        })
+        .await
+        .context("starting a Redis Cluster")?;
         extra.extend(["--record-store".to_owned(), cluster.url()]);
-        Some(cluster)
+        if sc.record_store_replicas > 0 {
+            extra.extend(["--record-store-replicas".to_owned(), sc.record_store_replicas.to_string()]);
+        }
+        Some(Arc::new(std::sync::Mutex::new(cluster)))
     } else {
         None
     };
@@ -139,6 +156,14 @@ pub(super) async fn run_in(
             cluster.clone(),
         ));
     }
+    let mut failover = JoinSet::new();
+    if let Some(ha) = &own.ha {
+        failover.spawn(fail_over_postgres(sc.postgres_failovers, sc.ops, workload.clone(), ha.clone()));
+    }
+    if let Some(cluster) = &redis {
+        failover.spawn(fail_over_redis(sc.redis_failovers, sc.ops, workload.clone(), cluster.clone()));
+    }
+    let mut failovers_done = 0;
     let mut restarts_done = 0;
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let mut kills_done = 0;
@@ -155,6 +180,10 @@ pub(super) async fn run_in(
             Some(joined) = restarter.join_next() => match joined.context("the database restart task panicked")? {
                 Ok(n) => restarts_done = n,
                 Err(e) => break Some(e.context("restarting the database")),
+            },
+            Some(joined) = failover.join_next() => match joined.context("the failover task panicked")? {
+                Ok(n) => failovers_done += n,
+                Err(e) => break Some(e.context("failing over")),
             },
             _ = ticker.tick() => progress.set_message(status(&workload, &proxies, &replicas).await),
         }
@@ -175,6 +204,11 @@ pub(super) async fn run_in(
             cluster.start_again().await.context("starting the database after the workload")?;
         }
         restarts_done = restarts_done.max(cluster.restarts);
+    }
+    // Every failover asked for is made, also those whose point the workload reached last: each
+    // point is before the last operation, so none waits for more.
+    while let Some(joined) = failover.join_next().await {
+        failovers_done += joined.context("the failover task panicked")?.context("failing over")?;
     }
     // Every client is done; a kill still pending (ops finished before its milestone) is not made.
     killer.abort_all();
@@ -223,7 +257,15 @@ pub(super) async fn run_in(
             clients: kind,
             setup: Setup {
                 database: if on_postgres { "postgres" } else { "sqlite" },
-                record_store: if redis.is_some() { "redis-cluster x3" } else { "database" },
+                record_store: match (&redis, sc.redis_failovers > 0 || sc.record_store_replicas > 0) {
+                    (None, _) => "database",
+                    (Some(_), false) => "redis-cluster x3",
+                    (Some(_), true) => "redis-cluster x3 (+1 replica each)",
+                },
+                postgres_ha: sc.postgres_ha.then(|| sc.postgres_replication.name()),
+                postgres_failovers: sc.postgres_failovers,
+                redis_failovers: sc.redis_failovers,
+                record_store_replicas: sc.record_store_replicas,
                 replicas: replicas_n,
                 ops: sc.ops,
                 concurrency: sc.concurrency,
@@ -255,6 +297,7 @@ pub(super) async fn run_in(
             proxy,
             server_kills: kills_done,
             postgres_restarts: restarts_done,
+            failovers: failovers_done,
             outcomes: Outcomes {
                 succeeded: load(&c.succeeded),
                 refused: load(&c.refused),

@@ -4,6 +4,7 @@
 mod binaries;
 mod chaos;
 mod drive;
+mod failover;
 mod progress;
 
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use crate::pg::{LocalCluster, TempDatabase};
 use crate::report::{self, RunReport};
 use crate::workload::ClientKind;
 use binaries::Binaries;
-use drive::run_in;
+use drive::{OwnServers, run_in};
 
 /// The JSON file written by `run` and `sweep`.
 #[derive(Debug, Serialize)]
@@ -87,7 +88,23 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     } else {
         None
     };
-    let server = own.as_ref().map(|c| c.url.clone()).or_else(|| scenario.postgres.clone());
+    // A run on an HA PostgreSQL gets one of its own too (failed over by the run, removed after).
+    let ha = if scenario.postgres_ha {
+        let replication = scenario.postgres_replication.of_cluster();
+        let ha = tokio::task::spawn_blocking(move || idempotency_sqlx::testing::ha::HaPostgres::start(replication))
+            .await
+            .context("starting the HA PostgreSQL")?
+            .map_err(|e| anyhow!("starting the HA PostgreSQL (Patroni, etcd, HAProxy): {e}"))?;
+        Some(ha)
+    } else {
+        None
+    };
+    let server = own
+        .as_ref()
+        .map(|c| c.url.clone())
+        .or_else(|| ha.as_ref().map(|h| h.url()))
+        .or_else(|| scenario.postgres.clone());
+    let ha = ha.map(|h| Arc::new(std::sync::Mutex::new(h)));
     let database = match &server {
         Some(url) => Some(TempDatabase::create(url).await?),
         None => None,
@@ -100,7 +117,7 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     // Dropping the run's future (Ctrl-C, time limit) kills its processes (kill_on_drop) and aborts
     // its tasks; the database is dropped below either way.
     let result = tokio::select! {
-        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, own.clone())) => {
+        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, OwnServers { restarted: own.clone(), ha: ha.clone() })) => {
             r.unwrap_or_else(|_| Err(anyhow!("the run took longer than --max-duration {:?}", scenario.max_duration)))
         }
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
@@ -112,6 +129,10 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     }
     // The cluster of our own is stopped and removed when its last handle goes (run_in's are gone).
     drop(own);
+    if let Some(ha) = ha {
+        // Killing it waits for its processes: on a blocking thread.
+        let _ = tokio::task::spawn_blocking(move || drop(ha)).await;
+    }
     if scenario.keep_temp {
         eprintln!("faultline: kept {}", temp.keep().display());
     }

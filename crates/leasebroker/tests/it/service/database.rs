@@ -113,13 +113,13 @@ fn pg_bin_dir() -> Option<PathBuf> {
     found.pop().map(|(_, bin)| bin)
 }
 
-async fn readyz(base: &str) -> StatusCode {
+pub(super) async fn readyz(base: &str) -> StatusCode {
     http().get(format!("{base}/readyz")).send().await.expect("readyz").status()
 }
 
 /// Starts one create per key at once (each held in the hypervisor's latency, so they are in
 /// flight when the database goes), returning their first answers when they come.
-fn creates_in_flight(base: &str, keys: &[String]) -> Vec<tokio::task::JoinHandle<Reply>> {
+pub(super) fn creates_in_flight(base: &str, keys: &[String]) -> Vec<tokio::task::JoinHandle<Reply>> {
     keys.iter()
         .map(|key| {
             let (base, key) = (base.to_owned(), key.clone());
@@ -146,7 +146,7 @@ async fn assert_created_or_503(in_flight: Vec<tokio::task::JoinHandle<Reply>>) {
 
 /// Every key ends in one worker of its own; the hypervisor booted each once; the fleet holds
 /// exactly those workers, one node, lease and VM each.
-async fn assert_one_of_everything(base: &str, sim_url: &str, keys: &[String]) {
+pub(super) async fn assert_one_of_everything(base: &str, sim_url: &str, keys: &[String]) {
     let mut ids = std::collections::HashSet::new();
     for key in keys {
         let r = create_until_done(base, key, &worker_body(), Duration::from_secs(90)).await;

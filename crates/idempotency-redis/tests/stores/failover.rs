@@ -1,0 +1,193 @@
+//! Replica acknowledgement (`RedisStoreOptions::replicas`, `WAIT`) against real replicas: a
+//! replica that does not answer fails the transition, and a failover (a primary killed, its
+//! replica promoted, the killed node restarted as a replica) keeps every record the replicas
+//! acknowledged, where without the wait it loses the last acknowledged writes.
+
+use std::time::{Duration, Instant};
+
+use idempotency::{ClaimOutcome, Scope, Store, StoreError};
+use idempotency_redis::testing::{Cluster, Node, start_server};
+use idempotency_redis::{RedisStore, RedisStoreOptions};
+
+use crate::common::{request, response, scope};
+use crate::support;
+
+fn wait_for_link(replica: &Node) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !replica.replication_info().contains("master_link_status:up") {
+        assert!(Instant::now() < deadline, "the replica did not link to its primary");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn store_with(url: &str, prefix: &str, replicas: u32) -> RedisStore {
+    let options = RedisStoreOptions::default()
+        .prefix(prefix)
+        .replicas(replicas)
+        .replica_timeout(Duration::from_millis(300))
+        .response_timeout(Duration::from_secs(2));
+    RedisStore::connect_with(url, options).await.expect("connect")
+}
+
+fn not_acknowledged<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
+    matches!(r, Err(e) if e.is_not_acknowledged())
+}
+
+/// One primary with one replica. With `replicas(1)` every transition waits for it; paused
+/// (`SIGSTOP`), it answers nothing and each transition fails as unavailable: a new claim is
+/// taken back (a retry finds the key free), a completion stays written on the primary (a retry
+/// replays it). With `replicas(0)` the same writes are acknowledged at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_does_not_answer_fails_the_transition() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server or redis-cli is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let primary = start_server(dir.path(), &[]);
+    let replica = start_server(dir.path(), &["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    wait_for_link(&replica);
+    let prefix = support::unique_prefix();
+    let store = store_with(&primary.url(), &prefix, 1).await;
+    assert_eq!(store.replica_ack(), Some((1, false)), "redis 7.0 without an append-only file: WAIT");
+    let unsafe_store = store_with(&primary.url(), &prefix, 0).await;
+    assert_eq!(unsafe_store.replica_ack(), None);
+    let too_many = store_with(&primary.url(), &prefix, 2).await;
+
+    // Acknowledged while the replica answers.
+    let (a, b, c) = (scope(), scope(), scope());
+    let ClaimOutcome::Owned(ca) = store.claim(request(&a)).await.expect("claim a") else { panic!("owned") };
+    store.complete(&ca, &response(), request(&a).expires_at).await.expect("complete a");
+    let ClaimOutcome::Owned(cb) = store.claim(request(&b)).await.expect("claim b") else { panic!("owned") };
+    // Two replicas asked for, one there: never acknowledged, and the claim is taken back.
+    let d = scope();
+    assert!(not_acknowledged(&too_many.claim(request(&d)).await));
+    assert!(store.get(&d).await.expect("get d").is_none(), "an unacknowledged claim must not hold its key");
+
+    replica.pause();
+    let claimed = store.claim(request(&c)).await;
+    assert!(not_acknowledged(&claimed), "{claimed:?}");
+    assert!(store.get(&c).await.expect("get c").is_none(), "an unacknowledged claim must not hold its key");
+    let completed = store.complete(&cb, &response(), request(&b).expires_at).await;
+    assert!(not_acknowledged(&completed), "{completed:?}");
+    let on_primary = store.get(&b).await.expect("get b").expect("b is on the primary");
+    assert_eq!(on_primary.response, Some(response()), "the completion is written, only not acknowledged");
+    // Without the wait, the same primary acknowledges at once.
+    let e = scope();
+    assert!(matches!(unsafe_store.claim(request(&e)).await, Ok(ClaimOutcome::Owned(_))));
+
+    replica.resume();
+    wait_for_link(&replica);
+    assert!(matches!(store.claim(request(&c)).await, Ok(ClaimOutcome::Owned(_))), "the key is free for a retry");
+    match store.claim(request(&b)).await {
+        Ok(ClaimOutcome::Existing(r)) => assert_eq!(r.response, Some(response()), "the retry replays"),
+        other => panic!("{other:?}"),
+    }
+    let _ = primary;
+}
+
+/// A key under `prefix` whose slot `victim` serves.
+fn key_on(cluster: &Cluster, store: &RedisStore, victim: u16) -> Scope {
+    loop {
+        let s = scope();
+        if cluster.owner_of(&store.key_of(&s)) == victim {
+            return s;
+        }
+    }
+}
+
+/// Fills the stream from `node` to its replica with `bytes` (one value, on a key it serves),
+/// so that the writes after it are still in the primary's own buffer, not in the kernel's
+/// socket buffers, when the primary dies: what a replica that lags looks like.
+fn backlog(node: &Node, cluster: &Cluster, prefix: &str, bytes: usize) {
+    let mut i = 0;
+    let key = loop {
+        let key = format!("{prefix}filler-{i}");
+        if cluster.owner_of(&key) == node.port {
+            break key;
+        }
+        i += 1;
+    };
+    ::redis::cmd("SET").arg(&key).arg(vec![b'x'; bytes]).exec(&mut node.connection()).expect("filler");
+}
+
+/// A cluster with a replica per primary. Records completed under `replicas(1)` and under
+/// `replicas(0)`; then the replica of one primary stops answering and falls behind: under
+/// `replicas(1)` writes to that primary fail (not acknowledged), under `replicas(0)` they are
+/// acknowledged. The primary is killed, its replica promoted, the killed node restarted as a
+/// replica. Every record acknowledged under `replicas(1)` is there afterwards; the records
+/// acknowledged under `replicas(0)` while the replica lagged are gone: what a failover loses
+/// without the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_keeps_what_the_replicas_acknowledged() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server or redis-cli is not installed");
+        return;
+    }
+    let mut cluster = tokio::task::spawn_blocking(|| Cluster::start_with_replicas(1)).await.expect("cluster");
+    assert_eq!((cluster.nodes.len(), cluster.replicas.len()), (3, 3));
+    let prefix = support::unique_prefix();
+    let safe = store_with(&cluster.url(), &prefix, 1).await;
+    let unsafe_store = store_with(&cluster.url(), &prefix, 0).await;
+    let victim = cluster.nodes[0].port;
+
+    let mut acknowledged = vec![];
+    for _ in 0..30 {
+        let s = scope();
+        let ClaimOutcome::Owned(c) = safe.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+        safe.complete(&c, &response(), request(&s).expires_at).await.expect("complete");
+        acknowledged.push(s);
+    }
+    assert!(acknowledged.iter().any(|s| cluster.owner_of(&safe.key_of(s)) == victim));
+
+    // The victim's replica stops answering, and the stream to it backs up.
+    cluster.replicas[0].pause();
+    backlog(&cluster.nodes[0], &cluster, &prefix, 32 << 20);
+    let mut refused = 0;
+    for _ in 0..5 {
+        let s = key_on(&cluster, &safe, victim);
+        let r = safe.claim(request(&s)).await;
+        assert!(not_acknowledged(&r), "{r:?}");
+        refused += 1;
+    }
+    let mut at_risk = vec![];
+    for _ in 0..5 {
+        let s = key_on(&cluster, &unsafe_store, victim);
+        let ClaimOutcome::Owned(c) = unsafe_store.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+        unsafe_store.complete(&c, &response(), request(&s).expires_at).await.expect("acknowledged without WAIT");
+        at_risk.push(s);
+    }
+    // The other primaries' replicas answer: their writes are acknowledged as before.
+    for _ in 0..5 {
+        let s = loop {
+            let s = scope();
+            if cluster.owner_of(&safe.key_of(&s)) != victim {
+                break s;
+            }
+        };
+        let ClaimOutcome::Owned(c) = safe.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+        safe.complete(&c, &response(), request(&s).expires_at).await.expect("complete");
+        acknowledged.push(s);
+    }
+
+    tokio::task::block_in_place(|| cluster.fail_over(0));
+    assert_ne!(cluster.nodes[0].port, victim, "the replica took over");
+
+    // A new client on the new topology: each acknowledged record is there, completed.
+    let after = store_with(&cluster.url(), &prefix, 1).await;
+    for s in &acknowledged {
+        let r = after.get(s).await.expect("get").unwrap_or_else(|| panic!("an acknowledged record was lost"));
+        assert_eq!(r.response, Some(response()));
+    }
+    let mut lost = 0;
+    for s in &at_risk {
+        if after.get(s).await.expect("get").is_none() {
+            lost += 1;
+        }
+    }
+    assert_eq!(refused, 5);
+    assert_eq!(lost, at_risk.len(), "the writes the lagging replica never had are gone after the failover");
+    // And the promoted primary's new replica acknowledges again.
+    let s = key_on(&cluster, &after, cluster.nodes[0].port);
+    assert!(matches!(after.claim(request(&s)).await, Ok(ClaimOutcome::Owned(_))));
+}
