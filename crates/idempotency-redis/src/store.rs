@@ -406,7 +406,6 @@ impl RedisStore {
         self.index_record(&req.scope, &args.eat_ms).await;
         Ok(ClaimOutcome::Owned(claim))
     }
-
 }
 
 /// Whether `found` is the record `fresh` as this call's claim script inserted it (and nobody
@@ -540,6 +539,23 @@ impl Store for RedisStore {
             Value::Int(n) => Ok(Some(u64::try_from(n).unwrap_or(0))),
             other => Err(StoreError::Corrupt(format!("unexpected ZCARD reply {other:?}"))),
         }
+    }
+
+    /// `SCAN` over the prefix on each node in turn (see [`crate::admin`]).
+    async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.admin_list(query).await
+    }
+
+    /// A scan of every record under the prefix: a record's key is a digest of its scope, so
+    /// there is no key to find it by its id alone.
+    async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        Ok(self.admin_find(id).await?.map(|(_, r)| r))
+    }
+
+    /// Found like `get_by_id`, then one script on the record's key deletes it if it still has
+    /// this id and is not in flight.
+    async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+        self.admin_forget(id).await
     }
 }
 

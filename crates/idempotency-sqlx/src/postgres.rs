@@ -363,6 +363,8 @@ impl Store for PostgresStore {
                 .await
                 .map_err(db_error)?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
+    }
+
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         self.admin_list(query).await
     }

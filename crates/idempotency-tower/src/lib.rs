@@ -37,9 +37,9 @@ mod layer;
 mod metrics;
 mod problem;
 mod protect;
+mod quota;
 mod release;
 mod replay;
-mod quota;
 mod service;
 
 pub use config::{MismatchStatus, RoutePolicy};

@@ -235,6 +235,8 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn count_records(&self, principal: &crate::Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         self.inner.count_records(principal, now).await
+    }
+
     // Operating: passed through, never failed on purpose.
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         self.inner.list_records(query).await

@@ -179,6 +179,8 @@ impl Store for MemoryStore {
             .map(|s| lock(s).values().filter(|r| r.scope.principal == *principal && !r.is_expired(now)).count())
             .sum();
         Ok(Some(n as u64))
+    }
+
     // A scan of every shard: this store is for tests and small single-process services.
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         let after = query.cursor_record_id()?;

@@ -234,6 +234,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         (**self).count_records(principal, now).await
+    }
+
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         (**self).list_records(query).await
     }
