@@ -925,6 +925,8 @@ fn stdout_escapes_control_and_bidi_characters_and_stays_the_same_json() {
     );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!text.chars().any(unsafe_char), "{text:?}");
+}
+
 /// Issue 30: `lbctl records list|get|forget` with the admin token; forget is a mutation with an
 /// op id like the others, and its retry (a rerun of the op id) does not forget twice.
 #[test]
