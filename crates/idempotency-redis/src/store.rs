@@ -383,6 +383,7 @@ impl RedisStore {
     /// by this call) and first generation, in flight.
     pub async fn claim_as(&self, req: &ClaimRequest, fresh: Record) -> Result<ClaimOutcome, StoreError> {
         let args = ClaimArgs::new(req, &fresh);
+        let eat_ms = args.eat_ms.clone();
         let key = self.key_of(&req.scope);
         let mut conn = self.conn.pin(&key);
         match self.eval_on(&mut conn, &self.scripts.claim, &key, &args.args()).await? {
@@ -403,7 +404,7 @@ impl RedisStore {
             }
             return Err(e);
         }
-        self.index_record(&req.scope, &args.eat_ms).await;
+        self.index_record(&req.scope, &eat_ms).await;
         Ok(ClaimOutcome::Owned(claim))
     }
 }
