@@ -18,6 +18,11 @@
 
 use std::io::Write;
 
+#[cfg(unix)]
+mod server;
+#[cfg(unix)]
+pub use server::LocalServer;
+
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
 /// The environment variable that holds the PostgreSQL server URL.

@@ -35,6 +35,7 @@ pub struct Application {
     router: axum::Router,
     background: Vec<JoinHandle<()>>,
     timeouts: Timeouts,
+    db: Db,
     /// The token generated at start when none was configured.
     pub generated_token: Option<String>,
 }
@@ -181,12 +182,17 @@ impl Application {
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");
         let timeouts =
             Timeouts { header: args.header_timeout, idle: args.idle_timeout, shutdown: args.shutdown_timeout };
-        Ok(Self { listener, router, background, generated_token, timeouts })
+        Ok(Self { listener, router, background, generated_token, timeouts, db })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// The service's database pool (the one its handlers and its record store use).
+    pub fn database(&self) -> &Db {
+        &self.db
     }
 
     /// The bound port.

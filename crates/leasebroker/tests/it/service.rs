@@ -3,6 +3,7 @@
 //! count side effects from ground truth: the fleet endpoint and the simulator's stats.
 
 mod database;
+mod outage;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
