@@ -2,7 +2,8 @@
 //! test's own ([`LocalServer`]: initdb, pg_ctl and pg_basebackup on free ports, removed after).
 //!
 //! - creates cut by the outage are released as soon as the database is back, with the default
-//!   in-flight TTL (5 minutes): every retry resumes within seconds, one VM per key;
+//!   in-flight TTL (5 minutes): every retry resumes within seconds, one VM per key; the same with
+//!   the records on a Redis server (append-only file) that is killed and started again;
 //! - every `503` the outage causes is `store-unavailable` with `Retry-After`, on every route;
 //! - a libpq multi-host URL follows the primary across a failover, in the same process;
 //! - the service's sessions keep the database's `synchronous_commit`.
@@ -273,4 +274,148 @@ async fn the_service_never_lowers_synchronous_commit() {
     }
     drop(held);
     server.abort();
+}
+
+/// A `redis-server` with its records in an append-only file written at every command, on a
+/// port and directory that outlive it, so it can be killed and started again with its data.
+struct DurableRedis {
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl DurableRedis {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let mut redis = DurableRedis { dir, port, child: None };
+        redis.start_again();
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn start_again(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction"])
+            .args(["--dir", &self.dir.path().display().to_string()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let pong = redis::Client::open(self.url())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            if pong.is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL, as when its machine dies.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// How many records are in flight.
+    fn in_flight(&self) -> usize {
+        let mut conn = redis::Client::open(self.url()).expect("url").get_connection().expect("connect");
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("keys");
+        keys.iter()
+            .filter(|k| {
+                let kind: String = redis::cmd("TYPE").arg(k.as_str()).query(&mut conn).unwrap_or_default();
+                kind == "hash"
+                    && redis::cmd("HGET").arg(k.as_str()).arg("st").query::<Option<String>>(&mut conn).ok().flatten()
+                        == Some("in_flight".to_owned())
+            })
+            .count()
+    }
+}
+
+impl Drop for DurableRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The `_count` of a histogram series in Prometheus text, e.g.
+/// `idempotency_store_duration_seconds_count{op="complete"}`.
+async fn metric_count(base: &str, series: &str) -> u64 {
+    let text = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse::<f64>().ok()))
+        .map_or(0, |v| v as u64)
+}
+
+/// The records on Redis: it dies while creates run and stays down past every retry of their
+/// completions, then comes back with its data. With the default in-flight TTL, every retry
+/// resumes at once (the records were released when Redis answered again), one VM per key.
+#[tokio::test]
+async fn creates_whose_records_redis_lost_for_a_while_resume_when_it_returns() {
+    if !idempotency_redis::testing::have_redis_binaries() {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "redis-server is not installed and CI=true");
+        eprintln!("SKIPPED: redis-server is not installed");
+        return;
+    }
+    let mut redis = DurableRedis::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&["--latency-ms", "1500"]);
+    let lb = serve(&sqlite_url(&dir), &["--record-store", &redis.url(), "--hypervisor-url", &hv.url]);
+    let base = lb.url.clone();
+    let warm = create(&base, TOKEN, "rd-warm", &worker_body()).await;
+    assert_eq!(warm.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&warm.body));
+
+    let keys: Vec<String> = (0..8).map(|i| format!("rd-{i}")).collect();
+    let first: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (base, key) = (base.clone(), key.clone());
+            tokio::spawn(async move { create(&base, TOKEN, &key, &worker_body()).await })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while redis.in_flight() < keys.len() {
+        assert!(Instant::now() < deadline, "the creates did not all start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    redis.kill();
+    // The handlers' own work is in SQLite: each client gets its worker, and its record's
+    // completion fails, is retried, and fails every time.
+    let mut first_ids = Vec::new();
+    for (key, t) in keys.iter().zip(first) {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, StatusCode::CREATED, "{key}: {}", String::from_utf8_lossy(&r.body));
+        first_ids.push(r.json()["id"].as_str().expect("id").to_owned());
+    }
+    let completions = 1 + (1 + idempotency_tower::DEFAULT_COMPLETION_RETRIES as u64) * keys.len() as u64;
+    let series = "idempotency_store_duration_seconds_count{op=\"complete\"}";
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while metric_count(&base, series).await < completions {
+        assert!(Instant::now() < deadline, "the completion retries did not all run");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    redis.start_again();
+    let back = Instant::now();
+    for (key, id) in keys.iter().zip(&first_ids) {
+        let (r, _) = retry_create(&base, key, Duration::from_secs(120)).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{key}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["id"].as_str(), Some(id.as_str()), "{key}: the retry resumed the same worker");
+        eprintln!("{key}: answered {:?} after Redis came back", back.elapsed());
+    }
+    let stats = sim_stats(&hv.url).await;
+    let n = keys.len() as i64 + 1;
+    assert_eq!(stats["duplicate_boot_tags"], 0, "{stats}");
+    assert_eq!((stats["boots_total"].as_i64(), stats["running"].as_i64()), (Some(n), Some(n)), "{stats}");
 }
