@@ -54,6 +54,8 @@
 mod admin;
 mod migrate;
 #[cfg(feature = "postgres")]
+mod multihost;
+#[cfg(feature = "postgres")]
 mod partitioned;
 mod pool;
 #[cfg(feature = "postgres")]
@@ -73,6 +75,8 @@ pub use migrate::postgres_migrator;
 #[cfg(feature = "sqlite")]
 pub use migrate::sqlite_migrator;
 pub use migrate::{BadMigrationName, MIGRATIONS_TABLE, embedded_migrator};
+#[cfg(feature = "postgres")]
+pub use multihost::{UrlError, connect_postgres};
 #[cfg(feature = "postgres")]
 pub use partitioned::{
     DEFAULT_DAYS_AHEAD, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,

@@ -48,7 +48,8 @@ impl PostgresStore {
     /// ([`crate::postgres_pool_options`]: no ping per checkout).
     /// Does not run the migrations; call [`PostgresStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let pool = crate::postgres_pool_options(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        let pool =
+            crate::connect_postgres(url, crate::postgres_pool_options(MAX_CONNECTIONS)).await.map_err(db_error)?;
         Ok(Self::from_pool(pool))
     }
 

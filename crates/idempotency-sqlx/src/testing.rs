@@ -19,6 +19,10 @@
 use std::io::Write;
 
 pub mod ha;
+#[cfg(unix)]
+mod server;
+#[cfg(unix)]
+pub use server::LocalServer;
 
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 

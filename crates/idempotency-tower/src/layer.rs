@@ -257,8 +257,8 @@ impl IdempotencyLayerBuilder {
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
-    /// meanwhile. When all of them fail, the record stays in flight until its claim goes stale,
-    /// and the next retry after that runs the handler again (resuming through its sub-keys).
+    /// meanwhile. When all of them fail, the record is released (failed) as soon as the store
+    /// answers again, and the next retry runs the handler again (resuming through its sub-keys).
     pub fn completion_retries(mut self, times: usize, first_delay: Duration) -> Self {
         self.completion_retry.times = times;
         self.completion_retry.first_delay = first_delay;

@@ -15,6 +15,9 @@
 //! - A store error while storing the response is retried in the background
 //!   ([`completion_retries`](IdempotencyLayerBuilder::completion_retries)); the client is
 //!   answered at once.
+//! - An attempt whose outcome the store could not take (it was down) is released as soon as the
+//!   store answers again, by a background task of the layer, so a retry resumes within seconds
+//!   of the store's return instead of waiting out the in-flight TTL.
 //! - A terminal response larger than
 //!   [`max_stored_response`](IdempotencyLayerBuilder::max_stored_response) reaches its client
 //!   whole, and a retry gets `410 response-too-large` instead of a second execution.

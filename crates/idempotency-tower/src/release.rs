@@ -73,8 +73,9 @@ impl Releases {
     }
 }
 
-/// Tries the queued releases in order until the queue is empty. While the store refuses, only
-/// the oldest is tried, once per backoff step: one probe, not one per waiting claim.
+/// Tries the queued releases in turn until the queue is empty. While the store refuses, one
+/// release is tried per backoff step (a probe, not one call per waiting claim); one that fails
+/// goes to the back of the queue.
 async fn drain(cfg: Arc<Config>) {
     let backoff = || {
         ExponentialBuilder::default()
@@ -112,10 +113,14 @@ async fn drain(cfg: Arc<Config>) {
                 tracing::info!(generation, "a newer attempt took the key over before the release");
                 delays = backoff();
             }
+            Err(e @ StoreError::Corrupt(_)) => {
+                // Trying again would not help: this record goes stale instead.
+                tracing::error!(error = %ErrorChain(&e), "the record cannot be released; it goes stale instead");
+            }
             Err(e) => {
                 tracing::debug!(error = %ErrorChain(&e), "releasing the record failed again");
-                // Back to the front: the order of release is the order the attempts ended.
-                cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_front(next);
+                // To the back: one record the store keeps refusing does not hold up the others.
+                cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
                 let delay = delays.next().unwrap_or(MAX_DELAY);
                 tokio::time::sleep(delay).await;
             }

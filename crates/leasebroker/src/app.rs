@@ -35,6 +35,7 @@ pub struct Application {
     router: axum::Router,
     background: Vec<JoinHandle<()>>,
     timeouts: Timeouts,
+    db: Db,
     /// The token generated at start when none was configured.
     pub generated_token: Option<String>,
 }
@@ -202,12 +203,17 @@ impl Application {
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");
-        Ok(Self { listener, router, background, generated_token, timeouts })
+        Ok(Self { listener, router, background, generated_token, timeouts, db })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// The service's database pool (the one its handlers and its record store use).
+    pub fn database(&self) -> &Db {
+        &self.db
     }
 
     /// The bound port.

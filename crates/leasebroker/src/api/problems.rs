@@ -11,6 +11,7 @@ use idempotency_tower::{IdempotencyContext, Problem};
 use regex::Regex;
 
 use crate::db::redact;
+use crate::domain::DomainError;
 use crate::service::ServiceError;
 
 /// The longest problem `detail` the service sends: details are short, fixed texts or a bounded
@@ -71,19 +72,68 @@ impl IntoResponse for ServiceError {
             }
             Self::OperationConflict(running) => return operation_conflict(&running),
             Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
-            Self::Database(e) => {
-                tracing::error!(error = %ErrorChain(&e), "database error");
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "database-unavailable",
-                    "Database unavailable",
-                    "try again",
-                )
-                .with_retry_after(1)
-            }
+            Self::Database(e) => database_problem(&e),
         }
         .into_response()
     }
+}
+
+/// The problem for a database error. When the database cannot be reached or cannot take the
+/// statement now (connection refused or cut, pool timeout, shutdown, a read-only standby after a
+/// failover, lack of space), the answer is the one the layer gives for a store outage, on every
+/// route (SPEC 3.1): `503 store-unavailable` with `Retry-After`. Anything else is a defect of
+/// the service: `500 internal`, not stored, so the retry runs again.
+fn database_problem(e: &DomainError) -> Problem {
+    tracing::error!(error = %ErrorChain(e), "database error");
+    match e {
+        DomainError::Db(e) if store_outage(e) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "Store unavailable",
+            "the database does not answer; retry with the same key",
+        )
+        .with_retry_after(STORE_RETRY_AFTER_SECS),
+        _ => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "the request failed; nothing was stored, a retry with the same key runs it again",
+        ),
+    }
+}
+
+/// `Retry-After` of `store-unavailable`, as the layer sends it.
+const STORE_RETRY_AFTER_SECS: u64 = 1;
+
+/// Whether `e` means the database is unreachable or cannot take writes now, rather than a
+/// defect: classified by the error's kind and SQLSTATE (PostgreSQL) or result code (SQLite),
+/// never by its text.
+pub(crate) fn store_outage(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::BeginFailed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| outage_code(&code)),
+        _ => false,
+    }
+}
+
+/// PostgreSQL: class 08 (connection exception), 53 (insufficient resources: disk full, too many
+/// connections), 57P01-57P03 (shutdown, crash, cannot connect now), 57014 (statement timeout),
+/// 25006 (a read-only transaction: the host is a standby, as after a failover), 40001 and 40P01
+/// (serialization failure, deadlock: retryable). SQLite: BUSY (5), LOCKED (6), IOERR (10),
+/// FULL (13), CANTOPEN (14), and their extended codes.
+fn outage_code(code: &str) -> bool {
+    if let Ok(sqlite) = code.parse::<u32>() {
+        return matches!(sqlite & 0xff, 5 | 6 | 10 | 13 | 14);
+    }
+    code.starts_with("08")
+        || code.starts_with("53")
+        || matches!(code, "57P01" | "57P02" | "57P03" | "57014" | "25006" | "40001" | "40P01")
 }
 
 /// `409 operation-conflict`: another operation runs on the node. The problem names it in the

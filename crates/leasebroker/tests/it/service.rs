@@ -4,6 +4,7 @@
 
 mod database;
 mod failover;
+mod outage;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -1,0 +1,199 @@
+//! A PostgreSQL server of a test's own, for tests that stop, start, replicate or promote it.
+
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// A private PostgreSQL server: `initdb` in a temporary directory, one server on a free loopback
+/// port, trust authentication, run as user `postgres` when the test runs as root (PostgreSQL
+/// refuses to run as root). Stopped (immediately) and removed when dropped.
+///
+/// [`LocalServer::start`] returns `None` when PostgreSQL's server binaries are not installed:
+/// it prints a loud `SKIPPED` line, or panics under `CI=true`, like
+/// [`postgres_server_url`](super::postgres_server_url).
+#[derive(Debug)]
+pub struct LocalServer {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    port: u16,
+    as_postgres: bool,
+    running: bool,
+}
+
+impl LocalServer {
+    /// Makes and starts a fresh server; `None` (skipped) without the binaries.
+    ///
+    /// # Panics
+    ///
+    /// When the binaries are there but the server cannot be made or started.
+    pub fn start() -> Option<Self> {
+        let mut server = Self::empty()?;
+        let data = server.data();
+        server.run("initdb", &["-D", &data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"]);
+        server.start_again();
+        Some(server)
+    }
+
+    /// A standby of `primary`, copied with `pg_basebackup -R` (streaming replication) and
+    /// started; `None` (skipped) without the binaries.
+    ///
+    /// # Panics
+    ///
+    /// When the copy or the start fails.
+    pub fn standby_of(primary: &LocalServer) -> Option<Self> {
+        let mut server = Self::empty()?;
+        let (data, port) = (server.data(), primary.port.to_string());
+        server.run(
+            "pg_basebackup",
+            &["-h", "127.0.0.1", "-p", &port, "-U", "postgres", "-D", &data, "-R", "-X", "stream", "--no-sync"],
+        );
+        server.start_again();
+        Some(server)
+    }
+
+    fn empty() -> Option<Self> {
+        let bin = bin_dir()?;
+        let as_postgres = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
+        let dir = tempfile::Builder::new().prefix("pg-test-").tempdir().expect("a temporary directory");
+        if as_postgres {
+            let (uid, gid) = (id_of("-u"), id_of("-g"));
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("handing the directory to postgres");
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        Some(Self { bin, dir, port, as_postgres, running: false })
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/DB`.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// Whether the server was left running.
+    pub fn is_running(&self) -> bool {
+        self.running
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    fn command(&self, tool: &str, args: &[&str]) -> Command {
+        let program = self.bin.join(tool);
+        let mut command = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(program);
+            c
+        } else {
+            Command::new(program)
+        };
+        command.args(args).current_dir(self.dir.path()).stdin(Stdio::null());
+        command
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let out = self.command(tool, args).output().unwrap_or_else(|e| panic!("running {tool}: {e}"));
+        assert!(
+            out.status.success(),
+            "{tool} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+
+    /// Starts the stopped server and waits until it accepts connections.
+    pub fn start_again(&mut self) {
+        let (data, socket) = (self.data(), self.dir.path().display().to_string());
+        let log = self.dir.path().join("postgres.log").display().to_string();
+        let options =
+            format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100", self.port);
+        self.run("pg_ctl", &["start", "-w", "-t", "120", "-D", &data, "-l", &log, "-o", &options]);
+        self.running = true;
+    }
+
+    /// Stops the server at once (`-m immediate`: connections are cut with no checkpoint, as when
+    /// the database machine dies; the next start recovers from the WAL).
+    pub fn stop(&mut self) {
+        let data = self.data();
+        self.run("pg_ctl", &["stop", "-w", "-t", "120", "-m", "immediate", "-D", &data]);
+        self.running = false;
+    }
+
+    /// Promotes a standby to primary and waits until it is one.
+    pub fn promote(&self) {
+        let data = self.data();
+        self.run("pg_ctl", &["promote", "-w", "-t", "120", "-D", &data]);
+    }
+
+    /// The server's log so far, for a failing test's message.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        if self.running {
+            let data = self.data();
+            let _ = self
+                .command("pg_ctl", &["stop", "-w", "-m", "immediate", "-D", &data])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// PostgreSQL's server binaries: `pg_config --bindir`, else the newest
+/// `/usr/lib/postgresql/<version>/bin`; `None` (skipped, loudly) when there are none.
+fn bin_dir() -> Option<PathBuf> {
+    let has_tools = |dir: &Path| ["initdb", "pg_ctl", "pg_basebackup"].iter().all(|t| dir.join(t).is_file());
+    let from_pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+        .filter(|d| has_tools(d));
+    let newest = || {
+        let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let version = e.file_name().to_str()?.split('.').next()?.parse::<u32>().ok()?;
+                let bin = e.path().join("bin");
+                has_tools(&bin).then_some((version, bin))
+            })
+            .collect();
+        found.sort();
+        found.pop().map(|(_, bin)| bin)
+    };
+    let found = from_pg_config.or_else(newest);
+    if found.is_none() {
+        let test = std::thread::current().name().unwrap_or("<unnamed>").to_owned();
+        assert!(
+            !std::env::var("CI").is_ok_and(|v| v == "true" || v == "1"),
+            "{test}: PostgreSQL's server binaries (initdb, pg_ctl, pg_basebackup) are not installed and CI=true"
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: {test}: the test did not run because PostgreSQL's server binaries (initdb, pg_ctl, \
+             pg_basebackup) are not installed"
+        );
+    }
+    found
+}
+
+/// `id -u postgres` or `id -g postgres`.
+fn id_of(flag: &str) -> u32 {
+    let out = Command::new("id").args([flag, "postgres"]).output().expect("running id");
+    String::from_utf8_lossy(&out.stdout).trim().parse().expect("a user postgres to run PostgreSQL as")
+}
