@@ -966,4 +966,53 @@ mod racing_attempts {
         let late = a1.await.expect("A1");
         assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
     }
+
+    /// Issue 24, hole 3, the flash watcher: 500 running operations whose flash was never sent
+    /// (their requests walked away; they wait out `--abandon-after`), older than a flash the BMC
+    /// accepted just now. The watcher still follows the new one within two passes: it reads the
+    /// least recently watched first, not the oldest 500.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_flash_watcher_reaches_a_new_flash_behind_500_waiting_ones() {
+        use leasebroker::firmware::{Firmware, Watcher};
+        use leasebroker::service::FlashFirmware;
+        let rig = rig().await;
+        let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
+        let created = idempotency::now().timestamp_micros() - 60_000_000;
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 500) \
+             INSERT INTO lb_nodes (node_id, cpu, memory_gb) SELECT 'node-w' || i, 64, 256 FROM n",
+        )
+        .execute(sqlite)
+        .await
+        .expect("nodes");
+        sqlx::query(
+            "INSERT INTO lb_flash_operations (op_id, node_id, version, state, intent, tag, sent_at, created_at) \
+             SELECT 'op-0' || node_id, node_id, '9.9', 'running', 'unsent', 'sk-w' || node_id, 0, $1 \
+             FROM lb_nodes WHERE node_id LIKE 'node-w%'",
+        )
+        .bind(created)
+        .execute(sqlite)
+        .await
+        .expect("operations");
+        let firmware = Firmware {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            settle: rig.workers.settle,
+        };
+        let op = operation("POST", "/admin/v1/nodes/node-0001/firmware");
+        let flash = firmware.flash("node-0001", &FlashFirmware { version: "2.0".into() }, &op).await.expect("accepted");
+        assert!(flash.is_accepted(), "{flash:?}");
+        let watcher = Watcher {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            name: "watcher-1".into(),
+            poll: Duration::from_millis(100),
+            settle: rig.workers.settle,
+            abandon_after: Duration::from_secs(3600),
+        };
+        watcher.run_once().await;
+        watcher.run_once().await;
+        let row = rig.workers.domain.flash_operation(&flash.op_id).await.expect("read").expect("row");
+        assert_eq!(row.watcher.as_deref(), Some("watcher-1"), "the new flash was never watched: {row:?}");
+    }
 }
