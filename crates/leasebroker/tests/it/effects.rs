@@ -576,7 +576,13 @@ mod racing_attempts {
     /// [`rig`] with `hook` run at the handlers' named steps.
     async fn rig_with(hook: Hook) -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = Db::connect(&crate::support::sqlite_url(&dir)).await.expect("db");
+        let url = crate::support::sqlite_url(&dir);
+        rig_on(&url, dir, hook).await
+    }
+
+    /// [`rig_with`] on the database at `url` (`dir` is kept for as long as the rig).
+    async fn rig_on(url: &str, dir: tempfile::TempDir, hook: Hook) -> Rig {
+        let db = Db::connect(url).await.expect("db");
         db.migrate().await.expect("migrate");
         let domain = Domain::new(db.clone());
         domain.seed_nodes(16, 64, 256).await.expect("nodes");
@@ -747,8 +753,20 @@ mod racing_attempts {
     /// takes no node or lease, and does not bring the worker back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing() {
-        let (hook, mut held) = hold_first(Step::CreateDecide);
-        let rig = rig_with(hook).await;
+        let (hook, held) = hold_first(Step::CreateDecide);
+        stalled_create_case(rig_with(hook).await, held).await;
+    }
+
+    /// The same on PostgreSQL, where the fence is a row lock rather than the one write lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing_on_postgres() {
+        let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let (hook, held) = hold_first(Step::CreateDecide);
+        let dir = tempfile::tempdir().expect("tempdir");
+        stalled_create_case(rig_on(pg.url(), dir, hook).await, held).await;
+    }
+
+    async fn stalled_create_case(rig: Rig, mut held: Held) {
         let op = operation("POST", "/v1/workers");
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         let a1 = {
