@@ -155,7 +155,7 @@ impl Domain {
     }
 
     /// Takes the right to send the flash of a running, not accepted operation: moves its send
-    /// stamp from `seen` to a new one by compare-and-set ([`stamp_send!`], the same fence as
+    /// stamp from `seen` to a new one by compare-and-set (`stamp_send!`, the same fence as
     /// boots and reboots, taken once the row is locked). `None` when the stamp moved since it was
     /// read, or the operation ended.
     pub async fn stamp_flash(&self, op_id: &str, seen: i64) -> Result<Option<i64>> {

@@ -35,7 +35,7 @@ impl Domain {
     /// Takes the right to send the hypervisor call of a pending or failed intent of the
     /// operation `op_id` (fenced: see [`DomainError::RolledBack`]): moves its send stamp from
     /// `seen` (the stamp the caller read, and decided from) to a new one, by compare-and-set
-    /// ([`stamp_send!`], taken once the guard holds the lock). `None` when the stamp moved since
+    /// (`stamp_send!`, taken once the guard holds the lock). `None` when the stamp moved since
     /// it was read: another attempt (one whose stale claim was taken over while it still ran)
     /// acted on the intent in between, so this one must not send. Called right before every
     /// send, the first one included; the settle window runs from the new stamp.

@@ -10,8 +10,10 @@ use std::sync::Arc;
 /// A point in a handler where an attempt may be held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
-    /// A create read what an earlier attempt left (its worker, its tombstone) and is about to
-    /// decide in the database.
+    /// A create is about to decide, in its first transaction, whether it starts at all (its
+    /// worker exists or was deleted: it finished) and what an earlier attempt holds. (Before
+    /// issue 24 the worker and tombstone were read before this point, outside that
+    /// transaction.)
     CreateDecide,
     /// A create found its boot intent pending (an earlier attempt's call may have landed) and is
     /// about to reconcile it by tag.

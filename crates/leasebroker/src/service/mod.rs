@@ -27,7 +27,9 @@
 //! steps are fenced in the database, not by the claim alone: a call is sent only by the attempt
 //! that recorded the intent with its send stamp, or moved that stamp by compare-and-set from the
 //! value it decided on; and every commit of a create first checks, in its transaction, that the
-//! reaper has not taken the operation for a rollback.
+//! reaper has not taken the operation for a rollback and that it has not finished (a finished
+//! operation keeps a compact mark until the retention, so an attempt that outlived its claim
+//! never starts it again).
 //!
 //! A definite refusal (the hypervisor answered 4xx, or could not be reached at all) gives back
 //! the node and the lease before answering. A create nobody finishes is rolled back by the

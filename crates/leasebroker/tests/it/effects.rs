@@ -576,7 +576,13 @@ mod racing_attempts {
     /// [`rig`] with `hook` run at the handlers' named steps.
     async fn rig_with(hook: Hook) -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = Db::connect(&crate::support::sqlite_url(&dir)).await.expect("db");
+        let url = crate::support::sqlite_url(&dir);
+        rig_on(&url, dir, hook).await
+    }
+
+    /// [`rig_with`] on the database at `url` (`dir` is kept for as long as the rig).
+    async fn rig_on(url: &str, dir: tempfile::TempDir, hook: Hook) -> Rig {
+        let db = Db::connect(url).await.expect("db");
         db.migrate().await.expect("migrate");
         let domain = Domain::new(db.clone());
         domain.seed_nodes(16, 64, 256).await.expect("nodes");
@@ -747,8 +753,20 @@ mod racing_attempts {
     /// takes no node or lease, and does not bring the worker back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing() {
-        let (hook, mut held) = hold_first(Step::CreateDecide);
-        let rig = rig_with(hook).await;
+        let (hook, held) = hold_first(Step::CreateDecide);
+        stalled_create_case(rig_with(hook).await, held).await;
+    }
+
+    /// The same on PostgreSQL, where the fence is a row lock rather than the one write lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing_on_postgres() {
+        let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let (hook, held) = hold_first(Step::CreateDecide);
+        let dir = tempfile::tempdir().expect("tempdir");
+        stalled_create_case(rig_on(pg.url(), dir, hook).await, held).await;
+    }
+
+    async fn stalled_create_case(rig: Rig, mut held: Held) {
         let op = operation("POST", "/v1/workers");
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         let a1 = {
@@ -965,5 +983,54 @@ mod racing_attempts {
         held.release.send(()).expect("release A1");
         let late = a1.await.expect("A1");
         assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
+    }
+
+    /// Issue 24, hole 3, the flash watcher: 500 running operations whose flash was never sent
+    /// (their requests walked away; they wait out `--abandon-after`), older than a flash the BMC
+    /// accepted just now. The watcher still follows the new one within two passes: it reads the
+    /// least recently watched first, not the oldest 500.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_flash_watcher_reaches_a_new_flash_behind_500_waiting_ones() {
+        use leasebroker::firmware::{Firmware, Watcher};
+        use leasebroker::service::FlashFirmware;
+        let rig = rig().await;
+        let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
+        let created = idempotency::now().timestamp_micros() - 60_000_000;
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 500) \
+             INSERT INTO lb_nodes (node_id, cpu, memory_gb) SELECT 'node-w' || i, 64, 256 FROM n",
+        )
+        .execute(sqlite)
+        .await
+        .expect("nodes");
+        sqlx::query(
+            "INSERT INTO lb_flash_operations (op_id, node_id, version, state, intent, tag, sent_at, created_at) \
+             SELECT 'op-0' || node_id, node_id, '9.9', 'running', 'unsent', 'sk-w' || node_id, 0, $1 \
+             FROM lb_nodes WHERE node_id LIKE 'node-w%'",
+        )
+        .bind(created)
+        .execute(sqlite)
+        .await
+        .expect("operations");
+        let firmware = Firmware {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            settle: rig.workers.settle,
+        };
+        let op = operation("POST", "/admin/v1/nodes/node-0001/firmware");
+        let flash = firmware.flash("node-0001", &FlashFirmware { version: "2.0".into() }, &op).await.expect("accepted");
+        assert!(flash.is_accepted(), "{flash:?}");
+        let watcher = Watcher {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            name: "watcher-1".into(),
+            poll: Duration::from_millis(100),
+            settle: rig.workers.settle,
+            abandon_after: Duration::from_secs(3600),
+        };
+        watcher.run_once().await;
+        watcher.run_once().await;
+        let row = rig.workers.domain.flash_operation(&flash.op_id).await.expect("read").expect("row");
+        assert_eq!(row.watcher.as_deref(), Some("watcher-1"), "the new flash was never watched: {row:?}");
     }
 }

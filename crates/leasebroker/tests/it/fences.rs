@@ -121,3 +121,27 @@ async fn a_terse_bmc_answer_is_a_success() {
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["state"], "running", "{}", r.json());
 }
+
+/// Hole 3, the flood's source: a create refused before any side effect (quota `403`) leaves no
+/// operation row for the reaper to look at; the one create that holds a worker leaves only its
+/// compact finished mark.
+#[tokio::test]
+async fn a_create_refused_by_the_quota_leaves_no_operation_row() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let lb = serve(&db, &["--max-workers-per-principal", "1"]);
+    assert_eq!(create(&lb.url, TOKEN, "quota-1", &worker_body()).await.status, StatusCode::CREATED);
+    for i in 2..=4 {
+        let r = create(&lb.url, TOKEN, &format!("quota-{i}"), &worker_body()).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let pool = sqlx::SqlitePool::connect(&db).await.expect("open");
+    let rows: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM lb_operations), (SELECT COUNT(*) FROM lb_operations WHERE rolled_back = 3)",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    pool.close().await;
+    assert_eq!(rows, (1, 1), "operation rows (all, finished marks)");
+}
