@@ -9,6 +9,10 @@ use crate::headers::IDEMPOTENT_REPLAYED;
 use crate::metrics::count;
 use crate::problem::{Rejection, rejection_response};
 
+/// The least a replay may inflate a stored body to, whatever `max_stored_response` says: room
+/// for the `410 response-too-large` problem stored in place of a larger response.
+const MIN_REPLAY_LIMIT: usize = 4096;
+
 /// The allowlisted headers, in order, repeated values kept. Values are stored one char per byte
 /// (Latin-1), so any header value, even one with obs-text, round-trips byte for byte.
 pub(crate) fn replayable_headers(cfg: &Config, headers: &http::HeaderMap) -> Vec<(String, String)> {
@@ -43,7 +47,10 @@ fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValu
 pub(crate) fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
     let rebuilt = (|| {
         let status = StatusCode::from_u16(stored.status).map_err(|e| e.to_string())?;
-        let body = stored.body.decode_at_most(cfg.max_stored_response).map_err(|e| e.to_string())?;
+        // Bounded, so a forged or corrupt stored body cannot inflate without limit; never below the
+        // short problem the layer stores in place of a response too large to keep.
+        let limit = cfg.max_stored_response.max(MIN_REPLAY_LIMIT);
+        let body = stored.body.decode_at_most(limit).map_err(|e| e.to_string())?;
         let mut res = Response::new(Body::from(body));
         *res.status_mut() = status;
         for (name, value) in &stored.headers {
