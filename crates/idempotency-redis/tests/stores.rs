@@ -587,3 +587,32 @@ async fn exported_script_calls_are_the_stores() {
     assert_eq!((done.state, done.response), (idempotency::RecordState::Completed, Some(response())));
     assert_eq!(send(&mut con, &complete), ::redis::Value::Int(0), "a completed record is fenced");
 }
+
+/// Issue 24, hole 6: the claim script ran and inserted this call's record, its answer was lost
+/// to an I/O error, and the client sent the script again (what the Cluster client does on a
+/// retry). The second run finds the record this very call created: the call owns it, and does
+/// not answer `Existing` (a `409` to the request that made it, for a whole TTL). Another
+/// request for the key still finds it taken.
+#[tokio::test]
+async fn a_claim_script_run_twice_by_one_call_owns_its_record() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let s = scope();
+    let req = request(&s);
+    let fresh = req.new_record();
+    let call = store.claim_call(&req, &fresh);
+    let mut con = ::redis::Client::open(cleanup.url.as_str()).expect("url").get_connection().expect("connect");
+    let mut first = ::redis::cmd("EVAL");
+    first.arg(call.source).arg(1).arg(&call.key);
+    for a in &call.args {
+        first.arg(a.as_slice());
+    }
+    let inserted: i64 = first.query(&mut con).expect("the first run");
+    assert_eq!(inserted, 1, "the first run inserted the record; its answer is lost");
+    let again = store.claim_as(&req, fresh.clone()).await.expect("the run sent again");
+    match again {
+        ClaimOutcome::Owned(claim) => assert_eq!(claim.record().record_id, fresh.record_id),
+        ClaimOutcome::Existing(r) => panic!("this call's own record seen as existing: {r:?}"),
+    }
+    let other = store.claim(request(&s)).await.expect("another request");
+    assert!(matches!(other, ClaimOutcome::Existing(ref r) if r.record_id == fresh.record_id), "{other:?}");
+}

@@ -129,6 +129,7 @@ impl Application {
             abandon_after: args.abandon_after,
             in_flight_ttl: args.in_flight_ttl,
             retention: args.retention,
+            orphan_deletes: Default::default(),
         };
         background.push(crate::reaper::spawn_with_sweeper(
             idempotency_tower::sweeper(store.clone(), args.sweep_interval),
@@ -168,6 +169,7 @@ impl Application {
                 settle: args.hypervisor_settle,
                 limits: Limits { node_cpu: i64::from(args.node_cpu), node_memory_gb: i64::from(args.node_memory_gb) },
                 quota: args.max_workers_per_principal,
+                hook: Default::default(),
             },
             tokens: Arc::new(tokens),
             admin_token: args.admin_token.as_deref().map(token_digest),

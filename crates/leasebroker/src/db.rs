@@ -63,6 +63,7 @@ pub(crate) fn sqlite_migrator() -> Migrator {
         "0003_rollback_fence.sql",
         "0004_flash_operations.sql",
         "0005_free_node_index.sql",
+        "0006_operation_marks.sql",
     ))
 }
 
@@ -75,6 +76,7 @@ pub(crate) fn postgres_migrator() -> Migrator {
         "0003_rollback_fence.sql",
         "0004_flash_operations.sql",
         "0005_free_node_index.sql",
+        "0006_operation_marks.sql",
     ))
 }
 

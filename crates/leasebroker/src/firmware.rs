@@ -31,9 +31,7 @@ use tokio::task::JoinHandle;
 
 use crate::domain::{Domain, FlashRow, FlashStart};
 use crate::hypervisor::client::{BmcNode, BmcState, FlashRequest, HvError, HypervisorClient};
-use crate::service::{
-    Operation, ServiceError, micros, now_micros, public_id, send_stamp, settled_since, stamped_in_time,
-};
+use crate::service::{Operation, ServiceError, may_send, micros, now_micros, public_id, settled_since};
 
 /// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
 /// (`succeeded`, `failed`).
@@ -115,21 +113,13 @@ impl Firmware {
                     retry_after: 1,
                 }
             })?;
-            if !holding.is_empty() {
+            if holding > 0 {
                 tracing::info!(op_id, "adopted the flash an earlier attempt sent");
                 return Ok(self.domain.accept_flash(&op_id).await?);
             }
             settled_since(&tag, row.sent_at, self.settle)?;
         }
-        let stamp = send_stamp(row.sent_at);
-        if !self.domain.stamp_flash(&op_id, row.sent_at, stamp).await? {
-            tracing::warn!(op_id, "another attempt acted on this flash since it was read; not sending it");
-            return Err(ServiceError::UpstreamUnavailable {
-                reason: "another attempt of this request is flashing; retry with the same key".into(),
-                retry_after: 1,
-            });
-        }
-        stamped_in_time(&tag, stamp)?;
+        let stamp = may_send(&tag, self.domain.stamp_flash(&op_id, row.sent_at).await?)?;
         metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
         let call = FlashRequest { version: req.version.clone(), tag: tag.clone() };
         match self.hypervisor.flash(node_id, &call).await {
@@ -263,7 +253,7 @@ impl Watcher {
     /// its attempt still runs. Adopts the flash when the BMC holds its tag; fails it when nobody
     /// sent it for `--abandon-after` and no call can still land.
     async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
-        if row.intent == "pending" && !self.hypervisor.bmcs_by_tag(&row.tag).await?.is_empty() {
+        if row.intent == "pending" && self.hypervisor.bmcs_by_tag(&row.tag).await? > 0 {
             self.domain.accept_flash(&row.op_id).await?;
             tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
             return Ok(false);

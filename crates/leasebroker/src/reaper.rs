@@ -4,8 +4,11 @@
 //!
 //! Every attempt of a create or a reboot writes the operation's row (`lb_operations`: its record's
 //! scope and id, and when the attempt started). On each tick the reaper reads the record of every
-//! operation whose last attempt is older than the settle window:
-//! - the record completed: the operation finished; its intents and its row are deleted;
+//! operation that is due (its `next_check_at` passed; at most 500 a tick, half the
+//! longest due and half the latest due; a row the reaper waits on is put off to when it may
+//! change), after an inventory sweep that deletes VMs with the service's tag nobody owns:
+//! - the record completed: the operation finished; its intents are deleted and its row keeps a
+//!   compact finished mark until the retention;
 //! - an attempt holds the record (in flight, not stale): nothing to do yet;
 //! - a create whose record failed or whose claim went stale, with no attempt for
 //!   `--abandon-after`: it is rolled back. The reaper takes the record's claim by compare-and-set
@@ -24,7 +27,6 @@
 //! its record. Reboots hold nothing, and a reboot cannot be undone: an abandoned reboot keeps its
 //! record and intent until the record expires, so a late retry still finds what it did.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +35,10 @@ use tokio::task::JoinHandle;
 
 use crate::domain::{Domain, OperationRow};
 use crate::hypervisor::client::HypervisorClient;
-use crate::service::{CreateKeys, destroy_duplicates, micros, now_micros};
+use crate::service::{CreateKeys, micros, now_micros};
+
+mod inventory;
+pub use inventory::OrphanDeletes;
 
 /// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
 pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
@@ -41,6 +46,9 @@ pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
 pub const DELETES_FINISHED_TOTAL: &str = "leasebroker_reaper_deletes_finished_total";
 /// Counter: finished operations whose intents and row the reaper deleted.
 pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
+/// Counter: VMs carrying one of the service's tags that no live operation or worker owned,
+/// deleted by the inventory sweep (a boot that landed after its operation was rolled back).
+pub const ORPHANS_REMOVED_TOTAL: &str = "leasebroker_orphans_removed_total";
 
 /// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
 pub fn describe_metrics() {
@@ -56,11 +64,14 @@ pub fn describe_metrics() {
     );
     metrics::describe_counter!(DELETES_FINISHED_TOTAL, "Abandoned deletes the reaper finished");
     metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
+    metrics::describe_counter!(
+        ORPHANS_REMOVED_TOTAL,
+        "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
+    );
 }
 
-/// Operations read per page, and the most one tick reads.
-const PAGE: u32 = 200;
-const MAX_PER_TICK: usize = 2000;
+/// The most operations one tick looks at (half from each end of the due ones).
+const PER_TICK: u32 = 500;
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -73,6 +84,8 @@ pub struct ReapReport {
     pub forgotten: u64,
     /// Operations left for a later tick (an attempt holds them, or a call may still land).
     pub waiting: u64,
+    /// VMs with the service's tag that nobody owned, deleted by the inventory sweep.
+    pub orphans_removed: u64,
 }
 
 /// The reaper's settings and handles.
@@ -92,6 +105,8 @@ pub struct Reaper {
     pub in_flight_ttl: Duration,
     /// `--retention`: how long tombstones are kept (longer than any record that could need them).
     pub retention: Duration,
+    /// Orphans whose delete was sent but not confirmed (a slow hypervisor): counted once.
+    pub orphan_deletes: OrphanDeletes,
 }
 
 impl std::fmt::Debug for Reaper {
@@ -108,14 +123,16 @@ enum Verdict {
     Forget,
     RollBack(Option<Record>),
     FinishDelete(Option<Record>),
-    Wait,
+    /// Nothing yet: look again at this moment (µs since the epoch).
+    Wait(i64),
 }
 
 impl Reaper {
-    /// One pass: late landings, then operations, then old tombstones.
+    /// One pass: the inventory (late landings, orphans), then the operations due, then old
+    /// marks and tombstones.
     pub async fn run_once(&self) -> ReapReport {
         let mut report = ReapReport::default();
-        report.vms_deleted += self.destroy_late_landings().await;
+        self.sweep_inventory(&mut report).await;
         self.reap_operations(&mut report).await;
         match self.domain.prune(now_micros().saturating_sub(micros(self.retention))).await {
             Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones and intents deleted"),
@@ -125,107 +142,68 @@ impl Reaper {
         report
     }
 
-    /// A tag that carries two VMs: a boot call landed after a retry booted again (the settle
-    /// window is shorter than the hypervisor takes). Keeps the VM the service adopted (recorded
-    /// in the intent, or the one a worker runs on) and deletes the others.
-    async fn destroy_late_landings(&self) -> u64 {
-        let vms = match self.hypervisor.list_all().await {
-            Ok(vms) => vms,
-            Err(e) => {
-                tracing::warn!(error = %ErrorChain(&e), "cannot list VMs to look for late landings");
-                return 0;
-            }
-        };
-        let mut by_tag: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for vm in vms.into_iter().filter(|vm| vm.tag.starts_with("sk-")) {
-            by_tag.entry(vm.tag).or_default().push(vm.vm_id);
-        }
-        let mut deleted = 0;
-        for (tag, ids) in by_tag.into_iter().filter(|(_, ids)| ids.len() > 1) {
-            let keep = match self.adopted(&tag, &ids).await {
-                Ok(Some(keep)) => keep,
-                Ok(None) => continue, // not decided yet: the create's own retry adopts one
-                Err(e) => {
-                    tracing::warn!(error = %ErrorChain(&e), "cannot check a tag with two VMs");
-                    continue;
-                }
-            };
-            let extra: Vec<String> = ids.into_iter().filter(|id| *id != keep).collect();
-            destroy_duplicates(&self.hypervisor, &tag, &keep, &extra).await;
-            deleted += extra.len() as u64;
-        }
-        deleted
-    }
-
-    /// Which of `ids` (all tagged `tag`) the service adopted, if it decided.
-    async fn adopted(&self, tag: &str, ids: &[String]) -> Result<Option<String>, crate::domain::DomainError> {
-        if let Some(intent) = self.domain.intent(tag).await? {
-            return Ok(match (intent.state.as_str(), intent.vm_id) {
-                ("done", Some(vm_id)) if ids.contains(&vm_id) => Some(vm_id),
-                _ => None,
-            });
-        }
-        let mut used = Vec::new();
-        for id in ids {
-            if self.domain.vm_in_use(id).await? {
-                used.push(id.clone());
-            }
-        }
-        Ok(if used.len() == 1 { used.pop() } else { None })
-    }
-
+    /// Looks at the operations due (at most [`PER_TICK`]); each one the reaper must wait on is
+    /// put off to when it may change, so it never delays another.
     async fn reap_operations(&self, report: &mut ReapReport) {
         let now = now_micros();
-        let before = now.saturating_sub(micros(self.settle));
-        let mut seen = 0usize;
-        let mut after: Option<(i64, String)> = None;
-        while seen < MAX_PER_TICK {
-            let page = match self.domain.operations_before(before, after.as_ref(), PAGE).await {
-                Ok(page) => page,
+        let due = match self.domain.operations_due(now, PER_TICK).await {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!(error = %ErrorChain(&e), "reaper cannot read operations; trying again next tick");
+                return;
+            }
+        };
+        for op in due {
+            let again = match self.reap(&op, now, report).await {
+                Ok(again) => again,
                 Err(e) => {
-                    tracing::warn!(error = %ErrorChain(&e), "reaper cannot read operations; trying again next tick");
-                    return;
+                    tracing::warn!(op = %op.op_id, error = %format!("{e:#}"), "reaper step failed; trying again later");
+                    Some(now_micros().saturating_add(micros(self.settle.max(Duration::from_secs(1)))))
                 }
             };
-            let full = page.len() == PAGE as usize;
-            seen += page.len();
-            after = page.last().map(|op| (op.last_attempt_at, op.op_id.clone()));
-            for op in page {
-                if let Err(e) = self.reap(&op, now, report).await {
-                    tracing::warn!(op = %op.op_id, error = %format!("{e:#}"), "reaper step failed; trying again next tick");
+            if let Some(at) = again {
+                report.waiting += 1;
+                if let Err(e) = self.domain.put_off(&op.op_id, at).await {
+                    tracing::warn!(op = %op.op_id, error = %ErrorChain(&e), "cannot put off an operation");
                 }
-            }
-            if !full {
-                break;
             }
         }
     }
 
-    /// Decides on one operation and acts on it.
-    async fn reap(&self, op: &OperationRow, now: i64, report: &mut ReapReport) -> anyhow::Result<()> {
+    /// Decides on one operation and acts on it. Returns when to look at it again, if the
+    /// reaper must wait on it.
+    async fn reap(&self, op: &OperationRow, now: i64, report: &mut ReapReport) -> anyhow::Result<Option<i64>> {
+        let settle = micros(self.settle);
+        if op.last_attempt_at > now.saturating_sub(settle) {
+            return Ok(Some(op.last_attempt_at.saturating_add(settle))); // an attempt runs or just ran
+        }
         let scope = scope_of(op)?;
         let record = self.store.get(&scope).await?.filter(|r| r.record_id.to_hex() == op.record_id);
-        let abandoned = op.last_attempt_at <= now.saturating_sub(micros(self.abandon_after));
+        let abandoned_at = op.last_attempt_at.saturating_add(micros(self.abandon_after));
+        let abandoned = abandoned_at <= now;
         let verdict = match &record {
             None if op.kind == "create" => Verdict::RollBack(None),
             None if op.kind == "delete" => Verdict::FinishDelete(None),
             None => Verdict::Forget,
             Some(r) if r.state == RecordState::Completed => Verdict::Forget,
-            Some(r) if op.kind == "create" && abandoned && self.claimable(r) => Verdict::RollBack(Some(r.clone())),
-            Some(r) if op.kind == "delete" && abandoned && self.claimable(r) => Verdict::FinishDelete(Some(r.clone())),
-            Some(_) => Verdict::Wait,
+            // Reboots hold nothing and are never undone: wait for the record to expire.
+            Some(r) if op.kind != "create" && op.kind != "delete" => Verdict::Wait(r.expires_at.timestamp_micros()),
+            Some(r) if !abandoned => Verdict::Wait(abandoned_at.max(now + 1)),
+            Some(r) if !self.claimable(r) => Verdict::Wait(now.saturating_add(micros(self.in_flight_ttl))),
+            Some(r) if op.kind == "create" => Verdict::RollBack(Some(r.clone())),
+            Some(r) => Verdict::FinishDelete(Some(r.clone())),
         };
         match verdict {
-            Verdict::Wait => report.waiting += 1,
+            Verdict::Wait(at) => Ok(Some(at)),
             Verdict::Forget => {
                 self.domain.forget_operation(&op.op_id).await?;
                 metrics::counter!(FORGOTTEN_TOTAL).increment(1);
                 report.forgotten += 1;
+                Ok(None)
             }
-            Verdict::RollBack(record) => self.roll_back(op, record, scope, report).await?,
-            Verdict::FinishDelete(record) => self.finish_delete(op, record, scope, report).await?,
+            Verdict::RollBack(record) => self.roll_back(op, record, scope, report).await,
+            Verdict::FinishDelete(record) => self.finish_delete(op, record, scope, report).await,
         }
-        Ok(())
     }
 
     /// Whether the record is failed, or in flight with a stale claim.
@@ -244,9 +222,9 @@ impl Reaper {
         record: Option<Record>,
         scope: Scope,
         report: &mut ReapReport,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Option<i64>> {
         let Some(keys) = keys_of(op, record.as_ref(), &scope) else {
-            return Ok(());
+            return Ok(Some(now_micros().saturating_add(micros(self.retention)))); // unreadable: set aside
         };
         // A create that made its worker finished: the worker is its result, never rolled back.
         if self.domain.worker(&op.principal, &keys.worker_id()).await?.is_some()
@@ -254,20 +232,17 @@ impl Reaper {
         {
             self.domain.forget_operation(&op.op_id).await?;
             report.forgotten += 1;
-            return Ok(());
+            return Ok(None);
         }
-        if !self.settled(keys.boot.as_str()).await? {
-            report.waiting += 1;
-            return Ok(());
+        if let Some(at) = self.settles_at(keys.boot.as_str()).await? {
+            return Ok(Some(at));
         }
         let t = idempotency::now();
         let claim = match &record {
             Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
                 Some(claim) => Some(claim),
-                None => {
-                    report.waiting += 1; // a retry (or another replica's reaper) took it first
-                    return Ok(());
-                }
+                // A retry (or another replica's reaper) took it first: look again later.
+                None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
             },
             None => None,
         };
@@ -280,15 +255,14 @@ impl Reaper {
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
-            return Ok(());
+            return Ok(None);
         }
         // Check the window once more: a step that committed before the mark may have sent a call.
-        if !self.settled(keys.boot.as_str()).await? {
+        if let Some(at) = self.settles_at(keys.boot.as_str()).await? {
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
-            report.waiting += 1;
-            return Ok(());
+            return Ok(Some(at));
         }
         let vms = match self.hypervisor.list_by_tag(keys.boot.as_str()).await {
             Ok(vms) => vms,
@@ -319,7 +293,7 @@ impl Reaper {
         let released = self.domain.release_abandoned(&op.op_id, keys.alloc.as_str(), &keys.lease_id()).await?;
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "vm").increment(vms_deleted);
         if released.operations == 0 {
-            return Ok(()); // another replica's reaper finished this rollback first
+            return Ok(None); // another replica's reaper finished this rollback first
         }
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "lease").increment(released.leases);
@@ -331,7 +305,7 @@ impl Reaper {
         );
         report.rolled_back += 1;
         report.vms_deleted += vms_deleted;
-        Ok(())
+        Ok(None)
     }
 
     /// Finishes an abandoned delete (a delete cannot be rolled back: its VM may be gone already):
@@ -344,15 +318,12 @@ impl Reaper {
         record: Option<Record>,
         scope: Scope,
         report: &mut ReapReport,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Option<i64>> {
         let t = idempotency::now();
         let claim = match &record {
             Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
                 Some(claim) => Some(claim),
-                None => {
-                    report.waiting += 1;
-                    return Ok(());
-                }
+                None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
             },
             None => None,
         };
@@ -360,7 +331,7 @@ impl Reaper {
             Some(r) => r.derive("delete"),
             None => match rebuilt_record(op, &scope) {
                 Some(r) => r.derive("delete"),
-                None => return Ok(()),
+                None => return Ok(Some(now_micros().saturating_add(micros(self.retention)))),
             },
         };
         // The delete's endpoint is `DELETE /v1/workers/{id}`.
@@ -396,21 +367,23 @@ impl Reaper {
                 "abandoned delete finished");
         }
         report.forgotten += 1;
-        Ok(())
+        Ok(None)
     }
 
-    /// Whether the settle window of the last call for the intent `tag` has passed (or no call
-    /// may still land: none was made, it was refused, or it is done).
-    async fn settled(&self, tag: &str) -> anyhow::Result<bool> {
-        let Some(intent) = self.domain.intent(tag).await? else { return Ok(true) };
+    /// When the settle window of the last call for the intent `tag` ends, if it has not passed
+    /// (`None`: no call may still land: none was made, it was refused, or it is done).
+    async fn settles_at(&self, tag: &str) -> anyhow::Result<Option<i64>> {
+        let Some(intent) = self.domain.intent(tag).await? else { return Ok(None) };
         if intent.state != "pending" {
-            return Ok(true);
+            return Ok(None);
         }
-        let left = intent.last_attempt_at.saturating_add(micros(self.settle)).saturating_sub(now_micros());
+        let at = intent.last_attempt_at.saturating_add(micros(self.settle));
+        let left = at.saturating_sub(now_micros());
         if left > 0 {
             tracing::info!(%tag, left_ms = left / 1000, "abandoned create's last call may still land; waiting");
+            return Ok(Some(at));
         }
-        Ok(left <= 0)
+        Ok(None)
     }
 }
 

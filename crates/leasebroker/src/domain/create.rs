@@ -20,13 +20,16 @@ pub enum CreateStart {
         node: Node,
         /// The boot intent.
         intent: Intent,
-        /// True when this call recorded the intent, with the send stamp given: the right to
-        /// send the boot is this attempt's (once the commit came back in time). False: an
-        /// earlier attempt recorded it, and the call must be reconciled first.
+        /// True when this call recorded the intent, with its send stamp: the right to send the
+        /// boot is this attempt's (once the commit came back in time). False: an earlier attempt
+        /// recorded it, and the call must be reconciled first.
         created: bool,
     },
-    /// No node was allocated: none is free, or the quota is reached.
+    /// No node was allocated: none is free, or the quota is reached. Nothing was written.
     Refused(Allocation),
+    /// The create finished already (its worker exists, or was deleted since, or the operation
+    /// is marked finished): nothing was written, and this attempt answers from what it left.
+    Finished,
 }
 
 /// The sub-keys and values of a create's first commit.
@@ -40,17 +43,20 @@ pub struct StartCreate<'a> {
     pub lease_id: &'a str,
     /// The boot intent's sub-key (the hypervisor tag).
     pub intent_id: &'a str,
+    /// The worker's public id: when it exists, or its tombstone does, the create finished.
+    pub worker_id: &'a str,
     /// The most nodes the principal may hold (0: no limit).
     pub quota: u32,
-    /// The send stamp a new intent is recorded with (see `Workers::mark_sending`).
-    pub stamp: i64,
+    /// When the reaper should first look at the operation (µs since the epoch).
+    pub check_at: i64,
 }
 
 impl Domain {
     /// The first commit of a create: records the attempt, allocates a node under `alloc_id`
     /// (or finds the one allocated under it), inserts the lease, and records the boot intent,
-    /// stamped with `stamp` if it is new, in one transaction. Errs with
-    /// [`DomainError::RolledBack`] when the reaper took the operation for a rollback.
+    /// with its send stamp (taken in the transaction) if it is new, in one transaction. Errs with
+    /// [`DomainError::RolledBack`] when the reaper took the operation for a rollback; answers
+    /// [`CreateStart::Finished`] when the create finished.
     ///
     /// The attempt's write comes first: it is the rollback fence (on PostgreSQL it locks the
     /// operation's row, so a rollback's mark waits for this transaction; on SQLite the
@@ -70,10 +76,25 @@ impl Domain {
             let mut tx = p.begin().await?;
             let written = sqlx::query(BEGIN_ATTEMPT)
                 .bind(&op.op_id).bind(&op.kind).bind(principal).bind(&op.endpoint).bind(&op.idem_key)
-                .bind(&op.record_id).bind(now)
+                .bind(&op.record_id).bind(now).bind(s.check_at)
                 .execute(&mut *tx).await?.rows_affected();
             if written == 0 {
-                return Err(DomainError::RolledBack);
+                let mark: Option<i64> = sqlx::query_scalar("SELECT CAST(rolled_back AS BIGINT) FROM lb_operations WHERE op_id = $1")
+                    .bind(&op.op_id).fetch_optional(&mut *tx).await?;
+                return match refused_by(mark) {
+                    DomainError::Finished => Ok(CreateStart::Finished),
+                    refused => Err(refused),
+                };
+            }
+            // Decided here, under the attempt's lock, not before: a worker that exists or was
+            // deleted means the create finished (an attempt that stalled after reading "no
+            // worker" must not start it again). Nothing is written then.
+            let finished = sqlx::query("SELECT 1 FROM lb_workers WHERE worker_id = $1 \
+                                        UNION ALL SELECT 1 FROM lb_tombstones WHERE worker_id = $1")
+                .bind(s.worker_id).fetch_optional(&mut *tx).await?.is_some();
+            if finished {
+                tx.rollback().await?;
+                return Ok(CreateStart::Finished);
             }
             let held = sqlx::query_as::<_, Node>("SELECT node_id, cpu, memory_gb FROM lb_nodes WHERE alloc_id = $1")
                 .bind(s.alloc_id).fetch_optional(&mut *tx).await?;
@@ -82,8 +103,9 @@ impl Domain {
                 None => match allocate_in!(tx, postgres, s.alloc_id, principal, now, s.quota) {
                     Some(node) => node,
                     None => {
-                        // The attempt's row stays, as when each step committed on its own.
-                        tx.commit().await?;
+                        // Refused before any side effect: nothing stays, not even the attempt's
+                        // row (the reaper has nothing to look at).
+                        tx.rollback().await?;
                         return Ok(CreateStart::Refused(self.refusal(principal, s.quota).await?));
                     }
                 },
@@ -92,9 +114,11 @@ impl Domain {
                          ON CONFLICT (lease_id) DO NOTHING")
                 .bind(s.lease_id).bind(&node.node_id).bind(principal).bind(now)
                 .execute(&mut *tx).await?;
+            // The send stamp is taken here, holding the lock, not before waiting for it.
+            let stamp = send_stamp(now);
             let created = sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
                          VALUES ($1, 'boot', 'pending', $2, $3, $4) ON CONFLICT (intent_id) DO NOTHING")
-                .bind(s.intent_id).bind(now).bind(s.stamp).bind(&op.op_id)
+                .bind(s.intent_id).bind(now).bind(stamp).bind(&op.op_id)
                 .execute(&mut *tx).await?.rows_affected() == 1;
             let intent = sqlx::query_as::<_, Intent>(
                 "SELECT intent_id, kind, state, vm_id, created_at, last_attempt_at FROM lb_intents WHERE intent_id = $1")
@@ -126,8 +150,9 @@ impl Domain {
                 .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&vm_id).bind(&w.state)
                 .bind(w.reboot_count).bind(w.created_at)
                 .execute(&mut *tx).await?.rows_affected() == 1;
+            // The operation keeps a compact mark (its intents go), so no late attempt starts it again.
             sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            sqlx::query("DELETE FROM lb_operations WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            sqlx::query(MARK_FINISHED).bind(op_id).bind(crate::service::now_micros()).execute(&mut *tx).await?;
             // Last: the counter's row stays locked until the commit (64 rows, so creates rarely meet).
             if booted == 1 {
                 sqlx::query(COUNT_BOOT).bind(boot_counter(intent_id)).execute(&mut *tx).await?;
@@ -142,8 +167,16 @@ impl Domain {
     }
 }
 
-/// [`Domain::begin_attempt`]'s statement: inserts the operation or moves its `last_attempt_at`,
-/// unless the reaper took it for a rollback (then no row is written).
+/// [`Domain::begin_attempt`]'s statement: inserts the operation or moves its `last_attempt_at`
+/// and the reaper's next look at it, unless it is rolled back, taken for a rollback, or finished
+/// (then no row is written).
 pub(super) const BEGIN_ATTEMPT: &str = "INSERT INTO lb_operations \
-     (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) VALUES ($1, $2, $3, $4, $5, $6, $7) \
-     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at WHERE lb_operations.rolled_back = 0";
+     (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at, next_check_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at, next_check_at = EXCLUDED.next_check_at \
+     WHERE lb_operations.rolled_back = 0";
+
+/// Marks the live operation `$1` finished at `$2` (the mark's time, from which the retention
+/// runs): kept, compact, so no attempt can start it again.
+pub(super) const MARK_FINISHED: &str =
+    "UPDATE lb_operations SET rolled_back = 3, last_attempt_at = $2 WHERE op_id = $1 AND rolled_back = 0";

@@ -147,13 +147,22 @@ impl Domain {
     }
 
     /// Takes the right to send the flash of a running, not accepted operation: moves its send
-    /// stamp from `seen` to `stamp` by compare-and-set (see [`Domain::stamp_intent`], the same
-    /// rule for boots). False when the stamp moved since it was read, or the operation ended.
-    pub async fn stamp_flash(&self, op_id: &str, seen: i64, stamp: i64) -> Result<bool> {
+    /// stamp from `seen` to a new one by compare-and-set ([`stamp_send!`], the same fence as
+    /// boots and reboots, taken once the row is locked). `None` when the stamp moved since it was
+    /// read, or the operation ended.
+    pub async fn stamp_flash(&self, op_id: &str, seen: i64) -> Result<Option<i64>> {
+        let lock = if self.db.is_postgres() {
+            "SELECT 1 FROM lb_flash_operations WHERE op_id = $1 FOR UPDATE"
+        } else {
+            "UPDATE lb_flash_operations SET sent_at = sent_at WHERE op_id = $1"
+        };
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET intent = 'pending', sent_at = $3 \
-                         WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted' AND sent_at = $2")
-                .bind(op_id).bind(seen).bind(stamp).execute(p).await?.rows_affected() == 1
+            let mut tx = p.begin().await?;
+            sqlx::query(lock).bind(op_id).execute(&mut *tx).await?;
+            let stamped = stamp_send!(tx, "UPDATE lb_flash_operations SET intent = 'pending', sent_at = $3 \
+                         WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted' AND sent_at = $2", op_id, seen);
+            tx.commit().await?;
+            stamped
         }))
     }
 
@@ -207,11 +216,13 @@ impl Domain {
     }
 
     /// Up to `limit` running operations whose watch lease has expired (or is held by `watcher`),
-    /// oldest first.
+    /// the least recently watched first: each pass takes (and so renews) the lease of what it
+    /// watches, which puts those rows last, so however many operations wait unaccepted, every
+    /// one is watched in turn.
     pub async fn flashes_to_watch(&self, watcher: &str, now: i64, limit: u32) -> Result<Vec<FlashRow>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, FlashRow>(select!(
-                "WHERE state = 'running' AND (watch_until < $1 OR watcher = $2) ORDER BY created_at, op_id LIMIT $3")).bind(now).bind(watcher).bind(i64::from(limit)).fetch_all(p).await?
+                "WHERE state = 'running' AND (watch_until < $1 OR watcher = $2) ORDER BY watch_until, op_id LIMIT $3")).bind(now).bind(watcher).bind(i64::from(limit)).fetch_all(p).await?
         }))
     }
 

@@ -34,20 +34,37 @@ impl Domain {
 
     /// Takes the right to send the hypervisor call of a pending or failed intent of the
     /// operation `op_id` (fenced: see [`DomainError::RolledBack`]): moves its send stamp from
-    /// `seen` (the stamp the caller read, and decided from) to `stamp`, by compare-and-set. False
-    /// when the stamp moved since it was read: another attempt (one whose stale claim was taken
-    /// over while it still ran) acted on the intent in between, so this one must not send.
-    /// Called right before every send, the first one included; the settle window runs from the
-    /// new stamp.
-    pub async fn stamp_intent(&self, intent_id: &str, op_id: &str, seen: i64, stamp: i64) -> Result<bool> {
+    /// `seen` (the stamp the caller read, and decided from) to a new one, by compare-and-set
+    /// ([`stamp_send!`], taken once the guard holds the lock). `None` when the stamp moved since
+    /// it was read: another attempt (one whose stale claim was taken over while it still ran)
+    /// acted on the intent in between, so this one must not send. Called right before every
+    /// send, the first one included; the settle window runs from the new stamp.
+    pub async fn stamp_intent(&self, intent_id: &str, op_id: &str, seen: i64) -> Result<Option<i64>> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             guard!(self, tx, op_id);
-            let stamped = sqlx::query("UPDATE lb_intents SET state = 'pending', last_attempt_at = $3 \
-                         WHERE intent_id = $1 AND state <> 'done' AND last_attempt_at = $2")
-                .bind(intent_id).bind(seen).bind(stamp).execute(&mut *tx).await?.rows_affected() == 1;
+            let stamped = stamp_send!(tx, "UPDATE lb_intents SET state = 'pending', last_attempt_at = $3 \
+                         WHERE intent_id = $1 AND state <> 'done' AND last_attempt_at = $2", intent_id, seen);
             tx.commit().await?;
             stamped
+        }))
+    }
+
+    /// Decides which VM a pending boot intent of the operation `op_id` adopts, in one
+    /// transaction fenced on the operation (see [`DomainError::RolledBack`],
+    /// [`DomainError::Finished`]): the VM it records already (an overlapping attempt adopted
+    /// one), or else `candidate`, recorded now. Returns the VM adopted.
+    pub async fn adopt_vm(&self, intent_id: &str, op_id: &str, candidate: &str) -> Result<String> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            guard!(self, tx, op_id);
+            sqlx::query("UPDATE lb_intents SET vm_id = $2 WHERE intent_id = $1 AND vm_id IS NULL")
+                .bind(intent_id).bind(candidate).execute(&mut *tx).await?;
+            let recorded: Option<String> = sqlx::query("SELECT vm_id FROM lb_intents WHERE intent_id = $1")
+                .bind(intent_id).fetch_optional(&mut *tx).await?
+                .map(|r| r.try_get::<Option<String>, _>(0)).transpose()?.flatten();
+            tx.commit().await?;
+            recorded.unwrap_or_else(|| candidate.to_owned())
         }))
     }
 
@@ -76,8 +93,9 @@ impl Domain {
     }
 
     /// Marks a reboot intent done and, if this call is the one that did, counts the reboot on
-    /// the worker, in one transaction. Returns the worker's reboot count.
-    pub async fn finish_reboot(&self, intent_id: &str, vm_id: &str, worker_id: &str) -> Result<i64> {
+    /// the worker and marks the operation `op_id` finished (so no attempt that outlived its claim
+    /// starts it again), in one transaction. Returns the worker's reboot count.
+    pub async fn finish_reboot(&self, intent_id: &str, vm_id: &str, worker_id: &str, op_id: &str) -> Result<i64> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let changed = sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
@@ -87,6 +105,9 @@ impl Domain {
                     .bind(worker_id).execute(&mut *tx).await?;
                 sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'reboots'").execute(&mut *tx).await?;
             }
+            // The operation keeps a compact mark: its intents go.
+            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
+            sqlx::query(create::MARK_FINISHED).bind(op_id).bind(crate::service::now_micros()).execute(&mut *tx).await?;
             let count: i64 = sqlx::query("SELECT reboot_count FROM lb_workers WHERE worker_id = $1")
                 .bind(worker_id).fetch_optional(&mut *tx).await?
                 .map(|r| r.try_get(0)).transpose()?.unwrap_or(0);

@@ -20,6 +20,11 @@ pub enum DomainError {
     /// runs (its claim went stale while it waited) must not take, call or show anything more.
     #[error("the operation was abandoned and is rolled back; this attempt stops")]
     RolledBack,
+    /// The operation finished (an overlapping attempt, or the reaper, ended it): an attempt that
+    /// still runs must not start it again. Its result is what the finished attempt left (the
+    /// worker, its tombstone, the reboot count).
+    #[error("the operation finished; this attempt stops")]
+    Finished,
 }
 
 type Result<T> = std::result::Result<T, DomainError>;
@@ -193,22 +198,62 @@ pub struct Domain {
     db: Db,
 }
 
-/// The fence of a create's steps against the reaper: in the step's own transaction, first, the
-/// operation row must still be there and not taken for a rollback. On PostgreSQL the row is
-/// locked FOR SHARE, so a rollback that marks it waits for the step, or the step for the mark
-/// (and then sees it); on SQLite the statement is a write, so the transaction holds the one
-/// write lock from its start.
-const GUARD_PG: &str = "SELECT 1 FROM lb_operations WHERE op_id = $1 AND rolled_back = 0 FOR SHARE";
-const GUARD_SQLITE: &str = "UPDATE lb_operations SET rolled_back = 0 WHERE op_id = $1 AND rolled_back = 0 RETURNING 1";
+/// The marks of an operation's row (`lb_operations.rolled_back`): 0 live; 1 taken by the reaper
+/// for a rollback; 2 rolled back; 3 finished. A rolled-back or finished row is kept, compact (its
+/// intents deleted), until the retention passes, so no attempt that outlived its claim can start
+/// the operation again: `BEGIN_ATTEMPT` and every step refuse it in their own transaction.
+pub(crate) const LIVE: i64 = 0;
+/// See [`LIVE`].
+pub(crate) const FINISHED: i64 = 3;
+
+/// The fence of an operation's steps: in the step's own transaction, first, the operation row
+/// must still be there and live. On PostgreSQL the row is locked FOR SHARE, so a rollback or a
+/// finish that marks it waits for the step, or the step for the mark (and then sees it); on
+/// SQLite the statement is a write, so the transaction holds the one write lock from its start.
+const GUARD_PG: &str = "SELECT CAST(rolled_back AS BIGINT) FROM lb_operations WHERE op_id = $1 FOR SHARE";
+const GUARD_SQLITE: &str =
+    "UPDATE lb_operations SET rolled_back = rolled_back WHERE op_id = $1 RETURNING CAST(rolled_back AS BIGINT)";
+
+/// The error of a step refused by the mark `mark` (`None`: no row).
+pub(crate) fn refused_by(mark: Option<i64>) -> DomainError {
+    if mark == Some(FINISHED) { DomainError::Finished } else { DomainError::RolledBack }
+}
 
 /// Runs the guard for `$op_id` in the transaction `$tx`: errs with [`DomainError::RolledBack`]
-/// when the operation was taken for a rollback (or finished and forgotten).
+/// when the operation was taken for a rollback (or is gone), [`DomainError::Finished`] when it
+/// finished.
 macro_rules! guard {
     ($self:ident, $tx:ident, $op_id:expr) => {{
         let sql = if $self.db.is_postgres() { GUARD_PG } else { GUARD_SQLITE };
-        if sqlx::query(sql).bind($op_id).fetch_optional(&mut *$tx).await?.is_none() {
-            return Err(DomainError::RolledBack);
+        let mark: Option<i64> = sqlx::query_scalar(sql).bind($op_id).fetch_optional(&mut *$tx).await?;
+        if mark != Some(LIVE) {
+            return Err(refused_by(mark));
         }
+    }};
+}
+
+/// How far ahead of the clock a call's send stamp lies: the longest the stamp's commit may take
+/// for the call still to be sent (`service::stamped_in_time`).
+const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
+
+/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
+/// ahead of the clock, and always past `seen` (so the compare-and-set moves it). Taken only
+/// inside the transaction that decides to send, once it holds its lock (the SQLite write lock,
+/// the PostgreSQL row lock): a wait for a connection or a lock never eats into the time ahead.
+pub(crate) fn send_stamp(seen: i64) -> i64 {
+    crate::service::now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(seen + 1)
+}
+
+/// The one send-stamp compare-and-set of every fenced call (boot, reboot, flash), run in `$tx`
+/// after it took its lock: `$cas` moves the stamp of row `$id` (`$1`) from `$seen` (`$2`) to a
+/// new stamp (`$3`). Evaluates to the new stamp, or `None` when the stamp moved since it was
+/// read (another attempt acted on the call in between: this one must not send).
+macro_rules! stamp_send {
+    ($tx:ident, $cas:expr, $id:expr, $seen:expr) => {{
+        let seen: i64 = $seen;
+        let stamp = $crate::domain::send_stamp(seen);
+        let moved = sqlx::query($cas).bind($id).bind(seen).bind(stamp).execute(&mut *$tx).await?.rows_affected() == 1;
+        moved.then_some(stamp)
     }};
 }
 
@@ -268,6 +313,21 @@ impl Domain {
     pub async fn vm_in_use(&self, vm_id: &str) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $1").bind(vm_id).fetch_optional(p).await?.is_some()
+        }))
+    }
+
+    /// Whether anything owns the VM `vm_id` tagged `tag`, for the inventory sweep: a worker runs
+    /// on it, or the boot intent `tag` exists and its operation is live (or legacy, without an
+    /// operation), or its last send is not older than `settled_before` (a call that may still
+    /// be decided on). One statement, so one snapshot: a create that finishes meanwhile is seen
+    /// either with its intent or with its worker.
+    pub async fn vm_owned(&self, tag: &str, vm_id: &str, settled_before: i64) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $2 \
+                         UNION ALL \
+                         SELECT 1 FROM lb_intents i LEFT JOIN lb_operations o ON o.op_id = i.op_id \
+                         WHERE i.intent_id = $1 AND (i.op_id IS NULL OR o.rolled_back < 2 OR i.last_attempt_at > $3)")
+                .bind(tag).bind(vm_id).bind(settled_before).fetch_optional(p).await?.is_some()
         }))
     }
 

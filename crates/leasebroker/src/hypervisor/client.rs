@@ -11,8 +11,8 @@ use reqwest::{Method, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::api::{BmcList, RebootRequest, VmList};
 pub use super::api::{BmcNode, BmcState, BootRequest, FlashRequest, SimStats, Vm, VmDetail, VmState};
+use super::api::{RebootRequest, VmList};
 
 /// The most of an error body kept in an [`HvError`], so a misbehaving hypervisor cannot bloat logs.
 const MAX_ERROR_BODY: usize = 2048;
@@ -222,14 +222,20 @@ impl HypervisorClient {
         self
     }
 
-    /// Boots a VM (`POST /v1/vms`), stamping `req.tag` on it.
+    /// Boots a VM (`POST /v1/vms`), stamping `req.tag` on it. Any `2xx` is success; of its body
+    /// only `vm_id` is read (the tag is the one sent, and the VM runs).
     pub async fn boot(&self, req: &BootRequest) -> Result<Vm, HvError> {
         #[cfg(feature = "libvirt")]
         if let Some(vms) = &self.libvirt {
             return vms.boot(req).await;
         }
+        #[derive(serde::Deserialize)]
+        struct Booted {
+            vm_id: String,
+        }
         let response = self.send(Method::POST, &["v1", "vms"], None, Some(req)).await?;
-        expect(response, StatusCode::CREATED).await
+        let booted: Booted = expect_success(response).await?;
+        Ok(Vm { vm_id: booted.vm_id, tag: req.tag.clone(), state: VmState::Running })
     }
 
     /// The VMs whose tag is exactly `tag` (`GET /v1/vms?tag=T`).
@@ -265,8 +271,8 @@ impl HypervisorClient {
         expect(response, StatusCode::OK).await.map(Some)
     }
 
-    /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot. A VM that does
-    /// not exist is [`HvError::Status`] with `404` (definite).
+    /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot; any `2xx` is
+    /// success. A VM that does not exist is [`HvError::Status`] with `404` (definite).
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {
         #[cfg(feature = "libvirt")]
         if let Some(vms) = &self.libvirt {
@@ -274,10 +280,10 @@ impl HypervisorClient {
         }
         let body = RebootRequest { tag: tag.to_owned() };
         let response = self.send(Method::POST, &["v1", "vms", vm_id, "reboot"], None, Some(&body)).await?;
-        expect_status(response, StatusCode::ACCEPTED).await
+        expect_success_status(response).await
     }
 
-    /// Deletes a VM (`DELETE /v1/vms/{vm_id}`): `true` if it existed, `false` on `404`.
+    /// Deletes a VM (`DELETE /v1/vms/{vm_id}`): `true` if it existed (any `2xx`), `false` on `404`.
     pub async fn delete(&self, vm_id: &str) -> Result<bool, HvError> {
         #[cfg(feature = "libvirt")]
         if let Some(vms) = &self.libvirt {
@@ -287,14 +293,15 @@ impl HypervisorClient {
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(false);
         }
-        expect_status(response, StatusCode::NO_CONTENT).await.map(|()| true)
+        expect_success_status(response).await.map(|()| true)
     }
 
     /// Starts a firmware flash on the BMC of `node_id` (`POST /v1/bmc/{node_id}/flash`), stamping
-    /// `req.tag` on it. The BMC answers `202` as the flash starts; it writes on after that.
-    pub async fn flash(&self, node_id: &str, req: &FlashRequest) -> Result<BmcNode, HvError> {
+    /// `req.tag` on it. The BMC answers `202` as the flash starts; it writes on after that. Any
+    /// `2xx` is success, whatever its body holds or lacks: the contract promises nothing more.
+    pub async fn flash(&self, node_id: &str, req: &FlashRequest) -> Result<(), HvError> {
         let response = self.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req)).await?;
-        expect(response, StatusCode::ACCEPTED).await
+        expect_success_status(response).await
     }
 
     /// The BMC of `node_id` (`GET /v1/bmc/{node_id}`), or `None` when it has no such node.
@@ -306,10 +313,15 @@ impl HypervisorClient {
         expect(response, StatusCode::OK).await.map(Some)
     }
 
-    /// The BMCs whose flashes include the tag `tag` (`GET /v1/bmc?tag=T`).
-    pub async fn bmcs_by_tag(&self, tag: &str) -> Result<Vec<BmcNode>, HvError> {
+    /// How many BMCs hold the tag `tag` among their flashes (`GET /v1/bmc?tag=T`). Only the
+    /// list's length is read, not what each entry holds.
+    pub async fn bmcs_by_tag(&self, tag: &str) -> Result<usize, HvError> {
+        #[derive(serde::Deserialize)]
+        struct Holding {
+            nodes: Vec<serde::de::IgnoredAny>,
+        }
         let response = self.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None).await?;
-        Ok(expect::<BmcList>(response, StatusCode::OK).await?.nodes)
+        Ok(expect::<Holding>(response, StatusCode::OK).await?.nodes.len())
     }
 
     /// The simulator's counters (`GET /v1/stats`); a real hypervisor may not serve them.
@@ -358,11 +370,21 @@ async fn expect<T: DeserializeOwned>(response: reqwest::Response, want: StatusCo
     response.json().await.map_err(HvError::from_transport)
 }
 
-/// Checks for a `want` answer, reading (and dropping) its body so the connection can be reused and
-/// a connection lost mid-body still counts as a failure.
-async fn expect_status(response: reqwest::Response, want: StatusCode) -> Result<(), HvError> {
-    let response = check(response, want).await?;
+/// Reads a success (any `2xx`) answer's JSON body, or turns any other answer into an error.
+async fn expect_success<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, HvError> {
+    let response = check_success(response).await?;
+    response.json().await.map_err(HvError::from_transport)
+}
+
+/// Checks for a success (any `2xx`) answer, reading (and dropping) its body whatever it holds.
+async fn expect_success_status(response: reqwest::Response) -> Result<(), HvError> {
+    let response = check_success(response).await?;
     response.bytes().await.map(drop).map_err(HvError::from_transport)
+}
+
+async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
+    let status = response.status();
+    check(response, if status.is_success() { status } else { StatusCode::OK }).await
 }
 
 async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
@@ -515,6 +537,29 @@ mod tests {
         assert!(!err.may_have_happened());
         let err = client.list_by_tag("nowhere").await.expect_err("refused");
         assert!(!err.may_have_happened(), "{err:?}");
+    }
+
+    /// A downstream that answers each call with another success than the simulator and only
+    /// what the contract promises (issue 24, hole 5): every call succeeds.
+    #[tokio::test]
+    async fn terse_successes_are_successes() {
+        use axum::routing::{delete, get, post};
+        let app = axum::Router::new()
+            .route("/v1/vms", post(|| async { (StatusCode::OK, axum::Json(serde_json::json!({"vm_id": "vm-1"}))) }))
+            .route("/v1/vms/{vm_id}/reboot", post(|| async { StatusCode::NO_CONTENT }))
+            .route("/v1/vms/{vm_id}", delete(|| async { (StatusCode::OK, "deleted") }))
+            .route("/v1/bmc/{node}/flash", post(|| async { (StatusCode::ACCEPTED, "{\"node_id\":\"n\"}") }))
+            .route("/v1/bmc", get(|| async { axum::Json(serde_json::json!({"nodes": [{"node_id": "n"}]})) }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let client = HypervisorClient::new(&url, TIMEOUT).expect("client");
+        let vm = client.boot(&boot_req("t")).await.expect("a 200 with only vm_id is a boot");
+        assert_eq!((vm.vm_id.as_str(), vm.tag.as_str()), ("vm-1", "t"));
+        client.reboot("vm-1", "r").await.expect("a 204 is a reboot");
+        assert!(client.delete("vm-1").await.expect("a 200 is a delete"));
+        client.flash("n", &FlashRequest { version: "2".into(), tag: "f".into() }).await.expect("a terse 202");
+        assert_eq!(client.bmcs_by_tag("f").await.expect("a terse listing"), 1);
     }
 
     #[tokio::test]

@@ -7,18 +7,26 @@ use std::time::Duration;
 use super::{DUPLICATE_VMS_DESTROYED_TOTAL, ServiceError};
 use crate::hypervisor::client::HypervisorClient;
 
-/// How far ahead of the clock a call's send stamp lies: the longest the stamp's write may take
-/// for the call still to be sent ([`Workers::mark_sending`]).
-const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
-
-/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
-/// ahead of the clock, and always past `seen` (so the compare-and-set moves it).
-pub(crate) fn send_stamp(seen: i64) -> i64 {
-    now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(seen + 1)
+/// The right to send a fenced call (boot, reboot, flash), as the send-stamp compare-and-set
+/// answered it (`Domain::stamp_intent`, `Domain::stamp_flash`, or a new intent born with its
+/// stamp): `None` (another attempt acted on the call since it was read) answers 503 and sends
+/// nothing; a stamp whose commit came back after the stamped moment too (see
+/// [`stamped_in_time`]). Returns the stamp.
+pub(crate) fn may_send(tag: &str, stamp: Option<i64>) -> Result<i64, ServiceError> {
+    let Some(stamp) = stamp else {
+        tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
+        return Err(ServiceError::UpstreamUnavailable {
+            reason: "another attempt of this request is calling the downstream; retry with the same key".into(),
+            retry_after: 1,
+        });
+    };
+    stamped_in_time(tag, stamp)?;
+    Ok(stamp)
 }
 
-/// Errs with 503 when the write of the send stamp `stamp` came back after the stamped moment:
-/// then the call is not sent (see [`Workers::mark_sending`]).
+/// Errs with 503 when the commit of the send stamp `stamp` came back after the stamped moment
+/// (the stamp is taken a little ahead of the clock, inside the transaction, once it holds its
+/// lock): then the call is not sent, and the retry waits out the settle window from the stamp.
 pub(crate) fn stamped_in_time(tag: &str, stamp: i64) -> Result<(), ServiceError> {
     if now_micros() >= stamp {
         tracing::warn!(tag, "recording the call took too long; not sending it");

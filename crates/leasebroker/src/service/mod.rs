@@ -48,10 +48,12 @@ use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
 
 mod calls;
 mod error;
+mod hook;
 mod keys;
 
-pub(crate) use calls::{destroy_duplicates, micros, now_micros, send_stamp, settled_since, stamped_in_time};
+pub(crate) use calls::{destroy_duplicates, may_send, micros, now_micros, settled_since};
 pub use error::ServiceError;
+pub use hook::{Hook, Step};
 pub use keys::{CreateKeys, Operation, public_id};
 
 /// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
@@ -74,6 +76,8 @@ pub struct Workers {
     pub limits: Limits,
     /// The most workers one principal may hold (0: no limit).
     pub quota: u32,
+    /// What runs at the handlers' named steps (nothing, outside tests).
+    pub hook: Hook,
 }
 
 impl Workers {
@@ -82,44 +86,55 @@ impl Workers {
         req.validate(self.limits)?;
         let keys = CreateKeys::of(op);
         let worker_id = keys.worker_id();
-        // A finished earlier attempt whose response was not stored (say, the process died
-        // between the worker insert and the record's completion): answer from the row.
-        if let Some(w) = self.domain.worker(principal, &worker_id).await? {
-            return Ok(w);
-        }
-        // ...unless the worker was deleted since: then the steps must never run again.
-        if self.domain.is_deleted(&worker_id).await? {
-            return Err(ServiceError::Gone(worker_id));
-        }
+        self.hook.at(Step::CreateDecide).await;
         let now = now_micros();
         let op_row = op.row("create", now);
         let lease_id = keys.lease_id();
         let tag = keys.boot.as_str();
         // One commit for everything before the call: the attempt, the node, the lease, and the
-        // intent, born with its send stamp when it is new.
-        let stamp = send_stamp(now);
+        // intent, born with its send stamp when it is new. It decides too whether the create
+        // finished already (its worker exists or was deleted): in the transaction, not before.
         let start = StartCreate {
             op: &op_row,
             alloc_id: keys.alloc.as_str(),
             lease_id: &lease_id,
             intent_id: tag,
+            worker_id: &worker_id,
             quota: self.quota,
-            stamp,
+            check_at: now.saturating_add(micros(self.settle)),
         };
         // `stamped`: the intent was recorded by this call with its send stamp.
         let (node, intent, created, stamped) = match self.domain.start_create(start).await {
             Ok(CreateStart::Held { node, intent, created }) => (node, intent, created, created),
             Ok(CreateStart::Refused(refused)) => return Err(self.refused(refused)),
+            Ok(CreateStart::Finished) | Err(DomainError::Finished) => {
+                return self.finished(principal, &worker_id).await;
+            }
             // An overlapping attempt of this request allocated at the same moment: step by step,
             // each step finds what it did.
-            Err(DomainError::Db(e)) if is_unique_violation(&e) => self.start_stepwise(&keys, &op_row).await?,
+            Err(DomainError::Db(e)) if is_unique_violation(&e) => match self.start_stepwise(&keys, &op_row).await {
+                Err(ServiceError::Database(DomainError::Finished)) => {
+                    return self.finished(principal, &worker_id).await;
+                }
+                started => started?,
+            },
             Err(e) => return Err(e.into()),
         };
 
         let vm_id = match intent.state.as_str() {
             "done" => intent.vm_id.clone().unwrap_or_default(),
             _ => {
-                let adopted = if created { None } else { self.adopt_boot(&intent).await? };
+                let adopted = if created {
+                    None
+                } else {
+                    self.hook.at(Step::CreateAdopt).await;
+                    match self.adopt_boot(&intent, keys.op.as_str()).await {
+                        Err(ServiceError::Database(DomainError::Finished)) => {
+                            return self.finished(principal, &worker_id).await;
+                        }
+                        adopted => adopted?,
+                    }
+                };
                 match adopted {
                     Some(vm_id) => vm_id,
                     None => {
@@ -129,7 +144,7 @@ impl Workers {
                         if stamped {
                             // The stamp was taken with the intent: the call goes out only if
                             // that commit came back before the stamped moment.
-                            stamped_in_time(tag, intent.last_attempt_at)?;
+                            may_send(tag, Some(intent.last_attempt_at))?;
                         } else {
                             self.mark_sending(&intent, keys.op.as_str()).await?;
                         }
@@ -166,9 +181,10 @@ impl Workers {
         // One commit for everything after the call: the VM, the worker, the operation finished.
         match self.domain.finish_create(tag, &row.vm_id, &row, keys.op.as_str()).await {
             Ok(w) => Ok(w),
-            // The operation row is gone: an overlapping attempt finished it first (or the reaper
-            // took it, and then there is no worker). The VM is recorded all the same, unfenced,
-            // as the reaper and a late retry reconcile by it.
+            // The reaper took the operation: there is no worker. The VM is recorded all the same,
+            // unfenced, as the reaper and a late retry reconcile by it.
+            // An overlapping attempt finished the create first: its worker is the answer.
+            Err(DomainError::Finished) => self.finished(principal, &row.worker_id).await,
             Err(DomainError::RolledBack) => {
                 self.domain.finish_boot(tag, &row.vm_id).await?;
                 match self.domain.worker(principal, &row.worker_id).await? {
@@ -178,6 +194,18 @@ impl Workers {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The answer of a create that finished already: its worker, or `410` when the worker was
+    /// deleted since. Never runs a step again.
+    async fn finished(&self, principal: &str, worker_id: &str) -> Result<WorkerRow, ServiceError> {
+        if let Some(w) = self.domain.worker(principal, worker_id).await? {
+            return Ok(w);
+        }
+        if self.domain.is_deleted(worker_id).await? {
+            return Err(ServiceError::Gone(worker_id.to_owned()));
+        }
+        Err(DomainError::Finished.into())
     }
 
     /// The steps before the call one transaction each, as an overlapping attempt needs them:
@@ -191,7 +219,7 @@ impl Workers {
     ) -> Result<(Node, Intent, bool, bool), ServiceError> {
         let now = op_row.last_attempt_at;
         let principal = op_row.principal.as_str();
-        self.domain.begin_attempt(op_row).await?;
+        self.domain.begin_attempt(op_row, now.saturating_add(micros(self.settle))).await?;
         let node =
             match self.domain.allocate_within(keys.alloc.as_str(), principal, now, self.quota, keys.op.as_str()).await?
             {
@@ -212,9 +240,12 @@ impl Workers {
     }
 
     /// A pending boot intent from an earlier attempt: the VM it booted, if one exists. When a
-    /// late landing made a second VM with the same tag, the one adopted is kept (the first by
-    /// id, so every replica picks the same) and the others are deleted.
-    async fn adopt_boot(&self, intent: &Intent) -> Result<Option<String>, ServiceError> {
+    /// late landing made a second VM with the same tag, one is kept and the others are deleted.
+    /// Which one is decided in the database, not from `intent` as this attempt read it (an
+    /// overlapping attempt may have adopted one since): the VM the intent records, or else the
+    /// first by id (so every replica picks the same), recorded in a transaction fenced on the
+    /// operation (a finished or rolled-back operation adopts and deletes nothing).
+    async fn adopt_boot(&self, intent: &Intent, op_id: &str) -> Result<Option<String>, ServiceError> {
         let found = self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| {
             tracing::warn!(error = %ErrorChain(&e), "cannot list VMs by tag to reconcile a boot");
             ServiceError::UpstreamUnavailable {
@@ -222,13 +253,8 @@ impl Workers {
                 retry_after: 1,
             }
         })?;
-        let keep = match &intent.vm_id {
-            Some(recorded) if found.iter().any(|vm| &vm.vm_id == recorded) => recorded.clone(),
-            _ => match found.iter().map(|vm| &vm.vm_id).min() {
-                Some(first) => first.clone(),
-                None => return Ok(None),
-            },
-        };
+        let Some(first) = found.iter().map(|vm| &vm.vm_id).min() else { return Ok(None) };
+        let keep = self.domain.adopt_vm(&intent.intent_id, op_id, first).await?;
         let extra: Vec<String> = found.into_iter().map(|vm| vm.vm_id).filter(|id| *id != keep).collect();
         destroy_duplicates(&self.hypervisor, &intent.intent_id, &keep, &extra).await;
         tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");
@@ -242,22 +268,14 @@ impl Workers {
     ///   and answers 503. Attempts can overlap although the claim is exclusive: a holder whose
     ///   claim went stale (its heartbeats could not reach a restarting database) still runs when
     ///   a retry reclaims it.
-    /// - It is a promise a little ahead of the clock: the call goes out only if the write came
-    ///   back before the stamped moment, so the window is never measured from a moment earlier
-    ///   than the real send, however slow the database was (a PostgreSQL that restarts can hold
-    ///   a write for seconds). A write slower than that answers 503 and sends nothing; the retry
-    ///   waits out the settle window from the stamp, which is safe.
+    /// - It is a promise a little ahead of the clock, taken inside the transaction once it holds
+    ///   its lock (so a queue for the database never eats into it): the call goes out only if the
+    ///   commit came back before the stamped moment, so the window is never measured from a
+    ///   moment earlier than the real send. A commit slower than that answers 503 and sends
+    ///   nothing; the retry waits out the settle window from the stamp, which is safe.
     async fn mark_sending(&self, intent: &Intent, op_id: &str) -> Result<(), ServiceError> {
         let tag = intent.intent_id.as_str();
-        let stamp = send_stamp(intent.last_attempt_at);
-        if !self.domain.stamp_intent(tag, op_id, intent.last_attempt_at, stamp).await? {
-            tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
-            return Err(ServiceError::UpstreamUnavailable {
-                reason: "another attempt of this request is calling the hypervisor; retry with the same key".into(),
-                retry_after: 1,
-            });
-        }
-        stamped_in_time(tag, stamp)
+        may_send(tag, self.domain.stamp_intent(tag, op_id, intent.last_attempt_at).await?).map(drop)
     }
 
     /// Errs with 503 + Retry-After while a call from an earlier attempt may still land: until
@@ -317,7 +335,8 @@ impl Workers {
                 _ => Err(ServiceError::NotFound(worker_id.into())),
             };
         };
-        self.domain.begin_attempt(&op.row("delete", now_micros())).await?;
+        let now = now_micros();
+        self.domain.begin_attempt(&op.row("delete", now), now.saturating_add(micros(self.settle))).await?;
         // Deleting a VM by id is naturally idempotent: "already gone" is success.
         self.hypervisor.delete(&w.vm_id).await.map_err(|e| {
             tracing::warn!(error = %ErrorChain(&e), "cannot delete the VM");
@@ -336,14 +355,31 @@ impl Workers {
     pub async fn reboot(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<i64, ServiceError> {
         let w =
             self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
+        match self.reboot_once(&w, op).await {
+            // The reboot finished (an overlapping attempt did it): this attempt sends nothing
+            // and answers the count it left.
+            Err(ServiceError::Database(DomainError::Finished)) => match self.domain.worker(principal, worker_id).await?
+            {
+                Some(w) => Ok(w.reboot_count),
+                None => Err(ServiceError::NotFound(worker_id.into())),
+            },
+            done => done,
+        }
+    }
+
+    /// The steps of a reboot of `w`, each fenced on the operation's row: a finished or
+    /// rolled-back operation is refused in the step's own transaction.
+    async fn reboot_once(&self, w: &WorkerRow, op: &Operation) -> Result<i64, ServiceError> {
+        let worker_id = w.worker_id.as_str();
         let reboot_key = op.derive("reboot");
         let tag = reboot_key.as_str();
         let now = now_micros();
         let row = op.row("reboot", now);
-        self.domain.begin_attempt(&row).await?;
+        self.hook.at(Step::RebootDecide).await;
+        self.domain.begin_attempt(&row, now.saturating_add(micros(self.settle))).await?;
         let (intent, created) = self.domain.begin_intent(tag, "reboot", &row.op_id, now).await?;
         if intent.state == "done" {
-            return Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?);
+            return Ok(self.domain.finish_reboot(tag, &w.vm_id, worker_id, &row.op_id).await?);
         }
         if !created {
             let vm = self.hypervisor.get(&w.vm_id).await.map_err(|e| {
@@ -355,13 +391,13 @@ impl Workers {
                 }
             })?;
             if vm.as_ref().is_some_and(|vm| vm.reboot_tags.iter().any(|t| t == tag)) {
-                return Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?);
+                return Ok(self.domain.finish_reboot(tag, &w.vm_id, worker_id, &row.op_id).await?);
             }
             self.settled(&intent)?;
         }
         self.mark_sending(&intent, &row.op_id).await?;
         match self.hypervisor.reboot(&w.vm_id, tag).await {
-            Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, &w.worker_id).await?),
+            Ok(()) => Ok(self.domain.finish_reboot(tag, &w.vm_id, worker_id, &row.op_id).await?),
             Err(e) if e.may_have_happened() => Err(Self::ambiguous(e)),
             Err(e) => {
                 self.domain.fail_intent(tag).await?;

@@ -21,7 +21,7 @@ use crate::support::{
 };
 
 /// Polls `check` every 200 ms until it returns true or `within` has passed; returns the last answer.
-async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+pub(crate) async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -40,7 +40,7 @@ where
 
 /// The sum of a counter's series on `/metrics` (0 when absent); `name` may end in a label
 /// (`name{label="value"`).
-async fn metric(base: &str, name: &str) -> f64 {
+pub(crate) async fn metric(base: &str, name: &str) -> f64 {
     let text = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
     text.lines()
         .filter(|l| l.starts_with(name) && (name.ends_with('"') || l[name.len()..].starts_with([' ', '{'])))
@@ -49,7 +49,7 @@ async fn metric(base: &str, name: &str) -> f64 {
 }
 
 /// (workers, allocated nodes, leases, running VMs) as the fleet endpoint counts them.
-async fn held(base: &str) -> (i64, i64, i64, i64) {
+pub(crate) async fn held(base: &str) -> (i64, i64, i64, i64) {
     let f = fleet(base).await;
     let n = |k: &str| f[k].as_i64().unwrap_or(-1);
     (n("workers_active"), n("nodes_allocated"), n("leases_active"), n("vms_running"))
@@ -288,8 +288,8 @@ async fn an_abandoned_create_is_rolled_back_and_its_key_runs_afresh() {
 }
 
 /// Item 3: the reaper never rolls back a create that finished, however short --abandon-after,
-/// and once operations finished their rows and intents are gone: no domain table grows with
-/// every request.
+/// and once operations finished their intents are gone and their rows are compact marks
+/// (pruned after the retention, issue 24): no domain table grows with every request beyond it.
 #[tokio::test]
 async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -306,11 +306,12 @@ async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
     }
     let rows = || async {
         let pool = sqlx::SqlitePool::connect(&db).await.expect("open");
-        let counts: (i64, i64) =
-            sqlx::query_as("SELECT (SELECT COUNT(*) FROM lb_operations), (SELECT COUNT(*) FROM lb_intents)")
-                .fetch_one(&pool)
-                .await
-                .expect("count");
+        let counts: (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT COUNT(*) FROM lb_operations WHERE rolled_back <> 3), (SELECT COUNT(*) FROM lb_intents)",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("count");
         pool.close().await;
         counts
     };
@@ -553,8 +554,8 @@ mod racing_attempts {
     use idempotency::{ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope};
     use leasebroker::db::Db;
     use leasebroker::domain::Domain;
-    use leasebroker::hypervisor::{HypervisorClient, SimConfig, Simulator};
-    use leasebroker::service::{CreateWorker, Limits, Operation, Workers};
+    use leasebroker::hypervisor::{BootRequest, HypervisorClient, SimConfig, Simulator};
+    use leasebroker::service::{CreateWorker, Hook, Limits, Operation, Step, Workers};
 
     const ATTEMPTS: usize = 16;
 
@@ -569,6 +570,11 @@ mod racing_attempts {
     /// than the slow hypervisor takes (300 ms) with room for a loaded machine, so that an attempt
     /// that reads the intent after the winner's send finds its VM instead of a window passed.
     async fn rig() -> Rig {
+        rig_with(Hook::default()).await
+    }
+
+    /// [`rig`] with `hook` run at the handlers' named steps.
+    async fn rig_with(hook: Hook) -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Db::connect(&crate::support::sqlite_url(&dir)).await.expect("db");
         db.migrate().await.expect("migrate");
@@ -584,6 +590,7 @@ mod racing_attempts {
             settle: Duration::from_secs(1),
             limits: Limits { node_cpu: 64, node_memory_gb: 256 },
             quota: 0,
+            hook,
         };
         Rig { workers, sim, db, _dir: dir }
     }
@@ -678,6 +685,7 @@ mod racing_attempts {
             abandon_after: Duration::ZERO,
             in_flight_ttl: Duration::from_secs(1),
             retention: Duration::from_secs(3600),
+            orphan_deletes: Default::default(),
         };
         let report = reaper.run_once().await;
         assert_eq!(report.rolled_back, 1, "{report:?}");
@@ -693,5 +701,269 @@ mod racing_attempts {
         );
         // The reaper's next tick finds nothing more to roll back.
         assert_eq!(reaper.run_once().await.rolled_back, 0);
+    }
+
+    /// The first attempt that reaches a step, held there until released.
+    struct Held {
+        reached: tokio::sync::oneshot::Receiver<()>,
+        release: tokio::sync::oneshot::Sender<()>,
+    }
+
+    impl Held {
+        /// Waits until the held attempt is at its step (it has read what it decides from).
+        async fn reached(&mut self) {
+            tokio::time::timeout(Duration::from_secs(60), &mut self.reached)
+                .await
+                .expect("the attempt reached its step")
+                .expect("hook");
+        }
+    }
+
+    /// A hook that holds the first attempt reaching `at` until [`Held::release`] is sent; every
+    /// later attempt passes.
+    fn hold_first(at: Step) -> (Hook, Held) {
+        let (reached_tx, reached) = tokio::sync::oneshot::channel();
+        let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let slot = std::sync::Arc::new(std::sync::Mutex::new(Some((reached_tx, release_rx))));
+        let hook = Hook::new(move |step| {
+            let slot = slot.clone();
+            async move {
+                if step != at {
+                    return;
+                }
+                let taken = slot.lock().expect("lock").take();
+                if let Some((reached, release)) = taken {
+                    let _ = reached.send(());
+                    let _ = release.await;
+                }
+            }
+        });
+        (hook, Held { reached, release })
+    }
+
+    /// Issue 24, hole 1: attempt A1 read that the worker does not exist and was not deleted, then
+    /// stalled (a frozen VM, a database stall) past its claim. A retry A2 of the same record
+    /// finished the create, and the client deleted the worker. A1 wakes: it boots no second VM,
+    /// takes no node or lease, and does not bring the worker back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing() {
+        let (hook, mut held) = hold_first(Step::CreateDecide);
+        let rig = rig_with(hook).await;
+        let op = operation("POST", "/v1/workers");
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        let a1 = {
+            let (workers, op, req) = (rig.workers.clone(), op.clone(), req.clone());
+            tokio::spawn(async move { workers.create("alice", &req, &op).await })
+        };
+        held.reached().await;
+        let w = rig.workers.create("alice", &req, &op).await.expect("A2 creates the worker");
+        let delete = operation("DELETE", &format!("/v1/workers/{}", w.worker_id));
+        rig.workers.delete("alice", &w.worker_id, &delete).await.expect("the client deletes it");
+        assert_eq!((rig.sim.stats().boots_total, rig.sim.stats().running), (1, 0));
+
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert!(late.is_err(), "a stalled attempt does not finish the create again: {late:?}");
+        let counts = rig.workers.domain.counts().await.expect("counts");
+        let stats = rig.sim.stats();
+        assert_eq!(
+            (counts.workers_active, counts.nodes_allocated, counts.leases_active, stats.boots_total, stats.running),
+            (0, 0, 0, 1, 0),
+            "the stalled attempt brought something back: {counts:?} {stats:?}"
+        );
+    }
+
+    /// Issue 24, hole 1, reboot: attempt A1 read the worker and stalled; a retry A2 rebooted it,
+    /// the record completed, and the reaper cleaned up after the finished operation. A1 wakes and
+    /// sends nothing: one reboot for the key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_reboot_waking_after_the_reboot_finished_sends_nothing() {
+        use idempotency::{ClaimOutcome, Store, StoredBody, StoredResponse};
+        let (hook, mut held) = hold_first(Step::RebootDecide);
+        let rig = rig_with(hook).await;
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        let w = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await.expect("create");
+        let store = rig.db.idempotency_store();
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new("alice"),
+            Endpoint::new("POST", &format!("/v1/workers/{}/reboot", w.worker_id)),
+            IdempotencyKey::try_from("stalled-reboot").expect("key"),
+        );
+        let request = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::from_stored("sha256:"),
+            now,
+            expires_at: now + chrono::Duration::hours(1),
+        };
+        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let op = Operation::new(claim.record().clone());
+        let a1 = {
+            let (workers, op, id) = (rig.workers.clone(), op.clone(), w.worker_id.clone());
+            tokio::spawn(async move { workers.reboot("alice", &id, &op).await })
+        };
+        held.reached().await;
+        assert_eq!(rig.workers.reboot("alice", &w.worker_id, &op).await.expect("A2 reboots"), 1);
+        let accepted =
+            StoredResponse { status: 202, headers: Vec::new(), body: StoredBody::encode(Default::default(), 1024) };
+        store.complete(&claim, &accepted, now + chrono::Duration::hours(1)).await.expect("complete");
+        tokio::time::sleep(Duration::from_millis(1500)).await; // past the settle window: the reaper looks
+        let reaper = leasebroker::reaper::Reaper {
+            store: store.clone(),
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            settle: rig.workers.settle,
+            abandon_after: Duration::ZERO,
+            in_flight_ttl: Duration::from_secs(1),
+            retention: Duration::from_secs(3600),
+            orphan_deletes: Default::default(),
+        };
+        reaper.run_once().await;
+
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert_eq!(rig.sim.stats().reboots_total, 1, "A1 ({late:?}) rebooted a second time");
+        let counts = rig.workers.domain.counts().await.expect("counts");
+        assert_eq!(counts.reboots_done, 1, "{counts:?}");
+    }
+
+    /// Issue 24, hole 4, held exactly: the create has decided to boot and asks for the database,
+    /// whose one connection another task holds for 1.5 s (longer than the send stamp's lead).
+    /// The queue must not turn the create into a 503: the stamp is taken once it holds the
+    /// connection, not before waiting for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_create_that_queued_for_the_database_still_boots() {
+        let pool: std::sync::Arc<std::sync::OnceLock<sqlx::SqlitePool>> = Default::default();
+        let slot = pool.clone();
+        let hook = Hook::new(move |step| {
+            let slot = slot.clone();
+            async move {
+                if step != Step::CreateDecide {
+                    return;
+                }
+                let conn = slot.get().expect("pool").acquire().await.expect("acquire");
+                // Someone else's work holds the database for longer than the stamp's lead.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    drop(conn);
+                });
+            }
+        });
+        let rig = rig_with(hook).await;
+        let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
+        pool.set(sqlite.clone()).expect("set once");
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        let created = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await;
+        assert!(created.is_ok(), "a create that waited for the database was refused: {created:?}");
+        assert_eq!(rig.sim.stats().boots_total, 1);
+    }
+
+    /// Issue 24, hole 3: 100,000 operations the reaper must wait on (abandoned reboots, whose
+    /// failed records live for days), older than everything else, inserted directly in the
+    /// database. An abandoned create is still rolled back within two reaper passes once its
+    /// settle window has passed: a row the reaper waits on never delays another.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_abandoned_create_is_rolled_back_behind_100_000_waiting_rows() {
+        use idempotency::{ClaimOutcome, Store};
+        const WAITING: i64 = 100_000;
+        let rig = rig().await;
+        let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
+        let now_us = idempotency::now().timestamp_micros();
+        let (old, expires) = (now_us - 3_600_000_000, now_us + 7 * 86_400_000_000);
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $1) \
+             INSERT INTO idempotency_records (principal, endpoint, key, record_id, fingerprint, state, generation, \
+             created_at, started_at, expires_at) \
+             SELECT 'alice', 'POST /v1/workers/wkr-waiting/reboot', 'waiting-' || i, randomblob(16), 'sha256:', \
+             'failed', 1, $2, $2, $3 FROM n",
+        )
+        .bind(WAITING)
+        .bind(old)
+        .bind(expires)
+        .execute(sqlite)
+        .await
+        .expect("records");
+        sqlx::query(
+            "INSERT INTO lb_operations (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) \
+             SELECT 'sk-' || key, 'reboot', principal, endpoint, key, lower(hex(record_id)), $1 \
+             FROM idempotency_records WHERE key LIKE 'waiting-%'",
+        )
+        .bind(old)
+        .execute(sqlite)
+        .await
+        .expect("operations");
+
+        let store = rig.db.idempotency_store();
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new("alice"),
+            Endpoint::new("POST", "/v1/workers"),
+            IdempotencyKey::try_from("victim-1").expect("key"),
+        );
+        let request = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::from_stored("sha256:"),
+            now,
+            expires_at: now + chrono::Duration::hours(1),
+        };
+        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let op = Operation::new(claim.record().clone());
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the victim's boot fails");
+        rig.sim.set_faults(SimConfig::default());
+        store.fail(&claim).await.expect("fail");
+        assert_eq!(rig.workers.domain.counts().await.expect("counts").nodes_allocated, 1);
+        tokio::time::sleep(Duration::from_millis(2500)).await; // past the settle window
+        let reaper = leasebroker::reaper::Reaper {
+            store: store.clone(),
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone(),
+            settle: rig.workers.settle,
+            abandon_after: Duration::ZERO,
+            in_flight_ttl: Duration::from_secs(1),
+            retention: Duration::from_secs(3600),
+            orphan_deletes: Default::default(),
+        };
+        let first = reaper.run_once().await;
+        let second = reaper.run_once().await;
+        assert_eq!(first.rolled_back + second.rolled_back, 1, "{first:?} {second:?}");
+        let counts = rig.workers.domain.counts().await.expect("counts");
+        assert_eq!((counts.nodes_allocated, counts.leases_active), (0, 0), "{counts:?}");
+    }
+
+    /// Issue 24, hole 6 (`adopt_boot`): attempt A1 found the boot intent pending (the first
+    /// boot's answer was lost) and stalled before reconciling; A2 adopted the VM and finished;
+    /// then a late landing put a second VM with the same tag and a lower id on the hypervisor.
+    /// A1 wakes: it must not keep the second VM chosen from its stale read and delete the one
+    /// the worker runs on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_adoption_never_deletes_the_vm_another_attempt_adopted() {
+        let (hook, mut held) = hold_first(Step::CreateAdopt);
+        let rig = rig_with(hook).await;
+        let op = operation("POST", "/v1/workers");
+        let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
+        rig.sim.set_faults(SimConfig { fail_after: 1.0, ..SimConfig::default() });
+        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first boot's answer is lost");
+        rig.sim.set_faults(SimConfig::default());
+        let a1 = {
+            let (workers, op, req) = (rig.workers.clone(), op.clone(), req.clone());
+            tokio::spawn(async move { workers.create("alice", &req, &op).await })
+        };
+        held.reached().await;
+        let w = rig.workers.create("alice", &req, &op).await.expect("A2 adopts the VM");
+        let hv = &rig.workers.hypervisor;
+        let boot =
+            BootRequest { image: "img".into(), cpu: 2, memory_gb: 4, tag: op.derive("boot").as_str().to_owned() };
+        loop {
+            let late = hv.boot(&boot).await.expect("a late landing");
+            if late.vm_id < w.vm_id {
+                break;
+            }
+            hv.delete(&late.vm_id).await.expect("delete");
+        }
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
     }
 }

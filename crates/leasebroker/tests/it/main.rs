@@ -1,10 +1,12 @@
 //! leasebroker's integration tests, one test binary (one link of the service) with a module per
 //! theme: `service` (the binary's protocol, replicas, restarts, limits, logs; `service::database`
 //! when the database goes away), `effects` (one side effect per key when the hypervisor is slow,
-//! refuses, or the client walks away) and `tenants` (quotas, rate limits, timeouts, secrets).
+//! refuses, or the client walks away), `fences` (the holes of issue 24: orphans, a fair reaper,
+//! a queue for the database, terse upstreams) and `tenants` (quotas, rate limits, timeouts, secrets).
 //! `support` starts the real binary and reads ground truth.
 
 mod effects;
+mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;

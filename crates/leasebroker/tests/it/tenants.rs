@@ -681,7 +681,7 @@ async fn concurrent_allocations_case(url: &str) {
                 last_attempt_at: 0,
             };
             tokio::spawn(async move {
-                domain.begin_attempt(&op).await?;
+                domain.begin_attempt(&op, 0).await?;
                 domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5, &op.op_id).await
             })
         })
@@ -737,25 +737,26 @@ async fn concurrent_create_starts_case(url: &str) {
             alloc_id: &alloc,
             lease_id: &lease,
             intent_id: &intent,
+            worker_id: "wkr-none",
             quota: 5,
-            stamp: 1000 + i as i64,
+            check_at: 10,
         };
         domain.start_create(s).await
     };
+    let before = idempotency::now().timestamp_micros();
     let tasks: Vec<_> = (0..64).map(|i| tokio::spawn(start(domains[i % 2].clone(), i))).collect();
     let mut held = Vec::new();
     for (i, task) in tasks.into_iter().enumerate() {
         match task.await.expect("task").expect("start") {
             CreateStart::Held { node, intent, created } => {
                 assert!(created, "the first start records the intent");
-                assert_eq!(
-                    (intent.state.as_str(), intent.last_attempt_at, intent.created_at),
-                    ("pending", 1000 + i as i64, 10)
-                );
-                held.push((i, node));
+                assert_eq!((intent.state.as_str(), intent.created_at), ("pending", 10));
+                assert!(intent.last_attempt_at > before, "the send stamp is taken ahead of the clock");
+                held.push((i, node, intent.last_attempt_at));
             }
             CreateStart::Refused(Allocation::QuotaExceeded) => {}
             CreateStart::Refused(other) => panic!("200 nodes cannot run out: {other:?}"),
+            CreateStart::Finished => panic!("nothing finished"),
         }
     }
     assert_eq!(held.len(), 5);
@@ -763,12 +764,12 @@ async fn concurrent_create_starts_case(url: &str) {
     assert_eq!((counts.nodes_allocated, counts.leases_active), (5, 5));
 
     // A retry of one that holds a node: the same node, the intent as recorded (not stamped again).
-    let (i, node) = held[0].clone();
+    let (i, node, stamp) = held[0].clone();
     match start(domains[1].clone(), i).await.expect("again") {
         CreateStart::Held { node: again, intent, created } => {
             assert_eq!(again, node);
             assert!(!created);
-            assert_eq!(intent.last_attempt_at, 1000 + i as i64);
+            assert_eq!(intent.last_attempt_at, stamp);
         }
         other => panic!("{other:?}"),
     }
