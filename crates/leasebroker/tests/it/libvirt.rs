@@ -8,7 +8,7 @@ use std::process::Command;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
-use crate::support::{TOKEN, create, send, serve, sqlite_url};
+use crate::support::{Reply, TOKEN, create, send, serve, sqlite_url};
 
 const URI: &str = "qemu:///system";
 const URL: &str = "libvirt+qemu:///system";
@@ -74,6 +74,24 @@ impl Drop for Cleanup {
     }
 }
 
+/// Sends the request again while it answers `503` (a call that could not complete, say on a
+/// loaded host: the client's retry with the same key resumes it), as every client of the API
+/// does; the answer that is not a 503, or the last one after two minutes.
+async fn answered<F, Fut>(send: F) -> Reply
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Reply>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let r = send().await;
+        if r.status != StatusCode::SERVICE_UNAVAILABLE || std::time::Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
 fn body() -> serde_json::Value {
     json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 48})
 }
@@ -85,7 +103,8 @@ async fn a_create_boots_one_real_domain_reboots_once_per_key_and_delete_removes_
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", URL]);
-    let first = create(&lb.url, TOKEN, "lv-create-1", &body()).await;
+    let b = body();
+    let first = answered(|| create(&lb.url, TOKEN, "lv-create-1", &b)).await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
     let worker = first.json();
     let vm_id = worker["vm_id"].as_str().expect("vm_id").to_owned();
@@ -103,7 +122,7 @@ async fn a_create_boots_one_real_domain_reboots_once_per_key_and_delete_removes_
     let id = worker["id"].as_str().expect("id");
     let reboot_url = format!("{}/v1/workers/{id}/reboot", lb.url);
     for _ in 0..2 {
-        let r = send(Method::POST, &reboot_url, TOKEN, Some("lv-reboot-1"), None).await;
+        let r = answered(|| send(Method::POST, &reboot_url, TOKEN, Some("lv-reboot-1"), None)).await;
         assert_eq!(r.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&r.body));
         assert_eq!(r.json()["reboot_count"], 1);
     }
@@ -111,7 +130,8 @@ async fn a_create_boots_one_real_domain_reboots_once_per_key_and_delete_removes_
     assert_eq!(meta.matches("<reboot ").count(), 1, "one reboot recorded for one key: {meta}");
     assert!(running(&vm_id), "the domain runs after its reset");
 
-    let del = send(Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("lv-delete-1"), None).await;
+    let del_url = format!("{}/v1/workers/{id}", lb.url);
+    let del = answered(|| send(Method::DELETE, &del_url, TOKEN, Some("lv-delete-1"), None)).await;
     assert_eq!(del.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&del.body));
     assert!(virsh(&["dominfo", &vm_id]).is_none(), "the domain is destroyed and undefined");
     assert!(domains_tagged(&tag).is_empty());
@@ -135,7 +155,8 @@ async fn a_vm_boots_from_an_overlay_of_its_image_and_delete_removes_the_overlay(
     let dir = tempfile::tempdir().expect("tempdir");
     let images_arg = images.path().to_string_lossy().into_owned();
     let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", URL, "--libvirt-images", &images_arg]);
-    let r = create(&lb.url, TOKEN, "lv-disk-1", &body()).await;
+    let b = body();
+    let r = answered(|| create(&lb.url, TOKEN, "lv-disk-1", &b)).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
     let vm_id = r.json()["vm_id"].as_str().expect("vm_id").to_owned();
     let _cleanup = Cleanup(vec![tag_of(&vm_id)]);
@@ -147,7 +168,8 @@ async fn a_vm_boots_from_an_overlay_of_its_image_and_delete_removes_the_overlay(
     assert!(String::from_utf8_lossy(&info.stdout).contains("backing file"), "an overlay of the base image");
 
     let id = r.json()["id"].as_str().expect("id").to_owned();
-    let del = send(Method::DELETE, &format!("{}/v1/workers/{id}", lb.url), TOKEN, Some("lv-disk-del"), None).await;
+    let del_url = format!("{}/v1/workers/{id}", lb.url);
+    let del = answered(|| send(Method::DELETE, &del_url, TOKEN, Some("lv-disk-del"), None)).await;
     assert_eq!(del.status, StatusCode::NO_CONTENT);
     assert!(virsh(&["dominfo", &vm_id]).is_none(), "the domain is gone");
     assert!(!overlay.exists(), "and its disk");
@@ -185,4 +207,62 @@ async fn sigkill_during_the_libvirt_boot_then_a_retry_leaves_one_domain() {
     let _cleanup = Cleanup(vec![tag.clone()]);
     assert_eq!(domains_tagged(&tag), vec![vm_id.clone()], "one domain for one key, wherever the kill landed");
     assert!(running(&vm_id));
+}
+
+/// Defines and starts a domain from `xml` with `virsh`, as a call the service made and forgot
+/// about would have (or, without the service's metadata, as anything else on the host).
+fn define_and_start(name: &str, xml: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join(format!("{name}.xml"));
+    std::fs::write(&file, xml).expect("write the domain XML");
+    let path = file.to_string_lossy().into_owned();
+    virsh(&["define", &path]).unwrap_or_else(|| panic!("virsh define {name}"));
+    virsh(&["start", name]).unwrap_or_else(|| panic!("virsh start {name}"));
+}
+
+fn tiny_domain(name: &str, metadata: &str) -> String {
+    format!(
+        "<domain type='kvm'><name>{name}</name><memory unit='MiB'>32</memory><vcpu>1</vcpu>\
+         <metadata>{metadata}</metadata><os><type arch='x86_64' machine='pc'>hvm</type><boot dev='network'/></os>\
+         <devices><serial type='pty'/></devices></domain>"
+    )
+}
+
+#[tokio::test]
+async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_one_is_left_alone() {
+    if !libvirt_or_skip("a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_one_is_left_alone") {
+        return;
+    }
+    // What a boot that landed after its operation was rolled back leaves: a domain carrying a
+    // tag of the service that no operation or worker of its database owns.
+    let suffix = format!("{:016x}", rand::random::<u64>());
+    let (orphan, tag) = (format!("vm-{suffix}"), format!("sk-orphan-{suffix}"));
+    let _cleanup = Cleanup(vec![tag.clone()]);
+    define_and_start(&orphan, &tiny_domain(&orphan, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>")));
+    // And a domain that is not the service's at all: never listed, never touched.
+    let foreign = format!("lbtest-foreign-{suffix}");
+    define_and_start(&foreign, &tiny_domain(&foreign, ""));
+    struct Foreign(String);
+    impl Drop for Foreign {
+        fn drop(&mut self) {
+            let _ = virsh(&["destroy", &self.0]);
+            let _ = virsh(&["undefine", &self.0]);
+        }
+    }
+    let _foreign = Foreign(foreign.clone());
+    assert!(running(&orphan) && running(&foreign));
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args =
+        ["--hypervisor-url", URL, "--sweep-interval", "1s", "--hypervisor-timeout", "2s", "--hypervisor-settle", "2s"];
+    let lb = serve(&sqlite_url(&dir), &args);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while virsh(&["dominfo", &orphan]).is_some() {
+        assert!(std::time::Instant::now() < deadline, "the orphan {orphan} is still there");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let metrics = crate::support::http().get(format!("{}/metrics", lb.url)).send().await.expect("metrics");
+    let text = metrics.text().await.expect("metrics text");
+    assert!(text.lines().any(|l| l == "leasebroker_orphans_removed_total 1"), "counted once:\n{text}");
+    assert!(running(&foreign), "a domain without the service's metadata is left alone");
 }
