@@ -4,6 +4,7 @@
 //! refuses, or the client walks away) and `tenants` (quotas, rate limits, timeouts, secrets).
 //! `support` starts the real binary and reads ground truth.
 
+mod deploy;
 mod effects;
 mod flashes;
 mod records;
