@@ -247,7 +247,9 @@ where
     span.record("outcome", outcome);
     span.record("status", status.as_u16());
     tracing::debug!(outcome, status = status.as_u16(), "handler ran");
-    Ok(Response::from_parts(parts, body))
+    let mut response = Response::from_parts(parts, body);
+    response.extensions_mut().insert(crate::metrics::Outcome(outcome));
+    Ok(response)
 }
 
 /// A response body read up to a limit.
@@ -468,6 +470,8 @@ fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
             span.record("outcome", "replayed");
             span.record("status", stored.status);
             tracing::debug!(status = stored.status, "stored response replayed");
+            let mut res = res;
+            res.extensions_mut().insert(crate::metrics::Outcome("replayed"));
             res
         }
         Err(e) => {

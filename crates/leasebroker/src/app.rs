@@ -176,7 +176,9 @@ impl Application {
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
-            .layer(tower_http::trace::TraceLayer::new_for_http());
+            .layer(tower_http::trace::TraceLayer::new_for_http())
+            // Outermost: each request in its span (exported with --otlp-endpoint).
+            .layer(axum::middleware::from_fn(crate::telemetry::request_span));
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");

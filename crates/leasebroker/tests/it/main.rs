@@ -11,3 +11,4 @@ mod records;
 mod service;
 mod support;
 mod tenants;
+mod traces;
