@@ -55,7 +55,7 @@ pub use layer::{
     IdempotencyLayer, IdempotencyLayerBuilder,
 };
 #[cfg(feature = "metrics")]
-pub use metrics::{RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
+pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
 pub use metrics::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};

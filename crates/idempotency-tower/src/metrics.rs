@@ -46,19 +46,33 @@ pub(crate) fn count(outcome: &'static str) {
     let _ = outcome;
 }
 
-/// Awaits one store call and records its latency under `op`.
+/// The outcome of a protected request (the `outcome` label of [`REQUESTS_TOTAL`]: `executed`,
+/// `replayed`, `mismatch`, ...), put in the response's extensions, so that a layer outside (a
+/// trace span per request) can show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome(pub &'static str);
+
+/// The span of one store call: target `idempotency::store` (a trace exporter can pick these out),
+/// named after the operation.
+fn store_span(op: &'static str) -> tracing::Span {
+    tracing::info_span!(target: "idempotency::store", "idempotency.store", otel.name = op, db.operation.name = op)
+}
+
+/// Awaits one store call in its own span and records its latency under `op`.
 #[cfg(feature = "metrics")]
 pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
+    use tracing::Instrument;
     let start = Instant::now();
-    let out = fut.await;
+    let out = fut.instrument(store_span(op)).await;
     metrics::histogram!(STORE_DURATION_SECONDS, "op" => op).record(start.elapsed().as_secs_f64());
     out
 }
 
-/// Awaits one store call (no latency is recorded without the `metrics` feature).
+/// Awaits one store call in its own span (no latency is recorded without the `metrics` feature).
 #[cfg(not(feature = "metrics"))]
-pub(crate) async fn timed<T>(_op: &'static str, fut: impl Future<Output = T>) -> T {
-    fut.await
+pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
+    use tracing::Instrument;
+    fut.instrument(store_span(op)).await
 }
 
 /// A core [`Sweeper`] over `store`, every `interval`, that adds what it deletes to

@@ -307,7 +307,9 @@ pub(crate) fn rejection_response(cfg: &Config, rejection: Rejection) -> Response
     let problem = rejection.into_problem(cfg);
     span.record("status", problem.status().as_u16());
     tracing::debug!(outcome, status = problem.status().as_u16(), "idempotency rejection");
-    problem.into_response()
+    let mut response = problem.into_response();
+    response.extensions_mut().insert(crate::metrics::Outcome(outcome));
+    response
 }
 
 #[cfg(test)]

@@ -275,7 +275,9 @@ where
     span.record("outcome", outcome);
     span.record("status", status.as_u16());
     tracing::debug!(outcome, status = status.as_u16(), "handler ran");
-    Ok(Response::from_parts(parts, body))
+    let mut response = Response::from_parts(parts, body);
+    response.extensions_mut().insert(crate::metrics::Outcome(outcome));
+    Ok(response)
 }
 
 /// A response body read up to a limit.

@@ -68,6 +68,8 @@ pub(crate) fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
             span.record("outcome", "replayed");
             span.record("status", stored.status);
             tracing::debug!(status = stored.status, "stored response replayed");
+            let mut res = res;
+            res.extensions_mut().insert(crate::metrics::Outcome("replayed"));
             res
         }
         Err(e) => {

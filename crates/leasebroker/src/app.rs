@@ -199,7 +199,9 @@ impl Application {
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
             // Checked before any other limit: a long path is refused before it is authenticated.
             .layer(axum::middleware::from_fn(crate::limits::path_length))
-            .layer(tower_http::trace::TraceLayer::new_for_http());
+            .layer(tower_http::trace::TraceLayer::new_for_http())
+            // Outermost: each request in its span (exported with --otlp-endpoint).
+            .layer(axum::middleware::from_fn(crate::telemetry::request_span));
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");

@@ -223,6 +223,16 @@ pub struct ServeArgs {
     /// already hung up, before exiting anyway.
     #[arg(long, env = "LEASEBROKER_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse::duration)]
     pub shutdown_timeout: Duration,
+
+    /// Export traces over OTLP to this collector (`http://127.0.0.1:4317` for gRPC,
+    /// `http://127.0.0.1:4318` for `--otlp-protocol http/protobuf`). Off the request path: a
+    /// collector that is down or hung changes no answer.
+    #[arg(long, env = "LEASEBROKER_OTLP_ENDPOINT", hide_env_values = true)]
+    pub otlp_endpoint: Option<String>,
+
+    /// The OTLP transport.
+    #[arg(long, env = "LEASEBROKER_OTLP_PROTOCOL", value_enum, default_value = "grpc")]
+    pub otlp_protocol: crate::telemetry::OtlpProtocol,
 }
 
 /// The shortest token accepted: shorter ones are guessable, or a typo.

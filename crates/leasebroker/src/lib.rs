@@ -32,3 +32,4 @@ pub mod reaper;
 pub mod routes;
 pub mod serve;
 pub mod service;
+pub mod telemetry;

@@ -9,19 +9,41 @@ use leasebroker::app::{Application, shutdown_signal};
 use leasebroker::config::{Cli, Command, LogFormat};
 use leasebroker::db::Db;
 use leasebroker::hypervisor::sim::{self, SimConfig, Simulator};
-use tracing_subscriber::EnvFilter;
+use leasebroker::telemetry;
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
-        LogFormat::Json => logs.json().init(),
+    // Traces (serve --otlp-endpoint): made before the subscriber, inside the runtime.
+    let provider = match &cli.command {
+        Command::Serve(args) => args.otlp_endpoint.as_deref().map(|e| telemetry::provider(e, args.otlp_protocol)),
+        _ => None,
+    };
+    let provider = match provider.transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("leasebroker: {e:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let logs: Box<dyn Layer<Registry> + Send + Sync> = match cli.log_format {
+        LogFormat::Text => {
+            logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_filter(filter).boxed()
+        }
+        LogFormat::Json => logs.json().with_filter(filter).boxed(),
+    };
+    let traces = provider.as_ref().map(telemetry::layer);
+    tracing_subscriber::registry().with(logs).with(traces).init();
+    let result = run(cli).await;
+    if let Some(provider) = provider {
+        // Sends what is queued; blocking, so not on a runtime thread.
+        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
     }
-    match run(cli).await {
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("leasebroker: {e:#}");

@@ -24,6 +24,16 @@ async fn not_found() -> Response {
     Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found", "no such route").into_response()
 }
 
+/// Counter of responses by status code, labelled `code` (`429` alerts read it; see `deploy/`).
+pub const HTTP_RESPONSES_TOTAL: &str = "leasebroker_http_responses_total";
+
+/// Counts every response under its status code (a bounded label: HTTP has few codes).
+async fn count_responses(req: Request, next: Next) -> Response {
+    let r = next.run(req).await;
+    metrics::counter!(HTTP_RESPONSES_TOTAL, "code" => r.status().as_str().to_owned()).increment(1);
+    r
+}
+
 async fn method_not_allowed(req: Request, next: Next) -> Response {
     let r = next.run(req).await;
     if r.status() == StatusCode::METHOD_NOT_ALLOWED {
@@ -65,5 +75,6 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .layer(middleware::from_fn(method_not_allowed))
+        .layer(middleware::from_fn(count_responses))
         .with_state(state)
 }

@@ -363,7 +363,20 @@ impl HypervisorClient {
         if let Some(body) = body {
             request = request.json(body);
         }
-        let result = request.send().await;
+        // One span per downstream call (target `leasebroker::downstream`, exported as a trace's
+        // child span): the method and the route's first segment, never the URL (credentials).
+        let span = tracing::info_span!(
+            target: "leasebroker::downstream",
+            "hypervisor.call",
+            otel.name = %format!("{method} hypervisor /{}", segments.first().copied().unwrap_or("")),
+            otel.kind = "client",
+            http.request.method = %method,
+            http.response.status_code = tracing::field::Empty,
+        );
+        let result = tracing::Instrument::instrument(request.send(), span.clone()).await;
+        if let Ok(response) = &result {
+            span.record("http.response.status_code", response.status().as_u16());
+        }
         if let Err(err) = &result {
             // reqwest's error names the URL, which may carry credentials.
             tracing::debug!(%method, error = %crate::db::redact(&err.to_string()), "hypervisor call failed");

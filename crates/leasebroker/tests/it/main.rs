@@ -6,6 +6,7 @@
 //! `support` starts the real binary and reads ground truth.
 
 mod bounds;
+mod deploy;
 mod effects;
 mod fences;
 mod flashes;
@@ -15,3 +16,4 @@ mod records;
 mod service;
 mod support;
 mod tenants;
+mod traces;

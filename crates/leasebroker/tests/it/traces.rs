@@ -1,0 +1,222 @@
+//! Issue 30: traces over OTLP, received by a real OTLP receiver: a stand-in collector in the test
+//! for each protocol (an HTTP server taking `POST /v1/traces` and decoding the protobuf body with
+//! opentelemetry-proto, as a collector's OTLP/HTTP receiver does; and opentelemetry-proto's
+//! generated gRPC `TraceService` served by tonic). Also: a collector that is down
+//! changes no answer, and the log says so at most once a minute.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message;
+use reqwest::StatusCode;
+
+use crate::support::{ADMIN, BIN, TOKEN, create, worker_body};
+
+type Received = Arc<Mutex<Vec<ExportTraceServiceRequest>>>;
+
+/// The stand-in collector: its base URL and what it received.
+async fn collector() -> (String, Received) {
+    async fn traces(State(got): State<Received>, body: Bytes) -> ([(&'static str, &'static str); 1], Vec<u8>) {
+        let request = ExportTraceServiceRequest::decode(body).expect("an OTLP trace export");
+        got.lock().expect("received").push(request);
+        ([("content-type", "application/x-protobuf")], ExportTraceServiceResponse::default().encode_to_vec())
+    }
+    let got: Received = Arc::default();
+    let app = axum::Router::new().route("/v1/traces", post(traces)).with_state(got.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, got)
+}
+
+/// The stand-in OTLP/gRPC collector (the generated `TraceService` server, on tonic): its URL
+/// and what it received.
+async fn grpc_collector() -> (String, Received) {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+
+    struct Collector(Received);
+
+    #[tonic::async_trait]
+    impl TraceService for Collector {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            self.0.lock().expect("received").push(request.into_inner());
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    let got: Received = Arc::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let service = TraceServiceServer::new(Collector(got.clone()));
+    tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming));
+    (url, got)
+}
+
+struct Server {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve_traced(db: &str, otlp: &str, protocol: &str) -> Server {
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--database", db, "--pool-nodes", "64"])
+        .args(["--token", "tok-alice-5a8d1c7e90b3=alice", "--admin-token", ADMIN])
+        .args(["--otlp-endpoint", otlp, "--otlp-protocol", protocol])
+        // tower_http's request lines (debug) are log lines inside a request.
+        .env("RUST_LOG", "info,tower_http=debug")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start leasebroker");
+    let log = Arc::new(Mutex::new(String::new()));
+    let (stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut s = sink.lock().expect("log");
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("listening on http://") {
+                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
+            }
+        }
+    });
+    let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
+    Server { child, url, log }
+}
+
+fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
+    attrs.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.as_ref()?.value.as_ref())
+}
+
+fn text(attrs: &[KeyValue], key: &str) -> Option<String> {
+    match attr(attrs, key)? {
+        AnyValue::StringValue(s) => Some(s.clone()),
+        AnyValue::IntValue(i) => Some(i.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// Every span received so far, with its resource's service name.
+fn spans(got: &Received) -> Vec<(Option<String>, Span)> {
+    let mut all = vec![];
+    for request in got.lock().expect("received").iter() {
+        for rs in &request.resource_spans {
+            let service = rs.resource.as_ref().and_then(|r| text(&r.attributes, "service.name"));
+            for ss in &rs.scope_spans {
+                all.extend(ss.spans.iter().map(|s| (service.clone(), s.clone())));
+            }
+        }
+    }
+    all
+}
+
+#[tokio::test]
+async fn over_http_a_request_is_one_trace_with_its_outcome_store_and_hypervisor_spans_and_a_hashed_key() {
+    let (otlp, got) = collector().await;
+    one_trace_per_request(&otlp, "http/protobuf", got).await;
+}
+
+#[tokio::test]
+async fn over_grpc_a_request_is_one_trace_with_its_outcome_store_and_hypervisor_spans_and_a_hashed_key() {
+    let (otlp, got) = grpc_collector().await;
+    one_trace_per_request(&otlp, "grpc", got).await;
+}
+
+async fn one_trace_per_request(otlp: &str, protocol: &str, got: Received) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_traced(&crate::support::sqlite_url(&dir), otlp, protocol);
+    let key = "trace-me-7c3f5d1e-91a4";
+    assert_eq!(create(&lb.url, TOKEN, key, &worker_body()).await.status, StatusCode::CREATED);
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (root, all) = loop {
+        let all = spans(&got);
+        let root = all.iter().find(|(_, s)| text(&s.attributes, "http.route").as_deref() == Some("/v1/workers"));
+        if let Some((_, root)) = root {
+            let root = root.clone();
+            // The children end before their parent, so they were queued first.
+            break (root, all);
+        }
+        assert!(Instant::now() < deadline, "no request span arrived within a minute: {all:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(all.iter().all(|(service, _)| service.as_deref() == Some("leasebroker")));
+    assert_eq!(text(&root.attributes, "http.request.method").as_deref(), Some("POST"));
+    assert_eq!(text(&root.attributes, "http.response.status_code").as_deref(), Some("201"));
+    assert_eq!(text(&root.attributes, "idempotency.outcome").as_deref(), Some("executed"));
+    let hash = text(&root.attributes, "idempotency.key_hash").expect("the key's hash");
+    assert_eq!(hash, leasebroker::telemetry::key_hash(key.as_bytes()));
+    let raw = format!("{:?}", got.lock().expect("received"));
+    assert!(!raw.contains(key), "the key itself is never exported");
+
+    let children: Vec<&Span> =
+        all.iter().map(|(_, s)| s).filter(|s| s.trace_id == root.trace_id && s.span_id != root.span_id).collect();
+    let names: Vec<&str> = children.iter().map(|s| s.name.as_str()).collect();
+    assert!(names.contains(&"claim") && names.contains(&"complete"), "store spans: {names:?}");
+    assert!(names.iter().any(|n| n.starts_with("POST hypervisor")), "hypervisor spans: {names:?}");
+    assert!(children.iter().all(|s| s.parent_span_id == root.span_id), "children of the request span");
+
+    // The log lines of the request carry its trace id.
+    let trace_id = hex::encode(&root.trace_id);
+    let log = lb.log.lock().expect("log").clone();
+    assert!(log.lines().any(|l| l.contains(&format!("trace_id={trace_id}"))), "no log line with {trace_id}:\n{log}");
+}
+
+#[tokio::test]
+async fn with_the_collector_down_every_request_is_answered_and_the_log_says_so_once() {
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let otlp = format!("http://{}", closed.local_addr().expect("addr"));
+    drop(closed);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_traced(&crate::support::sqlite_url(&dir), &otlp, "http/protobuf");
+    for i in 0..20 {
+        let r = create(&lb.url, TOKEN, &format!("down-{i}"), &worker_body()).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let log = lb.log.lock().expect("log").clone();
+        let lines = log.lines().filter(|l| l.contains("trace exports fail")).count();
+        if lines >= 1 {
+            // Several batches failed by now (20 requests, a 200 ms schedule); one line.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let log = lb.log.lock().expect("log").clone();
+            assert_eq!(log.lines().filter(|l| l.contains("trace exports fail")).count(), 1, "{log}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the log never said that exports fail:\n{log}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 20..25 {
+        assert_eq!(create(&lb.url, TOKEN, &format!("down-{i}"), &worker_body()).await.status, StatusCode::CREATED);
+    }
+}
