@@ -334,7 +334,9 @@ impl HaPostgres {
         Ok(new)
     }
 
-    fn wait_until_new_primary(&self, old: usize) -> Result<usize, String> {
+    /// Waits until a member other than `old` is the primary and HAProxy sends connections to
+    /// it (after a kill, Patroni lists the dead leader until its lock expires).
+    pub fn wait_until_new_primary(&self, old: usize) -> Result<usize, String> {
         let mut found = None;
         wait(Duration::from_secs(120), "a new primary behind the proxy", || {
             found = self.primary().filter(|&i| i != old && self.proxy_sends_to(i));
@@ -370,7 +372,9 @@ impl HaPostgres {
     /// rejoins as a replica (rewound with `pg_rewind` where its timeline went on alone). Returns
     /// once every member runs.
     pub fn restart(&mut self, i: usize) -> Result<(), String> {
-        self.wait_until_primary(Duration::from_secs(120))?;
+        // Not before another member took over: restarted while its lock lives, it would take
+        // its own place back.
+        self.wait_until_new_primary(i)?;
         self.start_member(i)?;
         self.wait_until_healthy(Duration::from_secs(120))
     }
