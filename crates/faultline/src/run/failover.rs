@@ -42,10 +42,15 @@ pub(super) async fn fail_over_postgres(
             let mut pg = ha.lock().map_err(|_| anyhow!("the HA cluster's lock is poisoned"))?;
             if k % 2 == 1 {
                 let killed = pg.kill_primary().map_err(|e| anyhow!(e))?;
-                pg.restart(killed).map_err(|e| anyhow!(e))
+                let promoted = pg.wait_until_new_primary(killed).map_err(|e| anyhow!(e))?;
+                pg.restart(killed).map_err(|e| anyhow!(e))?;
+                eprintln!("faultline: PostgreSQL failover {k}: member {killed} killed, member {promoted} promoted");
             } else {
-                pg.switchover().map(drop).map_err(|e| anyhow!(e))
+                let old = pg.primary();
+                let new = pg.switchover().map_err(|e| anyhow!(e))?;
+                eprintln!("faultline: PostgreSQL failover {k}: switchover from member {old:?} to member {new}");
             }
+            anyhow::Ok(())
         })
         .await
         .context("the failover task panicked")?
@@ -70,7 +75,12 @@ pub(super) async fn fail_over_redis(
         let victim = usize::try_from((k - 1) % 3).unwrap_or(0);
         tokio::task::spawn_blocking(move || {
             let mut cluster = cluster.lock().map_err(|_| anyhow!("the Redis cluster's lock is poisoned"))?;
+            let old = cluster.nodes[victim].port;
             cluster.fail_over(victim);
+            eprintln!(
+                "faultline: Redis failover {k}: primary :{old} killed, replica :{} promoted",
+                cluster.nodes[victim].port
+            );
             anyhow::Ok(())
         })
         .await

@@ -24,7 +24,7 @@ async fn store_with(url: &str, prefix: &str, replicas: u32) -> RedisStore {
     let options = RedisStoreOptions::default()
         .prefix(prefix)
         .replicas(replicas)
-        .replica_timeout(Duration::from_millis(300))
+        .replica_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(2));
     RedisStore::connect_with(url, options).await.expect("connect")
 }

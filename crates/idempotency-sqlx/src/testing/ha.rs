@@ -26,6 +26,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod config;
+
+use config::{Shared, haproxy_config, member_config};
+
 /// How a member's commit waits for the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Replication {
@@ -56,6 +60,9 @@ pub struct HaPostgres {
     proxy_port: u16,
     replication: Replication,
     owner: Option<(u32, u32)>,
+    /// etcd's data, in memory (`/dev/shm`) where there is one: etcd syncs every write to disk,
+    /// and on a busy disk a slow sync makes the leader miss its lock renewal and step down.
+    etcd_dir: tempfile::TempDir,
     dir: tempfile::TempDir,
 }
 
@@ -171,10 +178,21 @@ impl HaPostgres {
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).map_err(|e| e.to_string())?;
         }
-        let mut cluster = HaPostgres { members, etcd: None, haproxy: None, proxy_port, replication, owner, dir };
+        let shm = Path::new("/dev/shm");
+        let etcd_dir = if shm.is_dir() {
+            tempfile::Builder::new().prefix("ha-etcd-").tempdir_in(shm)
+        } else {
+            tempfile::tempdir()
+        }
+        .map_err(|e| e.to_string())?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::chown(etcd_dir.path(), Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+        }
+        let mut cluster =
+            HaPostgres { members, etcd: None, haproxy: None, proxy_port, replication, owner, etcd_dir, dir };
         let peer = format!("http://127.0.0.1:{etcd_peer}");
         let client = format!("http://127.0.0.1:{etcd_client}");
-        let etcd_dir = cluster.dir.path().join("etcd");
+        let etcd_dir = cluster.etcd_dir.path().join("data");
         let etcd_args = [
             "--name",
             "e0",
@@ -298,7 +316,7 @@ impl HaPostgres {
 
     /// Whether HAProxy's health check has member `i` up and every other member down, so that
     /// it sends every connection to `i` (at its start HAProxy takes every server for up until
-    /// its checks say otherwise).
+    /// its checks say otherwise, and a server failing its checks stays up until the second).
     fn proxy_sends_to(&self, i: usize) -> bool {
         let socket = self.dir.path().join("haproxy.sock");
         let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else { return false };
@@ -313,9 +331,10 @@ impl HaPostgres {
                 (f.len() > 17 && f[0] == "primary" && f[1] == name).then(|| f[17].to_owned())
             })
         };
+        // "UP 1/2" is a server on its way down that still gets connections: only "DOWN" is down.
         self.members.iter().enumerate().all(|(j, m)| {
-            let up = status(&m.name).is_some_and(|s| s == "UP");
-            if j == i { up } else { !up }
+            let status = status(&m.name).unwrap_or_default();
+            if j == i { status == "UP" } else { status.starts_with("DOWN") }
         })
     }
 
@@ -334,7 +353,9 @@ impl HaPostgres {
         Ok(new)
     }
 
-    fn wait_until_new_primary(&self, old: usize) -> Result<usize, String> {
+    /// Waits until a member other than `old` is the primary and HAProxy sends connections to
+    /// it (after a kill, Patroni lists the dead leader until its lock expires).
+    pub fn wait_until_new_primary(&self, old: usize) -> Result<usize, String> {
         let mut found = None;
         wait(Duration::from_secs(120), "a new primary behind the proxy", || {
             found = self.primary().filter(|&i| i != old && self.proxy_sends_to(i));
@@ -344,7 +365,7 @@ impl HaPostgres {
     }
 
     /// The primary's machine dies: its Patroni and its PostgreSQL are killed (SIGKILL), so its
-    /// leader lock expires (after the `ttl`, 10 s) and a replica is promoted. Returns the killed
+    /// leader lock expires (after the `ttl`, 20 s) and a replica is promoted. Returns the killed
     /// member's index; [`HaPostgres::restart`] brings it back as a replica.
     pub fn kill_primary(&mut self) -> Result<usize, String> {
         let old = self.wait_until_primary(Duration::from_secs(60))?;
@@ -370,7 +391,9 @@ impl HaPostgres {
     /// rejoins as a replica (rewound with `pg_rewind` where its timeline went on alone). Returns
     /// once every member runs.
     pub fn restart(&mut self, i: usize) -> Result<(), String> {
-        self.wait_until_primary(Duration::from_secs(120))?;
+        // Not before another member took over: restarted while its lock lives, it would take
+        // its own place back.
+        self.wait_until_new_primary(i)?;
         self.start_member(i)?;
         self.wait_until_healthy(Duration::from_secs(120))
     }
@@ -418,84 +441,4 @@ fn parse_members(body: &str) -> Result<Vec<MemberState>, String> {
                 .collect()
         })
         .unwrap_or_default())
-}
-
-/// What every member's configuration shares.
-struct Shared<'a> {
-    etcd_port: u16,
-    bin: &'a Path,
-    dir: &'a Path,
-    replication: Replication,
-}
-
-/// A member's Patroni configuration: a leader lock that expires after 10 s, checked every
-/// second; trust authentication on loopback; `fsync` off (the tests kill processes, not
-/// machines: the page cache survives). Patroni logs to its stderr.
-fn member_config(m: &Member, shared: &Shared<'_>) -> String {
-    let Shared { etcd_port, bin, dir, replication } = *shared;
-    let (name, pg_port, api_port, data) = (&m.name, m.pg_port, m.api_port, &m.data);
-    let sync = replication == Replication::Synchronous;
-    format!(
-        "scope: ha-test
-namespace: /ha-test/
-name: {name}
-log: {{level: INFO}}
-restapi: {{listen: '127.0.0.1:{api_port}', connect_address: '127.0.0.1:{api_port}'}}
-etcd3: {{hosts: '127.0.0.1:{etcd_port}'}}
-bootstrap:
-  dcs:
-    ttl: 10
-    loop_wait: 1
-    retry_timeout: 3
-    maximum_lag_on_failover: 1073741824
-    synchronous_mode: {sync}
-    postgresql:
-      use_pg_rewind: true
-      parameters: {{wal_log_hints: 'on', max_wal_senders: 10, max_replication_slots: 10, fsync: 'off', max_connections: 200}}
-  initdb: [{{encoding: UTF8}}, {{auth: trust}}]
-  pg_hba: ['host replication postgres 127.0.0.1/32 trust', 'host all all 127.0.0.1/32 trust', 'local all all trust']
-postgresql:
-  listen: '127.0.0.1:{pg_port}'
-  connect_address: '127.0.0.1:{pg_port}'
-  data_dir: {data}
-  bin_dir: {bin}
-  pgpass: {dir}/pgpass-{name}
-  authentication:
-    superuser: {{username: postgres}}
-    replication: {{username: postgres}}
-    rewind: {{username: postgres}}
-  parameters: {{unix_socket_directories: '{dir}'}}
-",
-        dir = dir.display(),
-        data = data.display(),
-        bin = bin.display(),
-    )
-}
-
-/// HAProxy in TCP mode: a server is up while Patroni's `GET /primary` answers 200 on its REST
-/// port (checked every 500 ms, down after two failures), and a server marked down has its
-/// connections cut, so no client keeps talking to a demoted primary.
-fn haproxy_config(port: u16, members: &[Member], dir: &Path) -> String {
-    let mut cfg = format!(
-        "global
-  maxconn 500
-  stats socket {dir}/haproxy.sock mode 600 level admin
-defaults
-  mode tcp
-  timeout connect 2s
-  timeout client 30m
-  timeout server 30m
-  timeout check 2s
-listen primary
-  bind 127.0.0.1:{port}
-  option httpchk GET /primary
-  http-check expect status 200
-  default-server inter 500ms fall 2 rise 1 on-marked-down shutdown-sessions
-",
-        dir = dir.display()
-    );
-    for m in members {
-        cfg.push_str(&format!("  server {} 127.0.0.1:{} check port {}\n", m.name, m.pg_port, m.api_port));
-    }
-    cfg
 }
