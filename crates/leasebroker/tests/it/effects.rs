@@ -1018,7 +1018,10 @@ mod racing_attempts {
             settle: rig.workers.settle,
         };
         let op = operation("POST", "/admin/v1/nodes/node-0001/firmware");
-        let flash = firmware.flash("node-0001", &FlashFirmware { version: "2.0".into() }, &op).await.expect("accepted");
+        let flash = firmware
+            .flash("node-0001", &FlashFirmware { version: "2.0".into(), force: false }, &op)
+            .await
+            .expect("accepted");
         assert!(flash.is_accepted(), "{flash:?}");
         let watcher = Watcher {
             domain: rig.workers.domain.clone(),
