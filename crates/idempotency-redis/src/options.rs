@@ -40,6 +40,7 @@ pub struct RedisStoreOptions {
     pub(crate) cluster_retries: u32,
     pub(crate) connections: usize,
     pub(crate) unverified_policy: UnverifiedPolicy,
+    pub(crate) root_certificates: Option<Vec<u8>>,
 }
 
 impl Default for RedisStoreOptions {
@@ -51,6 +52,7 @@ impl Default for RedisStoreOptions {
             cluster_retries: 3,
             connections: DEFAULT_CONNECTIONS,
             unverified_policy: UnverifiedPolicy::Refuse,
+            root_certificates: None,
         }
     }
 }
@@ -61,6 +63,13 @@ impl RedisStoreOptions {
     /// record in one cluster slot, on one primary.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// For `rediss://` (TLS): trust only the CA certificates in `pem` (PEM text), for a server
+    /// whose certificate a private CA issued. Default: the system's roots.
+    pub fn root_certificates_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.root_certificates = Some(pem.into());
         self
     }
 

@@ -21,6 +21,8 @@ pub struct RedisStore {
     conn: Conn,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
+    /// When a write was last refused for lack of memory (`OOM`), until a claim succeeds again.
+    refused_for_memory: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -54,7 +56,12 @@ impl RedisStore {
         }
         let conn = Conn::open(url, &options).await?;
         conn.check_eviction_policy(options.unverified_policy).await?;
-        Ok(Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()) })
+        Ok(Self {
+            conn,
+            prefix: options.prefix.into(),
+            scripts: Arc::new(Scripts::new()),
+            refused_for_memory: Arc::default(),
+        })
     }
 
     /// The key prefix.
@@ -81,12 +88,18 @@ impl RedisStore {
             }
             cmd
         };
-        match self.conn.query(&build("EVALSHA", lua.script.get_hash())).await {
+        let reply = match self.conn.query(&build("EVALSHA", lua.script.get_hash())).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.conn.query(&build("EVAL", lua.code)).await.map_err(redis_error)
+                self.conn.query(&build("EVAL", lua.code)).await
             }
-            reply => reply.map_err(redis_error),
+            reply => reply,
+        };
+        if let Err(e) = &reply
+            && e.code() == Some("OOM")
+        {
+            *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
         }
+        reply.map_err(redis_error)
     }
 
     /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`.
@@ -217,6 +230,10 @@ impl RedisStore {
 
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
+/// How long a write refused with `OOM` keeps the store not ready when no claim succeeds after
+/// it: near `maxmemory` a server refuses some writes and takes others, as its buffers come and go.
+const OOM_REMEMBERED: Duration = Duration::from_secs(30);
+
 /// A primary that refuses writes for lack of memory.
 #[derive(Debug, thiserror::Error)]
 #[error("Redis node {node} is out of memory: it refuses writes (maxmemory reached under noeviction)")]
@@ -286,6 +303,7 @@ impl Store for RedisStore {
         let args = ClaimArgs::new(&req, &fresh);
         match self.eval(&self.scripts.claim, &self.key_of(&req.scope), &args.args()).await? {
             Value::Int(1) => {
+                *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 self.index_record(&req.scope, &args.eat_ms).await;
                 Ok(ClaimOutcome::Owned(Claim::new(fresh)))
             }
@@ -360,10 +378,15 @@ impl Store for RedisStore {
 
     /// `PING`; on a cluster every primary that serves slots must answer on its own
     /// connection, so a cluster with an unreachable primary is reported unavailable.
-    /// Every primary answers `PING`, and none refuses writes for lack of memory (`INFO memory`,
-    /// where allowed): a full server still answers reads, but is not ready for requests that
-    /// create records.
+    /// Every primary answers `PING`, and none refuses writes for lack of memory: none is over
+    /// its `maxmemory` (`INFO memory`, where allowed), and no write was refused with `OOM` since
+    /// the last claim that succeeded (within [`OOM_REMEMBERED`]). A full server still answers
+    /// reads, but is not ready for requests that create records.
     async fn ping(&self) -> Result<(), StoreError> {
+        let refused = *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner());
+        if refused.is_some_and(|at| at.elapsed() < OOM_REMEMBERED) {
+            return Err(StoreError::unavailable(OutOfMemory { node: "a primary".to_owned() }));
+        }
         for (_, reply) in self.conn.on_every_primary(&redis::cmd("PING")).await.map_err(redis_error)? {
             reply.map_err(redis_error)?;
         }

@@ -33,6 +33,9 @@ const MAX_RACES: u32 = 8;
 /// The first and the longest sleep between polls while waiting for an in-flight request.
 const FIRST_POLL: Duration = Duration::from_millis(10);
 const MAX_POLL: Duration = Duration::from_millis(100);
+/// The least a stored body may decompress to whatever `max_stored_response` says: the layer
+/// stores its own short problems (`410 response-too-large`) even under a tiny limit.
+const MIN_DECODE_LIMIT: usize = 64 * 1024;
 /// The shortest time between two renewals of a claim, whatever the in-flight TTL.
 const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
@@ -473,7 +476,9 @@ fn header_from_stored(name: &str, value: &str) -> Option<(HeaderName, HeaderValu
 fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
     let rebuilt = (|| {
         let status = StatusCode::from_u16(stored.status).map_err(|e| e.to_string())?;
-        let body = stored.body.decode_at_most(cfg.max_stored_response).map_err(|e| e.to_string())?;
+        // At most what the layer stores, or a problem of its own in place of a larger response.
+        let limit = cfg.max_stored_response.max(MIN_DECODE_LIMIT);
+        let body = stored.body.decode_at_most(limit).map_err(|e| e.to_string())?;
         let mut res = Response::new(Body::from(body));
         *res.status_mut() = status;
         for (name, value) in &stored.headers {

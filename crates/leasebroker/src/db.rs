@@ -90,7 +90,7 @@ impl Db {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = idempotency_sqlx::postgres_pool_options(16)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect(url)
+                .connect_with(postgres_options(url)?)
                 .await
                 .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(url)))?;
             Ok(Self::Postgres(pool))
@@ -146,6 +146,17 @@ impl Db {
     pub fn is_postgres(&self) -> bool {
         matches!(self, Self::Postgres(_))
     }
+}
+
+/// The connect options of a PostgreSQL URL. libpq's TLS parameters are read from it (`sslmode`,
+/// `sslrootcert`, ...), with one change: an explicit `sslmode=prefer` (or `allow`) is taken as
+/// `require`, because libpq's meaning (TLS if the server offers it, else cleartext without a
+/// word) lets anyone on the path strip TLS unnoticed. Say `sslmode=disable` for cleartext.
+fn postgres_options(url: &str) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
+    use sqlx::postgres::{PgConnectOptions, PgSslMode};
+    let options = PgConnectOptions::from_str(url).with_context(|| format!("bad PostgreSQL URL {}", redact(url)))?;
+    let asked = url.split(['?', '&']).any(|p| p == "sslmode=prefer" || p == "sslmode=allow");
+    Ok(if asked { options.ssl_mode(PgSslMode::Require) } else { options })
 }
 
 /// Refuses an existing database file, or its WAL or shared-memory file, that group or others

@@ -190,6 +190,7 @@ macro_rules! store_conformance_suite {
                 heartbeat_keeps_a_claim_live,
                 heartbeat_is_fenced,
                 remove_frees_the_key,
+                counts_a_principals_live_records,
                 $($expiry,)*
             );
         }

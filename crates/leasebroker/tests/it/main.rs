@@ -8,5 +8,6 @@ mod bounds;
 mod effects;
 mod flashes;
 mod service;
+mod store_tls;
 mod support;
 mod tenants;
