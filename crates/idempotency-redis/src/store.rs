@@ -249,29 +249,25 @@ fn principal_index(prefix: &str, principal: &idempotency::Principal) -> String {
 }
 
 impl RedisStore {
-    /// Adds a record just created to its principal's index, which keeps the index alive until its
-    /// latest member expires. Not atomic with the claim (the index is another key, on another
-    /// slot of a cluster): if it fails, the record is not counted, and the principal's count
-    /// is that much lower until the record expires. Logged, never an error of the claim.
+    /// Adds a record just created to its principal's index, and makes the index expire no
+    /// earlier than that record (`PEXPIREAT ... NX`, then `GT`: Redis 7.0 or later). Plain
+    /// commands, no script: not atomic with the claim (the index is another key, on another slot
+    /// of a cluster), so if they fail (an older Redis, a full one) the record is not counted, and
+    /// the principal's count is that much lower until the record expires. Logged, never an error
+    /// of the claim.
     async fn index_record(&self, scope: &Scope, eat_ms: &str) {
         let index = principal_index(&self.prefix, &scope.principal);
-        let mut add = redis::cmd("EVAL");
-        add.arg(INDEX_SCRIPT).arg(1).arg(&index).arg(eat_ms).arg(self.key_of(scope));
-        if let Err(e) = self.conn.query(&add).await {
-            tracing::warn!(error = %e, "cannot index a record under its principal; it is not counted");
+        let mut add = redis::cmd("ZADD");
+        add.arg(&index).arg(eat_ms).arg(self.key_of(scope));
+        let expire = |condition: &str| redis::cmd("PEXPIREAT").arg(&index).arg(eat_ms).arg(condition).clone();
+        for cmd in [add, expire("NX"), expire("GT")] {
+            if let Err(e) = self.conn.query(&cmd).await {
+                tracing::warn!(error = %e, "cannot index a record under its principal; it is not counted");
+                return;
+            }
         }
     }
 }
-
-/// ZADD the record (ARGV[2]) scored by its expiry (ARGV[1], epoch ms), and make the index
-/// expire no earlier than it.
-const INDEX_SCRIPT: &str = "\
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-local at = redis.call('PEXPIRETIME', KEYS[1])
-if at >= 0 and at < tonumber(ARGV[1]) then redis.call('PEXPIREAT', KEYS[1], ARGV[1])
-elseif at == -1 then redis.call('PEXPIREAT', KEYS[1], ARGV[1]) end
-return 1
-";
 
 fn redis_error(e: RedisError) -> StoreError {
     match e.code() {
