@@ -172,7 +172,7 @@ async fn an_existing_journal_readable_by_others_is_refused() {
             continue; // a cleanly closed journal may have no WAL left
         }
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
-        let err = Journal::open(&path).await.err().expect("an exposed journal was opened");
+        let err = Journal::open(&path).await.expect_err("an exposed journal was opened");
         assert!(matches!(err, JournalError::Exposed { .. }), "{err:?}");
         let text = err.to_string();
         assert!(text.contains(&file.display().to_string()) && text.contains("chmod 600"), "{text}");
