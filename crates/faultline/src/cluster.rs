@@ -183,8 +183,6 @@ impl Replica {
             command.args(["--hypervisor-url", &c.hypervisor_url]);
             command.args(["--hypervisor-timeout", &format!("{}ms", c.hypervisor_timeout.as_millis())]);
             command.args(["--in-flight-ttl", &format!("{}ms", c.in_flight_ttl.as_millis())]);
-            // The workload is the harness's own load, not a tenant's: no per-principal limits.
-            command.args(["--rate-limit", "0", "--max-records-per-principal", "0"]);
             command.args(&c.extra);
             match start(command, &log).await {
                 Ok((process, addr)) if addr == self.addr => {

@@ -36,7 +36,11 @@ impl Conn {
     pub(crate) async fn open(url: &str, options: &RedisStoreOptions) -> Result<Self, ConnectError> {
         Ok(if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
             let nodes = cluster_nodes(rest)?;
-            let client = ClusterClient::builder(nodes)
+            let mut builder = ClusterClient::builder(nodes);
+            if let Some(pem) = &options.root_certificates {
+                builder = builder.certs(tls_certificates(pem));
+            }
+            let client = builder
                 .connection_timeout(options.connect_timeout)
                 .response_timeout(options.effective_response_timeout())
                 .retries(options.cluster_retries)
@@ -46,7 +50,11 @@ impl Conn {
                 .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
             Conn::Cluster(client.get_async_connection().await.map_err(ConnectError::Unreachable)?)
         } else {
-            let client = redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+            let client = match &options.root_certificates {
+                Some(pem) => redis::Client::build_with_tls(url, tls_certificates(pem)),
+                None => redis::Client::open(url),
+            }
+            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(options.connect_timeout))
                 .set_response_timeout(Some(options.effective_response_timeout()))
@@ -161,6 +169,11 @@ impl Pinned {
             }
         }
     }
+}
+
+/// A private CA's certificates (PEM) as the only roots trusted for `rediss://`.
+fn tls_certificates(pem: &[u8]) -> redis::TlsCertificates {
+    redis::TlsCertificates { client_tls: None, root_cert: Some(pem.to_vec()) }
 }
 
 /// The address (host, port) of each primary in a `CLUSTER SLOTS` reply, once each.

@@ -143,6 +143,17 @@
 //! (`CLUSTERDOWN`) once the dead primary is marked failed. [`Store::ping`](idempotency::Store::ping)
 //! asks every primary, so a readiness probe reports a cluster with a dead primary as not ready.
 //!
+//! # TLS, readiness and the per-principal count
+//!
+//! `rediss://` connects with TLS (rustls), trusting the system's roots, or only a private CA
+//! given with [`RedisStoreOptions::root_certificates_pem`]. [`Store::ping`](idempotency::Store::ping)
+//! reports a server that refuses writes for lack of memory as not ready: one over its
+//! `maxmemory` (`INFO memory`), or one that refused a write with `OOM` since the last claim that
+//! succeeded. [`Store::count_records`](idempotency::Store::count_records) reads a sorted set per
+//! principal (`PREFIXprincipal:<sha256>`, members the record keys scored by expiry), written
+//! after each claim with plain commands, not atomically with it (Redis 7.0 or later for its
+//! expiry); a record it misses is not counted.
+//!
 //! # Errors
 //!
 //! A Redis error (refused connection, timeout, `OOM`, `CLUSTERDOWN`) is

@@ -46,6 +46,7 @@ pub struct RedisStoreOptions {
     pub(crate) unverified_policy: UnverifiedPolicy,
     pub(crate) replicas: u32,
     pub(crate) replica_timeout: Duration,
+    pub(crate) root_certificates: Option<Vec<u8>>,
 }
 
 impl Default for RedisStoreOptions {
@@ -59,6 +60,7 @@ impl Default for RedisStoreOptions {
             unverified_policy: UnverifiedPolicy::Refuse,
             replicas: 0,
             replica_timeout: DEFAULT_REPLICA_TIMEOUT,
+            root_certificates: None,
         }
     }
 }
@@ -69,6 +71,13 @@ impl RedisStoreOptions {
     /// record in one cluster slot, on one primary.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// For `rediss://` (TLS): trust only the CA certificates in `pem` (PEM text), for a server
+    /// whose certificate a private CA issued. Default: the system's roots.
+    pub fn root_certificates_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.root_certificates = Some(pem.into());
         self
     }
 

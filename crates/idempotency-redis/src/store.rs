@@ -25,6 +25,8 @@ pub struct RedisStore {
     prefix: Arc<str>,
     pub(crate) scripts: Arc<Scripts>,
     ack: Option<Ack>,
+    /// When a write was last refused for lack of memory (`OOM`), until a claim succeeds again.
+    refused_for_memory: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -69,7 +71,13 @@ impl RedisStore {
             tracing::info!(command = ack.command_name(), replicas = ack.replicas, timeout = ?ack.timeout,
                 "each transition waits for its replicas");
         }
-        Ok(Self { conn, prefix: options.prefix.into(), scripts: Arc::new(Scripts::new()), ack })
+        Ok(Self {
+            conn,
+            prefix: options.prefix.into(),
+            scripts: Arc::new(Scripts::new()),
+            ack,
+            refused_for_memory: Arc::default(),
+        })
     }
 
     /// The replica acknowledgement each write waits for: `None` without
@@ -112,12 +120,18 @@ impl RedisStore {
             }
             cmd
         };
-        match conn.query(&build("EVALSHA", lua.script.get_hash())).await {
+        let reply = match conn.query(&build("EVALSHA", lua.script.get_hash())).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                conn.query(&build("EVAL", lua.code)).await.map_err(redis_error)
+                conn.query(&build("EVAL", lua.code)).await
             }
-            reply => reply.map_err(redis_error),
+            reply => reply,
+        };
+        if let Err(e) = &reply
+            && e.code() == Some("OOM")
+        {
+            *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
         }
+        reply.map_err(redis_error)
     }
 
     /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`, then waits
@@ -315,6 +329,10 @@ impl RedisStore {
 
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
+/// How long a write refused with `OOM` keeps the store not ready when no claim succeeds after
+/// it: near `maxmemory` a server refuses some writes and takes others, as its buffers come and go.
+const OOM_REMEMBERED: Duration = Duration::from_secs(30);
+
 /// A primary that refuses writes for lack of memory.
 #[derive(Debug, thiserror::Error)]
 #[error("Redis node {node} is out of memory: it refuses writes (maxmemory reached under noeviction)")]
@@ -330,29 +348,25 @@ fn principal_index(prefix: &str, principal: &idempotency::Principal) -> String {
 }
 
 impl RedisStore {
-    /// Adds a record just created to its principal's index, which keeps the index alive until its
-    /// latest member expires. Not atomic with the claim (the index is another key, on another
-    /// slot of a cluster): if it fails, the record is not counted, and the principal's count
-    /// is that much lower until the record expires. Logged, never an error of the claim.
+    /// Adds a record just created to its principal's index, and makes the index expire no
+    /// earlier than that record (`PEXPIREAT ... NX`, then `GT`: Redis 7.0 or later). Plain
+    /// commands, no script: not atomic with the claim (the index is another key, on another slot
+    /// of a cluster), so if they fail (an older Redis, a full one) the record is not counted, and
+    /// the principal's count is that much lower until the record expires. Logged, never an error
+    /// of the claim.
     async fn index_record(&self, scope: &Scope, eat_ms: &str) {
         let index = principal_index(&self.prefix, &scope.principal);
-        let mut add = redis::cmd("EVAL");
-        add.arg(INDEX_SCRIPT).arg(1).arg(&index).arg(eat_ms).arg(self.key_of(scope));
-        if let Err(e) = self.conn.query(&add).await {
-            tracing::warn!(error = %e, "cannot index a record under its principal; it is not counted");
+        let mut add = redis::cmd("ZADD");
+        add.arg(&index).arg(eat_ms).arg(self.key_of(scope));
+        let expire = |condition: &str| redis::cmd("PEXPIREAT").arg(&index).arg(eat_ms).arg(condition).clone();
+        for cmd in [add, expire("NX"), expire("GT")] {
+            if let Err(e) = self.conn.query(&cmd).await {
+                tracing::warn!(error = %e, "cannot index a record under its principal; it is not counted");
+                return;
+            }
         }
     }
 }
-
-/// ZADD the record (ARGV[2]) scored by its expiry (ARGV[1], epoch ms), and make the index
-/// expire no earlier than it.
-const INDEX_SCRIPT: &str = "\
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-local at = redis.call('PEXPIRETIME', KEYS[1])
-if at >= 0 and at < tonumber(ARGV[1]) then redis.call('PEXPIREAT', KEYS[1], ARGV[1])
-elseif at == -1 then redis.call('PEXPIREAT', KEYS[1], ARGV[1]) end
-return 1
-";
 
 pub(crate) fn redis_error(e: RedisError) -> StoreError {
     match e.code() {
@@ -404,6 +418,7 @@ impl RedisStore {
             }
             return Err(e);
         }
+        *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.index_record(&req.scope, &eat_ms).await;
         Ok(ClaimOutcome::Owned(claim))
     }
@@ -508,10 +523,15 @@ impl Store for RedisStore {
 
     /// `PING`; on a cluster every primary that serves slots must answer on its own
     /// connection, so a cluster with an unreachable primary is reported unavailable.
-    /// Every primary answers `PING`, and none refuses writes for lack of memory (`INFO memory`,
-    /// where allowed): a full server still answers reads, but is not ready for requests that
-    /// create records.
+    /// Every primary answers `PING`, and none refuses writes for lack of memory: none is over
+    /// its `maxmemory` (`INFO memory`, where allowed), and no write was refused with `OOM` since
+    /// the last claim that succeeded (within [`OOM_REMEMBERED`]). A full server still answers
+    /// reads, but is not ready for requests that create records.
     async fn ping(&self) -> Result<(), StoreError> {
+        let refused = *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner());
+        if refused.is_some_and(|at| at.elapsed() < OOM_REMEMBERED) {
+            return Err(StoreError::unavailable(OutOfMemory { node: "a primary".to_owned() }));
+        }
         for (_, reply) in self.conn.on_every_primary(&redis::cmd("PING")).await.map_err(redis_error)? {
             reply.map_err(redis_error)?;
         }

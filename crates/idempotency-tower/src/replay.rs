@@ -11,7 +11,7 @@ use crate::problem::{Rejection, rejection_response};
 
 /// The least a replay may inflate a stored body to, whatever `max_stored_response` says: room
 /// for the `410 response-too-large` problem stored in place of a larger response.
-const MIN_REPLAY_LIMIT: usize = 4096;
+const MIN_REPLAY_LIMIT: usize = 64 * 1024;
 
 /// The allowlisted headers, in order, repeated values kept. Values are stored one char per byte
 /// (Latin-1), so any header value, even one with obs-text, round-trips byte for byte.

@@ -907,7 +907,8 @@ fn stdout_escapes_control_and_bidi_characters_and_stays_the_same_json() {
     // Valid JSON carrying, raw inside its strings, a C1 CSI (U+009B) and a bidi override (U+202E):
     // JSON allows both unescaped, and a terminal acts on them.
     let value = serde_json::json!({"id": "wkr-1", "state": "running", "image": "a\u{9b}31m\u{202e}gnp.exe",
-        "labels": {"k\u{2066}": "v\u{85}"}});
+        "cpu": 2, "memory_gb": 4, "labels": {"k\u{2066}": "v\u{85}"}, "node_id": "node-0001",
+        "lease_id": "lse-1", "vm_id": "vm-1", "reboot_count": 0, "created_at": "2026-12-02T00:00:00Z"});
     let body = serde_json::to_vec(&value).unwrap();
     assert!(String::from_utf8_lossy(&body).chars().any(unsafe_char), "the test body carries them raw");
     let out = run(&raw_server(200, body), &journal, &["--token", TOKEN, "workers", "get", "wkr-1"]);

@@ -114,16 +114,21 @@ impl Application {
         let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
         let store = wrap(match &args.record_store {
             None => db.idempotency_store(),
-            Some(url) => Arc::new(
-                idempotency_redis::RedisStore::connect_with(
-                    url,
-                    idempotency_redis::RedisStoreOptions::default()
-                        .replicas(args.record_store_replicas)
-                        .replica_timeout(args.record_store_replica_timeout),
+            Some(url) => {
+                let mut options = idempotency_redis::RedisStoreOptions::default()
+                    .replicas(args.record_store_replicas)
+                    .replica_timeout(args.record_store_replica_timeout);
+                if let Some(path) = &args.redis_ca_cert {
+                    let pem = std::fs::read(path)
+                        .with_context(|| format!("--redis-ca-cert: cannot read {}", path.display()))?;
+                    options = options.root_certificates_pem(pem);
+                }
+                Arc::new(
+                    idempotency_redis::RedisStore::connect_with(url, options)
+                        .await
+                        .with_context(|| format!("record store {}", redact(url)))?,
                 )
-                .await
-                .with_context(|| format!("record store {}", redact(url)))?,
-            ),
+            }
         });
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())

@@ -160,6 +160,11 @@ pub struct ServeArgs {
         value_parser = parse::positive_duration)]
     pub record_store_replica_timeout: Duration,
 
+    /// A PEM file of CA certificates that alone are trusted for a `rediss://` --record-store
+    /// (TLS), for a Redis whose certificate a private CA issued. Default: the system's roots.
+    #[arg(long, env = "LEASEBROKER_REDIS_CA_CERT", value_name = "PATH")]
+    pub redis_ca_cert: Option<std::path::PathBuf>,
+
     /// How long completed idempotency records are kept (and replayed).
     #[arg(long, env = "LEASEBROKER_RETENTION", default_value = "7d", value_parser = parse::duration)]
     pub retention: Duration,

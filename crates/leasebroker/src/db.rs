@@ -98,7 +98,7 @@ impl Db {
     pub async fn connect_with(url: &str, sqlite_connections: u32) -> anyhow::Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let options = idempotency_sqlx::postgres_pool_options(16).acquire_timeout(PG_ACQUIRE_TIMEOUT);
-            let pool = idempotency_sqlx::connect_postgres(url, options)
+            let pool = idempotency_sqlx::connect_postgres(&tls_required(url), options)
                 .await
                 .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(url)))?;
             Ok(Self::Postgres(pool))
@@ -154,6 +154,19 @@ impl Db {
     pub fn is_postgres(&self) -> bool {
         matches!(self, Self::Postgres(_))
     }
+}
+
+/// The PostgreSQL URL to connect with: libpq's TLS parameters are read from it (`sslmode`,
+/// `sslrootcert`, ...), with one change: an explicit `sslmode=prefer` (or `allow`) is taken as
+/// `require`, because libpq's meaning (TLS if the server offers it, else cleartext without a
+/// word) lets anyone on the path strip TLS unnoticed. Say `sslmode=disable` for cleartext.
+fn tls_required(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
+    let params: Vec<&str> = query
+        .split('&')
+        .map(|p| if p == "sslmode=prefer" || p == "sslmode=allow" { "sslmode=require" } else { p })
+        .collect();
+    format!("{base}?{}", params.join("&"))
 }
 
 /// Refuses an existing database file, or its WAL or shared-memory file, that group or others

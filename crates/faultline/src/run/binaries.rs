@@ -59,6 +59,13 @@ pub(super) fn serve_extra(
 ) -> anyhow::Result<(Vec<String>, Option<Duration>, Option<Duration>)> {
     let ms = |d: Duration| format!("{}ms", d.as_millis());
     let mut extra = Vec::new();
+    // The workload is the harness's own load, not a tenant's: the per-principal limits a server
+    // has (a rate limit on by default since issue 25) are switched off.
+    for flag in ["--rate-limit", "--max-records-per-principal"] {
+        if bin.serve_has(flag) {
+            extra.extend([flag.to_owned(), "0".to_owned()]);
+        }
+    }
     let settle = if bin.serve_has("--hypervisor-settle") {
         // The longest a sent call may take to land, with a margin for a busy machine.
         let longest = Duration::from_millis(sc.hv_latency_ms + if sc.hv_slow > 0.0 { sc.hv_slow_ms } else { 0 });

@@ -317,3 +317,32 @@ pub async fn remove_frees_the_key(fx: Fixture) {
     fx.store.remove(&victim).await.expect("remove");
     assert!(fx.store.get(other.scope()).await.expect("get").is_some());
 }
+
+/// `count_records` counts a principal's live records, through either handle: not another
+/// principal's, not one expired at the time asked, not a key claimed twice. A store that does
+/// not count (answers `None`) passes.
+pub async fn counts_a_principals_live_records(fx: Fixture) {
+    let t = now();
+    let (alice, bob) = (unique("alice"), unique("bob"));
+    let count = |store: Arc<dyn Store>, who: String, at: Timestamp| async move {
+        store.count_records(&Principal::new(who), at).await.expect("count")
+    };
+    let Some(none) = count(fx.store.clone(), alice.clone(), t).await else { return };
+    assert_eq!(none, 0);
+    for i in 0..3 {
+        owned(&*fx.store, request(&scope_with(&alice, "/v1/workers", &format!("k{i}")), &fp("a"), t)).await;
+    }
+    owned(&*fx.store, request(&scope_with(&bob, "/v1/workers", "k0"), &fp("a"), t)).await;
+    let short = ClaimRequest {
+        scope: scope_with(&alice, "/v1/workers", "short"),
+        fingerprint: fp("a"),
+        now: t,
+        expires_at: t + Span::seconds(1),
+    };
+    owned(&*fx.store, short).await;
+    existing(&*fx.store, request(&scope_with(&alice, "/v1/workers", "k0"), &fp("a"), t)).await;
+    assert_eq!(count(fx.store.clone(), alice.clone(), t).await, Some(4));
+    assert_eq!(count(fx.peer.clone(), alice.clone(), t).await, Some(4), "the other handle counts the same");
+    assert_eq!(count(fx.store.clone(), alice, t + Span::seconds(2)).await, Some(3), "the expired one is not counted");
+    assert_eq!(count(fx.peer.clone(), bob, t).await, Some(1));
+}

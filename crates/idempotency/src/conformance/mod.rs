@@ -197,6 +197,7 @@ macro_rules! store_conformance_suite {
                 records_are_found_by_id,
                 forget_spares_in_flight_and_frees_the_key,
                 foreign_cursor_is_refused,
+                counts_a_principals_live_records,
                 $($expiry,)*
             );
         }

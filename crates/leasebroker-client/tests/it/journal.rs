@@ -155,3 +155,31 @@ async fn a_journal_that_cannot_be_created_names_the_path_and_its_cause_once() {
     assert!(line.contains("not-a-directory"), "{line}");
     assert_eq!(full_chain(&err), line, "the message already carries the cause");
 }
+
+/// An existing journal (or its WAL) that group or others can read is refused, naming the file
+/// and the fix; made private, it opens, with what it held.
+#[cfg(unix)]
+#[tokio::test]
+async fn an_existing_journal_readable_by_others_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("j.db");
+    let journal = Journal::open(&path).await.unwrap();
+    let key = journal.begin("op-1", &create(2)).await.unwrap();
+    journal.close().await;
+    for (file, mode) in [(path.clone(), 0o644), (path.with_extension("db-wal"), 0o640)] {
+        if !file.exists() {
+            continue; // a cleanly closed journal may have no WAL left
+        }
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        let err = Journal::open(&path).await.expect_err("an exposed journal was opened");
+        assert!(matches!(err, JournalError::Exposed { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(&file.display().to_string()) && text.contains("chmod 600"), "{text}");
+        assert_eq!(text.lines().count(), 1, "{text}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let journal = Journal::open(&path).await.unwrap();
+    assert_eq!(journal.begin("op-1", &create(2)).await.unwrap(), key, "the same journal");
+    journal.close().await;
+}

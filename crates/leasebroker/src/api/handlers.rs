@@ -29,7 +29,7 @@ use super::*;
         (status = 415, description = "Not JSON", content_type = "application/problem+json"),
         (status = 410, description = "The worker this key created was deleted since", content_type = "application/problem+json"),
         (status = 422, description = "Invalid fields", content_type = "application/problem+json"),
-        (status = 429, description = "Over the principal's rate limit (with --rate-limit)", content_type = "application/problem+json"),
+        (status = 429, description = "too-many-requests: over the principal's --rate-limit or --max-records-per-principal; nothing stored", content_type = "application/problem+json"),
         (status = 502, description = "Hypervisor refused (nothing held; not stored)", content_type = "application/problem+json"),
         (status = 503, description = "No free node, or hypervisor unavailable", content_type = "application/problem+json"),
     ),
@@ -124,7 +124,7 @@ pub async fn list_workers(
     params(("id" = String, Path, description = "Worker id"),
            ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
     responses((status = 204, description = "Deleted (replayed on every retry)"), (status = 401, description = "Unauthorized"),
-              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
+              (status = 429, description = "too-many-requests: over the principal's --rate-limit or --max-records-per-principal; nothing stored"),
               (status = 404, description = "No such worker"), (status = 503, description = "Hypervisor unavailable")),
     security(("bearer" = [])))]
 pub async fn delete_worker(
@@ -149,7 +149,7 @@ pub async fn delete_worker(
     params(("id" = String, Path, description = "Worker id"),
            ("Idempotency-Key" = String, Header, description = "One key per logical operation")),
     responses((status = 202, body = RebootResult), (status = 401, description = "Unauthorized"),
-              (status = 429, description = "Over the principal's rate limit (with --rate-limit)"),
+              (status = 429, description = "too-many-requests: over the principal's --rate-limit or --max-records-per-principal; nothing stored"),
               (status = 404, description = "No such worker"), (status = 502, description = "Hypervisor refused"),
               (status = 503, description = "Hypervisor unavailable")),
     security(("bearer" = [])))]

@@ -325,9 +325,10 @@ async fn a_redis_out_of_memory_answers_503_per_request_and_readyz_says_not_ready
     assert_eq!(list.status, StatusCode::OK, "{}", list.text());
     let replay = delete(&client, &lb.url, ALICE, &id, "oom-0").await;
     assert_eq!((replay.status, replay.replayed()), (StatusCode::NOT_FOUND, true), "{}", replay.text());
-    // Space freed: ready again.
+    // Space freed: the next write succeeds, and the store is ready again.
     let mut conn = node.connection();
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).expect("flushall");
+    assert_eq!(delete(&client, &lb.url, ALICE, "wkr-none", "after-flush").await.status, StatusCode::NOT_FOUND);
     let ready = client.get(format!("{}/readyz", lb.url)).send().await.expect("readyz");
     assert_eq!(ready.status(), StatusCode::OK);
 }
@@ -514,13 +515,28 @@ fn an_existing_database_readable_by_others_is_refused_in_one_line() {
     std::fs::write(&file, b"").expect("create");
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let db = sqlite_url(&dir);
-    let out = Command::new(bin())
+    let mut child = Command::new(bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--database", &db, "--token", &format!("{ALICE}=alice")])
         .stdout(Stdio::null())
-        .output()
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "it started on a 0644 database: {stderr}");
+    // It must exit by itself; one still serving after a minute started on the exposed file.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("it started on a 0644 database and is serving");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+    assert!(!status.success(), "it exited 0 on a 0644 database: {stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
     assert!(stderr.contains(&file.display().to_string()) && stderr.contains("chmod 600"), "{stderr}");
     // Made private, it starts.
