@@ -123,6 +123,10 @@ pub enum FirmwareCommand {
         /// The firmware version to write.
         #[arg(long)]
         version: String,
+        /// Flash even though a worker holds the node (its VM is disrupted); without it such a
+        /// flash is refused with `node-in-use` (exit 3).
+        #[arg(long)]
+        force: bool,
         /// The operation's identity across retries and reruns.
         #[command(flatten)]
         op: OpArgs,

@@ -238,8 +238,9 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
             WorkersCommand::Delete { id, op } => (Mutation::DeleteWorker(id), op.op_id, false),
             WorkersCommand::Reboot { id, op } => (Mutation::RebootWorker(id), op.op_id, false),
         },
-        Command::Firmware(FirmwareCommand::Flash { node_id, version, op, wait }) => {
-            (Mutation::FlashFirmware { node_id, request: FlashFirmware::new(version) }, op.op_id, wait)
+        Command::Firmware(FirmwareCommand::Flash { node_id, version, force, op, wait }) => {
+            let request = if force { FlashFirmware::new(version).forced() } else { FlashFirmware::new(version) };
+            (Mutation::FlashFirmware { node_id, request }, op.op_id, wait)
         }
         Command::Operations(OperationsCommand::Get { op_id }) => {
             return Ok(client.get_operation(&op_id).await?.body.to_vec());

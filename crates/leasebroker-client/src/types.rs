@@ -203,12 +203,21 @@ pub struct Fleet {
 pub struct FlashFirmware {
     /// The firmware version to write.
     pub version: String,
+    /// Flash even though a worker holds the node (its VM is disrupted); without it the server
+    /// answers `409 node-in-use` for a held node.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 impl FlashFirmware {
-    /// A request to flash `version`.
+    /// A request to flash `version` (refused while a worker holds the node).
     pub fn new(version: impl Into<String>) -> Self {
-        FlashFirmware { version: version.into() }
+        FlashFirmware { version: version.into(), force: false }
+    }
+
+    /// The same request, flashing even a node a worker holds.
+    pub fn forced(self) -> Self {
+        FlashFirmware { force: true, ..self }
     }
 }
 

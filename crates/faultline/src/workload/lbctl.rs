@@ -39,7 +39,8 @@ impl Workload {
                     &self.config.principals[*principal].token
                 }
                 Op::Flash { node, version } => {
-                    command.args(["firmware", "flash", node, "--version", version]);
+                    // Forced, like the SDK's flashes (see `sdk::body`).
+                    command.args(["firmware", "flash", node, "--version", version, "--force"]);
                     crate::cluster::ADMIN_TOKEN
                 }
             };

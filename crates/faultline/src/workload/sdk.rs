@@ -111,7 +111,9 @@ impl Workload {
         match op {
             Op::Create { index, .. } => serde_json::to_vec(&Self::create_body(*index)).unwrap_or_default(),
             Op::Flash { version, .. } => {
-                serde_json::to_vec(&serde_json::json!({ "version": version })).unwrap_or_default()
+                // Forced: the harness flashes nodes whether a worker holds them or not, so that
+                // flashes meet running ones (the 409 node-in-use guard is not what it tests).
+                serde_json::to_vec(&serde_json::json!({ "version": version, "force": true })).unwrap_or_default()
             }
             _ => Vec::new(),
         }
