@@ -124,7 +124,8 @@ pub(crate) fn store_outage(e: &sqlx::Error) -> bool {
 
 /// PostgreSQL: class 08 (connection exception), 53 (insufficient resources: disk full, too many
 /// connections), 57P01-57P03 (shutdown, crash, cannot connect now), 57014 (statement timeout),
-/// 25006 (a read-only transaction: the host is a standby, as after a failover), 40001 and 40P01
+/// 25006 (a read-only transaction: the host is a standby, as after a failover), 55000 (what a
+/// new connection gets from a database that does not accept connections now), 40001 and 40P01
 /// (serialization failure, deadlock: retryable). SQLite: BUSY (5), LOCKED (6), IOERR (10),
 /// FULL (13), CANTOPEN (14), and their extended codes.
 fn outage_code(code: &str) -> bool {
@@ -133,7 +134,7 @@ fn outage_code(code: &str) -> bool {
     }
     code.starts_with("08")
         || code.starts_with("53")
-        || matches!(code, "57P01" | "57P02" | "57P03" | "57014" | "25006" | "40001" | "40P01")
+        || matches!(code, "57P01" | "57P02" | "57P03" | "57014" | "25006" | "55000" | "40001" | "40P01")
 }
 
 /// `409 operation-conflict`: another operation runs on the node. The problem names it in the
