@@ -117,7 +117,13 @@ pub(crate) fn store_outage(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::BeginFailed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| outage_code(&code)),
+        // SQLite's codes are numbers, and so are many SQLSTATEs (25006, 55000, 57014): which
+        // driver answered decides how the code reads.
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => sqlite_outage(&code),
+            Some(code) => postgres_outage(&code),
+            None => false,
+        },
         _ => false,
     }
 }
@@ -126,15 +132,16 @@ pub(crate) fn store_outage(e: &sqlx::Error) -> bool {
 /// connections), 57P01-57P03 (shutdown, crash, cannot connect now), 57014 (statement timeout),
 /// 25006 (a read-only transaction: the host is a standby, as after a failover), 55000 (what a
 /// new connection gets from a database that does not accept connections now), 40001 and 40P01
-/// (serialization failure, deadlock: retryable). SQLite: BUSY (5), LOCKED (6), IOERR (10),
-/// FULL (13), CANTOPEN (14), and their extended codes.
-fn outage_code(code: &str) -> bool {
-    if let Ok(sqlite) = code.parse::<u32>() {
-        return matches!(sqlite & 0xff, 5 | 6 | 10 | 13 | 14);
-    }
+/// (serialization failure, deadlock: retryable).
+fn postgres_outage(code: &str) -> bool {
     code.starts_with("08")
         || code.starts_with("53")
         || matches!(code, "57P01" | "57P02" | "57P03" | "57014" | "25006" | "55000" | "40001" | "40P01")
+}
+
+/// SQLite: BUSY (5), LOCKED (6), IOERR (10), FULL (13), CANTOPEN (14), and their extended codes.
+fn sqlite_outage(code: &str) -> bool {
+    code.parse::<u32>().is_ok_and(|sqlite| matches!(sqlite & 0xff, 5 | 6 | 10 | 13 | 14))
 }
 
 /// `409 operation-conflict`: another operation runs on the node. The problem names it in the
