@@ -1,44 +1,12 @@
 //! Issue 30: the admin records API on the real binary: list, read, forget (with its audit line
 //! and row), refused to tenants, a record in flight never forgotten.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::support::{ADMIN, BIN, OTHER, Reply, TOKEN, create, fleet, send, sqlite_url, worker_body};
-
-/// The server with its log (RUST_LOG=info) kept.
-struct Logged {
-    child: Child,
-    url: String,
-    log: Arc<Mutex<String>>,
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Logged {
-    /// Waits (up to a minute) for a log line holding every one of `parts`; returns it.
-    fn wait_for_line(&self, parts: &[&str]) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let log = self.log.lock().expect("log").clone();
-            if let Some(line) = log.lines().find(|l| parts.iter().all(|p| l.contains(p))) {
-                return line.to_owned();
-            }
-            assert!(Instant::now() < deadline, "no log line with {parts:?} in:\n{log}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
+use crate::support::{ADMIN, Logged, OTHER, Reply, TOKEN, create, fleet, send, sqlite_url, worker_body};
 
 fn serve_logged(db: &str, extra: &[&str]) -> Logged {
     let mut args = vec![
@@ -57,33 +25,7 @@ fn serve_logged(db: &str, extra: &[&str]) -> Logged {
         "16",
     ];
     args.extend_from_slice(extra);
-    let mut child = Command::new(BIN)
-        .args(&args)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start leasebroker");
-    let log = Arc::new(Mutex::new(String::new()));
-    let (stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let mut s = sink.lock().expect("log");
-            s.push_str(&line);
-            s.push('\n');
-        }
-    });
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
-    Logged { child, url, log }
+    Logged::start(&args, &[("RUST_LOG", "info")])
 }
 
 async fn admin_get(base: &str, path_and_query: &str) -> Reply {
@@ -264,5 +206,5 @@ async fn a_record_in_flight_is_listed_as_stuck_and_never_forgotten() {
     assert_eq!(created.status, StatusCode::CREATED);
     let after = admin_get(&base, &format!("/admin/v1/records/{id}")).await.json();
     assert_eq!((after["state"].as_str(), after["response_status"].as_i64()), (Some("completed"), Some(201)));
-    assert!(!lb.log.lock().expect("log").contains("an operator forgot"), "nothing was audited");
+    assert!(!lb.log().contains("an operator forgot"), "nothing was audited");
 }

@@ -35,13 +35,18 @@ impl Proc {
 
 /// Starts `leasebroker ARGS` and waits for its "listening on http://ADDR" line.
 pub(crate) fn start(args: &[&str]) -> Proc {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start leasebroker");
+    let mut command = Command::new(BIN);
+    command.args(args).env("RUST_LOG", "warn").stderr(Stdio::inherit());
+    let (child, url) = spawn_listening(command, |_| {});
+    Proc { child, url }
+}
+
+/// Spawns `command` with its stdout piped, hands the child to `spawned` (to take its other pipes
+/// before anything waits on them), and waits (up to a minute) for its "listening on
+/// http://ADDR" line; returns the child and its URL.
+fn spawn_listening(mut command: Command, spawned: impl FnOnce(&mut Child)) -> (Child, String) {
+    let mut child = command.stdout(Stdio::piped()).spawn().expect("start leasebroker");
+    spawned(&mut child);
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -52,7 +57,60 @@ pub(crate) fn start(args: &[&str]) -> Proc {
         }
     });
     let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
-    Proc { child, url }
+    (child, url)
+}
+
+/// The server with its log (stderr) kept, for tests that read what it logged.
+pub(crate) struct Logged {
+    pub(crate) child: Child,
+    pub(crate) url: String,
+    pub(crate) log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Drop for Logged {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Logged {
+    /// Starts `leasebroker ARGS` with `env` (`RUST_LOG` among it), keeping its log.
+    pub(crate) fn start(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(BIN);
+        command.args(args).envs(env.iter().copied()).stderr(Stdio::piped());
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = log.clone();
+        let (child, url) = spawn_listening(command, move |child| {
+            let stderr = child.stderr.take().expect("stderr");
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let mut s = sink.lock().expect("log");
+                    s.push_str(&line);
+                    s.push('\n');
+                }
+            });
+        });
+        Logged { child, url, log }
+    }
+
+    /// The log so far.
+    pub(crate) fn log(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+
+    /// Waits (up to a minute) for a log line holding every one of `parts`; returns it.
+    pub(crate) fn wait_for_line(&self, parts: &[&str]) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| parts.iter().all(|p| l.contains(p))) {
+                return line.to_owned();
+            }
+            assert!(Instant::now() < deadline, "no log line with {parts:?} in:\n{log}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {

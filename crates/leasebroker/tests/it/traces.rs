@@ -4,8 +4,6 @@
 //! generated gRPC `TraceService` served by tonic). Also: a collector that is down
 //! changes no answer, and the log says so at most once a minute.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,7 +17,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use reqwest::StatusCode;
 
-use crate::support::{ADMIN, BIN, TOKEN, create, worker_body};
+use crate::support::{ADMIN, Logged, TOKEN, create, worker_body};
 
 type Received = Arc<Mutex<Vec<ExportTraceServiceRequest>>>;
 
@@ -65,51 +63,12 @@ async fn grpc_collector() -> (String, Received) {
     (url, got)
 }
 
-struct Server {
-    child: Child,
-    url: String,
-    log: Arc<Mutex<String>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve_traced(db: &str, otlp: &str, protocol: &str) -> Server {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--database", db, "--pool-nodes", "64"])
-        .args(["--token", "tok-alice-5a8d1c7e90b3=alice", "--admin-token", ADMIN])
-        .args(["--otlp-endpoint", otlp, "--otlp-protocol", protocol])
-        // tower_http's request lines (debug) are log lines inside a request.
-        .env("RUST_LOG", "info,tower_http=debug")
-        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start leasebroker");
-    let log = Arc::new(Mutex::new(String::new()));
-    let (stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let mut s = sink.lock().expect("log");
-            s.push_str(&line);
-            s.push('\n');
-        }
-    });
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
-    Server { child, url, log }
+fn serve_traced(db: &str, otlp: &str, protocol: &str) -> Logged {
+    let args = ["serve", "--listen", "127.0.0.1:0", "--database", db, "--pool-nodes", "64"];
+    let args = [&args[..], &["--token", "tok-alice-5a8d1c7e90b3=alice", "--admin-token", ADMIN]].concat();
+    let args = [&args[..], &["--otlp-endpoint", otlp, "--otlp-protocol", protocol]].concat();
+    // tower_http's request lines (debug) are log lines inside a request.
+    Logged::start(&args, &[("RUST_LOG", "info,tower_http=debug"), ("OTEL_BSP_SCHEDULE_DELAY", "200")])
 }
 
 fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
@@ -186,7 +145,7 @@ async fn one_trace_per_request(otlp: &str, protocol: &str, got: Received) {
 
     // The log lines of the request carry its trace id.
     let trace_id = hex::encode(&root.trace_id);
-    let log = lb.log.lock().expect("log").clone();
+    let log = lb.log();
     assert!(log.lines().any(|l| l.contains(&format!("trace_id={trace_id}"))), "no log line with {trace_id}:\n{log}");
 }
 
@@ -204,12 +163,12 @@ async fn with_the_collector_down_every_request_is_answered_and_the_log_says_so_o
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let log = lb.log.lock().expect("log").clone();
+        let log = lb.log();
         let lines = log.lines().filter(|l| l.contains("trace exports fail")).count();
         if lines >= 1 {
             // Several batches failed by now (20 requests, a 200 ms schedule); one line.
             tokio::time::sleep(Duration::from_secs(2)).await;
-            let log = lb.log.lock().expect("log").clone();
+            let log = lb.log();
             assert_eq!(log.lines().filter(|l| l.contains("trace exports fail")).count(), 1, "{log}");
             break;
         }
