@@ -279,6 +279,20 @@ impl HypervisorClient {
         expect(response, StatusCode::OK).await.map(Some)
     }
 
+    /// Makes an adopted VM run. A VM the HTTP API lists was booted by one call that started it,
+    /// so there is nothing to do; on libvirt a boot is a define and then a start, and a domain
+    /// listed `stopped` under a boot's tag is one whose start never ran: it is started.
+    pub async fn ensure_running(&self, vm: &Vm) -> Result<(), HvError> {
+        #[cfg(feature = "libvirt")]
+        if let Some(vms) = &self.libvirt
+            && vm.state == VmState::Stopped
+        {
+            return vms.start(&vm.vm_id).await;
+        }
+        let _ = vm;
+        Ok(())
+    }
+
     /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot; any `2xx` is
     /// success. A VM that does not exist is [`HvError::Status`] with `404` (definite).
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {

@@ -15,7 +15,8 @@
 //! What stays ambiguous: a reboot whose tag was recorded when the process died before the reset
 //! reads as done on the retry (the tag is the only trace a reset leaves), so at most one reboot
 //! per key holds, not exactly one; a boot whose domain was defined when the process died before
-//! it was started is listed `stopped` under its tag, and adopted as the VM. Calls go through
+//! it was started is listed `stopped` under its tag: the retry adopts it and starts it
+//! ([`LibvirtVms::start`]), so the worker it answers with runs. Calls go through
 //! libvirt's C library on a blocking thread, a new connection each (a restarted libvirtd costs
 //! nothing), bounded by `--hypervisor-timeout`: a call that times out may still take effect.
 
@@ -149,6 +150,26 @@ impl LibvirtVms {
         self.call(move |conn| match lookup(conn, &vm_id)? {
             Some(dom) => detail_of(&dom),
             None => Ok(None),
+        })
+        .await
+    }
+
+    /// Starts a domain of ours that is defined but not running (what a boot leaves when its
+    /// process died between the define and the start); one that runs already is left alone. No
+    /// such domain: a definite 404.
+    pub async fn start(&self, vm_id: &str) -> Result<(), HvError> {
+        let vm_id = vm_id.to_owned();
+        self.call(move |conn| {
+            let dom = lookup(conn, &vm_id)?.ok_or_else(|| not_found(&vm_id))?;
+            read_metadata(&dom)?.ok_or_else(|| not_found(&vm_id))?;
+            if dom.is_active().map_err(|e| classify(&e, false))? {
+                return Ok(());
+            }
+            match dom.create() {
+                Ok(_) => Ok(()),
+                Err(e) if code(&e) == Some(ErrorNumber::OperationInvalid) => Ok(()), // started meanwhile
+                Err(e) => Err(classify(&e, false)),
+            }
         })
         .await
     }

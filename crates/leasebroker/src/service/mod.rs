@@ -46,6 +46,7 @@ use crate::domain::{
     Allocation, CreateStart, Domain, DomainError, Intent, Node, OperationRow, StartCreate, WorkerRow,
     is_unique_violation,
 };
+use crate::hypervisor::Vm;
 use crate::hypervisor::client::{BootRequest, HvError, HypervisorClient};
 
 mod calls;
@@ -257,8 +258,21 @@ impl Workers {
         })?;
         let Some(first) = found.iter().map(|vm| &vm.vm_id).min() else { return Ok(None) };
         let keep = self.domain.adopt_vm(&intent.intent_id, op_id, first).await?;
-        let extra: Vec<String> = found.into_iter().map(|vm| vm.vm_id).filter(|id| *id != keep).collect();
+        let (kept, extra): (Vec<Vm>, Vec<Vm>) = found.into_iter().partition(|vm| vm.vm_id == keep);
+        let extra: Vec<String> = extra.into_iter().map(|vm| vm.vm_id).collect();
         destroy_duplicates(&self.hypervisor, &intent.intent_id, &keep, &extra).await;
+        // A boot cut between its define and its start (libvirt) left the VM stopped: the worker
+        // this create answers with must run. A failure leaves the intent pending; the retry
+        // adopts the same VM and starts it.
+        if let Some(vm) = kept.first() {
+            self.hypervisor.ensure_running(vm).await.map_err(|e| {
+                tracing::warn!(error = %ErrorChain(&e), vm_id = %keep, "cannot start the VM an earlier attempt booted");
+                ServiceError::UpstreamUnavailable {
+                    reason: "cannot start the VM an earlier attempt booted; retry with the same key".into(),
+                    retry_after: 1,
+                }
+            })?;
+        }
         tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");
         Ok(Some(keep))
     }

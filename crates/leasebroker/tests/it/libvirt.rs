@@ -8,7 +8,7 @@ use std::process::Command;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
-use crate::support::{Reply, TOKEN, create, send, serve, sqlite_url};
+use crate::support::{Reply, TOKEN, create, create_until_done, http, send, serve, set_faults, sim, sqlite_url};
 
 const URI: &str = "qemu:///system";
 const URL: &str = "libvirt+qemu:///system";
@@ -186,7 +186,11 @@ async fn sigkill_during_the_libvirt_boot_then_a_retry_leaves_one_domain() {
         ["--hypervisor-url", URL, "--in-flight-ttl", "1s", "--hypervisor-timeout", "3s", "--hypervisor-settle", "4s"];
     let mut lb = serve(&db, &args);
     let base = lb.url.clone();
-    let pending = tokio::spawn(async move { create(&base, TOKEN, "lv-kill-1", &body()).await });
+    // The kill cuts this request: its error is the expected outcome, not a failure.
+    let pending = tokio::spawn(async move {
+        let req = http().post(format!("{base}/v1/workers")).bearer_auth(TOKEN).header("Idempotency-Key", "lv-kill-1");
+        req.json(&body()).send().await.map(drop)
+    });
     // A boot takes about a second here (define, start): the kill lands before, during or after.
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     lb.sigkill();
@@ -207,6 +211,43 @@ async fn sigkill_during_the_libvirt_boot_then_a_retry_leaves_one_domain() {
     let _cleanup = Cleanup(vec![tag.clone()]);
     assert_eq!(domains_tagged(&tag), vec![vm_id.clone()], "one domain for one key, wherever the kill landed");
     assert!(running(&vm_id));
+}
+
+#[tokio::test]
+async fn a_domain_defined_but_never_started_by_a_cut_boot_is_started_when_the_retry_adopts_it() {
+    if !libvirt_or_skip("a_domain_defined_but_never_started_by_a_cut_boot_is_started_when_the_retry_adopts_it") {
+        return;
+    }
+    // What a process killed between libvirt's define and its start leaves: a pending boot intent
+    // whose tag is on a defined, stopped domain. The pending intent is made deterministically: a
+    // first attempt against the simulator whose boot lands and then answers 500 (ambiguous), on
+    // the same database; the domain is then defined (not started) under that intent's tag.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let sim = sim(&[]);
+    set_faults(&sim.url, 0.0, 1.0, 0).await;
+    let settle = ["--hypervisor-settle", "2s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "2s"];
+    let first = serve(&db, &[&["--hypervisor-url", sim.url.as_str()][..], &settle[..]].concat());
+    let r = create(&first.url, TOKEN, "lv-defined-1", &body()).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
+    drop(first);
+    let vms = http().get(format!("{}/v1/vms", sim.url)).send().await.expect("list").json::<serde_json::Value>();
+    let vms = vms.await.expect("json");
+    let tag = vms["vms"][0]["tag"].as_str().expect("the landed boot's tag").to_owned();
+    let _cleanup = Cleanup(vec![tag.clone()]);
+    let defined = format!("vm-{:016x}", rand::random::<u64>());
+    let xml = tiny_domain(&defined, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>"));
+    let file = dir.path().join("defined.xml");
+    std::fs::write(&file, xml).expect("write the domain XML");
+    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
+    assert!(!running(&defined));
+
+    let lb = serve(&db, &[&["--hypervisor-url", URL][..], &settle[..]].concat());
+    let r = create_until_done(&lb.url, "lv-defined-1", &body(), std::time::Duration::from_secs(60)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["vm_id"].as_str(), Some(defined.as_str()), "the retry adopted the defined domain");
+    assert_eq!(domains_tagged(&tag), vec![defined.clone()], "and booted no second one");
+    assert!(running(&defined), "the adopted domain runs, as the worker it answered with");
 }
 
 /// Defines and starts a domain from `xml` with `virsh`, as a call the service made and forgot
