@@ -7,6 +7,7 @@ mod load;
 mod partition;
 mod pg;
 mod redis;
+mod replication;
 mod report;
 mod scale;
 mod server;
@@ -64,6 +65,9 @@ enum Command {
     RedisClean(redis::CleanArgs),
     /// Drives `RedisStore` directly: first executions (claim + complete) or replays.
     RedisStore(redis::StoreArgs),
+    /// What waiting for a replica costs: the store on a synchronous against an asynchronous
+    /// Patroni cluster, and on Redis with `WAIT 1` against none; prints raw lines.
+    Replication(replication::ReplicationArgs),
     /// Reads the raw measurements and writes `results.json` and `results.md`.
     Report(report::ReportArgs),
     /// Grows the scale part's table to `--records` completed records (set-based SQL).
@@ -89,6 +93,7 @@ fn main() -> anyhow::Result<()> {
         Command::RedisFill(a) => rt.block_on(redis::fill(a)),
         Command::RedisClean(a) => rt.block_on(redis::clean(a)),
         Command::RedisStore(a) => rt.block_on(redis::drive_store(a)),
+        Command::Replication(a) => rt.block_on(replication::replication(a)),
         Command::Report(a) => report::report(a),
         Command::ScaleFill(a) => rt.block_on(scale::fill(a)),
         Command::PlotScale(a) => scale::plot(a),

@@ -138,6 +138,25 @@ pub(crate) struct StoreArgs {
     /// round trip per statement), instead of the stores' pool.
     #[arg(long)]
     ping_on_checkout: bool,
+    /// Connect through a libpq multi-host URL (`--database`'s host listed twice, with
+    /// `target_session_attrs=read-write`): the pool that follows the primary, whose checkouts
+    /// also drop connections opened before a switch (issue 34).
+    #[arg(long)]
+    multi_host: bool,
+}
+
+/// `url` with its host listed twice and `target_session_attrs=read-write`: the multi-host form.
+fn multi_host_url(url: &str) -> anyhow::Result<String> {
+    let scheme_end = url.find("://").map(|i| i + 3).ok_or_else(|| anyhow::anyhow!("not a URL: {url}"))?;
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (userinfo, host) = match rest[..authority_end].rfind('@') {
+        Some(at) => (&rest[..=at], &rest[at + 1..authority_end]),
+        None => ("", &rest[..authority_end]),
+    };
+    let tail = &rest[authority_end..];
+    let sep = if tail.contains('?') { '&' } else { '?' };
+    Ok(format!("{}{userinfo}{host},{host}{tail}{sep}target_session_attrs=read-write", &url[..scheme_end]))
 }
 
 async fn wal_lsn(pool: &PgPool) -> anyhow::Result<String> {
@@ -155,6 +174,9 @@ async fn wal_diff(pool: &PgPool, after: &str, before: &str) -> anyhow::Result<f6
 pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
     let store = if a.pool == 0 {
         PostgresStore::connect(&a.database).await?
+    } else if a.multi_host {
+        let options = idempotency_sqlx::postgres_pool_options(a.pool).min_connections(a.pool);
+        PostgresStore::from_pool(idempotency_sqlx::connect_postgres(&multi_host_url(&a.database)?, options).await?)
     } else if a.ping_on_checkout {
         PostgresStore::from_pool(pinging_pool(&a.database, a.pool).await?)
     } else {
@@ -418,6 +440,18 @@ mod tests {
 
     /// The pgbench scripts must run the store's statements: every clause of them, parameters
     /// aside, appears in the store's source.
+    #[test]
+    fn the_multi_host_url_lists_the_host_twice() {
+        assert_eq!(
+            multi_host_url("postgres://postgres@127.0.0.1:5432/db").unwrap(),
+            "postgres://postgres@127.0.0.1:5432,127.0.0.1:5432/db?target_session_attrs=read-write"
+        );
+        assert_eq!(
+            multi_host_url("postgres://h:1/db?sslmode=disable").unwrap(),
+            "postgres://h:1,h:1/db?sslmode=disable&target_session_attrs=read-write"
+        );
+    }
+
     #[test]
     fn pgbench_statements_are_the_stores() {
         let source = squash(&include_str!("../../crates/idempotency-sqlx/src/postgres.rs").replace("\\\n", " "));

@@ -239,6 +239,16 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    for case in ["replay", "first"] {
+        push(runs.ratio(
+            "floor",
+            format!("{case}: store through a multi-host URL (follows the primary) / one host"),
+            "rps",
+            &f(case, "store-multihost"),
+            &f(case, "store"),
+            None,
+        ));
+    }
     for (case, at) in [("replay", "10k keys"), ("replay-hot", "one hot key")] {
         push(runs.ratio(
             "floor",
@@ -281,6 +291,27 @@ fn ratios(runs: &Runs) -> Vec<Ratio> {
             "rps",
             &r(case, "store"),
             &r(case, "postgres-store"),
+            None,
+        ));
+    }
+    // Part `replication` (issue 28): the price of waiting for a replica, as a ratio of
+    // throughputs (below 1: slower with the wait).
+    let rep = |case: &str, v: &str| key("replication", case, 16, v);
+    for case in ["first", "replay"] {
+        push(runs.ratio(
+            "replication",
+            format!("{case}: PostgreSQL store, synchronous / asynchronous replication (Patroni)"),
+            "rps",
+            &rep(case, "pg-sync"),
+            &rep(case, "pg-async"),
+            None,
+        ));
+        push(runs.ratio(
+            "replication",
+            format!("{case}: Redis Cluster store, WAIT 1 replica / no wait"),
+            "rps",
+            &rep(case, "redis-wait1"),
+            &rep(case, "redis-nowait"),
             None,
         ));
     }
