@@ -197,7 +197,9 @@ impl Application {
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
             audit: crate::audit::Audit::new(db.clone()),
+            console: crate::console::Console::default(),
         };
+        background.push(state.console.history.spawn_sampler(state.metrics.clone()));
         let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.

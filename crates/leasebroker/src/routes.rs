@@ -69,6 +69,7 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
     Router::new()
         .merge(v1)
         .merge(admin)
+        .merge(crate::console::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -179,3 +179,82 @@ async fn with_the_collector_down_every_request_is_answered_and_the_log_says_so_o
         assert_eq!(create(&lb.url, TOKEN, &format!("down-{i}"), &worker_body()).await.status, StatusCode::CREATED);
     }
 }
+
+/// What a hung collector saw: connections accepted, and connections the exporter closed.
+#[derive(Default)]
+struct Hung {
+    accepted: std::sync::atomic::AtomicUsize,
+    closed: std::sync::atomic::AtomicUsize,
+}
+
+/// A collector that is up but hung: it accepts connections, reads what is sent, and never
+/// answers. Returns its URL and what it saw.
+async fn hung_collector() -> (String, Arc<Hung>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let seen = Arc::new(Hung::default());
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            count.accepted.fetch_add(1, Ordering::SeqCst);
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while conn.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                count.closed.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn over_http_with_the_collector_hung_every_request_is_answered_while_exports_wait_and_the_log_says_so_once() {
+    with_the_collector_hung("http/protobuf").await;
+}
+
+#[tokio::test]
+async fn over_grpc_with_the_collector_hung_every_request_is_answered_while_exports_wait_and_the_log_says_so_once() {
+    with_the_collector_hung("grpc").await;
+}
+
+/// SPEC 7: export is off the request path. With a collector that takes the connection and never
+/// answers, requests are answered while an export is stuck on it (the collector holds an open,
+/// unanswered connection all along), and when exports time out the log says so once.
+async fn with_the_collector_hung(protocol: &str) {
+    use std::sync::atomic::Ordering;
+    let (otlp, seen) = hung_collector().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_traced(&crate::support::sqlite_url(&dir), &otlp, protocol);
+    assert_eq!(create(&lb.url, TOKEN, "hung-0", &worker_body()).await.status, StatusCode::CREATED);
+    // The first export reaches the collector and hangs there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.accepted.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "no export reached the collector");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // While it hangs, requests are answered as usual: creates and their replays.
+    for i in 1..=20 {
+        let key = format!("hung-{i}");
+        assert_eq!(create(&lb.url, TOKEN, &key, &worker_body()).await.status, StatusCode::CREATED, "{key}");
+        let replay = create(&lb.url, TOKEN, &key, &worker_body()).await;
+        assert!(replay.status == StatusCode::CREATED && replay.replayed(), "{key}");
+    }
+    let log = lb.log();
+    assert!(!log.contains("trace exports fail") || seen.closed.load(Ordering::SeqCst) > 0, "{log}");
+    // The stuck export times out (10 s) and the log says so; the exports after it time out as
+    // well (each closes its connection), and the log says nothing more within the minute.
+    lb.wait_for_line(&["trace exports fail"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    while seen.closed.load(Ordering::SeqCst) < 2 {
+        assert!(Instant::now() < deadline, "no second export ended: accepted {}", seen.accepted.load(Ordering::SeqCst));
+        i += 1;
+        assert_eq!(create(&lb.url, TOKEN, &format!("hung-more-{i}"), &worker_body()).await.status, StatusCode::CREATED);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = lb.log();
+    assert_eq!(log.lines().filter(|l| l.contains("trace exports fail")).count(), 1, "{log}");
+}
