@@ -144,11 +144,15 @@ pub fn svg(buckets: &[BTreeMap<String, u64>]) -> String {
     let _ = write!(s, r#"<text x="{}" y="{base}" font-size="11" text-anchor="end">0</text>"#, LEFT - 4);
     for (i, bucket) in buckets.iter().enumerate() {
         let x = LEFT + 1 + i * bar_w;
-        let mut y = base;
+        // Each segment spans from the running total below it to the one above, so the rounding
+        // never stacks a bar past the top.
+        let top_of = |total: u64| base - ((total as f64 / max as f64) * PLOT_H as f64).round() as usize;
         let minutes_ago = buckets.len() - 1 - i;
+        let mut below = 0;
         for (outcome, &n) in bucket {
-            let h = ((n as f64 / max as f64) * PLOT_H as f64).round().max(1.0) as usize;
-            y = y.saturating_sub(h);
+            let y = top_of(below + n);
+            let h = (top_of(below) - y).max(1);
+            below += n;
             let _ = write!(
                 s,
                 r#"<rect x="{x}" y="{y}" width="{}" height="{h}" fill="{}"><title>{} min ago: {n} {}</title></rect>"#,
@@ -248,5 +252,18 @@ mod tests {
         assert_eq!(drawn.matches("<rect x=").count(), 2 + 2, "two bars and two legend keys");
         assert!(!drawn.contains("<script>") && drawn.contains("&lt;script&gt;"));
         assert!(svg(&vec![BTreeMap::new(); 60]).contains("no requests in the last hour"));
+        // Segments that round up never stack past the top of the plot (y = 10).
+        let mut b = vec![BTreeMap::new(); 60];
+        for (outcome, n) in [("executed", 7), ("mismatch", 1), ("replayed", 1)] {
+            b[59].insert(outcome.to_owned(), n);
+        }
+        let ys: Vec<usize> =
+            regex::Regex::new(r#"<rect x="\d+" y="(\d+)" width="\d+" height="\d+" fill="[^"]+"><title>"#)
+                .expect("regex")
+                .captures_iter(&svg(&b))
+                .map(|c| c[1].parse().expect("y"))
+                .collect();
+        assert_eq!(ys.len(), 3);
+        assert_eq!(ys.iter().min(), Some(&10), "the tallest bar reaches the top exactly: {ys:?}");
     }
 }

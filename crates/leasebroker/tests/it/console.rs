@@ -302,6 +302,44 @@ async fn forgetting_through_the_console_refuses_a_record_in_flight() {
     assert_eq!(audit_lines(&lb).await, 0, "nothing was audited");
 }
 
+#[tokio::test]
+async fn the_console_shows_what_the_reaper_rolled_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Every VM boots but its answer is lost: the create fails, and nobody retries it.
+    let lb = serve_logged(
+        &sqlite_url(&dir),
+        &[
+            "--sim-fail-after",
+            "1",
+            "--abandon-after",
+            "1s",
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+            "--sweep-interval",
+            "1s",
+        ],
+    );
+    let base = lb.url.clone();
+    let failed = create(&base, TOKEN, "abandoned-create-1", &worker_body()).await;
+    assert!(failed.status.is_server_error(), "{}", String::from_utf8_lossy(&failed.body));
+    let (cookie, _) = sign_in(&base).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let html = text(&get(&base, "/console", Some(&cookie)).await);
+        let actions = html.split(r#"id="actions""#).nth(1).expect("the actions section");
+        let actions = actions.split("</section>").next().unwrap_or_default();
+        if actions.contains("rolled back an abandoned create") {
+            assert!(actions.contains("abandoned-create-1") && actions.contains("alice"), "{actions}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the rollback never showed:\n{html}\n{}", lb.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lb.wait_for_line(&["abandoned create rolled back", "abandoned-create-1"]);
+}
+
 mod browser {
     //! The console in a real browser: Debian's chromium, headless, driven through chromedriver.
 
@@ -329,9 +367,26 @@ mod browser {
             return;
         }
         let dir = tempfile::tempdir().expect("tempdir");
-        let lb = serve_logged(&sqlite_url(&dir), &[]);
+        // A hypervisor the test can make fail, and a reaper that rolls back within seconds.
+        let sim = crate::support::sim(&[]);
+        let lb = serve_logged(
+            &sqlite_url(&dir),
+            &[
+                "--hypervisor-url",
+                &sim.url,
+                "--hypervisor-timeout",
+                "1s",
+                "--hypervisor-settle",
+                "1s",
+                "--abandon-after",
+                "1s",
+                "--sweep-interval",
+                "1s",
+            ],
+        );
         let base = lb.url.clone();
-        // Some traffic for the page and its chart: creates, a replay, a key reused with another body.
+        // Some traffic for the page and its chart: creates, a replay, a key reused with another
+        // body, and a create whose VM booted but whose answer was lost (the reaper rolls it back).
         let body = |i: usize| {
             let mut body = worker_body();
             body["labels"]["batch"] = json!(format!("nightly-{i}"));
@@ -345,6 +400,9 @@ mod browser {
         let worker_id = replayed.json()["id"].as_str().expect("worker id").to_owned();
         let mismatch = create(&base, TOKEN, "eval-run-1", &json!({"image": "other", "cpu": 1, "memory_gb": 1})).await;
         assert!(mismatch.status.is_client_error());
+        crate::support::set_faults(&sim.url, 0.0, 1.0, 0).await;
+        assert!(create(&base, TOKEN, "eval-run-lost", &body(9)).await.status.is_server_error());
+        crate::support::set_faults(&sim.url, 0.0, 0.0, 0).await;
         let forget_key = "eval-run-5";
         let id = record_id(&base, "alice", forget_key).await;
 
@@ -378,7 +436,11 @@ mod browser {
         let worker = browser.wait_for(&format!("#workers tr[data-worker='{worker_id}']")).await;
         assert!(browser.text(&worker).await.contains("nightly-0"), "the worker's row shows its labels");
         let chart = browser.outer_html(&browser.wait_for("#outcomes svg").await).await;
-        assert!(chart.contains("executed (6)") && chart.contains("replayed (1)"), "{chart}");
+        // The lost create ran its handler too: it counts as executed.
+        assert!(
+            chart.contains("executed (7)") && chart.contains("replayed (1)") && chart.contains("mismatch (1)"),
+            "{chart}"
+        );
 
         // Every resource the page loaded came from the service itself.
         let loaded = browser.execute("return performance.getEntriesByType('resource').map(e => e.name)").await;
@@ -386,6 +448,19 @@ mod browser {
         assert!(!loaded.is_empty(), "the stylesheet at least");
         for url in loaded {
             assert!(url.as_str().is_some_and(|u| u.starts_with(&base)), "an external asset: {url}");
+        }
+
+        // What the reaper did shows once it did it (the page is rendered afresh each time).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let actions = browser.text(&browser.wait_for("#actions").await).await;
+            if actions.contains("rolled back an abandoned create") {
+                assert!(actions.contains("eval-run-lost"), "{actions}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "no rollback shown: {actions}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            browser.goto(&format!("{base}/console")).await;
         }
 
         // Forget a completed record with its button on the records page.
