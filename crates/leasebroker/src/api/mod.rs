@@ -51,8 +51,6 @@ pub struct AppState {
     pub rate_limiter: Option<Arc<PrincipalRateLimiter>>,
     /// The audit trail of operators' actions on records.
     pub audit: crate::audit::Audit,
-    /// The operator console's sessions and outcome history.
-    pub console: crate::console::Console,
 }
 
 /// A rate limiter with one budget per principal. Its memory is bounded by the configured

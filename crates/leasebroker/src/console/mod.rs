@@ -19,12 +19,12 @@
 //! `/console/console.css`, the chart is an inline SVG, and no script runs; a strict
 //! `Content-Security-Policy` says so to the browser.
 
-use axum::Router;
 use axum::extract::rejection::{FormRejection, QueryRejection};
 use axum::extract::{Form, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use idempotency::{Principal, RecordQuery, RecordState};
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
@@ -50,8 +50,8 @@ pub struct Console {
     pub history: OutcomeHistory,
 }
 
-/// The console's routes.
-pub fn routes() -> Router<AppState> {
+/// The console's routes, with `console` for their sessions and chart.
+pub fn routes(console: Console) -> Router<AppState> {
     Router::new()
         .route("/console", get(overview))
         .route("/console/", get(|| async { Redirect::to("/console") }))
@@ -60,6 +60,7 @@ pub fn routes() -> Router<AppState> {
         .route("/console/logout", post(logout))
         .route("/console/records", get(records))
         .route("/console/records/{id}/forget", post(forget))
+        .layer(Extension(console))
 }
 
 /// Headers every console response carries: no caching, no framing, and a policy that lets the
@@ -125,30 +126,53 @@ struct CsrfForm {
     csrf: Option<String>,
 }
 
-/// The session of a POST whose CSRF token and origin check out, else the refusal to answer.
+/// Why a POST was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// No live session: sign in again (401).
+    NoSession,
+    /// Posted from another site (403).
+    CrossSite,
+    /// The CSRF token is missing or wrong (403).
+    Csrf,
+}
+
+impl Refusal {
+    fn response(self, state: &AppState) -> Response {
+        match self {
+            Self::NoSession => page(
+                StatusCode::UNAUTHORIZED,
+                pages::login(Some("your session ended: sign in again"), state.admin_token.is_some()),
+            ),
+            Self::CrossSite => forbidden("this form was posted from another site"),
+            Self::Csrf => forbidden("the form's CSRF token is missing or wrong: reload the page and try again"),
+        }
+    }
+}
+
+/// The session of a POST whose CSRF token and origin check out.
 fn checked_post(
-    state: &AppState,
+    console: &Console,
     headers: &HeaderMap,
     form: Result<Form<CsrfForm>, FormRejection>,
-) -> Result<session::Session, Response> {
-    let Some(session) = state.console.sessions.find(headers) else {
-        return Err(page(
-            StatusCode::UNAUTHORIZED,
-            pages::login(Some("your session ended: sign in again"), state.admin_token.is_some()),
-        ));
-    };
+) -> Result<session::Session, Refusal> {
+    let session = console.sessions.find(headers).ok_or(Refusal::NoSession)?;
     if cross_site(headers) {
-        return Err(forbidden("this form was posted from another site"));
+        return Err(Refusal::CrossSite);
     }
     let presented = form.ok().and_then(|Form(f)| f.csrf);
     if !session::csrf_matches(&session, presented.as_deref()) {
-        return Err(forbidden("the form's CSRF token is missing or wrong: reload the page and try again"));
+        return Err(Refusal::Csrf);
     }
     Ok(session)
 }
 
-async fn login_form(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    if state.console.sessions.find(&headers).is_some() {
+async fn login_form(
+    State(state): State<AppState>,
+    Extension(console): Extension<Console>,
+    headers: HeaderMap,
+) -> Response {
+    if console.sessions.find(&headers).is_some() {
         return Redirect::to("/console").into_response();
     }
     page(StatusCode::OK, pages::login(None, state.admin_token.is_some()))
@@ -161,6 +185,7 @@ struct LoginForm {
 
 async fn login(
     State(state): State<AppState>,
+    Extension(console): Extension<Console>,
     headers: HeaderMap,
     form: Result<Form<LoginForm>, FormRejection>,
 ) -> Response {
@@ -177,7 +202,7 @@ async fn login(
         tracing::warn!("console: a login with a wrong token was refused");
         return page(StatusCode::UNAUTHORIZED, pages::login(Some("wrong token"), state.admin_token.is_some()));
     }
-    let (id, _) = state.console.sessions.start();
+    let (id, _) = console.sessions.start();
     tracing::info!(target: "leasebroker::audit", actor = ADMIN_PRINCIPAL, action = "console-login", "audit: an operator signed in to the console");
     let mut r = Redirect::to("/console").into_response();
     if let Ok(v) = HeaderValue::from_str(&session::set_cookie(&id, over_tls(&headers))) {
@@ -188,13 +213,14 @@ async fn login(
 
 async fn logout(
     State(state): State<AppState>,
+    Extension(console): Extension<Console>,
     headers: HeaderMap,
     form: Result<Form<CsrfForm>, FormRejection>,
 ) -> Response {
-    if let Err(refused) = checked_post(&state, &headers, form) {
-        return refused;
+    if let Err(refused) = checked_post(&console, &headers, form) {
+        return refused.response(&state);
     }
-    state.console.sessions.end(&headers);
+    console.sessions.end(&headers);
     let mut r = Redirect::to("/console/login").into_response();
     if let Ok(v) = HeaderValue::from_str(&session::clear_cookie(over_tls(&headers))) {
         r.headers_mut().insert(header::SET_COOKIE, v);
@@ -223,10 +249,11 @@ async fn listing(state: &AppState, record_state: RecordState) -> Result<Vec<idem
 
 async fn overview(
     State(state): State<AppState>,
+    Extension(console): Extension<Console>,
     headers: HeaderMap,
     notice: Result<Query<Notice>, QueryRejection>,
 ) -> Response {
-    let Some(session) = state.console.sessions.find(&headers) else { return to_login() };
+    let Some(session) = console.sessions.find(&headers) else { return to_login() };
     let domain = &state.workers.domain;
     let unavailable = |_| "the database did not answer".to_owned();
     let (fleet, workers, operations, in_flight, failed, audit) = tokio::join!(
@@ -240,7 +267,7 @@ async fn overview(
     let now = idempotency::now().timestamp_micros();
     let chart = chart::svg(&chart::per_minute(
         &[
-            state.console.history.samples(),
+            console.history.samples(),
             vec![chart::Sample { at: now / 1_000_000, totals: chart::totals(&state.metrics.render()) }],
         ]
         .concat(),
@@ -266,10 +293,11 @@ async fn overview(
 
 async fn records(
     State(state): State<AppState>,
+    Extension(console): Extension<Console>,
     headers: HeaderMap,
     query: Result<Query<RecordsQuery>, QueryRejection>,
 ) -> Response {
-    let Some(session) = state.console.sessions.find(&headers) else { return to_login() };
+    let Some(session) = console.sessions.find(&headers) else { return to_login() };
     let Ok(Query(q)) = query else {
         return page(
             StatusCode::BAD_REQUEST,
@@ -310,13 +338,14 @@ async fn records(
 
 async fn forget(
     State(state): State<AppState>,
+    Extension(console): Extension<Console>,
     headers: HeaderMap,
     Path(id): Path<String>,
     form: Result<Form<CsrfForm>, FormRejection>,
 ) -> Response {
-    let session = match checked_post(&state, &headers, form) {
+    let session = match checked_post(&console, &headers, form) {
         Ok(s) => s,
-        Err(refused) => return refused,
+        Err(refused) => return refused.response(&state),
     };
     let csrf = Some(session.csrf.as_str());
     match crate::api::forget(&state, &Principal::new(ADMIN_PRINCIPAL), None, &id).await {

@@ -193,7 +193,9 @@ async fn console_forms_without_the_session_csrf_token_or_from_another_origin_are
 
     let same_origin = [("origin", base)];
     let zeros = "0".repeat(64);
-    let refusals: [(&str, Option<&str>, Vec<(&str, &str)>, Vec<(&str, &str)>, StatusCode); 6] = [
+    // What is refused, the cookie, the form, the extra headers, and the answer.
+    type Refusal<'a> = (&'a str, Option<&'a str>, Vec<(&'a str, &'a str)>, Vec<(&'a str, &'a str)>, StatusCode);
+    let refusals: [Refusal<'_>; 6] = [
         ("no token", Some(&cookie), vec![], vec![], StatusCode::FORBIDDEN),
         ("a wrong token", Some(&cookie), vec![("csrf", &zeros)], vec![], StatusCode::FORBIDDEN),
         ("another session's token", Some(&cookie), vec![("csrf", &other_csrf)], vec![], StatusCode::FORBIDDEN),
@@ -276,14 +278,14 @@ async fn forgetting_through_the_console_refuses_a_record_in_flight() {
     });
     let (cookie, _) = sign_in(&base).await;
     let deadline = Instant::now() + Duration::from_secs(60);
+    let row_id = regex::Regex::new(r#"data-record="([0-9a-f]{32})""#).expect("regex");
     let (id, csrf) = loop {
         let page = get(&base, "/console", Some(&cookie)).await;
         let html = text(&page);
         let in_flight = html.split(r#"id="in-flight""#).nth(1).expect("the in-flight section");
         let in_flight = in_flight.split("</section>").next().unwrap_or_default();
         if in_flight.contains("console-slow-1") {
-            let re = regex::Regex::new(r#"data-record="([0-9a-f]{32})""#).expect("regex");
-            let id = re.captures(in_flight).expect("a record row")[1].to_owned();
+            let id = row_id.captures(in_flight).expect("a record row")[1].to_owned();
             assert!(!in_flight.contains("/forget"), "no forget button on a record in flight");
             break (id, csrf_of(&html));
         }
