@@ -308,6 +308,7 @@ async fn records(
         state: q.state.clone().unwrap_or_default(),
         principal: q.principal.clone().unwrap_or_default(),
         older_than: q.older_than.clone().unwrap_or_default(),
+        limit: q.limit,
     };
     // The form sends empty fields for the filters left blank: they mean no filter.
     let q = RecordsQuery {

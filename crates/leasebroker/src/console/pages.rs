@@ -58,6 +58,8 @@ pub(super) struct Filters {
     pub(super) state: String,
     pub(super) principal: String,
     pub(super) older_than: String,
+    /// The page size asked for, if any (kept across pages).
+    pub(super) limit: Option<u32>,
 }
 
 /// `micros` µs, for people: `42 s`, `5 min 3 s`, `2 h 10 min`, `3 d 4 h`.
@@ -353,10 +355,11 @@ pub(super) fn records(f: &Filters, listed: Result<RecordPage, String>, now: i64,
             if let Some(cursor) = &page.next_cursor {
                 let _ = write!(
                     b,
-                    r#"<form method="get" action="/console/records"><input type="hidden" name="state" value="{}"><input type="hidden" name="principal" value="{}"><input type="hidden" name="older_than" value="{}"><input type="hidden" name="cursor" value="{}"><button type="submit">Next page</button></form>"#,
+                    r#"<form method="get" action="/console/records"><input type="hidden" name="state" value="{}"><input type="hidden" name="principal" value="{}"><input type="hidden" name="older_than" value="{}">{}<input type="hidden" name="cursor" value="{}"><button type="submit">Next page</button></form>"#,
                     E(&f.state),
                     E(&f.principal),
                     E(&f.older_than),
+                    f.limit.map(|n| format!(r#"<input type="hidden" name="limit" value="{n}">"#)).unwrap_or_default(),
                     E(cursor)
                 );
             }

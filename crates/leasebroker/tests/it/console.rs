@@ -267,6 +267,63 @@ async fn the_console_shows_what_tenants_sent_escaped() {
 }
 
 #[tokio::test]
+async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_logged(&sqlite_url(&dir), &[]);
+    let base = lb.url.as_str();
+    for i in 0..5 {
+        assert_eq!(create(base, TOKEN, &format!("page-{i}"), &worker_body()).await.status, StatusCode::CREATED);
+    }
+    let (cookie, _) = sign_in(base).await;
+    for (query, detail) in [
+        ("state=running", "state must be in_flight, failed or completed"),
+        ("older_than=soon", "older_than must be a duration"),
+        ("limit=0", "limit must be 1 to"),
+        ("limit=x", "limit must be a number"),
+        ("cursor=not-ours", "cursor is not a cursor this service gave out"),
+    ] {
+        let r = get(base, &format!("/console/records?{query}"), Some(&cookie)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(text(&r).contains(detail), "{query}: {}", text(&r));
+    }
+    // Two at a time: the "Next page" form carries the cursor; every record once.
+    let row = regex::Regex::new(r#"data-record="([0-9a-f]{32})""#).expect("regex");
+    let cursor_field = regex::Regex::new(r#"name="cursor" value="([^"]+)""#).expect("regex");
+    let mut seen = Vec::new();
+    let mut query = "state=completed&principal=alice&older_than=&limit=2".to_owned();
+    for _ in 0..10 {
+        let page = text(&get(base, &format!("/console/records?{query}"), Some(&cookie)).await);
+        let ids: Vec<String> = row.captures_iter(&page).map(|c| c[1].to_owned()).collect();
+        assert!(ids.len() <= 2, "{page}");
+        seen.extend(ids);
+        match cursor_field.captures(&page) {
+            // What the form sends: the filters, the page size and the cursor.
+            Some(c) => {
+                let form =
+                    regex::Regex::new(r#"<input type="hidden" name="([a-z_]+)" value="([^"]*)">"#).expect("regex");
+                let fields: Vec<String> = form
+                    .captures_iter(&page)
+                    .filter(|f| &f[1] != "csrf")
+                    .map(|f| format!("{}={}", &f[1], &f[2]))
+                    .collect();
+                assert!(
+                    fields.contains(&"limit=2".to_owned()) && fields.contains(&format!("cursor={}", &c[1])),
+                    "{fields:?}"
+                );
+                query = fields.join("&");
+            }
+            None => break,
+        }
+    }
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!((seen.len(), unique.len()), (5, 5), "{seen:?}");
+    let none = text(&get(base, "/console/records?principal=bob", Some(&cookie)).await);
+    assert!(!row.is_match(&none) && none.contains("None."), "{none}");
+}
+
+#[tokio::test]
 async fn forgetting_through_the_console_refuses_a_record_in_flight() {
     let dir = tempfile::tempdir().expect("tempdir");
     // Every hypervisor call takes 3 s: the create stays in flight that long.
