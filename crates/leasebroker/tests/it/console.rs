@@ -289,6 +289,7 @@ async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor()
     // Two at a time: the "Next page" form carries the cursor; every record once.
     let row = regex::Regex::new(r#"data-record="([0-9a-f]{32})""#).expect("regex");
     let cursor_field = regex::Regex::new(r#"name="cursor" value="([^"]+)""#).expect("regex");
+    let form = regex::Regex::new(r#"<input type="hidden" name="([a-z_]+)" value="([^"]*)">"#).expect("regex");
     let mut seen = Vec::new();
     let mut query = "state=completed&principal=alice&older_than=&limit=2".to_owned();
     for _ in 0..10 {
@@ -299,8 +300,6 @@ async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor()
         match cursor_field.captures(&page) {
             // What the form sends: the filters, the page size and the cursor.
             Some(c) => {
-                let form =
-                    regex::Regex::new(r#"<input type="hidden" name="([a-z_]+)" value="([^"]*)">"#).expect("regex");
                 let fields: Vec<String> = form
                     .captures_iter(&page)
                     .filter(|f| &f[1] != "csrf")
