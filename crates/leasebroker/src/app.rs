@@ -198,7 +198,9 @@ impl Application {
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
             audit: crate::audit::Audit::new(db.clone()),
         };
-        let router = crate::routes::router(state, layer)
+        let console = crate::console::Console::default();
+        background.push(console.history.spawn_sampler(state.metrics.clone()));
+        let router = crate::routes::router(state, layer, console)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))

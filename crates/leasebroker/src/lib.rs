@@ -18,10 +18,12 @@
 //! # }
 //! ```
 
+pub mod activity;
 pub mod api;
 pub mod app;
 pub mod audit;
 pub mod config;
+pub mod console;
 pub mod db;
 pub mod domain;
 pub mod firmware;

@@ -303,6 +303,13 @@ impl Reaper {
             vms = vms_deleted, leases = released.leases, nodes = released.nodes,
             "abandoned create rolled back"
         );
+        crate::activity::record(
+            crate::activity::ActionKind::RolledBack,
+            format!(
+                "{} key {} of {}: {vms_deleted} VM(s), {} lease(s), {} node(s)",
+                op.endpoint, op.idem_key, op.principal, released.leases, released.nodes
+            ),
+        );
         report.rolled_back += 1;
         report.vms_deleted += vms_deleted;
         Ok(None)
@@ -365,6 +372,10 @@ impl Reaper {
             metrics::counter!(DELETES_FINISHED_TOTAL).increment(1);
             tracing::info!(op = %op.op_id, key = %op.idem_key, principal = %op.principal, worker = %worker_id,
                 "abandoned delete finished");
+            crate::activity::record(
+                crate::activity::ActionKind::DeleteFinished,
+                format!("worker {worker_id}, key {} of {}", op.idem_key, op.principal),
+            );
         }
         report.forgotten += 1;
         Ok(None)
@@ -433,15 +444,23 @@ pub fn spawn_with_sweeper(sweeper: Sweeper, reaper: Reaper, interval: Duration) 
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if let Err(e) = sweeper.run_once().await {
-                tracing::warn!(
+            match sweeper.run_once().await {
+                Ok(0) => {}
+                Ok(n) => crate::activity::record(crate::activity::ActionKind::RecordsSwept, format!("{n} record(s)")),
+                Err(e) => tracing::warn!(
                     error = %ErrorChain(&e),
                     "idempotency sweeper pass failed; retrying next interval"
-                );
+                ),
             }
             let report = reaper.run_once().await;
             if report != ReapReport::default() {
                 tracing::debug!(?report, "reaper pass");
+            }
+            if report.forgotten > 0 {
+                crate::activity::record(
+                    crate::activity::ActionKind::OperationsForgotten,
+                    format!("{} operation(s)", report.forgotten),
+                );
             }
         }
     })

@@ -48,9 +48,9 @@ async fn method_not_allowed(req: Request, next: Next) -> Response {
     r
 }
 
-/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, and the
-/// operational routes.
-pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
+/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, the
+/// operator console (`/console`), and the operational routes.
+pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::console::Console) -> Router {
     let v1 = Router::new()
         .route("/v1/workers", post(create_worker).get(list_workers))
         .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
@@ -69,6 +69,7 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer) -> Router {
     Router::new()
         .merge(v1)
         .merge(admin)
+        .merge(crate::console::routes(console))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

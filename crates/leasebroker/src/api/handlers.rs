@@ -253,21 +253,26 @@ pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<Stri
     responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
     security(("bearer" = [])))]
 pub async fn fleet(State(state): State<AppState>) -> Response {
-    let counts = match state.workers.domain.counts().await {
-        Ok(c) => c,
-        Err(e) => return ServiceError::from(e).into_response(),
-    };
+    match fleet_snapshot(&state).await {
+        Ok(fleet) => Json(fleet).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The fleet's counts from the domain tables and the VMs running on the hypervisor: what
+/// `GET /admin/v1/fleet` answers and the console shows.
+pub async fn fleet_snapshot(state: &AppState) -> Result<Fleet, ServiceError> {
+    let counts = state.workers.domain.counts().await?;
     let vms_running = match state.hypervisor.list_all().await {
         Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
         Err(e) => {
-            return ServiceError::UpstreamUnavailable {
+            return Err(ServiceError::UpstreamUnavailable {
                 reason: format!("cannot list VMs: {}", ErrorChain(&e)),
                 retry_after: 1,
-            }
-            .into_response();
+            });
         }
     };
-    Json(Fleet {
+    Ok(Fleet {
         nodes_total: counts.nodes_total,
         nodes_allocated: counts.nodes_allocated,
         leases_active: counts.leases_active,
@@ -278,7 +283,6 @@ pub async fn fleet(State(state): State<AppState>) -> Response {
         firmware_flashes_total: counts.flashes_done,
         nodes_bricked: counts.nodes_bricked,
     })
-    .into_response()
 }
 
 /// The process is up.

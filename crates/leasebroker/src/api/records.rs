@@ -146,7 +146,7 @@ fn record_id(id: &str) -> Option<RecordId> {
 }
 
 /// Turns the query into a store query at `now`, or the detail of the 400 to answer.
-fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
+pub(crate) fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
     let state = match q.state.as_deref() {
         None => None,
         Some(s) => {
@@ -247,26 +247,56 @@ pub async fn forget_record(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
-    let Some(id) = record_id(&id) else { return no_such_record() };
-    match state.store.forget(&id).await {
-        Ok(Forget::Forgotten(record)) => {
-            let entry = AuditEntry::forget(actor.as_str(), Some(ctx.key().as_str()), &record);
-            if let Err(e) = state.audit.record(&entry).await {
-                // The record is gone and the log has the audit line; a retry would find nothing
-                // to forget, so the answer stays 204.
-                tracing::error!(error = %ErrorChain(&e), record_id = %entry.record_id, "cannot write the audit row");
-            }
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Ok(Forget::InFlight(_)) => Problem::new(
+    match forget(&state, &actor, Some(ctx.key().as_str()), &id).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(ForgetError::InFlight) => Problem::new(
             StatusCode::CONFLICT,
             "record-in-flight",
             "Record in flight",
             "the record's request is still running; wait for it to complete or fail (or for --in-flight-ttl)",
         )
         .into_response(),
-        Ok(Forget::Absent) => no_such_record(),
-        Err(e) => store_error(e),
+        Err(ForgetError::NotFound) => no_such_record(),
+        Err(ForgetError::Store(e)) => store_error(e),
+    }
+}
+
+/// Why a record was not forgotten.
+#[derive(Debug, thiserror::Error)]
+pub enum ForgetError {
+    /// No record has that id (or the id is not 32 lowercase hex digits).
+    #[error("no such record")]
+    NotFound,
+    /// The record's request is still running: it is never forgotten.
+    #[error("the record is in flight")]
+    InFlight,
+    /// The record store failed.
+    #[error("the record store failed")]
+    Store(#[source] StoreError),
+}
+
+/// Forgets the completed or failed record `id` on behalf of `actor` (whose request, if keyed,
+/// had `request_key`), and writes the audit line and row: what `DELETE /admin/v1/records/{id}`
+/// and the console's forget button both do. Returns the audit entry written.
+pub async fn forget(
+    state: &AppState,
+    actor: &Principal,
+    request_key: Option<&str>,
+    id: &str,
+) -> Result<AuditEntry, ForgetError> {
+    let id = record_id(id).ok_or(ForgetError::NotFound)?;
+    match state.store.forget(&id).await.map_err(ForgetError::Store)? {
+        Forget::Forgotten(record) => {
+            let entry = AuditEntry::forget(actor.as_str(), request_key, &record);
+            if let Err(e) = state.audit.record(&entry).await {
+                // The record is gone and the log has the audit line; a retry would find nothing
+                // to forget, so the answer stays a success.
+                tracing::error!(error = %ErrorChain(&e), record_id = %entry.record_id, "cannot write the audit row");
+            }
+            Ok(entry)
+        }
+        Forget::InFlight(_) => Err(ForgetError::InFlight),
+        Forget::Absent => Err(ForgetError::NotFound),
     }
 }
 

@@ -105,6 +105,27 @@ pub struct OperationRow {
 
 from_row!(OperationRow { op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at });
 
+/// A live operation, as the console lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveOperation {
+    /// The record's derived sub-key `op`.
+    pub op_id: String,
+    /// `create`, `delete` or `reboot`.
+    pub kind: String,
+    /// The record's principal.
+    pub principal: String,
+    /// The record's endpoint.
+    pub endpoint: String,
+    /// The client's idempotency key.
+    pub idem_key: String,
+    /// When the last attempt started (µs since the epoch).
+    pub last_attempt_at: i64,
+    /// 1 when the reaper is rolling it back.
+    pub rolling_back: i32,
+}
+
+from_row!(LiveOperation { op_id, kind, principal, endpoint, idem_key, last_attempt_at, rolling_back });
+
 /// What the reaper freed when it rolled back a create.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Released {

@@ -94,6 +94,19 @@ impl Domain {
         Ok(rows)
     }
 
+    /// Up to `limit` live operations (neither finished nor rolled back), the oldest attempt
+    /// first, for the console. A create is marked finished when it makes its worker; a delete or a
+    /// reboot stays live until the reaper's next look finds its record completed.
+    pub async fn live_operations(&self, limit: u32) -> Result<Vec<LiveOperation>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, LiveOperation>(
+                "SELECT op_id, kind, principal, endpoint, idem_key, last_attempt_at, \
+                 CASE WHEN rolled_back = 1 THEN 1 ELSE 0 END AS rolling_back FROM lb_operations \
+                 WHERE rolled_back < 2 ORDER BY last_attempt_at, op_id LIMIT $1")
+                .bind(i64::from(limit)).fetch_all(p).await?
+        }))
+    }
+
     /// Puts off the reaper's next look at the operation `op_id` until `at`.
     pub async fn put_off(&self, op_id: &str, at: i64) -> Result<()> {
         with_pool!(&self.db, p => {

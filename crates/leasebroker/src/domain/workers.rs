@@ -24,6 +24,15 @@ impl Domain {
         }))
     }
 
+    /// The `limit` latest workers of every principal, newest first, for the console (a scan of
+    /// the workers table: there is no index on `created_at`).
+    pub async fn latest_workers(&self, limit: u32) -> Result<Vec<WorkerRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, WorkerRow>("SELECT * FROM lb_workers ORDER BY created_at DESC, worker_id LIMIT $1")
+                .bind(i64::from(limit)).fetch_all(p).await?
+        }))
+    }
+
     /// Deletes a worker, its lease, and frees its node, and leaves the tombstone
     /// `tombstone_id`, in one transaction. False if it was already gone.
     pub async fn delete_worker(&self, principal: &str, worker_id: &str, tombstone_id: &str, now: i64) -> Result<bool> {

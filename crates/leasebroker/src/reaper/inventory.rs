@@ -89,6 +89,7 @@ impl Reaper {
             report.orphans_removed += 1;
             report.vms_deleted += 1;
             tracing::warn!(%tag, %vm_id, "deleted a VM nobody owns (a call that landed after its operation ended)");
+            crate::activity::record(crate::activity::ActionKind::OrphanRemoved, format!("VM {vm_id} (tag {tag})"));
         }
     }
 

@@ -81,6 +81,10 @@ pub(crate) async fn destroy_duplicates(hypervisor: &HypervisorClient, tag: &str,
             tracing::warn!(%tag, %vm_id, kept = %keep,
                 "a second VM for one boot (a call landed after the settle window): deleted it; \
                  --hypervisor-settle is shorter than the hypervisor takes");
+            crate::activity::record(
+                crate::activity::ActionKind::DuplicateDestroyed,
+                format!("VM {vm_id} (tag {tag}; kept {keep})"),
+            );
         }
     }
 }

@@ -6,6 +6,7 @@
 //! `support` starts the real binary and reads ground truth.
 
 mod bounds;
+mod console;
 mod deploy;
 mod effects;
 mod fences;
@@ -18,3 +19,4 @@ mod store_tls;
 mod support;
 mod tenants;
 mod traces;
+mod webdriver;

@@ -1,8 +1,10 @@
 //! Issue 30: traces over OTLP, received by a real OTLP receiver: a stand-in collector in the test
 //! for each protocol (an HTTP server taking `POST /v1/traces` and decoding the protobuf body with
 //! opentelemetry-proto, as a collector's OTLP/HTTP receiver does; and opentelemetry-proto's
-//! generated gRPC `TraceService` served by tonic). Also: a collector that is down
-//! changes no answer, and the log says so at most once a minute.
+//! generated gRPC `TraceService` served by tonic). Also (SPEC 7, export off the request path): a
+//! collector that is down (a closed port) or hung (a listener that accepts, reads, and never
+//! answers) changes no answer, responses come back while an export hangs, and the log says that
+//! exports fail once within the minute.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +19,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use reqwest::StatusCode;
 
-use crate::support::{ADMIN, Logged, TOKEN, create, worker_body};
+use crate::support::{ADMIN, Logged, TOKEN, create, send, worker_body};
 
 type Received = Arc<Mutex<Vec<ExportTraceServiceRequest>>>;
 
@@ -178,4 +180,131 @@ async fn with_the_collector_down_every_request_is_answered_and_the_log_says_so_o
     for i in 20..25 {
         assert_eq!(create(&lb.url, TOKEN, &format!("down-{i}"), &worker_body()).await.status, StatusCode::CREATED);
     }
+}
+
+/// What a hung collector saw: connections accepted, and exports the exporter gave up on (over
+/// HTTP/1 it closes the connection; over HTTP/2 it resets the stream, or closes the connection).
+#[derive(Default)]
+struct Hung {
+    accepted: std::sync::atomic::AtomicUsize,
+    abandoned: std::sync::atomic::AtomicUsize,
+}
+
+/// The HTTP/2 client preface.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Counts the RST_STREAM frames (type 3) among the complete HTTP/2 frames in `buf` after the
+/// preface, consuming them.
+fn h2_resets(buf: &mut Vec<u8>) -> usize {
+    let mut resets = 0;
+    loop {
+        if buf.len() < 9 {
+            return resets;
+        }
+        let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+        if buf.len() < 9 + len {
+            return resets;
+        }
+        resets += usize::from(buf[3] == 3);
+        buf.drain(..9 + len);
+    }
+}
+
+/// A collector that is up but hung: it accepts connections, reads what is sent, and never
+/// answers. Returns its URL and what it saw.
+async fn hung_collector() -> (String, Arc<Hung>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let seen = Arc::new(Hung::default());
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            count.accepted.fetch_add(1, Ordering::SeqCst);
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut pending: Vec<u8> = Vec::new();
+                let mut h2 = None;
+                while let Ok(n) = conn.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    pending.extend_from_slice(&buf[..n]);
+                    if h2.is_none() && pending.len() >= H2_PREFACE.len() {
+                        h2 = Some(pending.starts_with(H2_PREFACE));
+                        if h2 == Some(true) {
+                            pending.drain(..H2_PREFACE.len());
+                        }
+                    }
+                    match h2 {
+                        Some(true) => {
+                            count.abandoned.fetch_add(h2_resets(&mut pending), Ordering::SeqCst);
+                        }
+                        Some(false) => pending.clear(),
+                        None => {}
+                    }
+                }
+                count.abandoned.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn over_http_with_the_collector_hung_every_request_is_answered_while_exports_wait_and_the_log_says_so_once() {
+    with_the_collector_hung("http/protobuf").await;
+}
+
+#[tokio::test]
+async fn over_grpc_with_the_collector_hung_every_request_is_answered_while_exports_wait_and_the_log_says_so_once() {
+    with_the_collector_hung("grpc").await;
+}
+
+/// SPEC 7: export is off the request path. With a collector that takes the connection and never
+/// answers, requests are answered while an export is stuck on it (the collector holds an open,
+/// unanswered connection all along), and when exports time out the log says so once.
+async fn with_the_collector_hung(protocol: &str) {
+    use std::sync::atomic::Ordering;
+    let (otlp, seen) = hung_collector().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_traced(&crate::support::sqlite_url(&dir), &otlp, protocol);
+    assert_eq!(create(&lb.url, TOKEN, "hung-0", &worker_body()).await.status, StatusCode::CREATED);
+    // The first export reaches the collector and hangs there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.accepted.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "no export reached the collector");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // While it hangs, requests are answered as usual: creates and their replays. Were the export
+    // on the request path, no response would come back before an export was given up.
+    let mut answered_while_hung = 0;
+    for i in 1..=20 {
+        let key = format!("hung-{i}");
+        assert_eq!(create(&lb.url, TOKEN, &key, &worker_body()).await.status, StatusCode::CREATED, "{key}");
+        let replay = create(&lb.url, TOKEN, &key, &worker_body()).await;
+        assert!(replay.status == StatusCode::CREATED && replay.replayed(), "{key}");
+        answered_while_hung += usize::from(seen.abandoned.load(Ordering::SeqCst) == 0);
+    }
+    assert!(answered_while_hung > 0, "every response waited for an export to be given up");
+    // The stuck export times out (10 s) and the log says so; the exports after it time out as
+    // well, and the log says nothing more within the minute.
+    lb.wait_for_line(&["trace exports fail"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.abandoned.load(Ordering::SeqCst) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no second export was given up: accepted {}, abandoned {}",
+            seen.accepted.load(Ordering::SeqCst),
+            seen.abandoned.load(Ordering::SeqCst)
+        );
+        // Reads make spans too: exports keep coming.
+        let listed = send(reqwest::Method::GET, &format!("{}/v1/workers", lb.url), TOKEN, None, None).await;
+        assert_eq!(listed.status, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = lb.log();
+    assert_eq!(log.lines().filter(|l| l.contains("trace exports fail")).count(), 1, "{log}");
 }
