@@ -476,7 +476,9 @@ async fn limits_body_header_key_labels_and_page_size() {
 async fn a_flood_of_keys_from_one_principal_leaves_another_untouched_and_expires() {
     let dir = tempfile::tempdir().expect("tempdir");
     // Without the per-principal rate limit, which would otherwise refuse most of the flood.
-    let lb = serve(&sqlite_url(&dir), &["--retention", "2s", "--sweep-interval", "1s", "--rate-limit", "0"]);
+    // Retention long enough that Bob's record is still there when he replays it however slowly
+    // the flood runs on a loaded machine; the sweep is then waited for, not slept for.
+    let lb = serve(&sqlite_url(&dir), &["--retention", "8s", "--sweep-interval", "1s", "--rate-limit", "0"]);
     let base = lb.url.clone();
     let bobs = create(&base, OTHER, "shared-0", &worker_body()).await;
     assert_eq!(bobs.status, StatusCode::CREATED);
@@ -510,16 +512,22 @@ async fn a_flood_of_keys_from_one_principal_leaves_another_untouched_and_expires
     let list = send(reqwest::Method::GET, &format!("{base}/v1/workers"), OTHER, None, None).await;
     assert_eq!(list.json()["workers"].as_array().map(Vec::len), Some(5), "{}", list.json());
 
-    // Past retention the sweeper has deleted the flood; the key is free again (runs afresh).
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let metrics = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
-    let swept: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("idempotency_records_swept_total"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0.0);
-    assert!(swept >= FLOOD as f64, "swept {swept} of at least {FLOOD} expired records:\n{metrics}");
+    // Past retention the sweeper deletes the flood; the key is free again (runs afresh).
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let metrics = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+        let swept: f64 = metrics
+            .lines()
+            .find(|l| l.starts_with("idempotency_records_swept_total"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0.0);
+        if swept >= FLOOD as f64 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "swept {swept} of at least {FLOOD} expired records:\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let r = create(&base, TOKEN, "flood-1", &json!({"image": "", "cpu": 1, "memory_gb": 1})).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(!r.replayed(), "an expired key runs again");
