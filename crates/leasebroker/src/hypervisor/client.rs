@@ -114,7 +114,7 @@ impl HvError {
     }
 
     /// Classifies a transport-level error by whether the request could have reached the server.
-    fn from_transport(err: reqwest::Error) -> Self {
+    pub(super) fn from_transport(err: reqwest::Error) -> Self {
         // Connect first: a connect timeout is also a timeout, but nothing was sent. A failed TLS
         // handshake (an untrusted certificate) is part of connecting, so it lands here too.
         if err.is_connect() || err.is_builder() {
@@ -142,6 +142,8 @@ pub struct HypervisorClient {
     /// Where the VMs live when not behind the HTTP API: a libvirt host.
     #[cfg(feature = "libvirt")]
     libvirt: Option<super::libvirt::LibvirtVms>,
+    /// Where the BMCs are when not behind the HTTP API: a Redfish service.
+    redfish: Option<super::redfish::RedfishBmc>,
 }
 
 impl HypervisorClient {
@@ -219,7 +221,26 @@ impl HypervisorClient {
             base,
             #[cfg(feature = "libvirt")]
             libvirt: None,
+            redfish: None,
         })
+    }
+
+    /// This client with its BMCs behind a Redfish service instead of the HTTP API's `/v1/bmc`
+    /// (the VM calls stay where they were). The firmware flow asks [`HypervisorClient::redfish`]
+    /// which one to drive.
+    pub fn with_redfish(mut self, bmc: super::redfish::RedfishBmc) -> Self {
+        self.redfish = Some(bmc);
+        self
+    }
+
+    /// The Redfish BMC the flashes go to, when one was given (`--bmc-url redfish+...`).
+    pub fn redfish(&self) -> Option<&super::redfish::RedfishBmc> {
+        self.redfish.as_ref()
+    }
+
+    /// The HTTP client: its timeout, TLS roots and no-redirect policy.
+    pub(super) fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
@@ -403,12 +424,12 @@ async fn expect_success_status(response: reqwest::Response) -> Result<(), HvErro
     response.bytes().await.map(drop).map_err(HvError::from_transport)
 }
 
-async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
+pub(super) async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
     let status = response.status();
     check(response, if status.is_success() { status } else { StatusCode::OK }).await
 }
 
-async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
+pub(super) async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
     let status = response.status();
     if status == want {
         return Ok(response);
