@@ -180,10 +180,11 @@ async fn a_lost_answer_is_found_by_its_tag_and_flashed_once() {
 }
 
 /// A BMC that keeps no task payload: the lost answer is settled from the firmware inventory once
-/// the settle window has passed (and no task runs), never by sending again.
+/// the settle window has passed and no task runs, never by sending again. The flash writes longer
+/// than the settle window: read at the window's end, the inventory would not show the version yet.
 #[tokio::test]
 async fn without_payloads_a_lost_answer_is_settled_by_the_firmware_inventory() {
-    let hv = redfish_sim(&["--flash-ms", "1000", "--fail-after", "1.0", "--redfish-no-payload"]);
+    let hv = redfish_sim(&["--flash-ms", "5000", "--fail-after", "1.0", "--redfish-no-payload"]);
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = broker(&sqlite_url(&dir), &hv, &["--hypervisor-timeout", "1s", "--hypervisor-settle", "3s"]);
     let sent = Instant::now();
