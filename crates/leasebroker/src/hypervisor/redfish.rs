@@ -390,3 +390,130 @@ fn outcome(task: &Resource) -> TaskOutcome {
         _ => TaskOutcome::Running,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::Json;
+    use axum::http::HeaderMap;
+    use axum::response::IntoResponse;
+    use axum::routing::{get, post};
+
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// A BMC shaped unlike the simulator: systems whose `Id` is not the node (their `Name` is),
+    /// a `202` with no body and a `Location` on another host, expanded task members whose
+    /// payload's `JsonBody` is an object, a task with no `TaskStatus`, and basic authentication.
+    async fn other_bmc() -> String {
+        let app = axum::Router::new()
+            .route(
+                "/redfish/v1/Systems",
+                get(|| async {
+                    Json(json!({"Members": [{"@odata.id": "/redfish/v1/Systems/A"}, {"@odata.id": "/redfish/v1/Systems/B"}]}))
+                }),
+            )
+            .route("/redfish/v1/Systems/A", get(|| async { Json(json!({"Id": "A", "Name": "node-0001"})) }))
+            .route("/redfish/v1/Systems/B", get(|| async { Json(json!({"Id": "B", "Name": "spare"})) }))
+            .route(
+                "/redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate",
+                post(|headers: HeaderMap, Json(body): Json<Value>| async move {
+                    if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some("Basic YWRtaW46czNjcmV0") {
+                        return StatusCode::UNAUTHORIZED.into_response();
+                    }
+                    if body["Targets"] != json!(["/redfish/v1/Systems/A"]) {
+                        return StatusCode::BAD_REQUEST.into_response();
+                    }
+                    let location = [("location", "https://elsewhere.example/redfish/v1/TaskService/Tasks/7")];
+                    (StatusCode::ACCEPTED, location).into_response()
+                }),
+            )
+            .route(
+                "/redfish/v1/TaskService/Tasks",
+                get(|| async {
+                    Json(json!({"Members": [
+                        {"@odata.id": "/redfish/v1/TaskService/Tasks/6", "TaskState": "Exception"},
+                        {"@odata.id": "/redfish/v1/TaskService/Tasks/7", "TaskState": "Running",
+                         "Payload": {"JsonBody": {"ImageURI": "http://images.test/x/9?tag=t-9"}}},
+                    ]}))
+                }),
+            )
+            .route("/redfish/v1/TaskService/Tasks/7", get(|| async { Json(json!({"TaskState": "Completed"})) }))
+            .route(
+                "/redfish/v1/UpdateService/FirmwareInventory",
+                get(|| async { Json(json!({"Members": [{"@odata.id": "/inv/1"}, {"@odata.id": "/inv/2"}]})) }),
+            )
+            .route(
+                "/inv/1",
+                get(|| async { Json(json!({"Version": "9", "RelatedItem": [{"@odata.id": "/redfish/v1/Systems/A/"}]})) }),
+            )
+            .route("/inv/2", get(|| async { Json(json!({"Version": "10", "Name": "spare"})) }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("redfish+http://admin:s3cret@{addr}")
+    }
+
+    #[tokio::test]
+    async fn a_bmc_of_another_shape_is_read_by_what_redfish_promises() {
+        let url = other_bmc().await;
+        let bmc = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
+        let target = bmc.target("node-0001").await.expect("systems");
+        assert_eq!(target, Target::System("/redfish/v1/Systems/A".into()), "found by Name");
+        assert_eq!(bmc.target("node-0002").await.expect("systems"), Target::NotListed { systems: 2 });
+
+        bmc.flash(&target, "9", "t-9").await.expect("a 202 without a body, with basic authentication");
+        let task = bmc.find_task("t-9").await.expect("tasks").expect("remembered from the Location");
+        assert_eq!(task.host_str(), Some("127.0.0.1"), "followed on the BMC's own host: {task}");
+        assert_eq!(task.path(), "/redfish/v1/TaskService/Tasks/7");
+        assert_eq!(bmc.task_outcome(&task).await.expect("task"), TaskOutcome::Succeeded, "Completed, no TaskStatus");
+
+        let fresh = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
+        let found = fresh.find_task("t-9").await.expect("tasks").expect("by the tag in an expanded payload");
+        assert_eq!(found.path(), "/redfish/v1/TaskService/Tasks/7");
+        assert_eq!(fresh.find_task("t-8").await.expect("tasks"), None);
+        assert!(fresh.busy().await.expect("tasks"), "task 7 runs, as listed");
+
+        assert!(bmc.runs_version(&target, "node-0001", "9").await.expect("inventory"), "related to system A");
+        assert!(!bmc.runs_version(&target, "node-0001", "10").await.expect("inventory"), "another system's item");
+        assert!(bmc.runs_version(&Target::OnlyMachine, "node-0001", "10").await.expect("inventory"));
+    }
+
+    #[tokio::test]
+    async fn without_credentials_the_bmc_refuses_definitely() {
+        let url = other_bmc().await.replace("admin:s3cret@", "");
+        let bmc = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
+        let err = bmc.flash(&Target::System("/redfish/v1/Systems/A".into()), "9", "t").await.expect_err("401");
+        assert_eq!(err.status(), Some(StatusCode::UNAUTHORIZED));
+        assert!(!err.may_have_happened());
+    }
+
+    #[test]
+    fn task_states_map_to_outcomes() {
+        let task = |state: &str, status: Option<&str>| Resource {
+            task_state: Some(state.to_owned()),
+            task_status: status.map(str::to_owned),
+            ..Resource::default()
+        };
+        assert_eq!(outcome(&task("Completed", Some("OK"))), TaskOutcome::Succeeded);
+        assert_eq!(outcome(&task("Completed", Some("Warning"))), TaskOutcome::Succeeded);
+        assert!(matches!(outcome(&task("Completed", Some("Critical"))), TaskOutcome::Failed(_)));
+        for ended in ["Exception", "Killed", "Cancelled"] {
+            assert!(matches!(outcome(&task(ended, Some("OK"))), TaskOutcome::Failed(e) if e.contains(ended)));
+        }
+        for running in ["New", "Starting", "Running", "Pending", "Suspended", "Interrupted", "Stopping", "Service"] {
+            assert_eq!(outcome(&task(running, None)), TaskOutcome::Running, "{running}");
+        }
+    }
+
+    #[test]
+    fn urls_are_checked_up_front_and_image_uris_carry_the_tag() {
+        for bad in ["http://bmc:8000", "redfish+ftp://bmc", "redfish+http://bmc/redfish/v1", "redfish+http://", "redfish+"] {
+            let err = RedfishBmc::new(bad, TIMEOUT, None, "http://images.test/fw").expect_err(bad);
+            assert!(matches!(err, HvError::InvalidUrl { .. }), "{bad}: {err:?}");
+        }
+        assert!(RedfishBmc::new("redfish+http://bmc:8000", TIMEOUT, None, "http://images.test/fw?x=1").is_err());
+        let bmc = RedfishBmc::new("redfish+https://bmc.example/", TIMEOUT, None, "http://images.test/fw/").expect("ok");
+        assert_eq!(bmc.image_uri("2.4.1+b7", "tag&1").as_str(), "http://images.test/fw/2.4.1+b7?tag=tag%261");
+    }
+}

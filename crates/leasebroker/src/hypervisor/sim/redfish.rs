@@ -438,3 +438,137 @@ async fn simple_update(State(sim): State<Simulator>, body: Result<Json<Value>, J
     }
     response
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::hypervisor::SimConfig;
+
+    async fn start(sim: &Simulator) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(super::super::serve(listener, sim.clone(), std::future::pending()));
+        url
+    }
+
+    fn redfish(options: RedfishOptions) -> Simulator {
+        Simulator::new(SimConfig::default()).with_flash_time(Duration::from_millis(300)).with_redfish(options)
+    }
+
+    async fn update(url: &str, body: &Value) -> reqwest::Response {
+        reqwest::Client::new().post(format!("{url}{SIMPLE_UPDATE}")).json(body).send().await.expect("send")
+    }
+
+    async fn get(url: &str, path: &str) -> (u16, Value) {
+        let r = reqwest::get(format!("{url}{path}")).await.expect("get");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    fn image(version: &str, tag: &str) -> String {
+        format!("http://images.test/fw/{version}?tag={tag}")
+    }
+
+    /// Polls task `id` until it leaves `Running` (or 10 s passed).
+    async fn until_ended(url: &str, id: u64) -> Value {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, task) = get(url, &task_uri(id)).await;
+            if task["TaskState"] != "Running" || tokio::time::Instant::now() > deadline {
+                return task;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_second_simple_update_while_one_writes_bricks_the_system() {
+        // Long enough a write that the second update surely comes while the first one writes.
+        let sim = redfish(RedfishOptions { systems: 4, ..RedfishOptions::default() })
+            .with_flash_time(Duration::from_millis(3000));
+        let url = start(&sim).await;
+        let body = json!({"ImageURI": image("2.0", "t-1"), "Targets": ["/redfish/v1/Systems/node-0002"]});
+        let first = update(&url, &body).await;
+        assert_eq!(first.status(), 202);
+        assert_eq!(first.headers()["location"], monitor_uri(1).as_str());
+        let (status, running) = get(&url, &monitor_uri(1)).await;
+        assert_eq!((status, running["TaskState"].as_str()), (202, Some("Running")), "{running}");
+        assert_eq!(update(&url, &body).await.status(), 202, "the BMC takes it: that is the danger");
+        let (first, second) = (until_ended(&url, 1).await, until_ended(&url, 2).await);
+        for task in [&first, &second] {
+            assert_eq!((task["TaskState"].as_str(), task["TaskStatus"].as_str()), (Some("Exception"), Some("Critical")));
+        }
+        let (_, system) = get(&url, "/redfish/v1/Systems/node-0002").await;
+        assert_eq!(system["Status"]["Health"], "Critical", "{system}");
+        let (_, item) = get(&url, "/redfish/v1/UpdateService/FirmwareInventory/node-0002").await;
+        assert_eq!(item["Version"], super::super::bmc::FACTORY_FIRMWARE);
+        let stats = sim.stats();
+        assert_eq!((stats.flashes_total, stats.duplicate_flash_tags, stats.bricked_nodes), (2, 1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_flash_completes_and_the_inventory_shows_its_version() {
+        let sim = redfish(RedfishOptions { systems: 2, terse: true, keep_payload: false, ..RedfishOptions::default() });
+        let url = start(&sim).await;
+        let r = update(&url, &json!({"ImageURI": image("3.1", "t-2"), "Targets": ["/redfish/v1/Systems/node-0001"]})).await;
+        assert_eq!(r.status(), 204);
+        assert_eq!(r.headers()["location"], task_uri(1).as_str(), "terse: the task itself");
+        let task = until_ended(&url, 1).await;
+        assert_eq!((task["TaskState"].as_str(), task["TaskStatus"].as_str()), (Some("Completed"), Some("OK")));
+        assert!(task.get("Payload").is_none(), "no payload kept: {task}");
+        assert_eq!(get(&url, &monitor_uri(1)).await.0, 200, "the monitor answers 200 once done");
+        let (_, item) = get(&url, "/redfish/v1/UpdateService/FirmwareInventory/node-0001").await;
+        assert_eq!(item["Version"], "3.1");
+        let (_, systems) = get(&url, "/redfish/v1/Systems").await;
+        assert_eq!(systems["Members"], json!([{"@odata.id": "/redfish/v1/Systems/node-0001"}, {"@odata.id": "/redfish/v1/Systems/node-0002"}]));
+    }
+
+    #[tokio::test]
+    async fn bad_updates_are_redfish_errors_and_flash_nothing() {
+        let sim = redfish(RedfishOptions { systems: 4, ..RedfishOptions::default() });
+        let url = start(&sim).await;
+        let cases = [
+            json!({"ImageURI": image("1", "a")}),
+            json!({"ImageURI": image("1", "a"), "Targets": ["/redfish/v1/Systems/node-0009"]}),
+            json!({"ImageURI": image("1", "a"), "Targets": ["/redfish/v1/Systems/node-0001", "/redfish/v1/Systems/node-0002"]}),
+            json!({"ImageURI": image("1", "a"), "Targets": "/redfish/v1/Systems/node-0001"}),
+            json!({"ImageURI": "not a uri", "Targets": ["/redfish/v1/Systems/node-0001"]}),
+            json!({"Targets": ["/redfish/v1/Systems/node-0001"]}),
+            json!([]),
+        ];
+        for body in cases {
+            let r = update(&url, &body).await;
+            assert_eq!(r.status(), 400, "{body}");
+            let error: Value = r.json().await.expect("json");
+            assert!(error["error"]["code"].as_str().is_some_and(|c| c.starts_with("Base.")), "{error}");
+        }
+        let raw = reqwest::Client::new()
+            .post(format!("{url}{SIMPLE_UPDATE}"))
+            .header("content-type", "application/json")
+            .body("{\"ImageURI\": ")
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(raw.status(), 400);
+        assert_eq!(get(&url, "/redfish/v1/Systems/node-0005").await.0, 404);
+        assert_eq!(get(&url, "/redfish/v1/TaskService/Tasks/01").await.0, 404);
+        assert_eq!(get(&url, "/v1/bmc/node-0001").await.0, 404, "the native BMC API is not served beside it");
+        assert_eq!(sim.stats().flashes_total, 0);
+        assert_eq!(get(&url, "/redfish/v1/TaskService/Tasks").await.1["Members"], json!([]));
+    }
+
+    #[tokio::test]
+    async fn one_machine_is_flashed_without_targets() {
+        let sim = redfish(RedfishOptions { one_machine: true, ..RedfishOptions::default() });
+        let url = start(&sim).await;
+        assert_eq!(update(&url, &json!({"ImageURI": image("5.5", "t-5")})).await.status(), 202);
+        assert_eq!(until_ended(&url, 1).await["TaskState"], "Completed");
+        let (_, item) = get(&url, "/redfish/v1/UpdateService/FirmwareInventory/1").await;
+        assert_eq!(item["Version"], "5.5");
+        let (_, root) = get(&url, "/redfish/v1").await;
+        for link in ["Systems", "UpdateService", "TaskService"] {
+            assert!(root[link]["@odata.id"].is_string(), "{root}");
+        }
+    }
+}
