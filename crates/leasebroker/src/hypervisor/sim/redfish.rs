@@ -2,7 +2,8 @@
 //!
 //! The same machines, faults, bricking rule and counters as [`super::bmc`], behind the shape a
 //! Redfish service gives them:
-//! - `GET /redfish/v1`: the service root, linking `Systems`, `UpdateService` and `TaskService`
+//! - `GET /redfish/v1`: the service root, linking `Systems`, `UpdateService` and (as `Tasks`) the
+//!   `TaskService`
 //! - `GET /redfish/v1/Systems[/{id}]`: one member per node (`node-0001`.. `--redfish-systems`),
 //!   or, with `--redfish-one-machine`, the one machine `1`
 //! - `POST /redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate`
@@ -160,7 +161,7 @@ fn task_view(id: u64, task: &SimTask) -> Value {
         "TaskState": state,
         "TaskStatus": status,
         "TaskMonitor": monitor_uri(id),
-        "Messages": [{"MessageId": message_id, "Message": message, "Severity": status}],
+        "Messages": [{"MessageId": message_id, "Message": message, "MessageSeverity": status}],
     });
     if let Some(body) = &task.json_body {
         view["Payload"] = json!({
@@ -179,6 +180,7 @@ pub(super) fn routes() -> Router<Simulator> {
         .route("/redfish", get(|| async { Json(json!({"v1": "/redfish/v1/"})) }))
         .route("/redfish/v1", get(service_root))
         .route("/redfish/v1/", get(service_root))
+        .route("/redfish/v1/SessionService/Sessions", get(sessions))
         .route("/redfish/v1/Systems", get(systems))
         .route("/redfish/v1/Systems/{id}", get(system))
         .route("/redfish/v1/UpdateService", get(update_service))
@@ -200,7 +202,7 @@ fn error(status: StatusCode, message_id: &str, message: &str) -> Response {
     let body = json!({"error": {
         "code": message_id,
         "message": message,
-        "@Message.ExtendedInfo": [{"MessageId": message_id, "Message": message, "Severity": "Warning"}],
+        "@Message.ExtendedInfo": [{"MessageId": message_id, "Message": message, "MessageSeverity": "Warning"}],
     }});
     (status, Json(body)).into_response()
 }
@@ -230,8 +232,15 @@ async fn service_root() -> Json<Value> {
         "UUID": "6c8f5d4e-0b9a-4c1e-9f43-5d1a2b3c4d5e",
         "Systems": {"@odata.id": format!("{ROOT}/Systems")},
         "UpdateService": {"@odata.id": format!("{ROOT}/UpdateService")},
-        "TaskService": {"@odata.id": format!("{ROOT}/TaskService")},
+        // The task service's link is named `Tasks` in the service root.
+        "Tasks": {"@odata.id": format!("{ROOT}/TaskService")},
+        "Links": {"Sessions": {"@odata.id": format!("{ROOT}/SessionService/Sessions")}},
     }))
+}
+
+/// No sessions (the simulator has no authentication), but the root must link their collection.
+async fn sessions() -> Json<Value> {
+    collection(&format!("{ROOT}/SessionService/Sessions"), "SessionCollection", "Session Collection", [])
 }
 
 async fn systems(State(sim): State<Simulator>) -> Json<Value> {
@@ -567,7 +576,7 @@ mod tests {
         let (_, item) = get(&url, "/redfish/v1/UpdateService/FirmwareInventory/1").await;
         assert_eq!(item["Version"], "5.5");
         let (_, root) = get(&url, "/redfish/v1").await;
-        for link in ["Systems", "UpdateService", "TaskService"] {
+        for link in ["Systems", "UpdateService", "Tasks"] {
             assert!(root[link]["@odata.id"].is_string(), "{root}");
         }
     }
