@@ -246,6 +246,29 @@ async fn sigkill_during_a_redfish_flash_then_restart_the_watcher_finds_the_task_
     assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0));
 }
 
+/// Killed while `SimpleUpdate` is on its way (the BMC takes it after a latency): the restarted
+/// process's retry finds the stamped flash pending, and finds its task by tag instead of sending.
+#[tokio::test]
+async fn sigkill_while_simple_update_is_in_flight_then_a_retry_flashes_once() {
+    let hv = redfish_sim(&["--flash-ms", "1000", "--latency-ms", "1500"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let args = ["--in-flight-ttl", "1s", "--hypervisor-timeout", "3s", "--hypervisor-settle", "4s"];
+    let mut lb = broker(&db, &hv, &args);
+    let base = lb.url.clone();
+    let pending = tokio::spawn(async move { flash(&base, "node-0012", "rf-midcall", "12.0.0").await });
+    tokio::time::sleep(Duration::from_millis(700)).await; // the SimpleUpdate is on its way
+    lb.sigkill();
+    let _ = pending.await;
+
+    let lb = broker(&db, &hv, &args);
+    let op_id = op_id(&flash_until_answered(&lb.url, "node-0012", "rf-midcall", "12.0.0").await);
+    let ended = until_ended(&lb.url, &op_id).await;
+    assert_eq!(ended["state"], "succeeded", "{ended}");
+    assert_eq!(version(&hv.url, "node-0012").await, "12.0.0");
+    assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0), "one flash, never a second one");
+}
+
 /// A BMC that answers `204` with the task's `Location` and no body, and one that serves a single
 /// machine (flashed without `Targets`).
 #[tokio::test]
