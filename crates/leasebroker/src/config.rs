@@ -129,7 +129,12 @@ pub struct ServeArgs {
 
     /// With a Redfish BMC: where the BMC fetches firmware images; a flash's `ImageURI` is
     /// `URL/VERSION?tag=TAG`.
-    #[arg(long, env = "LEASEBROKER_FIRMWARE_IMAGES", value_name = "URL", default_value = "http://firmware.invalid/images")]
+    #[arg(
+        long,
+        env = "LEASEBROKER_FIRMWARE_IMAGES",
+        value_name = "URL",
+        default_value = "http://firmware.invalid/images"
+    )]
     pub firmware_images: String,
 
     /// In-process simulator: probability that a mutating call fails before doing anything.

@@ -166,20 +166,33 @@ impl Firmware {
         }
     }
 
+    /// The operation `op_id` as it is now.
+    async fn operation(&self, op_id: &str) -> Result<FlashRow, ServiceError> {
+        self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+    }
+
     /// [`Firmware::flash`] on a Redfish BMC, for an operation not accepted yet (module docs).
-    async fn flash_redfish(&self, bmc: &RedfishBmc, req: &FlashFirmware, row: FlashRow) -> Result<FlashRow, ServiceError> {
+    async fn flash_redfish(
+        &self,
+        bmc: &RedfishBmc,
+        req: &FlashFirmware,
+        row: FlashRow,
+    ) -> Result<FlashRow, ServiceError> {
         let op_id = row.op_id.as_str();
         if row.intent == "pending" {
             // An earlier attempt sent the flash and does not know what came of it.
-            if bmc.find_task(&row.tag).await.map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?.is_some()
+            if bmc
+                .find_task(&row.tag)
+                .await
+                .map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?
+                .is_some()
             {
                 tracing::info!(op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
                 return Ok(self.domain.accept_flash(op_id).await?);
             }
             settled_since(&row.tag, row.sent_at, self.settle)?;
-            let verdict = inventory_verdict(bmc, &row)
-                .await
-                .map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
+            let verdict =
+                inventory_verdict(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
             let Some(runs) = verdict else {
                 return Err(ServiceError::UpstreamUnavailable {
                     reason: "the BMC still runs a task, which may be this flash; retry with the same key".into(),
@@ -187,7 +200,7 @@ impl Firmware {
                 });
             };
             conclude_by_inventory(&self.domain, &row, runs).await?;
-            return self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.into()));
+            return self.operation(op_id).await;
         }
         let target = bmc.target(&row.node_id).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
         let ended = match &target {
@@ -211,7 +224,7 @@ impl Firmware {
             if self.domain.end_unaccepted_flash(op_id, row.sent_at, succeeded, error.as_deref(), now).await? {
                 count_end(succeeded);
             }
-            return self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.into()));
+            return self.operation(op_id).await;
         }
         let stamp = may_send(&row.tag, self.domain.stamp_flash(op_id, row.sent_at).await?)?;
         metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
@@ -238,7 +251,7 @@ impl Firmware {
                 if self.domain.fail_unaccepted_flash(op_id, stamp, &error, now_micros()).await? {
                     metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
                 }
-                self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+                self.operation(op_id).await
             }
             None => {
                 tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
@@ -473,7 +486,10 @@ fn count_end(succeeded: bool) {
 /// The answer when the BMC cannot be asked what the flash needs (a read: nothing was sent).
 fn bmc_unavailable(e: &HvError, what: &str) -> ServiceError {
     tracing::warn!(error = %ErrorChain(e), "cannot {what}");
-    ServiceError::UpstreamUnavailable { reason: "the BMC does not answer; retry with the same key".into(), retry_after: 1 }
+    ServiceError::UpstreamUnavailable {
+        reason: "the BMC does not answer; retry with the same key".into(),
+        retry_after: 1,
+    }
 }
 
 /// What the BMC's state says of an accepted flash: `None` while it writes, `Ok` when the node

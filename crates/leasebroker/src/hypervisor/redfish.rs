@@ -508,7 +508,9 @@ mod tests {
 
     #[test]
     fn urls_are_checked_up_front_and_image_uris_carry_the_tag() {
-        for bad in ["http://bmc:8000", "redfish+ftp://bmc", "redfish+http://bmc/redfish/v1", "redfish+http://", "redfish+"] {
+        for bad in
+            ["http://bmc:8000", "redfish+ftp://bmc", "redfish+http://bmc/redfish/v1", "redfish+http://", "redfish+"]
+        {
             let err = RedfishBmc::new(bad, TIMEOUT, None, "http://images.test/fw").expect_err(bad);
             assert!(matches!(err, HvError::InvalidUrl { .. }), "{bad}: {err:?}");
         }

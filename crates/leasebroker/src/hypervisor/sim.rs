@@ -43,8 +43,8 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
-pub use self::redfish::RedfishOptions;
 use self::problem::{dropped_connection, problem};
+pub use self::redfish::RedfishOptions;
 use super::api::{SimStats, VmDetail};
 
 /// The simulator's faults. `Default` is no faults at all.

@@ -352,19 +352,21 @@ async fn task_monitor(State(sim): State<Simulator>, Path(id): Path<String>) -> R
     Json(task_view(n, task)).into_response()
 }
 
+/// Why a `SimpleUpdate` is refused (`400`): a Base message id and the message.
+type Refusal = (&'static str, String);
+
+const MISSING: &str = "Base.1.8.ActionParameterMissing";
+const FORMAT: &str = "Base.1.8.ActionParameterValueFormatError";
+
 /// What a `SimpleUpdate` asks for: the machine, the version and the tag.
-fn read_update(options: &RedfishOptions, body: &Value) -> Result<(String, FlashRequest), Response> {
+fn read_update(options: &RedfishOptions, body: &Value) -> Result<(String, FlashRequest), Refusal> {
     let Some(body) = body.as_object() else {
-        return Err(error(StatusCode::BAD_REQUEST, "Base.1.8.MalformedJSON", "the body must be a JSON object"));
+        return Err(("Base.1.8.MalformedJSON", "the body must be a JSON object".to_owned()));
     };
     let Some(image) = body.get("ImageURI").and_then(Value::as_str) else {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "Base.1.8.ActionParameterMissing",
-            "SimpleUpdate requires the ImageURI parameter",
-        ));
+        return Err((MISSING, "SimpleUpdate requires the ImageURI parameter".to_owned()));
     };
-    let format_error = |detail: &str| error(StatusCode::BAD_REQUEST, "Base.1.8.ActionParameterValueFormatError", detail);
+    let format_error = |detail: &str| (FORMAT, detail.to_owned());
     let url = reqwest::Url::parse(image).map_err(|_| format_error("ImageURI is not an absolute URI"))?;
     let version = url
         .path_segments()
@@ -375,11 +377,7 @@ fn read_update(options: &RedfishOptions, body: &Value) -> Result<(String, FlashR
     let machine = match body.get("Targets") {
         None | Some(Value::Null) if options.one_machine => "1".to_owned(),
         None | Some(Value::Null) => {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                "Base.1.8.ActionParameterMissing",
-                "this service manages several systems: Targets must name one",
-            ));
+            return Err((MISSING, "this service manages several systems: Targets must name one".to_owned()));
         }
         Some(Value::Array(targets)) => {
             let [Value::String(target)] = targets.as_slice() else {
@@ -408,7 +406,7 @@ async fn simple_update(State(sim): State<Simulator>, body: Result<Json<Value>, J
     };
     let (machine, request) = match read_update(&options, &body) {
         Ok(update) => update,
-        Err(response) => return response,
+        Err((message_id, message)) => return error(StatusCode::BAD_REQUEST, message_id, &message),
     };
     let json_body = options.keep_payload.then(|| body.to_string());
     // As with the native API, the write is scheduled inside the work: it runs on whatever the
@@ -506,7 +504,10 @@ mod tests {
         assert_eq!(update(&url, &body).await.status(), 202, "the BMC takes it: that is the danger");
         let (first, second) = (until_ended(&url, 1).await, until_ended(&url, 2).await);
         for task in [&first, &second] {
-            assert_eq!((task["TaskState"].as_str(), task["TaskStatus"].as_str()), (Some("Exception"), Some("Critical")));
+            assert_eq!(
+                (task["TaskState"].as_str(), task["TaskStatus"].as_str()),
+                (Some("Exception"), Some("Critical"))
+            );
         }
         let (_, system) = get(&url, "/redfish/v1/Systems/node-0002").await;
         assert_eq!(system["Status"]["Health"], "Critical", "{system}");
@@ -520,7 +521,8 @@ mod tests {
     async fn a_flash_completes_and_the_inventory_shows_its_version() {
         let sim = redfish(RedfishOptions { systems: 2, terse: true, keep_payload: false, ..RedfishOptions::default() });
         let url = start(&sim).await;
-        let r = update(&url, &json!({"ImageURI": image("3.1", "t-2"), "Targets": ["/redfish/v1/Systems/node-0001"]})).await;
+        let r =
+            update(&url, &json!({"ImageURI": image("3.1", "t-2"), "Targets": ["/redfish/v1/Systems/node-0001"]})).await;
         assert_eq!(r.status(), 204);
         assert_eq!(r.headers()["location"], task_uri(1).as_str(), "terse: the task itself");
         let task = until_ended(&url, 1).await;
@@ -530,7 +532,10 @@ mod tests {
         let (_, item) = get(&url, "/redfish/v1/UpdateService/FirmwareInventory/node-0001").await;
         assert_eq!(item["Version"], "3.1");
         let (_, systems) = get(&url, "/redfish/v1/Systems").await;
-        assert_eq!(systems["Members"], json!([{"@odata.id": "/redfish/v1/Systems/node-0001"}, {"@odata.id": "/redfish/v1/Systems/node-0002"}]));
+        assert_eq!(
+            systems["Members"],
+            json!([{"@odata.id": "/redfish/v1/Systems/node-0001"}, {"@odata.id": "/redfish/v1/Systems/node-0002"}])
+        );
     }
 
     #[tokio::test]
