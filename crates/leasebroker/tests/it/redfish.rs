@@ -306,3 +306,109 @@ async fn a_node_already_at_the_version_is_done_without_a_flash() {
     assert_eq!(again.json()["state"], "succeeded", "{}", again.json());
     assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0), "no second flash");
 }
+
+/// OpenStack's sushy-tools emulator (a Redfish BMC this client did not come with), with its
+/// libvirt driver on libvirt's in-process `test://` driver (no daemon): one machine, named like
+/// the node. It wants `Targets`, answers `SimpleUpdate` with `204` and the `Location` of a task
+/// that reads `Completed`/`OK`, and serves no task list and no firmware inventory. Its access log
+/// is the ground truth: one `SimpleUpdate`, whatever the retries.
+#[tokio::test]
+async fn sushy_tools_takes_a_flash_once() {
+    let Some(emulator) = sushy_emulator() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node = dir.path().join("node.xml");
+    std::fs::write(
+        &node,
+        "<node><domain type='test'><name>node-0001</name><uuid>6695eb01-f6a4-8304-79aa-97f2502e193f</uuid>\
+         <memory>32768</memory><vcpu>1</vcpu><os><type arch='x86_64'>hvm</type>\
+         <loader type='rom'>/usr/share/OVMF/OVMF_CODE.fd</loader></os></domain></node>",
+    )
+    .expect("node.xml");
+    let config = dir.path().join("sushy.conf");
+    std::fs::write(&config, "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\nSUSHY_EMULATOR_LISTEN_PORT = 0\n").expect("conf");
+    let bmc = Sushy::start(&emulator, &config, &format!("test://{}", node.display()));
+
+    let hv = sim(&[]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &["--hypervisor-url", &hv.url, "--bmc-url", &format!("redfish+{}", bmc.url), POLL[0], POLL[1]],
+    );
+    let first = flash(&lb.url, "node-0001", "sushy-1", "1.1.0").await;
+    let op_id = op_id(&first);
+    let retry = flash(&lb.url, "node-0001", "sushy-1", "1.1.0").await;
+    assert!(retry.replayed() && retry.body == first.body, "the same 202");
+    let ended = until_ended(&lb.url, &op_id).await;
+    assert_eq!((ended["state"].as_str(), &ended["error"]), (Some("succeeded"), &Value::Null), "{ended}");
+    let log = bmc.log();
+    let updates: Vec<&str> = log.lines().filter(|l| l.contains("POST /redfish/v1/UpdateService/Actions/")).collect();
+    assert_eq!(updates.len(), 1, "one SimpleUpdate:\n{log}");
+    assert!(updates[0].contains(" 204 "), "{}", updates[0]);
+    assert!(log.contains("GET /redfish/v1/TaskService/Tasks/42"), "the task was followed:\n{log}");
+}
+
+/// The sushy-tools emulator: `$SUSHY_EMULATOR`, or the one `scripts/install-test-tools sushy` puts
+/// under target/tools; `None` after a loud SKIPPED line (a failure under `CI=true`).
+fn sushy_emulator() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("SUSHY_EMULATOR").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tools/sushy/bin/sushy-emulator")
+    });
+    if path.is_file() {
+        return Some(path);
+    }
+    let message = format!(
+        "the sushy-tools emulator is missing at {} (scripts/install-test-tools sushy installs it)",
+        path.display()
+    );
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{message}");
+    eprintln!("SKIPPED: {message}");
+    None
+}
+
+/// A running sushy-emulator, killed when dropped, with its log (stderr: the access log).
+struct Sushy {
+    child: std::process::Child,
+    url: String,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Sushy {
+    fn start(emulator: &std::path::Path, config: &std::path::Path, libvirt_uri: &str) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(emulator)
+            .args(["--config", &config.display().to_string(), "--libvirt-uri", libvirt_uri])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start sushy-emulator");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("Running on http://") {
+                    let _ = tx.send(line[i + "Running on ".len()..].trim().to_owned());
+                }
+                let mut log = sink.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let url = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("sushy-emulator did not report its address:\n{}", log.lock().expect("log"))
+        });
+        Sushy { child, url, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+}
+
+impl Drop for Sushy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
