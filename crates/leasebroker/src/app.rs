@@ -115,7 +115,7 @@ impl Application {
         let hypervisor = match &args.bmc_url {
             Some(url) => hypervisor.with_redfish(
                 RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
-                    .map_err(|e| anyhow::anyhow!("--bmc-url: {}", redact(&e.to_string())))?,
+                    .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
             ),
             None => hypervisor,
         };

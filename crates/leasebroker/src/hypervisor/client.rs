@@ -33,6 +33,16 @@ pub enum HvError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A setting of a BMC backend is unusable (`--bmc-url`, `--firmware-images`). Definite.
+    #[error("{flag} {value:?}: {reason}")]
+    InvalidSetting {
+        /// The flag.
+        flag: &'static str,
+        /// The value as given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The CA certificate file given to [`HypervisorClient::with_ca_cert`] is unusable. Definite.
     #[error("hypervisor CA certificate {}: {reason}", path.display())]
     InvalidCaCert {
@@ -92,7 +102,9 @@ impl HvError {
     /// caller must reconcile before concluding the work did not happen.
     pub fn may_have_happened(&self) -> bool {
         match self {
-            Self::InvalidUrl { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => false,
+            Self::InvalidUrl { .. } | Self::InvalidSetting { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => {
+                false
+            }
             Self::Status { status, .. } => !status.is_client_error(),
             Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => true,
             Self::Libvirt { definite, .. } => !definite,
@@ -105,6 +117,7 @@ impl HvError {
             Self::Status { status, .. } => Some(*status),
             Self::Libvirt { status, .. } => *status,
             Self::InvalidUrl { .. }
+            | Self::InvalidSetting { .. }
             | Self::InvalidCaCert { .. }
             | Self::Connect(_)
             | Self::Timeout(_)

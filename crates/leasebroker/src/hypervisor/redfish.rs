@@ -138,7 +138,11 @@ impl RedfishBmc {
     /// `USER:PASSWORD@`), each call bounded by `timeout`, trusting `ca_cert` (PEM) besides the
     /// system's roots for https; images are named under `images`. Contacts nothing.
     pub fn new(url: &str, timeout: Duration, ca_cert: Option<&Path>, images: &str) -> Result<Self, HvError> {
-        let invalid = |reason: &str| HvError::InvalidUrl { url: url.to_owned(), reason: reason.to_owned() };
+        let invalid = |reason: &str| HvError::InvalidSetting {
+            flag: "--bmc-url",
+            value: url.to_owned(),
+            reason: reason.to_owned(),
+        };
         let plain = url
             .strip_prefix(URL_PREFIX)
             .ok_or_else(|| invalid("a Redfish URL is redfish+http://HOST:PORT or redfish+https://HOST:PORT"))?;
@@ -148,15 +152,15 @@ impl RedfishBmc {
         if !matches!(base.path(), "" | "/") {
             return Err(invalid("a Redfish service is at its host's root: give no path"));
         }
-        let images = Url::parse(images).map_err(|e| HvError::InvalidUrl {
-            url: images.to_owned(),
-            reason: format!("the firmware image URL: {e}"),
-        })?;
-        if images.cannot_be_a_base() || images.query().is_some() || images.fragment().is_some() {
-            return Err(HvError::InvalidUrl {
-                url: images.to_string(),
-                reason: "the firmware image URL must be a base URL without a query".to_owned(),
-            });
+        let invalid_images =
+            |reason: String| HvError::InvalidSetting { flag: "--firmware-images", value: images.to_owned(), reason };
+        let images = Url::parse(images).map_err(|e| invalid_images(e.to_string()))?;
+        if !matches!(images.scheme(), "http" | "https" | "ftp" | "sftp" | "tftp" | "nfs" | "cifs" | "file")
+            || images.cannot_be_a_base()
+            || images.query().is_some()
+            || images.fragment().is_some()
+        {
+            return Err(invalid_images("an absolute URL a BMC can fetch from, without a query".to_owned()));
         }
         Ok(Self { http: client.http().clone(), base, images, tasks: Arc::default() })
     }
@@ -512,9 +516,12 @@ mod tests {
             ["http://bmc:8000", "redfish+ftp://bmc", "redfish+http://bmc/redfish/v1", "redfish+http://", "redfish+"]
         {
             let err = RedfishBmc::new(bad, TIMEOUT, None, "http://images.test/fw").expect_err(bad);
-            assert!(matches!(err, HvError::InvalidUrl { .. }), "{bad}: {err:?}");
+            assert!(matches!(err, HvError::InvalidSetting { flag: "--bmc-url", .. }), "{bad}: {err:?}");
         }
-        assert!(RedfishBmc::new("redfish+http://bmc:8000", TIMEOUT, None, "http://images.test/fw?x=1").is_err());
+        for bad in ["http://images.test/fw?x=1", "images", "mailto:fw@images.test"] {
+            let err = RedfishBmc::new("redfish+http://bmc:8000", TIMEOUT, None, bad).expect_err(bad);
+            assert!(matches!(err, HvError::InvalidSetting { flag: "--firmware-images", .. }), "{bad}: {err:?}");
+        }
         let bmc = RedfishBmc::new("redfish+https://bmc.example/", TIMEOUT, None, "http://images.test/fw/").expect("ok");
         assert_eq!(bmc.image_uri("2.4.1+b7", "tag&1").as_str(), "http://images.test/fw/2.4.1+b7?tag=tag%261");
     }
