@@ -240,7 +240,8 @@ impl RedfishBmc {
         Ok(None)
     }
 
-    /// Reads a task or its monitor. A `5xx` or a lost connection is an error (ask again later).
+    /// Reads a task or its monitor. A monitor answers its operation's own status once it ended: a
+    /// `4xx` there is a failed flash. A `5xx` or a lost connection is an error (ask again later).
     pub async fn task_outcome(&self, url: &Url) -> Result<TaskOutcome, HvError> {
         let response = self.send(Method::GET, url.clone(), None).await?;
         let status = response.status();
@@ -249,6 +250,9 @@ impl RedfishBmc {
         }
         if status == StatusCode::ACCEPTED {
             return Ok(TaskOutcome::Running);
+        }
+        if status.is_client_error() {
+            return Ok(TaskOutcome::Failed(format!("the BMC's task monitor answered {}", status.as_u16())));
         }
         let response = check_success(response).await?;
         match response.json::<Resource>().await {
@@ -443,6 +447,8 @@ mod tests {
                 }),
             )
             .route("/redfish/v1/TaskService/Tasks/7", get(|| async { Json(json!({"TaskState": "Completed"})) }))
+            .route("/monitors/8", get(|| async { (StatusCode::BAD_REQUEST, Json(json!({"error": {}}))) }))
+            .route("/monitors/9", get(|| async { StatusCode::SERVICE_UNAVAILABLE }))
             .route(
                 "/redfish/v1/UpdateService/FirmwareInventory",
                 get(|| async { Json(json!({"Members": [{"@odata.id": "/inv/1"}, {"@odata.id": "/inv/2"}]})) }),
@@ -471,6 +477,11 @@ mod tests {
         assert_eq!(task.host_str(), Some("127.0.0.1"), "followed on the BMC's own host: {task}");
         assert_eq!(task.path(), "/redfish/v1/TaskService/Tasks/7");
         assert_eq!(bmc.task_outcome(&task).await.expect("task"), TaskOutcome::Succeeded, "Completed, no TaskStatus");
+        let failed = bmc.task_outcome(&task.join("/monitors/8").expect("url")).await.expect("a 400");
+        assert_eq!(failed, TaskOutcome::Failed("the BMC's task monitor answered 400".into()));
+        let err = bmc.task_outcome(&task.join("/monitors/9").expect("url")).await.expect_err("a 503: ask again");
+        assert!(err.may_have_happened(), "{err:?}");
+        assert_eq!(bmc.task_outcome(&task.join("/monitors/10").expect("url")).await.expect("a 404"), TaskOutcome::Gone);
 
         let fresh = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
         let found = fresh.find_task("t-9").await.expect("tasks").expect("by the tag in an expanded payload");
