@@ -412,3 +412,36 @@ impl Drop for Sushy {
         let _ = self.child.wait();
     }
 }
+
+/// Two replicas on one PostgreSQL database and one Redfish BMC: eight flashes, each watched by
+/// one replica once; a node already at its version ends at once with no flash (the send stamp's
+/// compare-and-set on PostgreSQL).
+#[tokio::test]
+async fn two_replicas_on_postgres_flash_through_redfish_once_each() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let hv = redfish_sim(&["--flash-ms", "1500"]);
+    let a = broker(pg.url(), &hv, &[]);
+    let b = broker(pg.url(), &hv, &[]);
+    let mut ops = vec![];
+    for i in 0..8 {
+        let base = if i % 2 == 0 { &a.url } else { &b.url };
+        let node = format!("node-{:04}", i + 1);
+        ops.push(op_id(&flash_until_answered(base, &node, &format!("rf-replica-{i}"), "7.0.0").await));
+    }
+    for op_id in &ops {
+        assert_eq!(until_ended(&a.url, op_id).await["state"], "succeeded", "{op_id}");
+    }
+    let mut watches = 0.0;
+    for base in [&a.url, &b.url] {
+        let text = http().get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+        watches += text
+            .lines()
+            .filter(|l| l.starts_with("leasebroker_operation_watches_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    assert_eq!(watches, 8.0, "each operation was taken up by one watcher, once");
+    let again = flash_until_answered(&b.url, "node-0001", "rf-replica-again", "7.0.0").await;
+    assert_eq!(again.json()["state"], "succeeded", "{}", again.json());
+    assert_eq!(flashes_and_bricked(&hv.url).await, (8, 0, 0));
+}
