@@ -659,6 +659,11 @@ mod tests {
     /// Serves a fresh simulator over TLS on an ephemeral loopback port, with a certificate for
     /// 127.0.0.1 from a fresh private CA: its URL, the simulator and the CA's PEM file.
     async fn start_tls(dir: &Path) -> (String, Simulator, std::path::PathBuf) {
+        start_tls_with(dir, Simulator::new(SimConfig::default())).await
+    }
+
+    /// [`start_tls`] with a given simulator.
+    async fn start_tls_with(dir: &Path, sim: Simulator) -> (String, Simulator, std::path::PathBuf) {
         use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
         let ca_key = KeyPair::generate().expect("key");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
@@ -683,7 +688,6 @@ mod tests {
         // The simulator on a plain port, behind a TLS-terminating proxy.
         let plain = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let upstream = plain.local_addr().expect("addr");
-        let sim = Simulator::new(SimConfig::default());
         tokio::spawn(serve(plain, sim.clone(), std::future::pending()));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("https://{}", listener.local_addr().expect("addr"));
@@ -719,6 +723,37 @@ mod tests {
             let err = HypervisorClient::with_ca_cert(&url, TIMEOUT, Some(bad)).expect_err("not a CA file");
             assert!(matches!(err, HvError::InvalidCaCert { .. }), "{err:?}");
         }
+    }
+
+    /// `--bmc-url redfish+https://...` with `--bmc-ca-cert`: the same TLS as the hypervisor's.
+    #[tokio::test]
+    async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_definite() {
+        use crate::hypervisor::redfish::{RedfishBmc, Target, TaskOutcome};
+        use crate::hypervisor::sim::RedfishOptions;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sim = Simulator::new(SimConfig::default())
+            .with_flash_time(Duration::from_millis(200))
+            .with_redfish(RedfishOptions { systems: 2, ..RedfishOptions::default() });
+        let (url, sim, ca_file) = start_tls_with(dir.path(), sim).await;
+        let bmc_url = format!("redfish+{url}");
+        let images = "https://images.test/fw";
+        let bmc = RedfishBmc::new(&bmc_url, TIMEOUT, Some(&ca_file), images).expect("client");
+        let target = bmc.target("node-0002").await.expect("systems over https");
+        assert_eq!(target, Target::System("/redfish/v1/Systems/node-0002".into()));
+        bmc.flash(&target, "4.2", "tls-flash").await.expect("flash over https");
+        let task = bmc.find_task("tls-flash").await.expect("tasks").expect("remembered");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while bmc.task_outcome(&task).await.expect("task") == TaskOutcome::Running {
+            assert!(tokio::time::Instant::now() < deadline, "the flash did not end");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(bmc.runs_version(&target, "node-0002", "4.2").await.expect("inventory"));
+
+        let untrusted = RedfishBmc::new(&bmc_url, TIMEOUT, None, images).expect("client");
+        let err = untrusted.flash(&target, "4.3", "tls-untrusted").await.expect_err("untrusted certificate");
+        assert!(matches!(err, HvError::Connect(_)), "{err:?}");
+        assert!(!err.may_have_happened());
+        assert_eq!(sim.stats().flashes_total, 1);
     }
 
     #[tokio::test]
