@@ -39,7 +39,7 @@ use tokio::task::JoinHandle;
 
 use crate::domain::{Domain, DomainError, FlashRow, FlashStart};
 use crate::hypervisor::client::{BmcNode, BmcState, FlashRequest, HvError, HypervisorClient};
-use crate::hypervisor::redfish::{RedfishBmc, Target, TaskOutcome};
+use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
 use crate::service::{Operation, ServiceError, may_send, micros, now_micros, public_id, settled_since};
 
 /// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
@@ -181,24 +181,23 @@ impl Firmware {
         let op_id = row.op_id.as_str();
         if row.intent == "pending" {
             // An earlier attempt sent the flash and does not know what came of it.
-            if bmc
+            let lookup = bmc
                 .find_task(&row.tag)
                 .await
-                .map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?
-                .is_some()
-            {
+                .map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?;
+            let TaskLookup::NotFound { busy } = lookup else {
                 tracing::info!(op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
                 return Ok(self.domain.accept_flash(op_id).await?);
-            }
+            };
             settled_since(&row.tag, row.sent_at, self.settle)?;
-            let verdict =
-                inventory_verdict(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
-            let Some(runs) = verdict else {
+            if busy {
                 return Err(ServiceError::UpstreamUnavailable {
                     reason: "the BMC still runs a task, which may be this flash; retry with the same key".into(),
                     retry_after: 1,
                 });
-            };
+            }
+            let runs =
+                inventory_runs(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
             conclude_by_inventory(&self.domain, &row, runs).await?;
             return self.operation(op_id).await;
         }
@@ -400,18 +399,19 @@ impl Watcher {
             if row.intent != "pending" {
                 return self.settle_unaccepted(row).await; // never sent: nothing to ask the BMC
             }
-            if bmc.find_task(&row.tag).await?.is_some() {
+            let TaskLookup::NotFound { busy } = bmc.find_task(&row.tag).await? else {
                 self.domain.accept_flash(&row.op_id).await?;
                 tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
                 return Ok(false);
-            }
+            };
             if now_micros().saturating_sub(row.sent_at) < micros(self.settle) {
                 return Ok(false);
             }
-            return self.end_by_inventory(bmc, row).await;
+            return self.end_by_inventory(bmc, row, busy).await;
         }
-        let Some(task) = bmc.find_task(&row.tag).await? else {
-            return self.end_by_inventory(bmc, row).await;
+        let task = match bmc.find_task(&row.tag).await? {
+            TaskLookup::Found(task) => task,
+            TaskLookup::NotFound { busy } => return self.end_by_inventory(bmc, row, busy).await,
         };
         match bmc.task_outcome(&task).await? {
             TaskOutcome::Running => Ok(false),
@@ -439,22 +439,22 @@ impl Watcher {
     }
 
     /// An operation whose task nobody can find: ends it by the firmware inventory once no task
-    /// runs on the BMC. True when it ended.
-    async fn end_by_inventory(&self, bmc: &RedfishBmc, row: &FlashRow) -> anyhow::Result<bool> {
-        let Some(runs) = inventory_verdict(bmc, row).await? else { return Ok(false) };
+    /// runs on the BMC (`busy`: one does). True when it ended.
+    async fn end_by_inventory(&self, bmc: &RedfishBmc, row: &FlashRow, busy: bool) -> anyhow::Result<bool> {
+        if busy {
+            return Ok(false);
+        }
+        let runs = inventory_runs(bmc, row).await?;
         Ok(conclude_by_inventory(&self.domain, row, runs).await?)
     }
 }
 
-/// The firmware inventory's word on a flash whose task is unknown, once the BMC runs no task
-/// (until then the flash may still be writing, and failing it would free the node for a second,
-/// bricking one): whether the node runs the version. `None` while a task runs.
-async fn inventory_verdict(bmc: &RedfishBmc, row: &FlashRow) -> Result<Option<bool>, HvError> {
-    if bmc.busy().await? {
-        return Ok(None);
-    }
+/// The firmware inventory's word on a flash whose task is unknown: whether the node runs the
+/// version. Asked only once the BMC runs no task: until then the flash may still be writing, and
+/// failing it would free the node for a second, bricking one.
+async fn inventory_runs(bmc: &RedfishBmc, row: &FlashRow) -> Result<bool, HvError> {
     let target = bmc.target(&row.node_id).await?;
-    bmc.runs_version(&target, &row.node_id, &row.version).await.map(Some)
+    bmc.runs_version(&target, &row.node_id, &row.version).await
 }
 
 /// Ends an operation by what the firmware inventory says (`runs`: the node runs the version).

@@ -728,7 +728,7 @@ mod tests {
     /// `--bmc-url redfish+https://...` with `--bmc-ca-cert`: the same TLS as the hypervisor's.
     #[tokio::test]
     async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_definite() {
-        use crate::hypervisor::redfish::{RedfishBmc, Target, TaskOutcome};
+        use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
         use crate::hypervisor::sim::RedfishOptions;
         let dir = tempfile::tempdir().expect("tempdir");
         let sim = Simulator::new(SimConfig::default())
@@ -741,7 +741,7 @@ mod tests {
         let target = bmc.target("node-0002").await.expect("systems over https");
         assert_eq!(target, Target::System("/redfish/v1/Systems/node-0002".into()));
         bmc.flash(&target, "4.2", "tls-flash").await.expect("flash over https");
-        let task = bmc.find_task("tls-flash").await.expect("tasks").expect("remembered");
+        let TaskLookup::Found(task) = bmc.find_task("tls-flash").await.expect("tasks") else { panic!("remembered") };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while bmc.task_outcome(&task).await.expect("task") == TaskOutcome::Running {
             assert!(tokio::time::Instant::now() < deadline, "the flash did not end");

@@ -15,12 +15,13 @@
 //!   `Targets`; a BMC that serves one machine is flashed without `Targets`.
 //! - [`RedfishBmc::flash`]: `SimpleUpdate`, any `2xx` accepted; the `Location` (else the answer's
 //!   `@odata.id`) is remembered, by tag, as where the task is followed.
-//! - [`RedfishBmc::find_task`]: the task whose payload carries the tag.
+//! - [`RedfishBmc::find_task`]: the task whose payload carries the tag, or, in the same pass,
+//!   whether any task still runs.
 //! - [`RedfishBmc::task_outcome`]: `Completed` with `TaskStatus` `OK` (or `Warning`) succeeded;
 //!   `Exception`, `Killed`, `Cancelled` (or `Completed` + `Critical`) failed; anything else runs.
-//! - [`RedfishBmc::busy`] and [`RedfishBmc::runs_version`]: what a caller reads when no task
-//!   carries its tag (a BMC that keeps no payload): once no task runs, whether the node's
-//!   `FirmwareInventory` shows the version.
+//! - [`RedfishBmc::runs_version`]: what a caller reads when no task carries its tag (a BMC that
+//!   keeps no payload): once no task runs, whether the node's `FirmwareInventory` shows the
+//!   version.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -67,6 +68,19 @@ pub enum Target {
     NotListed {
         /// How many systems it lists.
         systems: usize,
+    },
+}
+
+/// What [`RedfishBmc::find_task`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskLookup {
+    /// Where the flash's task is followed.
+    Found(Url),
+    /// No task carries the tag; `busy`: another task still runs (which may be this flash, on a
+    /// BMC that keeps no payload).
+    NotFound {
+        /// Whether any task on the BMC still runs.
+        busy: bool,
     },
 }
 
@@ -216,28 +230,30 @@ impl RedfishBmc {
     }
 
     /// Where the task of the flash tagged `tag` is followed: remembered from its answer, or the
-    /// task whose `Payload.JsonBody` carries the tag. `None` when no task does (the BMC keeps no
-    /// payload, or never took the flash).
-    pub async fn find_task(&self, tag: &str) -> Result<Option<Url>, HvError> {
+    /// task whose `Payload.JsonBody` carries the tag. When no task does (the BMC keeps no payload,
+    /// or never took the flash), whether any task still runs, read in the same pass.
+    pub async fn find_task(&self, tag: &str) -> Result<TaskLookup, HvError> {
         if let Some(url) = self.remembered(tag) {
-            return Ok(Some(url));
+            return Ok(TaskLookup::Found(url));
         }
+        let mut busy = false;
         // Newest first: the flash looked for is most likely among the last tasks.
         for member in self.members(TASKS).await?.iter().rev() {
-            let Some(uri) = &member.odata_id else { continue };
-            let found = if member.payload.is_some() {
-                member.payload_tag()
-            } else {
-                self.read(uri).await?.and_then(|task| task.payload_tag())
+            let fetched = match &member.odata_id {
+                Some(uri) if member.task_state.is_none() || member.payload.is_none() => self.read(uri).await?,
+                _ => None,
             };
-            if found.as_deref() == Some(tag)
-                && let Some(url) = self.resolve(uri)
+            let task = fetched.as_ref().unwrap_or(member);
+            if task.payload_tag().as_deref() == Some(tag)
+                && let Some(url) = member.odata_id.as_deref().and_then(|uri| self.resolve(uri))
             {
                 self.remember(tag, url.clone());
-                return Ok(Some(url));
+                return Ok(TaskLookup::Found(url));
             }
+            // A member that is gone by now (or says nothing of its state) does not run.
+            busy |= task.task_state.is_some() && outcome(task) == TaskOutcome::Running;
         }
-        Ok(None)
+        Ok(TaskLookup::NotFound { busy })
     }
 
     /// Reads a task or its monitor. A monitor answers its operation's own status once it ended: a
@@ -260,21 +276,6 @@ impl RedfishBmc {
             // A monitor that answers its operation's own success, without the task.
             _ => Ok(TaskOutcome::Succeeded),
         }
-    }
-
-    /// Whether any task on the BMC still runs.
-    pub async fn busy(&self) -> Result<bool, HvError> {
-        for member in self.members(TASKS).await? {
-            let state = match (&member.task_state, &member.odata_id) {
-                (Some(_), _) => outcome(&member),
-                (None, Some(uri)) => self.read(uri).await?.map_or(TaskOutcome::Gone, |task| outcome(&task)),
-                (None, None) => continue,
-            };
-            if state == TaskOutcome::Running {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     /// Whether the node's firmware inventory shows `version`: an item related to the node's
@@ -473,7 +474,9 @@ mod tests {
         assert_eq!(bmc.target("node-0002").await.expect("systems"), Target::NotListed { systems: 2 });
 
         bmc.flash(&target, "9", "t-9").await.expect("a 202 without a body, with basic authentication");
-        let task = bmc.find_task("t-9").await.expect("tasks").expect("remembered from the Location");
+        let TaskLookup::Found(task) = bmc.find_task("t-9").await.expect("tasks") else {
+            panic!("remembered from the Location")
+        };
         assert_eq!(task.host_str(), Some("127.0.0.1"), "followed on the BMC's own host: {task}");
         assert_eq!(task.path(), "/redfish/v1/TaskService/Tasks/7");
         assert_eq!(bmc.task_outcome(&task).await.expect("task"), TaskOutcome::Succeeded, "Completed, no TaskStatus");
@@ -484,10 +487,12 @@ mod tests {
         assert_eq!(bmc.task_outcome(&task.join("/monitors/10").expect("url")).await.expect("a 404"), TaskOutcome::Gone);
 
         let fresh = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
-        let found = fresh.find_task("t-9").await.expect("tasks").expect("by the tag in an expanded payload");
+        let TaskLookup::Found(found) = fresh.find_task("t-9").await.expect("tasks") else {
+            panic!("by the tag in an expanded payload")
+        };
         assert_eq!(found.path(), "/redfish/v1/TaskService/Tasks/7");
-        assert_eq!(fresh.find_task("t-8").await.expect("tasks"), None);
-        assert!(fresh.busy().await.expect("tasks"), "task 7 runs, as listed");
+        let lookup = fresh.find_task("t-8").await.expect("tasks");
+        assert_eq!(lookup, TaskLookup::NotFound { busy: true }, "task 7 runs, as listed");
 
         assert!(bmc.runs_version(&target, "node-0001", "9").await.expect("inventory"), "related to system A");
         assert!(!bmc.runs_version(&target, "node-0001", "10").await.expect("inventory"), "another system's item");
