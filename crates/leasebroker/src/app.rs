@@ -23,6 +23,7 @@ use crate::db::{Db, redact};
 use crate::domain::Domain;
 use crate::firmware::{Firmware, Watcher};
 use crate::hypervisor::client::HypervisorClient;
+use crate::hypervisor::redfish::RedfishBmc;
 use crate::hypervisor::sim::{SimConfig, Simulator};
 use crate::reaper::Reaper;
 use crate::serve::{self, Timeouts};
@@ -109,6 +110,13 @@ impl Application {
         .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
         let hypervisor = match libvirt {
             Some(url) => with_libvirt(hypervisor, url, &args).await?,
+            None => hypervisor,
+        };
+        let hypervisor = match &args.bmc_url {
+            Some(url) => hypervisor.with_redfish(
+                RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
+                    .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
+            ),
             None => hypervisor,
         };
         let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
@@ -211,7 +219,8 @@ impl Application {
             .layer(axum::middleware::from_fn(crate::telemetry::request_span));
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
-        tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, "leasebroker ready");
+        let bmc_shown = args.bmc_url.as_deref().map_or_else(|| "the hypervisor's".to_owned(), redact);
+        tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, bmc = %bmc_shown, "leasebroker ready");
         Ok(Self { listener, router, background, generated_token, timeouts, db })
     }
 

@@ -117,6 +117,26 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_LIBVIRT_IMAGES", value_name = "DIR")]
     pub libvirt_images: Option<std::path::PathBuf>,
 
+    /// Where firmware flashes go: `redfish+http://HOST:PORT` or `redfish+https://HOST:PORT` (with
+    /// `USER:PASSWORD@` for basic authentication) drives a Redfish BMC's
+    /// `UpdateService.SimpleUpdate`. Default: the BMC API beside the hypervisor's (SPEC 3.4).
+    #[arg(long, env = "LEASEBROKER_BMC_URL", hide_env_values = true, value_name = "URL")]
+    pub bmc_url: Option<String>,
+
+    /// A PEM file of CA certificates to trust for a `redfish+https` BMC, besides the system's roots.
+    #[arg(long, env = "LEASEBROKER_BMC_CA_CERT", value_name = "PATH")]
+    pub bmc_ca_cert: Option<std::path::PathBuf>,
+
+    /// With a Redfish BMC: where the BMC fetches firmware images; a flash's `ImageURI` is
+    /// `URL/VERSION?tag=TAG`.
+    #[arg(
+        long,
+        env = "LEASEBROKER_FIRMWARE_IMAGES",
+        value_name = "URL",
+        default_value = "http://firmware.invalid/images"
+    )]
+    pub firmware_images: String,
+
     /// In-process simulator: probability that a mutating call fails before doing anything.
     #[arg(long, env = "LEASEBROKER_SIM_FAIL_BEFORE", default_value_t = 0.0, value_parser = parse::probability)]
     pub sim_fail_before: f64,
@@ -266,6 +286,15 @@ impl ServeArgs {
                     .to_owned(),
             );
         }
+        if let Some(url) = &self.bmc_url
+            && !url.starts_with(crate::hypervisor::redfish::URL_PREFIX)
+        {
+            return Err(format!(
+                "--bmc-url {}: unsupported URL; use redfish+http://HOST:PORT or redfish+https://HOST:PORT \
+                 (without it the BMCs are the hypervisor's)",
+                crate::db::redact(url)
+            ));
+        }
         if self.hypervisor_settle < self.hypervisor_timeout {
             return Err(format!(
                 "--hypervisor-settle ({}) must be at least --hypervisor-timeout ({}): a call may take effect \
@@ -312,6 +341,33 @@ pub struct SimArgs {
     /// the firmware it ran before.
     #[arg(long, env = "LEASEBROKER_FLASH_FAIL", default_value_t = 0.0, value_parser = parse::probability)]
     pub flash_fail: f64,
+    /// How the BMCs are served: `native` (`/v1/bmc`, SPEC 3.4) or `redfish` (a Redfish service
+    /// under `/redfish/v1`: one `Systems` member per node, `UpdateService.SimpleUpdate`, tasks).
+    #[arg(long, env = "LEASEBROKER_BMC", value_enum, default_value_t = BmcApi::Native)]
+    pub bmc: BmcApi,
+    /// Redfish: the systems listed, `node-0001` to `node-NNNN`.
+    #[arg(long, env = "LEASEBROKER_REDFISH_SYSTEMS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub redfish_systems: u32,
+    /// Redfish: serve one machine (`Systems/1`), flashed without `Targets`, like most real BMCs.
+    #[arg(long, env = "LEASEBROKER_REDFISH_ONE_MACHINE")]
+    pub redfish_one_machine: bool,
+    /// Redfish: keep no request payload in the tasks (as many BMCs do), so a lost answer can
+    /// only be settled from the firmware inventory.
+    #[arg(long, env = "LEASEBROKER_REDFISH_NO_PAYLOAD")]
+    pub redfish_no_payload: bool,
+    /// Redfish: answer a `SimpleUpdate` with `204` and the task's `Location`, no body.
+    #[arg(long, env = "LEASEBROKER_REDFISH_TERSE")]
+    pub redfish_terse: bool,
+}
+
+/// `hypervisor-sim --bmc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BmcApi {
+    /// The BMC API of SPEC 3.4, `/v1/bmc`.
+    Native,
+    /// A Redfish service under `/redfish/v1`.
+    Redfish,
 }
 
 /// `leasebroker migrate`.
@@ -485,7 +541,24 @@ mod tests {
         .unwrap();
         let Command::HypervisorSim(s) = cli.command else { panic!("hypervisor-sim") };
         assert_eq!((s.slow, s.slow_ms, s.refuse), (0.2, 1500, 0.1));
+        assert_eq!(s.bmc, BmcApi::Native);
         assert!(Cli::try_parse_from(["leasebroker", "hypervisor-sim", "--refuse", "2"]).is_err());
+        assert!(Cli::try_parse_from(["leasebroker", "hypervisor-sim", "--bmc", "ipmi"]).is_err());
+    }
+
+    #[test]
+    fn bmc_url_takes_redfish_urls_only() {
+        let serve = |args: &[&str]| {
+            let Command::Serve(s) = Cli::try_parse_from([&["leasebroker", "serve"], args].concat()).unwrap().command
+            else {
+                panic!("serve")
+            };
+            s.validate()
+        };
+        assert!(serve(&["--bmc-url", "redfish+http://127.0.0.1:8000"]).is_ok());
+        assert!(serve(&["--bmc-url", "redfish+https://admin:secret@bmc.example"]).is_ok());
+        let err = serve(&["--bmc-url", "https://admin:secret@bmc.example"]).unwrap_err();
+        assert!(err.contains("redfish+http://") && !err.contains("secret"), "{err}");
     }
 
     #[test]

@@ -22,6 +22,14 @@
 //!   from the rows. It also settles operations whose request was abandoned before acceptance: it
 //!   adopts a flash the BMC holds by tag, and fails one nobody sent or retried within
 //!   `--abandon-after`.
+//! - **On a Redfish BMC** (`--bmc-url redfish+...`, [`crate::hypervisor::redfish`]) the tag rides in
+//!   the image URI, and a flash whose send was stamped is never sent again: a retry (or the
+//!   watcher) finds its task by the tag in the tasks' payloads; where the BMC keeps none, it
+//!   waits out the settle window and for the BMC to run no task, then reads the node's firmware
+//!   inventory (the version there: succeeded; absent: failed). The watcher follows the task
+//!   (`TaskState`, `TaskStatus`). A node that already runs the version is not flashed: its
+//!   operation succeeds at once, and a task that failed on a node that runs the version counts
+//!   as done.
 
 use idempotency::ErrorChain;
 use std::time::Duration;
@@ -29,8 +37,9 @@ use std::time::Duration;
 use leasebroker_validation::{FlashFirmware, is_path_id};
 use tokio::task::JoinHandle;
 
-use crate::domain::{Domain, FlashRow, FlashStart};
+use crate::domain::{Domain, DomainError, FlashRow, FlashStart};
 use crate::hypervisor::client::{BmcNode, BmcState, FlashRequest, HvError, HypervisorClient};
+use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
 use crate::service::{Operation, ServiceError, may_send, micros, now_micros, public_id, settled_since};
 
 /// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
@@ -123,6 +132,9 @@ impl Firmware {
         if row.is_finished() || row.is_accepted() {
             return Ok(row);
         }
+        if let Some(bmc) = self.hypervisor.redfish() {
+            return self.flash_redfish(bmc, req, row).await;
+        }
         if row.intent == "pending" {
             // An earlier attempt sent the flash and does not know what came of it: the BMC says.
             let holding = self.hypervisor.bmcs_by_tag(&tag).await.map_err(|e| {
@@ -154,6 +166,80 @@ impl Firmware {
         }
     }
 
+    /// The operation `op_id` as it is now.
+    async fn operation(&self, op_id: &str) -> Result<FlashRow, ServiceError> {
+        self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+    }
+
+    /// [`Firmware::flash`] on a Redfish BMC, for an operation not accepted yet (module docs).
+    async fn flash_redfish(
+        &self,
+        bmc: &RedfishBmc,
+        req: &FlashFirmware,
+        row: FlashRow,
+    ) -> Result<FlashRow, ServiceError> {
+        let op_id = row.op_id.as_str();
+        if row.intent == "pending" {
+            // An earlier attempt sent the flash and does not know what came of it.
+            let lookup = bmc
+                .find_task(&row.tag)
+                .await
+                .map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?;
+            let TaskLookup::NotFound { busy } = lookup else {
+                tracing::info!(op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
+                return Ok(self.domain.accept_flash(op_id).await?);
+            };
+            settled_since(&row.tag, row.sent_at, self.settle)?;
+            if busy {
+                return Err(ServiceError::UpstreamUnavailable {
+                    reason: "the BMC still runs a task, which may be this flash; retry with the same key".into(),
+                    retry_after: 1,
+                });
+            }
+            let runs =
+                inventory_runs(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
+            conclude_by_inventory(&self.domain, &row, runs).await?;
+            return self.operation(op_id).await;
+        }
+        let target = bmc.target(&row.node_id).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
+        let ended = match &target {
+            Target::NotListed { systems } => {
+                let error = format!("the BMC lists {systems} systems and none is {}", row.node_id);
+                Some((false, Some(error)))
+            }
+            _ => {
+                let runs = bmc
+                    .runs_version(&target, &row.node_id, &req.version)
+                    .await
+                    .map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
+                if runs {
+                    tracing::info!(op_id, "the node already runs this version; nothing to flash");
+                }
+                runs.then_some((true, None))
+            }
+        };
+        if let Some((succeeded, error)) = ended {
+            let now = now_micros();
+            if self.domain.end_unaccepted_flash(op_id, row.sent_at, succeeded, error.as_deref(), now).await? {
+                count_end(succeeded);
+            }
+            return self.operation(op_id).await;
+        }
+        let stamp = may_send(&row.tag, self.domain.stamp_flash(op_id, row.sent_at).await?)?;
+        metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
+        match bmc.flash(&target, &req.version, &row.tag).await {
+            Ok(()) => Ok(self.domain.accept_flash(op_id).await?),
+            Err(e) if e.may_have_happened() => {
+                tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
+                Err(ServiceError::UpstreamUnavailable {
+                    reason: "the BMC call may or may not have taken effect; retry with the same key".into(),
+                    retry_after: 1,
+                })
+            }
+            Err(e) => self.not_sent(op_id, stamp, e).await,
+        }
+    }
+
     /// A flash that definitely did not start: refused by the BMC (the operation fails, and the
     /// `202` says so), or never sent (a retry sends it without waiting).
     async fn not_sent(&self, op_id: &str, stamp: i64, e: HvError) -> Result<FlashRow, ServiceError> {
@@ -164,7 +250,7 @@ impl Firmware {
                 if self.domain.fail_unaccepted_flash(op_id, stamp, &error, now_micros()).await? {
                     metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
                 }
-                self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+                self.operation(op_id).await
             }
             None => {
                 tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
@@ -250,6 +336,9 @@ impl Watcher {
 
     /// Looks at one running operation; true when it ended.
     async fn step(&self, row: &FlashRow) -> anyhow::Result<bool> {
+        if let Some(bmc) = self.hypervisor.redfish() {
+            return self.step_redfish(bmc, row).await;
+        }
         if !row.is_accepted() {
             return self.settle_unaccepted(row).await;
         }
@@ -297,10 +386,109 @@ impl Watcher {
         if !self.domain.finish_flash(&row.op_id, succeeded, error, now_micros()).await? {
             return Ok(false);
         }
+        count_end(succeeded);
         let outcome = if succeeded { "succeeded" } else { "failed" };
-        metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
         tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome, error, "operation ended");
         Ok(true)
+    }
+
+    /// [`Watcher::step`] on a Redfish BMC: follows the flash's task, found by its answer or by
+    /// the tag; without one, reads the firmware inventory once nothing can still change it.
+    async fn step_redfish(&self, bmc: &RedfishBmc, row: &FlashRow) -> anyhow::Result<bool> {
+        if !row.is_accepted() {
+            if row.intent != "pending" {
+                return self.settle_unaccepted(row).await; // never sent: nothing to ask the BMC
+            }
+            let TaskLookup::NotFound { busy } = bmc.find_task(&row.tag).await? else {
+                self.domain.accept_flash(&row.op_id).await?;
+                tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
+                return Ok(false);
+            };
+            if now_micros().saturating_sub(row.sent_at) < micros(self.settle) {
+                return Ok(false);
+            }
+            return self.end_by_inventory(bmc, row, busy).await;
+        }
+        let task = match bmc.find_task(&row.tag).await? {
+            TaskLookup::Found(task) => task,
+            TaskLookup::NotFound { busy } => return self.end_by_inventory(bmc, row, busy).await,
+        };
+        match bmc.task_outcome(&task).await? {
+            TaskOutcome::Running => Ok(false),
+            TaskOutcome::Succeeded => {
+                bmc.forget(&row.tag);
+                self.end(row, true, None).await
+            }
+            TaskOutcome::Failed(reason) => {
+                // Some BMCs fail the task of an image the machine already runs: that is done.
+                let target = bmc.target(&row.node_id).await?;
+                let runs = bmc.runs_version(&target, &row.node_id, &row.version).await?;
+                bmc.forget(&row.tag);
+                if runs {
+                    tracing::info!(op_id = %row.op_id, reason, "the task failed, but the node runs the version");
+                }
+                self.end(row, runs, (!runs).then_some(reason.as_str())).await
+            }
+            TaskOutcome::Gone => {
+                // Its monitor is gone: look for the task by tag again next time, or read the
+                // inventory.
+                bmc.forget(&row.tag);
+                Ok(false)
+            }
+        }
+    }
+
+    /// An operation whose task nobody can find: ends it by the firmware inventory once no task
+    /// runs on the BMC (`busy`: one does). True when it ended.
+    async fn end_by_inventory(&self, bmc: &RedfishBmc, row: &FlashRow, busy: bool) -> anyhow::Result<bool> {
+        if busy {
+            return Ok(false);
+        }
+        let runs = inventory_runs(bmc, row).await?;
+        Ok(conclude_by_inventory(&self.domain, row, runs).await?)
+    }
+}
+
+/// The firmware inventory's word on a flash whose task is unknown: whether the node runs the
+/// version. Asked only once the BMC runs no task: until then the flash may still be writing, and
+/// failing it would free the node for a second, bricking one.
+async fn inventory_runs(bmc: &RedfishBmc, row: &FlashRow) -> Result<bool, HvError> {
+    let target = bmc.target(&row.node_id).await?;
+    bmc.runs_version(&target, &row.node_id, &row.version).await
+}
+
+/// Ends an operation by what the firmware inventory says (`runs`: the node runs the version).
+/// True when this call ended it.
+async fn conclude_by_inventory(domain: &Domain, row: &FlashRow, runs: bool) -> Result<bool, DomainError> {
+    const ABSENT: &str = "the BMC keeps no task for this flash and the node does not run the version";
+    let ended = if runs {
+        if !row.is_accepted() {
+            domain.accept_flash(&row.op_id).await?;
+        }
+        domain.finish_flash(&row.op_id, true, None, now_micros()).await?
+    } else if row.is_accepted() {
+        domain.finish_flash(&row.op_id, false, Some(ABSENT), now_micros()).await?
+    } else {
+        domain.fail_unaccepted_flash(&row.op_id, row.sent_at, ABSENT, now_micros()).await?
+    };
+    if ended {
+        count_end(runs);
+        tracing::info!(op_id = %row.op_id, succeeded = runs, "operation ended by the BMC's firmware inventory");
+    }
+    Ok(ended)
+}
+
+fn count_end(succeeded: bool) {
+    let outcome = if succeeded { "succeeded" } else { "failed" };
+    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
+}
+
+/// The answer when the BMC cannot be asked what the flash needs (a read: nothing was sent).
+fn bmc_unavailable(e: &HvError, what: &str) -> ServiceError {
+    tracing::warn!(error = %ErrorChain(e), "cannot {what}");
+    ServiceError::UpstreamUnavailable {
+        reason: "the BMC does not answer; retry with the same key".into(),
+        retry_after: 1,
     }
 }
 

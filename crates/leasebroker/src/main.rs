@@ -6,9 +6,9 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use leasebroker::app::{Application, shutdown_signal};
-use leasebroker::config::{Cli, Command, LogFormat};
+use leasebroker::config::{BmcApi, Cli, Command, LogFormat};
 use leasebroker::db::Db;
-use leasebroker::hypervisor::sim::{self, SimConfig, Simulator};
+use leasebroker::hypervisor::sim::{self, RedfishOptions, SimConfig, Simulator};
 use leasebroker::telemetry;
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
@@ -78,6 +78,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .with_flash_time(Duration::from_millis(args.flash_ms))
             .with_flash_failure(args.flash_fail);
+            let sim = match args.bmc {
+                BmcApi::Native => sim,
+                BmcApi::Redfish => sim.with_redfish(RedfishOptions {
+                    systems: args.redfish_systems,
+                    one_machine: args.redfish_one_machine,
+                    keep_payload: !args.redfish_no_payload,
+                    terse: args.redfish_terse,
+                }),
+            };
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
         }
         Command::Migrate(args) => {

@@ -216,10 +216,26 @@ impl Domain {
     /// never sent and abandoned. Compare-and-set on the send stamp, so an attempt that sent the
     /// flash since keeps it. False when the row moved on.
     pub async fn fail_unaccepted_flash(&self, op_id: &str, sent_at: i64, error: &str, now: i64) -> Result<bool> {
+        self.end_unaccepted_flash(op_id, sent_at, false, Some(error), now).await
+    }
+
+    /// Ends a running operation whose flash the BMC was never seen to take, by compare-and-set
+    /// on the send stamp as [`Domain::fail_unaccepted_flash`] does: `failed` with `error`, or
+    /// `succeeded` when nothing needed flashing (the node already runs the version). False when
+    /// the row moved on.
+    pub async fn end_unaccepted_flash(
+        &self,
+        op_id: &str,
+        sent_at: i64,
+        succeeded: bool,
+        error: Option<&str>,
+        now: i64,
+    ) -> Result<bool> {
+        let state = if succeeded { "succeeded" } else { "failed" };
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET state = 'failed', error = $3, finished_at = $4, watcher = NULL \
+            sqlx::query("UPDATE lb_flash_operations SET state = $5, error = $3, finished_at = $4, watcher = NULL \
                          WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted' AND sent_at = $2")
-                .bind(op_id).bind(sent_at).bind(error).bind(now).execute(p).await?.rows_affected() == 1
+                .bind(op_id).bind(sent_at).bind(error).bind(now).bind(state).execute(p).await?.rows_affected() == 1
         }))
     }
 

@@ -33,6 +33,16 @@ pub enum HvError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A setting of a BMC backend is unusable (`--bmc-url`, `--firmware-images`). Definite.
+    #[error("{flag} {value:?}: {reason}")]
+    InvalidSetting {
+        /// The flag.
+        flag: &'static str,
+        /// The value as given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The CA certificate file given to [`HypervisorClient::with_ca_cert`] is unusable. Definite.
     #[error("hypervisor CA certificate {}: {reason}", path.display())]
     InvalidCaCert {
@@ -92,7 +102,9 @@ impl HvError {
     /// caller must reconcile before concluding the work did not happen.
     pub fn may_have_happened(&self) -> bool {
         match self {
-            Self::InvalidUrl { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => false,
+            Self::InvalidUrl { .. } | Self::InvalidSetting { .. } | Self::InvalidCaCert { .. } | Self::Connect(_) => {
+                false
+            }
             Self::Status { status, .. } => !status.is_client_error(),
             Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => true,
             Self::Libvirt { definite, .. } => !definite,
@@ -105,6 +117,7 @@ impl HvError {
             Self::Status { status, .. } => Some(*status),
             Self::Libvirt { status, .. } => *status,
             Self::InvalidUrl { .. }
+            | Self::InvalidSetting { .. }
             | Self::InvalidCaCert { .. }
             | Self::Connect(_)
             | Self::Timeout(_)
@@ -114,7 +127,7 @@ impl HvError {
     }
 
     /// Classifies a transport-level error by whether the request could have reached the server.
-    fn from_transport(err: reqwest::Error) -> Self {
+    pub(super) fn from_transport(err: reqwest::Error) -> Self {
         // Connect first: a connect timeout is also a timeout, but nothing was sent. A failed TLS
         // handshake (an untrusted certificate) is part of connecting, so it lands here too.
         if err.is_connect() || err.is_builder() {
@@ -142,6 +155,8 @@ pub struct HypervisorClient {
     /// Where the VMs live when not behind the HTTP API: a libvirt host.
     #[cfg(feature = "libvirt")]
     libvirt: Option<super::libvirt::LibvirtVms>,
+    /// Where the BMCs are when not behind the HTTP API: a Redfish service.
+    redfish: Option<super::redfish::RedfishBmc>,
 }
 
 impl HypervisorClient {
@@ -219,7 +234,26 @@ impl HypervisorClient {
             base,
             #[cfg(feature = "libvirt")]
             libvirt: None,
+            redfish: None,
         })
+    }
+
+    /// This client with its BMCs behind a Redfish service instead of the HTTP API's `/v1/bmc`
+    /// (the VM calls stay where they were). The firmware flow asks [`HypervisorClient::redfish`]
+    /// which one to drive.
+    pub fn with_redfish(mut self, bmc: super::redfish::RedfishBmc) -> Self {
+        self.redfish = Some(bmc);
+        self
+    }
+
+    /// The Redfish BMC the flashes go to, when one was given (`--bmc-url redfish+...`).
+    pub fn redfish(&self) -> Option<&super::redfish::RedfishBmc> {
+        self.redfish.as_ref()
+    }
+
+    /// The HTTP client: its timeout, TLS roots and no-redirect policy.
+    pub(super) fn http(&self) -> &reqwest::Client {
+        &self.http
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
@@ -417,12 +451,12 @@ async fn expect_success_status(response: reqwest::Response) -> Result<(), HvErro
     response.bytes().await.map(drop).map_err(HvError::from_transport)
 }
 
-async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
+pub(super) async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
     let status = response.status();
     check(response, if status.is_success() { status } else { StatusCode::OK }).await
 }
 
-async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
+pub(super) async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
     let status = response.status();
     if status == want {
         return Ok(response);
@@ -639,6 +673,11 @@ mod tests {
     /// Serves a fresh simulator over TLS on an ephemeral loopback port, with a certificate for
     /// 127.0.0.1 from a fresh private CA: its URL, the simulator and the CA's PEM file.
     async fn start_tls(dir: &Path) -> (String, Simulator, std::path::PathBuf) {
+        start_tls_with(dir, Simulator::new(SimConfig::default())).await
+    }
+
+    /// [`start_tls`] with a given simulator.
+    async fn start_tls_with(dir: &Path, sim: Simulator) -> (String, Simulator, std::path::PathBuf) {
         use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
         let ca_key = KeyPair::generate().expect("key");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
@@ -663,7 +702,6 @@ mod tests {
         // The simulator on a plain port, behind a TLS-terminating proxy.
         let plain = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let upstream = plain.local_addr().expect("addr");
-        let sim = Simulator::new(SimConfig::default());
         tokio::spawn(serve(plain, sim.clone(), std::future::pending()));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("https://{}", listener.local_addr().expect("addr"));
@@ -699,6 +737,37 @@ mod tests {
             let err = HypervisorClient::with_ca_cert(&url, TIMEOUT, Some(bad)).expect_err("not a CA file");
             assert!(matches!(err, HvError::InvalidCaCert { .. }), "{err:?}");
         }
+    }
+
+    /// `--bmc-url redfish+https://...` with `--bmc-ca-cert`: the same TLS as the hypervisor's.
+    #[tokio::test]
+    async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_definite() {
+        use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
+        use crate::hypervisor::sim::RedfishOptions;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sim = Simulator::new(SimConfig::default())
+            .with_flash_time(Duration::from_millis(200))
+            .with_redfish(RedfishOptions { systems: 2, ..RedfishOptions::default() });
+        let (url, sim, ca_file) = start_tls_with(dir.path(), sim).await;
+        let bmc_url = format!("redfish+{url}");
+        let images = "https://images.test/fw";
+        let bmc = RedfishBmc::new(&bmc_url, TIMEOUT, Some(&ca_file), images).expect("client");
+        let target = bmc.target("node-0002").await.expect("systems over https");
+        assert_eq!(target, Target::System("/redfish/v1/Systems/node-0002".into()));
+        bmc.flash(&target, "4.2", "tls-flash").await.expect("flash over https");
+        let TaskLookup::Found(task) = bmc.find_task("tls-flash").await.expect("tasks") else { panic!("remembered") };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while bmc.task_outcome(&task).await.expect("task") == TaskOutcome::Running {
+            assert!(tokio::time::Instant::now() < deadline, "the flash did not end");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(bmc.runs_version(&target, "node-0002", "4.2").await.expect("inventory"));
+
+        let untrusted = RedfishBmc::new(&bmc_url, TIMEOUT, None, images).expect("client");
+        let err = untrusted.flash(&target, "4.3", "tls-untrusted").await.expect_err("untrusted certificate");
+        assert!(matches!(err, HvError::Connect(_)), "{err:?}");
+        assert!(!err.may_have_happened());
+        assert_eq!(sim.stats().flashes_total, 1);
     }
 
     #[tokio::test]

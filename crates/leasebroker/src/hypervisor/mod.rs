@@ -7,6 +7,8 @@
 //! - [`sim`]: the simulator, an axum app with injectable faults and the counters the fault harness
 //!   checks ([`SimStats`]).
 //! - [`client`]: [`HypervisorClient`], which tells a definite failure from an ambiguous one.
+//! - [`redfish`]: the BMCs behind a Redfish service instead of the HTTP API
+//!   (`--bmc-url redfish+http://HOST:PORT`), for firmware flashes.
 //! - `libvirt` (cargo feature `libvirt`): the VMs on a real libvirt/QEMU host instead of the HTTP
 //!   API (`--hypervisor-url libvirt+qemu:///system`).
 //!
@@ -36,10 +38,12 @@ mod api;
 pub mod client;
 #[cfg(feature = "libvirt")]
 pub mod libvirt;
+pub mod redfish;
 pub mod sim;
 
 pub use api::{
     BmcList, BmcNode, BmcState, BootRequest, FlashRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState,
 };
 pub use client::{HvError, HypervisorClient};
-pub use sim::{SimConfig, Simulator, serve};
+pub use redfish::RedfishBmc;
+pub use sim::{RedfishOptions, SimConfig, Simulator, serve};

@@ -11,7 +11,9 @@
 //! - `DELETE /v1/vms/{vm_id}` -> `204` or `404`
 //! - `GET /v1/stats` -> [`SimStats`]
 //! - the BMCs of SPEC 3.4: `POST /v1/bmc/{node_id}/flash`, `GET /v1/bmc/{node_id}`,
-//!   `GET /v1/bmc?tag=T` (see [`bmc`]; a second flash while one writes bricks the node)
+//!   `GET /v1/bmc?tag=T` (see [`bmc`]; a second flash while one writes bricks the node); or,
+//!   with [`Simulator::with_redfish`] (`--bmc redfish`), the same BMCs as a Redfish service
+//!   under `/redfish/v1` instead (see [`redfish`])
 //! - Simulator extension, for tests and the harness: `GET /v1/faults` and
 //!   `PUT /v1/faults` `{"fail_before", "fail_after", "latency_ms", "slow", "slow_ms", "refuse"}`
 //!   read and replace the faults at runtime (`204`; a probability outside 0.0-1.0 is a `422`;
@@ -42,6 +44,7 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
 use self::problem::{dropped_connection, problem};
+pub use self::redfish::RedfishOptions;
 use super::api::{SimStats, VmDetail};
 
 /// The simulator's faults. `Default` is no faults at all.
@@ -116,11 +119,13 @@ pub struct Simulator {
     shared: Arc<Shared>,
     flash_time: Duration,
     flash_failure: f64,
+    redfish: Option<RedfishOptions>,
 }
 
 pub mod bmc;
 mod control;
 mod problem;
+pub mod redfish;
 #[cfg(test)]
 mod tests;
 mod vms;
@@ -143,6 +148,7 @@ struct SimState {
     booted_tags: HashSet<String>,
     stats: SimStats,
     bmcs: bmc::Bmcs,
+    tasks: redfish::Tasks,
 }
 
 #[derive(Debug)]
@@ -158,6 +164,7 @@ impl Simulator {
             shared: Arc::new(Shared { state: Mutex::new(SimState::default()), faults: Mutex::new(config.clamped()) }),
             flash_time: DEFAULT_FLASH_TIME,
             flash_failure: 0.0,
+            redfish: None,
         }
     }
 
@@ -187,17 +194,35 @@ impl Simulator {
         self.flash_failure
     }
 
+    /// Serves the BMCs as a Redfish service under `/redfish/v1` instead of the BMC API of SPEC 3.4
+    /// (`--bmc redfish`): the same machines, faults, bricking rule and counters.
+    #[must_use]
+    pub fn with_redfish(mut self, options: RedfishOptions) -> Self {
+        self.redfish = Some(options);
+        self
+    }
+
+    /// How the Redfish BMCs answer (the defaults when they are not served).
+    fn redfish_options(&self) -> RedfishOptions {
+        self.redfish.unwrap_or_default()
+    }
+
     /// The HTTP API, ready to serve (see the module docs for the routes).
     pub fn router(&self) -> Router {
-        Router::new()
+        let router = Router::new()
             .route("/v1/vms", post(vms::boot).get(vms::list))
             .route("/v1/vms/{vm_id}", get(vms::get_vm).delete(vms::delete_vm))
             .route("/v1/vms/{vm_id}/reboot", post(vms::reboot))
             .route("/v1/stats", get(control::stats))
-            .route("/v1/bmc", get(bmc::list))
-            .route("/v1/bmc/{node_id}", get(bmc::get))
-            .route("/v1/bmc/{node_id}/flash", post(bmc::flash))
-            .route("/v1/faults", get(control::get_faults).put(control::put_faults))
+            .route("/v1/faults", get(control::get_faults).put(control::put_faults));
+        let router = match self.redfish {
+            Some(_) => router.merge(redfish::routes()),
+            None => router
+                .route("/v1/bmc", get(bmc::list))
+                .route("/v1/bmc/{node_id}", get(bmc::get))
+                .route("/v1/bmc/{node_id}/flash", post(bmc::flash)),
+        };
+        router
             .fallback(problem::not_found)
             .method_not_allowed_fallback(problem::method_not_allowed)
             .with_state(self.clone())

@@ -14,6 +14,7 @@ mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;
 mod records;
+mod redfish;
 mod service;
 mod store_tls;
 mod support;

@@ -90,8 +90,9 @@ impl Bmcs {
         Started { node: bmc.node.clone(), seq: bmc.flash_seq, version: req.version }
     }
 
-    /// Ends the flash `started` if it is still the node's current one and the node is not bricked.
-    fn finish(&mut self, started: &Started, verified: bool) {
+    /// Ends the flash `started` if it is still the node's current one and the node is not bricked:
+    /// `Some(verified)` then, `None` when a second flash bricked the node meanwhile.
+    pub(super) fn finish(&mut self, started: &Started, verified: bool) -> Option<bool> {
         let bmc = self.node(&started.node.node_id);
         if bmc.flash_seq == started.seq && bmc.node.state == BmcState::Flashing {
             bmc.node.state = BmcState::Ok;
@@ -100,7 +101,9 @@ impl Bmcs {
             } else {
                 tracing::info!(node_id = %started.node.node_id, "hypervisor-sim: a flash failed its verification");
             }
+            return Some(verified);
         }
+        None
     }
 
     /// A node as it is now.
@@ -121,7 +124,7 @@ impl Bmcs {
     }
 }
 
-fn validate(node_id: &str, req: &FlashRequest) -> Result<(), String> {
+pub(super) fn validate(node_id: &str, req: &FlashRequest) -> Result<(), String> {
     if node_id.is_empty() || node_id.len() > MAX_FIELD {
         return Err(format!("node_id must be 1-{MAX_FIELD} characters"));
     }
@@ -163,7 +166,7 @@ pub(super) async fn flash(
             let node = started.node.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(flash_time).await;
-                writer.state().bmcs.finish(&started, verified);
+                let _ = writer.state().bmcs.finish(&started, verified);
             });
             node
         })
