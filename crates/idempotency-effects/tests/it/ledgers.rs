@@ -1,0 +1,91 @@
+//! The ledger conformance suite on memory, SQLite and PostgreSQL. `peer` and `store_peer` are
+//! second pools on the same database, as a second replica would be.
+
+use std::sync::Arc;
+
+use idempotency::Store;
+use idempotency_effects::conformance::Fixture;
+use idempotency_effects::{Ledger, MemoryLedger, SqlLedger};
+use idempotency_sqlx::testing::TestDatabase;
+use idempotency_sqlx::{PostgresStore, SqliteStore};
+
+/// Keeps what a fixture lives in (a temp dir, a test database) alive as long as the handles.
+#[derive(Debug)]
+struct Holding<G> {
+    ledger: SqlLedger,
+    _guard: Arc<G>,
+}
+
+macro_rules! forward {
+    ($($method:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
+        #[async_trait::async_trait]
+        impl<G: std::fmt::Debug + Send + Sync + 'static> Ledger for Holding<G> {
+            $(async fn $method(&self, $($arg: $ty),*) -> $ret { self.ledger.$method($($arg),*).await })*
+        }
+    };
+}
+
+use idempotency_effects::{Decided, Intent, IntentState, LedgerError, NewIntent, OperationRow};
+use std::time::Duration;
+
+forward! {
+    decide(op: &OperationRow, intent: &NewIntent, ahead: Duration) -> Result<Decided, LedgerError>;
+    stamp(op_id: &str, intent_id: &str, seen: i64, ahead: Duration) -> Result<Option<i64>, LedgerError>;
+    adopt(op_id: &str, intent_id: &str, candidate: &str) -> Result<String, LedgerError>;
+    record(op_id: &str, intent_id: &str, id: &str, state: IntentState) -> Result<String, LedgerError>;
+    release(intent_id: &str) -> Result<bool, LedgerError>;
+    finish(op_id: &str, now: i64) -> Result<(), LedgerError>;
+    operation(op_id: &str) -> Result<Option<OperationRow>, LedgerError>;
+    intents(op_id: &str) -> Result<Vec<Intent>, LedgerError>;
+    due(now: i64, limit: u32) -> Result<Vec<OperationRow>, LedgerError>;
+    put_off(op_id: &str, at: i64) -> Result<(), LedgerError>;
+    take_for_rollback(op_id: &str, seen: i64) -> Result<bool, LedgerError>;
+    rolled_back(op_id: &str, now: i64) -> Result<bool, LedgerError>;
+    prune(before: i64) -> Result<u64, LedgerError>;
+    owns(tag: &str, id: &str, settled_before: i64) -> Result<bool, LedgerError>;
+    disown(id: &str) -> Result<u64, LedgerError>;
+    to_watch(watcher: &str, now: i64, limit: u32) -> Result<Vec<Intent>, LedgerError>;
+    take_watch(intent_id: &str, watcher: &str, seen: i64, until: i64) -> Result<bool, LedgerError>;
+    conclude(intent_id: &str, watcher: &str, state: IntentState) -> Result<bool, LedgerError>;
+    insert_operations(rows: &[OperationRow]) -> Result<(), LedgerError>;
+}
+
+idempotency_effects::ledger_conformance_suite!(memory, async {
+    let ledger = Arc::new(MemoryLedger::new());
+    let store = Arc::new(idempotency::MemoryStore::new());
+    Fixture { ledger: ledger.clone(), peer: ledger, store: store.clone(), store_peer: store }
+});
+
+idempotency_effects::ledger_conformance_suite!(sqlite, async {
+    let dir = Arc::new(tempfile::tempdir().expect("tempdir"));
+    let url = format!("sqlite://{}", dir.path().join("effects.db").display());
+    let ledger = SqlLedger::connect(&url, 4).await.expect("open");
+    ledger.migrate().await.expect("migrate");
+    let peer = SqlLedger::connect(&url, 4).await.expect("open peer");
+    let store = SqliteStore::connect(&url).await.expect("store");
+    store.migrate().await.expect("migrate store");
+    let store_peer = SqliteStore::connect(&url).await.expect("store peer");
+    Fixture {
+        ledger: Arc::new(Holding { ledger, _guard: dir.clone() }),
+        peer: Arc::new(Holding { ledger: peer, _guard: dir }),
+        store: Arc::new(store) as Arc<dyn Store>,
+        store_peer: Arc::new(store_peer),
+    }
+});
+
+idempotency_effects::ledger_conformance_suite!(postgres, optional async {
+    let db = Arc::new(TestDatabase::create().await?);
+    let ledger = SqlLedger::connect(db.url(), 4).await.expect("connect");
+    ledger.migrate().await.expect("migrate");
+    let peer = SqlLedger::connect(db.url(), 4).await.expect("connect peer");
+    let pool = || async { idempotency_sqlx::postgres_pool_options(3).connect(db.url()).await.expect("connect") };
+    let store = PostgresStore::from_pool(pool().await);
+    store.migrate().await.expect("migrate store");
+    let store_peer = PostgresStore::from_pool(pool().await);
+    Some(Fixture {
+        ledger: Arc::new(Holding { ledger, _guard: db.clone() }),
+        peer: Arc::new(Holding { ledger: peer, _guard: db }),
+        store: Arc::new(store) as Arc<dyn Store>,
+        store_peer: Arc::new(store_peer),
+    })
+});
