@@ -89,3 +89,41 @@ idempotency_effects::ledger_conformance_suite!(postgres, optional async {
         store_peer: Arc::new(store_peer),
     })
 });
+
+/// SQLite, the real queue: another connection holds the write lock for 1.5 s while an attempt
+/// records its intent with a send stamp 1 s ahead. The stamp is taken once the transaction holds
+/// the lock, so the call still goes out (hole 4: a stamp taken before the wait refused it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_attempt_that_queued_for_the_write_lock_still_sends() {
+    use idempotency_effects::conformance::Downstream;
+    use idempotency_effects::{Effects, Operation, Outcome};
+    use sqlx::{Connection, Executor};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("effects.db").display());
+    let ledger = SqlLedger::connect(&url, 2).await.expect("open");
+    ledger.migrate().await.expect("migrate");
+    let scope = idempotency::Scope::new(
+        idempotency::Principal::new("team-a"),
+        idempotency::Endpoint::new("POST", "/v1/things"),
+        idempotency::IdempotencyKey::try_from("k1").unwrap(),
+    );
+    let op = Operation::new(scope, idempotency::RecordId::random(), "create");
+    let ds = Arc::new(Downstream::new("thing", false));
+
+    let mut holder = sqlx::SqliteConnection::connect(&url).await.expect("second connection");
+    holder.execute("BEGIN IMMEDIATE").await.expect("take the write lock");
+    let run = {
+        let (ds, op) = (ds.clone(), op.clone());
+        let effects = Effects::new(Arc::new(ledger)).send_ahead(Duration::from_secs(1));
+        tokio::spawn(async move { effects.attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await })
+    };
+    // The hold is the condition under test (longer than the stamp lies ahead), not a wait for
+    // the attempt: that it queued is asserted next.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!run.is_finished(), "the attempt waits for the write lock");
+    holder.execute("COMMIT").await.expect("release the lock");
+    let outcome = run.await.expect("task");
+    assert!(matches!(outcome, Ok(Outcome::Done(_))), "{outcome:?}");
+    assert_eq!(ds.sends(), 1);
+}
