@@ -316,6 +316,49 @@ pub async fn the_reaper_and_retries_on_two_replicas_never_both_act(f: Fixture) {
     assert_eq!(ds.sends(), N as u64, "no operation was sent twice");
 }
 
+/// A retry whose claim went stale is held right before it adopts what the first call made; the
+/// reaper takes the stale record and rolls the operation back (undoing the resource); the retry
+/// wakes. It adopts nothing and answers RolledBack: no success names a resource that is gone.
+pub async fn a_retry_held_at_adoption_while_the_reaper_rolls_back_adopts_nothing(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (claim, op) = fresh_op(&*f.store, "create").await;
+    let first = effects(&f.ledger).attempt(&op).run(&*ds, |t| async { ds.send_landed_answer_lost(t) }).await;
+    assert!(matches!(first, Err(EffectError::Ambiguous(_))), "{first:?}");
+    f.store.fail(&claim).await.unwrap();
+    wait_out_settle().await;
+    // The retry takes the record, then stalls at the adoption until its claim is stale.
+    let record = f.store_peer.get(op.scope()).await.unwrap().expect("record");
+    let now = idempotency::now();
+    let retry_claim =
+        f.store_peer.reclaim(&record, now, Duration::from_secs(1), now + chrono::Duration::hours(1)).await;
+    assert!(retry_claim.unwrap().is_some(), "the retry holds the record");
+    let gated = Gated::new(f.peer.clone(), Step::Adopt);
+    let retry = {
+        let (op, ds, gated) = (op.clone(), ds.clone(), gated.clone());
+        tokio::spawn(async move {
+            let attempt = Effects::new(gated).settle(SETTLE).attempt(&op);
+            attempt.run(&*ds, |t| ds.send(t, Duration::ZERO)).await
+        })
+    };
+    gated.reached().await;
+    let reaper = Reaper::new(f.ledger.clone(), f.store.clone(), vec![ds.clone() as Arc<dyn Effect>], reaper_config());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while mark_of(&*f.ledger, op.id()).await != Some(Mark::RolledBack) {
+        assert!(tokio::time::Instant::now() < deadline, "the reaper never took the stale claim");
+        // Everything else is put off; this row is looked at again at once.
+        f.ledger.put_off(op.id(), 0).await.unwrap();
+        reaper.tick().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(ds.count(), 0, "the reaper undid the landed call");
+    gated.release();
+    let woke = retry.await.expect("task");
+    assert!(matches!(woke, Err(EffectError::RolledBack)), "{woke:?}");
+    assert_eq!((ds.sends(), ds.count()), (1, 0));
+    let finish = effects(&f.peer).attempt(&op).finish().await;
+    assert!(matches!(finish, Err(EffectError::RolledBack)), "{finish:?}");
+}
+
 /// Downstream: a finished operation's resource (kept), a duplicate that landed after it
 /// finished, a live operation's pending call that landed, and a call that landed after its
 /// operation was rolled back. The sweep undoes the duplicate and the late landing, once.

@@ -18,6 +18,8 @@ pub enum Step {
     Decide,
     /// [`Ledger::stamp`].
     Stamp,
+    /// [`Ledger::adopt`].
+    Adopt,
     /// A delay before [`Ledger::decide`] (a queue for a connection), not a gate.
     DelayDecide(Duration),
 }
@@ -85,6 +87,7 @@ impl Ledger for Gated {
         self.inner.stamp(op_id, intent_id, seen, ahead).await
     }
     async fn adopt(&self, op_id: &str, intent_id: &str, candidate: &str) -> Result<String, LedgerError> {
+        self.at(Step::Adopt).await;
         self.inner.adopt(op_id, intent_id, candidate).await
     }
     async fn record(&self, op_id: &str, intent_id: &str, id: &str, state: IntentState) -> Result<String, LedgerError> {
