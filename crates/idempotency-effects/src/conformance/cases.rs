@@ -268,7 +268,7 @@ pub async fn the_reaper_and_retries_on_two_replicas_never_both_act(f: Fixture) {
     let retries = ops.iter().map(|op| {
         let (op, ds, store, peer) = (op.clone(), ds.clone(), f.store_peer.clone(), f.peer.clone());
         tokio::spawn(async move {
-            let Some(record) = store.get(op.scope()).await.unwrap() else { return None };
+            let record = store.get(op.scope()).await.unwrap()?;
             let now = idempotency::now();
             let claim =
                 store.reclaim(&record, now, Duration::from_secs(1), now + chrono::Duration::hours(1)).await.unwrap()?;

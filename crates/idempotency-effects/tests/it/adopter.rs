@@ -151,4 +151,22 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
     }
     assert_eq!(stats(&http, &dns).await["deletes"], 0);
     assert_eq!(stats(&http, &dns).await["records"], 2);
+
+    // Bad input: a problem, nothing sent, and no row for the reaper (refused before any effect).
+    let bad = http
+        .post(format!("{}/v1/records", svc.url))
+        .header("Idempotency-Key", "\"rec-3\"")
+        .header("X-User", "team-a")
+        .header("content-type", "application/json")
+        .body("{\"name\":")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    assert_eq!(bad.headers()["content-type"], "application/problem+json");
+    assert_eq!(stats(&http, &dns).await["creates_received"], 2);
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{db}")).await.expect("open the service's database");
+    let rows: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT mark, COUNT(*) FROM fx_operations GROUP BY mark").fetch_all(&pool).await.unwrap();
+    assert_eq!(rows, vec![(3, 2)], "two finished operations, and no row for the refused request");
 }
