@@ -359,6 +359,41 @@ pub async fn a_retry_held_at_adoption_while_the_reaper_rolls_back_adopts_nothing
     assert!(matches!(finish, Err(EffectError::RolledBack)), "{finish:?}");
 }
 
+/// The reaper leaves alone an operation whose record a live attempt holds, and an abandoned one
+/// whose last call may still land (inside the settle window): it rolls back only after both.
+pub async fn the_reaper_waits_for_a_live_claim_and_the_settle_window(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (claim, op) = fresh_op(&*f.store, "create").await;
+    let r = effects(&f.ledger).attempt(&op).run(&*ds, |t| async { ds.send_landed_answer_lost(t) }).await;
+    assert!(matches!(r, Err(EffectError::Ambiguous(_))), "{r:?}");
+    let reaper = Reaper::new(
+        f.peer.clone(),
+        f.store_peer.clone(),
+        vec![ds.clone() as Arc<dyn Effect>],
+        ReaperConfig { in_flight_ttl: Duration::from_secs(3600), ..reaper_config() },
+    );
+    // Held by a live claim (its TTL is an hour): put off, nothing undone.
+    f.ledger.put_off(op.id(), 0).await.unwrap();
+    let pass = reaper.tick().await.unwrap();
+    assert_eq!((pass.examined, pass.waiting, pass.rolled_back), (1, 1, 0), "{pass:?}");
+    let row = f.ledger.operation(op.id()).await.unwrap().unwrap();
+    assert!(row.next_check_at > now_micros(), "put off until the claim may go stale");
+    // The handler failed: abandoned (abandon time zero), but its call was sent just now.
+    f.store.fail(&claim).await.unwrap();
+    f.ledger.put_off(op.id(), 0).await.unwrap();
+    let pass = reaper.tick().await.unwrap();
+    assert_eq!((pass.waiting, pass.rolled_back), (1, 0), "inside the settle window: {pass:?}");
+    assert_eq!(ds.count(), 1, "nothing undone while a call may still land");
+    assert_eq!(mark_of(&*f.ledger, op.id()).await, Some(Mark::Live), "not taken either");
+    let row = f.ledger.operation(op.id()).await.unwrap().unwrap();
+    let intents = f.ledger.intents(op.id()).await.unwrap();
+    assert_eq!(row.next_check_at, intents[0].sent_at + crate::micros(SETTLE), "put off to the end of the window");
+    wait_out_settle().await;
+    let pass = reaper.tick().await.unwrap();
+    assert_eq!((pass.rolled_back, pass.undone), (1, 1), "{pass:?}");
+    assert_eq!(ds.count(), 0);
+}
+
 /// Downstream: a finished operation's resource (kept), a duplicate that landed after it
 /// finished, a live operation's pending call that landed, and a call that landed after its
 /// operation was rolled back. The sweep undoes the duplicate and the late landing, once.

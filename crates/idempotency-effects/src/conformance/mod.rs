@@ -121,6 +121,7 @@ macro_rules! ledger_conformance_suite {
                 a_queue_for_the_ledger_does_not_refuse_the_send,
                 the_reaper_and_retries_on_two_replicas_never_both_act,
                 a_retry_held_at_adoption_while_the_reaper_rolls_back_adopts_nothing,
+                the_reaper_waits_for_a_live_claim_and_the_settle_window,
                 the_inventory_sweep_undoes_orphans_only,
                 the_reaper_is_fair_behind_100_000_waiting_rows,
                 a_dead_watcher_is_taken_over_and_retries_attach,
