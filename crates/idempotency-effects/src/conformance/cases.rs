@@ -472,7 +472,9 @@ pub async fn the_reaper_is_fair_behind_100_000_waiting_rows(f: Fixture) {
             next_check_at: abandoned.next_check_at - 1 - i as i64,
         })
         .collect();
+    let started = std::time::Instant::now();
     f.ledger.insert_operations(&rows).await.expect("bulk insert");
+    eprintln!("bulk insert of {WAITING} operation rows: {:?}", started.elapsed());
     wait_out_settle().await;
     let reaper = Reaper::new(
         f.peer.clone(),
