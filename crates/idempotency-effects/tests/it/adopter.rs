@@ -170,3 +170,53 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
         sqlx::query_as("SELECT mark, COUNT(*) FROM fx_operations GROUP BY mark").fetch_all(&pool).await.unwrap();
     assert_eq!(rows, vec![(3, 2)], "two finished operations, and no row for the refused request");
 }
+
+/// Issue 24 hole 2 on the example: a create whose call times out (the provider takes 4 s, the
+/// service waits 1 s), never retried. The reaper rolls the operation back (nothing found once the
+/// settle window passed); the provider's record lands after that, carrying a tag nobody owns, and
+/// the inventory sweep deletes it: at the end nothing runs that nobody owns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_landing_after_its_rollback_is_removed_by_the_inventory_sweep() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("dns.db");
+    let _dns = Example::start("fake_dns", &["--create-delay-ms", "4000"], &dir.path().join("dns.log"));
+    let dns = _dns.url.clone();
+    let log = dir.path().join("svc.log");
+    let args = [
+        "--db",
+        db.to_str().expect("utf-8 path"),
+        "--dns-url",
+        &dns,
+        "--call-timeout",
+        "1s",
+        "--settle",
+        "2s",
+        "--in-flight-ttl",
+        "1s",
+        "--abandon-after",
+        "1s",
+        "--sweep-interval",
+        "1s",
+    ];
+    let svc = Example::start("dns_records", &args, &log);
+    let http = reqwest::Client::new();
+    let first = create(&http, &svc.url, "rec-1").send().await.expect("answers");
+    assert_eq!(first.status(), 503, "the call timed out: it may still land");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = stats(&http, &dns).await;
+        if s["creates"] == 1 && s["records"] == 0 {
+            assert_eq!(s["deletes"], 1, "{s}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the late landing was never removed: {s}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(log.contains("reaper: rolled back an abandoned operation"), "rolled back first:\n{log}");
+    assert!(log.contains("inventory sweep: undid a resource that no operation owns"), "then swept:\n{log}");
+    let rolled = log.find("reaper: rolled back").unwrap();
+    let swept = log.find("inventory sweep: undid").unwrap();
+    assert!(rolled < swept, "the rollback found nothing (it had not landed); the sweep removed it later");
+}
