@@ -366,12 +366,14 @@ pub async fn the_reaper_waits_for_a_live_claim_and_the_settle_window(f: Fixture)
     let (claim, op) = fresh_op(&*f.store, "create").await;
     let r = effects(&f.ledger).attempt(&op).run(&*ds, |t| async { ds.send_landed_answer_lost(t) }).await;
     assert!(matches!(r, Err(EffectError::Ambiguous(_))), "{r:?}");
+    let released = Arc::new(Released::default());
     let reaper = Reaper::new(
         f.peer.clone(),
         f.store_peer.clone(),
         vec![ds.clone() as Arc<dyn Effect>],
         ReaperConfig { in_flight_ttl: Duration::from_secs(3600), ..reaper_config() },
-    );
+    )
+    .compensate(released.clone());
     // Held by a live claim (its TTL is an hour): put off, nothing undone.
     f.ledger.put_off(op.id(), 0).await.unwrap();
     let pass = reaper.tick().await.unwrap();
@@ -392,6 +394,23 @@ pub async fn the_reaper_waits_for_a_live_claim_and_the_settle_window(f: Fixture)
     let pass = reaper.tick().await.unwrap();
     assert_eq!((pass.rolled_back, pass.undone), (1, 1), "{pass:?}");
     assert_eq!(ds.count(), 0);
+    assert_eq!(
+        released.0.lock().unwrap().as_slice(),
+        [op.id().to_owned()],
+        "the service released once, on the rollback"
+    );
+}
+
+/// A service's compensation that records which operations it released.
+#[derive(Debug, Default)]
+struct Released(std::sync::Mutex<Vec<String>>);
+
+#[async_trait::async_trait]
+impl crate::Compensate for Released {
+    async fn release(&self, op: &crate::OperationRow) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.lock().unwrap().push(op.op_id.clone());
+        Ok(())
+    }
 }
 
 /// Downstream: a finished operation's resource (kept), a duplicate that landed after it
