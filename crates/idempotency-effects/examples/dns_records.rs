@@ -181,7 +181,9 @@ async fn create(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+    // Colours only on a terminal: a log file stays plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(ansi).init();
     let args = Args::parse();
     anyhow::ensure!(args.settle > args.call_timeout, "--settle must be longer than --call-timeout");
     let url = format!("sqlite://{}", args.db);

@@ -8,7 +8,7 @@
 //!
 //! `POST /records {name,value,tag}` answers `201 {id}` after `--create-delay-ms` (the record is
 //! made then, even when the caller has gone: a real provider keeps working after its caller
-//! timed out or died). `GET /records?tag=T` (exact) or `?tag_prefix=P`; `DELETE /records/{id}`
+//! timed out or died); with `--hold-creates`, creates land only once `POST /admin/land` is called. `GET /records?tag=T` (exact) or `?tag_prefix=P`; `DELETE /records/{id}`
 //! (`204`, or `404` when gone).
 
 use std::collections::BTreeMap;
@@ -30,6 +30,10 @@ struct Args {
     /// How long a create takes to take effect and answer.
     #[arg(long, default_value_t = 0)]
     create_delay_ms: u64,
+    /// Hold every create (it has not taken effect) until `POST /admin/land`: a landing placed
+    /// exactly, for tests.
+    #[arg(long)]
+    hold_creates: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,14 +60,23 @@ struct Zone {
     stats: Stats,
 }
 
-type Shared = Arc<(Mutex<Zone>, Duration)>;
+#[derive(Debug)]
+struct Provider {
+    zone: Mutex<Zone>,
+    delay: Duration,
+    /// `false` while creates are held (`--hold-creates`).
+    landing: tokio::sync::watch::Sender<bool>,
+}
+
+type Shared = Arc<Provider>;
 
 async fn create(State(s): State<Shared>, Json(mut rec): Json<DnsRecord>) -> (StatusCode, Json<serde_json::Value>) {
-    s.0.lock().unwrap().stats.creates_received += 1;
+    s.zone.lock().unwrap().stats.creates_received += 1;
     // Made even if the caller is gone by then: the handler runs in its own task.
     let made = tokio::spawn(async move {
-        tokio::time::sleep(s.1).await;
-        let mut z = s.0.lock().unwrap();
+        tokio::time::sleep(s.delay).await;
+        let _ = s.landing.subscribe().wait_for(|landing| *landing).await;
+        let mut z = s.zone.lock().unwrap();
         z.next += 1;
         rec.id = format!("rec-{:04}", z.next);
         z.stats.creates += 1;
@@ -81,7 +94,7 @@ struct Filter {
 }
 
 async fn list(State(s): State<Shared>, Query(f): Query<Filter>) -> Json<Vec<DnsRecord>> {
-    let z = s.0.lock().unwrap();
+    let z = s.zone.lock().unwrap();
     let keep = |r: &&DnsRecord| {
         f.tag.as_ref().is_none_or(|t| r.tag == *t) && f.tag_prefix.as_ref().is_none_or(|p| r.tag.starts_with(p))
     };
@@ -89,7 +102,7 @@ async fn list(State(s): State<Shared>, Query(f): Query<Filter>) -> Json<Vec<DnsR
 }
 
 async fn remove(State(s): State<Shared>, Path(id): Path<String>) -> StatusCode {
-    let mut z = s.0.lock().unwrap();
+    let mut z = s.zone.lock().unwrap();
     if z.records.remove(&id).is_some() {
         z.stats.deletes += 1;
         StatusCode::NO_CONTENT
@@ -98,19 +111,27 @@ async fn remove(State(s): State<Shared>, Path(id): Path<String>) -> StatusCode {
     }
 }
 
+async fn land(State(s): State<Shared>) -> StatusCode {
+    s.landing.send_replace(true);
+    StatusCode::NO_CONTENT
+}
+
 async fn stats(State(s): State<Shared>) -> Json<Stats> {
-    let z = s.0.lock().unwrap();
+    let z = s.zone.lock().unwrap();
     Json(Stats { records: z.records.len(), ..z.stats })
 }
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
-    let state: Shared = Arc::new((Mutex::default(), Duration::from_millis(args.create_delay_ms)));
+    let (landing, _) = tokio::sync::watch::channel(!args.hold_creates);
+    let delay = Duration::from_millis(args.create_delay_ms);
+    let state: Shared = Arc::new(Provider { zone: Mutex::default(), delay, landing });
     let app = Router::new()
         .route("/records", get(list).post(create))
         .route("/records/{id}", delete(remove))
         .route("/stats", get(stats))
+        .route("/admin/land", axum::routing::post(land))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("listening on http://{}", listener.local_addr()?);
