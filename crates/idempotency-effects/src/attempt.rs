@@ -226,12 +226,51 @@ impl Attempt {
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<Sent, CallError>>,
     {
+        let (row, new) = self.first_step(effect);
+        let decided = self.effects.ledger.decide(&row, &new, self.effects.send_ahead).await?;
+        self.run_decided(effect, decided, send).await
+    }
+
+    #[cfg(feature = "sqlite")]
+    /// The first step of `effect` ([`Ledger::decide`]) inside the caller's own SQLite
+    /// transaction (`BEGIN IMMEDIATE`), so the service's rows and the intent are one commit.
+    /// After the commit, go on with [`Attempt::run_decided`]: the send stamp is checked then.
+    /// The attempt's ledger must be an [`crate::SqlLedger`] on the same database.
+    pub async fn decide_in_sqlite(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        effect: &dyn Effect,
+    ) -> Result<Decided, EffectError> {
+        let (row, new) = self.first_step(effect);
+        Ok(crate::sql::decide_in_sqlite(conn, &row, &new, self.effects.send_ahead).await?)
+    }
+
+    #[cfg(feature = "postgres")]
+    /// As [`Attempt::decide_in_sqlite`], in the caller's own PostgreSQL transaction.
+    pub async fn decide_in_postgres(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        effect: &dyn Effect,
+    ) -> Result<Decided, EffectError> {
+        let (row, new) = self.first_step(effect);
+        Ok(crate::sql::decide_in_postgres(conn, &row, &new, self.effects.send_ahead).await?)
+    }
+
+    /// The rest of [`Attempt::run`] after its first step, `decided` (by [`Ledger::decide`], or
+    /// in the caller's transaction, committed).
+    pub async fn run_decided<F, Fut>(
+        &self,
+        effect: &dyn Effect,
+        decided: Decided,
+        send: F,
+    ) -> Result<Outcome, EffectError>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<Sent, CallError>>,
+    {
         let ledger = &self.effects.ledger;
         let tag = self.op.derive(effect.name()).to_string();
-        let now = now_micros();
-        let row = self.op.row(now, now.saturating_add(micros(self.effects.settle)));
-        let new = NewIntent { intent_id: tag.clone(), effect: effect.name().to_owned(), keeps: effect.keeps() };
-        let intent = match ledger.decide(&row, &new, self.effects.send_ahead).await? {
+        let intent = match decided {
             Decided::Fresh(intent) => {
                 in_time(&tag, intent.sent_at)?;
                 return self.send(&tag, send).await;
@@ -256,6 +295,14 @@ impl Attempt {
         };
         in_time(&tag, stamp)?;
         self.send(&tag, send).await
+    }
+
+    /// The operation's row for this attempt and the effect's new intent.
+    fn first_step(&self, effect: &dyn Effect) -> (OperationRow, NewIntent) {
+        let now = now_micros();
+        let row = self.op.row(now, now.saturating_add(micros(self.effects.settle)));
+        let tag = self.op.derive(effect.name()).to_string();
+        (row, NewIntent { intent_id: tag, effect: effect.name().to_owned(), keeps: effect.keeps() })
     }
 
     /// Marks the operation finished: no attempt can start it again, the resources of its done

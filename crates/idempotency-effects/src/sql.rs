@@ -140,6 +140,57 @@ fn send_stamp(seen: i64, ahead: Duration) -> i64 {
     now_micros().saturating_add(micros(ahead)).max(seen + 1)
 }
 
+/// The first step of an effect on `$conn`, a connection inside a transaction that the caller
+/// commits (see [`Ledger::decide`]): begins the attempt on the operation's row (the upsert is
+/// the fence, and takes the lock), then reads the intent or records it with its send stamp,
+/// taken after the lock. Returns early with the mark's error when the operation is not live.
+macro_rules! decide_in {
+    ($conn:ident, $op:expr, $new:expr, $ahead:expr) => {{
+        let (op, new): (&OperationRow, &NewIntent) = ($op, $new);
+        let begun = sqlx::query(BEGIN_ATTEMPT)
+            .bind(&op.op_id)
+            .bind(&op.kind)
+            .bind(&op.principal)
+            .bind(&op.endpoint)
+            .bind(&op.idem_key)
+            .bind(&op.record_id)
+            .bind(op.last_attempt_at)
+            .bind(op.next_check_at)
+            .execute(&mut *$conn)
+            .await?
+            .rows_affected();
+        if begun == 0 {
+            let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
+                .bind(&op.op_id)
+                .fetch_optional(&mut *$conn)
+                .await?;
+            return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
+        }
+        let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
+        match sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(&new.intent_id).fetch_optional(&mut *$conn).await? {
+            Some(row) => Decided::Existing(read_intent!(&row)),
+            None => {
+                // The lock is held (the upsert wrote the operation's row): the stamp starts now.
+                let stamp = send_stamp(0, $ahead);
+                sqlx::query(
+                    "INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
+                             VALUES ($1, $2, $3, $4, 'pending', $5, $6)",
+                )
+                .bind(&new.intent_id)
+                .bind(&op.op_id)
+                .bind(&new.effect)
+                .bind(i64::from(new.keeps))
+                .bind(op.last_attempt_at)
+                .bind(stamp)
+                .execute(&mut *$conn)
+                .await?;
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&new.intent_id).fetch_one(&mut *$conn).await?;
+                Decided::Fresh(read_intent!(&row))
+            }
+        }
+    }};
+}
+
 const BEGIN_ATTEMPT: &str = "INSERT INTO fx_operations \
      (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
      VALUES ($1, $2, $3, $4, $5, $6, 0, $7, $8) \
@@ -190,6 +241,31 @@ impl SqlLedger {
     }
 }
 
+#[cfg(feature = "sqlite")]
+/// [`Ledger::decide`] inside the caller's own SQLite transaction (begun with `BEGIN IMMEDIATE`,
+/// committed by the caller), so a service can record its own rows (a node, a lease) and the
+/// effect's intent in one commit. Use it through [`crate::Attempt::decide_in_sqlite`].
+pub(crate) async fn decide_in_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    op: &OperationRow,
+    new: &NewIntent,
+    ahead: Duration,
+) -> Result<Decided, LedgerError> {
+    Ok(decide_in!(conn, op, new, ahead))
+}
+
+#[cfg(feature = "postgres")]
+/// [`Ledger::decide`] inside the caller's own PostgreSQL transaction (committed by the caller).
+/// Use it through [`crate::Attempt::decide_in_postgres`].
+pub(crate) async fn decide_in_postgres(
+    conn: &mut sqlx::PgConnection,
+    op: &OperationRow,
+    new: &NewIntent,
+    ahead: Duration,
+) -> Result<Decided, LedgerError> {
+    Ok(decide_in!(conn, op, new, ahead))
+}
+
 /// The ledger's migrations for SQLite (`true`) or PostgreSQL.
 pub fn migrator(sqlite: bool) -> Migrator {
     let files: &[(&'static str, &'static str)] = if sqlite {
@@ -206,32 +282,9 @@ pub fn migrator(sqlite: bool) -> Migrator {
 impl Ledger for SqlLedger {
     async fn decide(&self, op: &OperationRow, new: &NewIntent, ahead: Duration) -> Result<Decided, LedgerError> {
         in_tx!(self, tx, _guard => {
-            let begun = sqlx::query(BEGIN_ATTEMPT)
-                .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
-                .bind(&op.record_id).bind(op.last_attempt_at).bind(op.next_check_at)
-                .execute(&mut *tx).await?.rows_affected();
-            if begun == 0 {
-                let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
-                    .bind(&op.op_id).fetch_optional(&mut *tx).await?;
-                return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
-            }
-            let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
-            if let Some(row) = sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(&new.intent_id).fetch_optional(&mut *tx).await? {
-                let intent = read_intent!(&row);
-                tx.commit().await?;
-                return Ok(Decided::Existing(intent));
-            }
-            // The lock is held (the upsert wrote the operation's row): the stamp starts now.
-            let stamp = send_stamp(0, ahead);
-            sqlx::query("INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
-                         VALUES ($1, $2, $3, $4, 'pending', $5, $6)")
-                .bind(&new.intent_id).bind(&op.op_id).bind(&new.effect).bind(i64::from(new.keeps))
-                .bind(op.last_attempt_at).bind(stamp)
-                .execute(&mut *tx).await?;
-            let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&new.intent_id).fetch_one(&mut *tx).await?;
-            let intent = read_intent!(&row);
+            let decided = decide_in!(tx, op, new, ahead);
             tx.commit().await?;
-            Ok(Decided::Fresh(intent))
+            Ok(decided)
         })
     }
 

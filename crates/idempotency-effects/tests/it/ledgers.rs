@@ -127,3 +127,95 @@ async fn sqlite_an_attempt_that_queued_for_the_write_lock_still_sends() {
     assert!(matches!(outcome, Ok(Outcome::Done(_))), "{outcome:?}");
     assert_eq!(ds.sends(), 1);
 }
+
+/// The first step of an effect inside the service's own transaction (SQLite, then PostgreSQL):
+/// the service's row and the intent commit together, or not at all (a refusal after the step
+/// rolls both back: no operation row, nothing sent); after the commit the attempt goes on and
+/// sends once, and a retry finds the intent.
+mod in_the_callers_transaction {
+    use super::*;
+    use idempotency_effects::conformance::Downstream;
+    use idempotency_effects::{Decided, Effects, Operation, Outcome};
+
+    fn operation() -> Operation {
+        let scope = idempotency::Scope::new(
+            idempotency::Principal::new("team-a"),
+            idempotency::Endpoint::new("POST", "/v1/things"),
+            idempotency::IdempotencyKey::try_from("k1").unwrap(),
+        );
+        Operation::new(scope, idempotency::RecordId::random(), "create")
+    }
+
+    async fn after_commit(ledger: Arc<dyn Ledger>, op: &Operation, decided: Decided, ds: &Arc<Downstream>) {
+        assert!(matches!(decided, Decided::Fresh(_)), "{decided:?}");
+        let effects = Effects::new(ledger.clone());
+        let done = effects.attempt(op).run_decided(&**ds, decided, |t| ds.send(t, Duration::ZERO)).await;
+        assert!(matches!(done, Ok(Outcome::Done(_))), "{done:?}");
+        let again = effects.attempt(op).run(&**ds, |t| ds.send(t, Duration::ZERO)).await.unwrap();
+        assert_eq!(Some(again), done.ok());
+        assert_eq!(ds.sends(), 1);
+    }
+
+    #[tokio::test]
+    async fn sqlite() {
+        use sqlx::{Connection, Executor};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("effects.db").display());
+        let ledger = SqlLedger::connect(&url, 2).await.expect("open");
+        ledger.migrate().await.expect("migrate");
+        let ledger: Arc<dyn Ledger> = Arc::new(ledger);
+        let mut conn = sqlx::SqliteConnection::connect(&url).await.expect("the service's connection");
+        conn.execute("CREATE TABLE nodes (alloc_id TEXT PRIMARY KEY)").await.unwrap();
+        let ds = Arc::new(Downstream::new("thing", false));
+        let effects = Effects::new(ledger.clone());
+
+        // Refused after the step (say, quota): both roll back.
+        let refused = operation();
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        tx.execute("INSERT INTO nodes VALUES ('n-refused')").await.unwrap();
+        let decided = effects.attempt(&refused).decide_in_sqlite(&mut tx, &*ds).await.unwrap();
+        assert!(matches!(decided, Decided::Fresh(_)));
+        tx.rollback().await.unwrap();
+        assert_eq!(ledger.operation(refused.id()).await.unwrap(), None, "no row for the reaper");
+
+        let op = operation();
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        tx.execute("INSERT INTO nodes VALUES ('n-1')").await.unwrap();
+        let decided = effects.attempt(&op).decide_in_sqlite(&mut tx, &*ds).await.unwrap();
+        tx.commit().await.unwrap();
+        after_commit(ledger.clone(), &op, decided, &ds).await;
+        let nodes: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM nodes").fetch_one(&mut conn).await.unwrap();
+        assert_eq!(nodes, 1);
+    }
+
+    #[tokio::test]
+    async fn postgres() {
+        use sqlx::{Connection, Executor};
+        let Some(db) = TestDatabase::create().await else { return };
+        let ledger = SqlLedger::connect(db.url(), 2).await.expect("connect");
+        ledger.migrate().await.expect("migrate");
+        let ledger: Arc<dyn Ledger> = Arc::new(ledger);
+        let mut conn = sqlx::PgConnection::connect(db.url()).await.expect("the service's connection");
+        conn.execute("CREATE TABLE nodes (alloc_id TEXT PRIMARY KEY)").await.unwrap();
+        let ds = Arc::new(Downstream::new("thing", false));
+        let effects = Effects::new(ledger.clone());
+
+        let refused = operation();
+        let mut tx = conn.begin().await.unwrap();
+        tx.execute("INSERT INTO nodes VALUES ('n-refused')").await.unwrap();
+        let decided = effects.attempt(&refused).decide_in_postgres(&mut tx, &*ds).await.unwrap();
+        assert!(matches!(decided, Decided::Fresh(_)));
+        tx.rollback().await.unwrap();
+        assert_eq!(ledger.operation(refused.id()).await.unwrap(), None, "no row for the reaper");
+
+        let op = operation();
+        let mut tx = conn.begin().await.unwrap();
+        tx.execute("INSERT INTO nodes VALUES ('n-1')").await.unwrap();
+        let decided = effects.attempt(&op).decide_in_postgres(&mut tx, &*ds).await.unwrap();
+        tx.commit().await.unwrap();
+        after_commit(ledger.clone(), &op, decided, &ds).await;
+        let nodes: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM nodes").fetch_one(&mut conn).await.unwrap();
+        assert_eq!(nodes, 1);
+        drop(conn);
+    }
+}
