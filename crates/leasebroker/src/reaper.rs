@@ -49,6 +49,17 @@ pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
 /// Counter: VMs carrying one of the service's tags that no live operation or worker owned,
 /// deleted by the inventory sweep (a boot that landed after its operation was rolled back).
 pub const ORPHANS_REMOVED_TOTAL: &str = "leasebroker_orphans_removed_total";
+/// Gauge: operations due for the reaper and not looked at yet, after its last tick (counted up
+/// to [`BACKLOG_CAP`]): above zero for long, the reaper falls behind.
+pub const REAPER_BACKLOG: &str = "leasebroker_reaper_backlog_operations";
+/// Gauge: records in flight whose attempt has not been renewed for [`STUCK_AFTER`] (counted up
+/// to one page of the records listing), read at each reaper tick.
+pub const RECORDS_STUCK_IN_FLIGHT: &str = "leasebroker_records_stuck_in_flight";
+/// How long an in-flight record's attempt may go unrenewed before it counts as stuck (the
+/// console's and `lbctl records list --stuck`'s ten minutes).
+pub const STUCK_AFTER: Duration = Duration::from_secs(600);
+/// The most due operations one backlog count reads.
+const BACKLOG_CAP: u32 = 100_000;
 
 /// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
 pub fn describe_metrics() {
@@ -67,6 +78,11 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         ORPHANS_REMOVED_TOTAL,
         "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
+    );
+    metrics::describe_gauge!(REAPER_BACKLOG, "Operations due for the reaper and not looked at yet, after its last tick");
+    metrics::describe_gauge!(
+        RECORDS_STUCK_IN_FLIGHT,
+        "Records in flight whose attempt has not been renewed for ten minutes, read at each reaper tick"
     );
 }
 
@@ -134,12 +150,35 @@ impl Reaper {
         let mut report = ReapReport::default();
         self.sweep_inventory(&mut report).await;
         self.reap_operations(&mut report).await;
+        self.read_gauges().await;
         match self.domain.prune(now_micros().saturating_sub(micros(self.retention))).await {
             Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones and intents deleted"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %ErrorChain(&e), "pruning tombstones failed; trying again next tick"),
         }
         report
+    }
+
+    /// Sets [`REAPER_BACKLOG`] and [`RECORDS_STUCK_IN_FLIGHT`]; a read that fails leaves its
+    /// gauge as it was (the store-unavailable alert speaks for that).
+    async fn read_gauges(&self) {
+        match self.domain.operations_due_count(now_micros(), BACKLOG_CAP).await {
+            Ok(n) => metrics::gauge!(REAPER_BACKLOG).set(n as f64),
+            Err(e) => tracing::debug!(error = %ErrorChain(&e), "cannot count the reaper's backlog"),
+        }
+        let now = idempotency::now();
+        let query = idempotency::RecordQuery {
+            state: Some(idempotency::RecordState::InFlight),
+            principal: None,
+            started_before: Some(now - chrono::Duration::from_std(STUCK_AFTER).unwrap_or(chrono::Duration::MAX)),
+            now,
+            limit: idempotency::MAX_PAGE,
+            cursor: None,
+        };
+        match self.store.list_records(&query).await {
+            Ok(page) => metrics::gauge!(RECORDS_STUCK_IN_FLIGHT).set(page.records.len() as f64),
+            Err(e) => tracing::debug!(error = %ErrorChain(&e), "cannot count the records stuck in flight"),
+        }
     }
 
     /// Looks at the operations due (at most [`PER_TICK`]); each one the reaper must wait on is

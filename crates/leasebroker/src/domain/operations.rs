@@ -69,6 +69,18 @@ impl Domain {
         }))
     }
 
+    /// How many operations are due at `now` (what [`Domain::operations_due`] would choose
+    /// from), counted up to `cap`.
+    pub async fn operations_due_count(&self, now: i64, cap: u32) -> Result<u64> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM lb_operations WHERE rolled_back < 2 AND next_check_at <= $1 LIMIT $2) AS due")
+                .bind(now).bind(i64::from(cap)).fetch_one(p).await?
+        })
+        .try_into()
+        .unwrap_or(0))
+    }
+
     /// Up to `limit` live operations due for the reaper's look (`next_check_at <= now`): the
     /// `limit / 2` that waited longest, and the `limit / 2` that fell due last. A row the reaper
     /// waits on is put off ([`Domain::put_off`]), so it never comes up again before its time;
