@@ -79,7 +79,10 @@ pub fn describe_metrics() {
         ORPHANS_REMOVED_TOTAL,
         "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
     );
-    metrics::describe_gauge!(REAPER_BACKLOG, "Operations due for the reaper and not looked at yet, after its last tick");
+    metrics::describe_gauge!(
+        REAPER_BACKLOG,
+        "Operations due for the reaper and not looked at yet, after its last tick"
+    );
     metrics::describe_gauge!(
         RECORDS_STUCK_IN_FLIGHT,
         "Records in flight whose attempt has not been renewed for ten minutes, read at each reaper tick"

@@ -84,6 +84,20 @@ impl IntoResponse for ServiceError {
 /// route (SPEC 3.1): `503 store-unavailable` with `Retry-After`. Anything else is a defect of
 /// the service: `500 internal`, not stored, so the retry runs again.
 fn database_problem(e: &DomainError) -> Problem {
+    // An attempt overtaken while it ran (its claim went stale and the reaper took the operation
+    // to roll it back, or an overlapping attempt finished it): not a defect. The key is held by
+    // whoever overtook it; its completion is fenced out, so nothing is stored, and the retry
+    // finds the operation rolled back (and runs afresh) or finished (and gets its answer).
+    if matches!(e, DomainError::RolledBack | DomainError::Finished) {
+        tracing::warn!(error = %ErrorChain(e), "this attempt was overtaken; the client retries");
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "request-in-progress",
+            "Request in progress",
+            "another attempt or the reaper took this operation over while this attempt ran; retry with the same key",
+        )
+        .with_retry_after(1);
+    }
     tracing::error!(error = %ErrorChain(e), "database error");
     match e {
         DomainError::Db(e) if store_outage(e) => Problem::new(
@@ -235,4 +249,19 @@ pub fn json_error_detail(e: &serde_json::Error) -> String {
     // "invalid type: string , expected" -> "invalid type: string, expected".
     let cleaned = cleaned.replace(" ,", ",").replace("  ", " ");
     bounded(cleaned.trim().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overtaken_attempt_is_a_retryable_503_not_an_internal_error() {
+        for e in [DomainError::RolledBack, DomainError::Finished] {
+            let p = database_problem(&e);
+            assert_eq!((p.status(), p.name()), (StatusCode::SERVICE_UNAVAILABLE, "request-in-progress"), "{e}");
+        }
+        let p = database_problem(&DomainError::Db(sqlx::Error::RowNotFound));
+        assert_eq!((p.status(), p.name()), (StatusCode::INTERNAL_SERVER_ERROR, "internal"));
+    }
 }
