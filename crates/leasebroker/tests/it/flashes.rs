@@ -10,13 +10,13 @@ use serde_json::{Value, json};
 use crate::support::{ADMIN, Reply, TOKEN, fleet, http, send, serve, sim, sim_stats, sqlite_url};
 
 /// Flashes `node` with `key` on `base`, once.
-async fn flash(base: &str, node: &str, key: &str, version: &str) -> Reply {
+pub(crate) async fn flash(base: &str, node: &str, key: &str, version: &str) -> Reply {
     let url = format!("{base}/admin/v1/nodes/{node}/firmware");
     send(Method::POST, &url, ADMIN, Some(key), Some(&json!({"version": version}))).await
 }
 
 /// Flashes like a client that retries with one key: past `409 request-in-progress` and `503`.
-async fn flash_until_answered(base: &str, node: &str, key: &str, version: &str) -> Reply {
+pub(crate) async fn flash_until_answered(base: &str, node: &str, key: &str, version: &str) -> Reply {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = flash(base, node, key, version).await;
@@ -29,12 +29,12 @@ async fn flash_until_answered(base: &str, node: &str, key: &str, version: &str) 
     }
 }
 
-async fn operation(base: &str, op_id: &str) -> Reply {
+pub(crate) async fn operation(base: &str, op_id: &str) -> Reply {
     send(Method::GET, &format!("{base}/admin/v1/operations/{op_id}"), ADMIN, None, None).await
 }
 
 /// Polls the operation until it is no longer `running` (or 60 s passed); returns it.
-async fn until_ended(base: &str, op_id: &str) -> Value {
+pub(crate) async fn until_ended(base: &str, op_id: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let op = operation(base, op_id).await.json();
@@ -50,7 +50,7 @@ async fn bmc(sim: &str, node: &str) -> Value {
 }
 
 /// The flashes the simulator's BMCs took, and how many nodes they bricked.
-async fn flashes_and_bricked(sim: &str) -> (i64, i64, i64) {
+pub(crate) async fn flashes_and_bricked(sim: &str) -> (i64, i64, i64) {
     let s = sim_stats(sim).await;
     (
         s["flashes_total"].as_i64().unwrap_or(-1),

@@ -5,10 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use reqwest::{Method, StatusCode};
+use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::support::{ADMIN, Proc, Reply, fleet, http, send, serve, set_faults, sim, sim_stats, sqlite_url};
+use crate::flashes::{flash, flash_until_answered, flashes_and_bricked, until_ended};
+use crate::support::{Proc, Reply, fleet, http, serve, set_faults, sim, sqlite_url};
 
 const POLL: [&str; 2] = ["--operation-poll", "100ms"];
 
@@ -21,37 +22,6 @@ fn redfish_sim(extra: &[&str]) -> Proc {
 fn broker(db: &str, hv: &Proc, extra: &[&str]) -> Proc {
     let bmc = format!("redfish+{}", hv.url);
     serve(db, &[&["--hypervisor-url", hv.url.as_str(), "--bmc-url", bmc.as_str(), POLL[0], POLL[1]], extra].concat())
-}
-
-async fn flash(base: &str, node: &str, key: &str, version: &str) -> Reply {
-    let url = format!("{base}/admin/v1/nodes/{node}/firmware");
-    send(Method::POST, &url, ADMIN, Some(key), Some(&json!({"version": version}))).await
-}
-
-/// Flashes like a client that retries with one key: past `409 request-in-progress` and `503`.
-async fn flash_until_answered(base: &str, node: &str, key: &str, version: &str) -> Reply {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r = flash(base, node, key, version).await;
-        let retry = r.status == StatusCode::SERVICE_UNAVAILABLE
-            || (r.status == StatusCode::CONFLICT && r.problem_type() == "request-in-progress");
-        if !retry || Instant::now() > deadline {
-            return r;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Polls the operation until it is no longer `running` (or 60 s passed); returns it.
-async fn until_ended(base: &str, op_id: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let op = send(Method::GET, &format!("{base}/admin/v1/operations/{op_id}"), ADMIN, None, None).await.json();
-        if op["state"] != "running" || Instant::now() > deadline {
-            return op;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn redfish_get(sim: &str, path: &str) -> Value {
@@ -75,15 +45,6 @@ async fn task_bodies(sim: &str) -> Vec<Value> {
     bodies
 }
 
-/// The flashes the simulator's BMCs took, the duplicates among them, and the nodes bricked.
-async fn flashes_and_bricked(sim: &str) -> (i64, i64, i64) {
-    let s = sim_stats(sim).await;
-    (
-        s["flashes_total"].as_i64().unwrap_or(-1),
-        s["duplicate_flash_tags"].as_i64().unwrap_or(-1),
-        s["bricked_nodes"].as_i64().unwrap_or(-1),
-    )
-}
 
 fn op_id(reply: &Reply) -> String {
     assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&reply.body));
