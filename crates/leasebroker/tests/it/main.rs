@@ -12,6 +12,7 @@ mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;
+mod protocol;
 mod records;
 mod service;
 mod store_tls;
