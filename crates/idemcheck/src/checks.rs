@@ -176,9 +176,10 @@ impl Ctx<'_> {
                 Some(Value::Number(n)) => total += n.as_i64().unwrap_or_default(),
                 _ => return Err(fail(format!("the counter has no {} in {}", counter.pointer, a.summary()))),
             }
-            let next = counter.next.as_ref().and_then(|(ptr, param)| {
-                v.pointer(ptr).and_then(Value::as_str).map(|c| (param.clone(), c.to_owned()))
-            });
+            let next = counter
+                .next
+                .as_ref()
+                .and_then(|(ptr, param)| v.pointer(ptr).and_then(Value::as_str).map(|c| (param.clone(), c.to_owned())));
             match next {
                 Some((param, cursor)) => {
                     let sep = if counter.path.contains('?') { '&' } else { '?' };
@@ -358,9 +359,7 @@ fn varied(ctx: &Ctx<'_>, req: &Req) -> Step<(Req, Vec<(&'static str, &'static [u
             let sep = if req.path.contains('?') { '&' } else { '?' };
             Ok((Req { path: format!("{}{sep}idemcheck=1", req.path), ..req.clone() }, vec![]))
         }
-        "content_type" if !ctx.profile.full_fingerprint => {
-            Err(na("the profile does not fingerprint the content type"))
-        }
+        "content_type" if !ctx.profile.full_fingerprint => Err(na("the profile does not fingerprint the content type")),
         "content_type" => Ok((req.clone(), vec![("content-type", b"text/plain".as_slice())])),
         other => Err(na(format!("unknown vary {other}"))),
     }
@@ -479,10 +478,9 @@ async fn concurrent(ctx: &mut Ctx<'_>) -> Step<()> {
         return Err(fail("the 2xx answers differ: the request ran more than once"));
     }
     match (before, after) {
-        (Some(b), Some(a)) if a - b != 1 => Err(fail(format!(
-            "{n} duplicates at once ran {} times (the counter went {b} -> {a})",
-            a - b
-        ))),
+        (Some(b), Some(a)) if a - b != 1 => {
+            Err(fail(format!("{n} duplicates at once ran {} times (the counter went {b} -> {a})", a - b)))
+        }
         (Some(_), Some(_)) => Ok(()),
         _ if successes.is_empty() => Err(fail("no duplicate got a 2xx")),
         _ => Ok(()),

@@ -19,10 +19,8 @@ impl Req {
 
     /// `'POST /path'` and a JSON body, as `--route` and `--body` give them.
     pub(crate) fn parse(route: &str, body: Option<&str>) -> Result<Self, String> {
-        let (method, path) = route
-            .trim()
-            .split_once(' ')
-            .ok_or_else(|| format!("--route {route:?}: expected 'METHOD /path'"))?;
+        let (method, path) =
+            route.trim().split_once(' ').ok_or_else(|| format!("--route {route:?}: expected 'METHOD /path'"))?;
         let method = method.to_ascii_uppercase();
         if !["POST", "PUT", "PATCH", "DELETE"].contains(&method.as_str()) {
             return Err(format!("--route {route:?}: the method must be POST, PUT, PATCH or DELETE"));

@@ -55,9 +55,7 @@ pub(crate) fn load(dir: &Path) -> Result<Vec<Vector>, String> {
         if !crate::checks::KINDS.contains(&v.check.as_str()) {
             return Err(format!("{}: unknown check {:?}", path.display(), v.check));
         }
-        if let Some(unknown) =
-            v.profiles.iter().flatten().find(|p| !crate::profile::NAMES.contains(&p.as_str()))
-        {
+        if let Some(unknown) = v.profiles.iter().flatten().find(|p| !crate::profile::NAMES.contains(&p.as_str())) {
             return Err(format!("{}: unknown profile {unknown:?}", path.display()));
         }
         vectors.push(v);

@@ -211,7 +211,8 @@ fn replay(fx: &Fx, rec: &Rec) -> Response {
         if fx.has(Defect::DropLocation) && n == "location" {
             continue;
         }
-        res.headers_mut().append(axum::http::HeaderName::from_bytes(n.as_bytes()).expect("name"), v.parse().expect("value"));
+        res.headers_mut()
+            .append(axum::http::HeaderName::from_bytes(n.as_bytes()).expect("name"), v.parse().expect("value"));
     }
     if !fx.has(Defect::NoReplayHeader) {
         let v = if fx.has(Defect::WrongReplayHeader) { "yes" } else { "true" };
@@ -259,7 +260,8 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
         format!("{} {} {content_type:?} {body:?}", parts.method, parts.uri)
     };
     let principal_part = if fx.has(Defect::SharedScope) || fx.has(Defect::Store401) { "*" } else { who.unwrap_or("*") };
-    let endpoint = if fx.has(Defect::KeyOnlyScope) { "*".to_owned() } else { format!("{} {}", parts.method, parts.uri.path()) };
+    let endpoint =
+        if fx.has(Defect::KeyOnlyScope) { "*".to_owned() } else { format!("{} {}", parts.method, parts.uri.path()) };
     let scope = format!("{principal_part}|{endpoint}|{key}");
     let wait = prefer_wait(&parts.headers).filter(|_| !fx.has(Defect::NoPreferWait));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(wait.unwrap_or(0).min(30));
@@ -276,14 +278,16 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
             {
                 r.fingerprint = fingerprint.clone();
             }
-            let status = if fx.has(Defect::Mismatch422) { StatusCode::UNPROCESSABLE_ENTITY } else { StatusCode::CONFLICT };
+            let status =
+                if fx.has(Defect::Mismatch422) { StatusCode::UNPROCESSABLE_ENTITY } else { StatusCode::CONFLICT };
             return with_expiry(&fx, problem(status, "idempotency-key-reused"), rec.expires);
         }
         match rec.state {
             RecState::Done { .. } => {
                 let mut res = replay(&fx, &rec);
                 if waited {
-                    res.headers_mut().insert("preference-applied", format!("wait={}", wait.unwrap_or(0)).parse().expect("v"));
+                    res.headers_mut()
+                        .insert("preference-applied", format!("wait={}", wait.unwrap_or(0)).parse().expect("v"));
                 }
                 return res;
             }
@@ -326,7 +330,12 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
             let created = rparts.headers.get("location").and_then(|v| v.to_str().ok()).map(str::to_owned);
             records.insert(
                 scope,
-                Rec { fingerprint, state: RecState::Done { status: rparts.status, headers, body: rbody.clone() }, expires, created },
+                Rec {
+                    fingerprint,
+                    state: RecState::Done { status: rparts.status, headers, body: rbody.clone() },
+                    expires,
+                    created,
+                },
             );
         } else {
             records.remove(&scope);
@@ -350,7 +359,11 @@ async fn create_worker(State(fx): State<Shared>, headers: HeaderMap, body: Bytes
     let owner = principal(&headers).unwrap_or_default().to_owned();
     let worker = json!({"id": id, "image": v["image"], "cpu": v["cpu"]});
     fx.workers.lock().expect("workers").insert(id.clone(), (owner, worker.clone()));
-    (StatusCode::CREATED, [("content-type", "application/json"), ("location", &format!("/v1/workers/{id}"))], worker.to_string())
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json"), ("location", &format!("/v1/workers/{id}"))],
+        worker.to_string(),
+    )
         .into_response()
 }
 
@@ -375,7 +388,11 @@ async fn delete_worker(State(fx): State<Shared>, Path(id): Path<String>) -> Resp
 async fn flash(State(fx): State<Shared>, Path(node): Path<String>) -> Response {
     let id = format!("op-{}", fx.next.fetch_add(1, Ordering::SeqCst));
     let op = json!({"id": id, "kind": "firmware-flash", "node_id": node, "state": "running"});
-    (StatusCode::ACCEPTED, [("content-type", "application/json"), ("location", &format!("/admin/v1/operations/{id}"))], op.to_string())
+    (
+        StatusCode::ACCEPTED,
+        [("content-type", "application/json"), ("location", &format!("/admin/v1/operations/{id}"))],
+        op.to_string(),
+    )
         .into_response()
 }
 
@@ -403,7 +420,9 @@ pub(crate) async fn serve(defects: &[Defect]) -> String {
 /// The vectors each defect must fail (it may fail more).
 fn must_fail(d: Defect) -> &'static [&'static str] {
     match d {
-        Defect::IgnoreKey => &["key-bare", "key-sf-string", "header-name-case", "long-running-attaches", "concurrent-duplicates-32"],
+        Defect::IgnoreKey => {
+            &["key-bare", "key-sf-string", "header-name-case", "long-running-attaches", "concurrent-duplicates-32"]
+        }
         Defect::LaxKeys => &[
             "key-empty",
             "key-too-long",

@@ -50,8 +50,9 @@ pub(crate) async fn run(url: &str, profile: &str, tokens: &[&str]) -> Run {
         cmd.arg("--report").arg(&report);
         let out = cmd.output().expect("run idemcheck");
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let text = std::fs::read_to_string(&report)
-            .unwrap_or_else(|e| panic!("no report ({e}); stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr)));
+        let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
+            panic!("no report ({e}); stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr))
+        });
         Run { code: out.status.code(), stdout, report: serde_json::from_str(&text).expect("report JSON") }
     })
     .await

@@ -25,9 +25,10 @@ async fn create_preferring(base: &str, key: &str, prefer: &str) -> Reply {
 }
 
 fn expires(r: &Reply) -> SystemTime {
-    let v = r.headers.get("idempotency-key-expires").unwrap_or_else(|| {
-        panic!("no Idempotency-Key-Expires on {} {}", r.status, String::from_utf8_lossy(&r.body))
-    });
+    let v = r
+        .headers
+        .get("idempotency-key-expires")
+        .unwrap_or_else(|| panic!("no Idempotency-Key-Expires on {} {}", r.status, String::from_utf8_lossy(&r.body)));
     let v = v.to_str().expect("ascii");
     assert!(v.ends_with(" GMT") && v.len() == 29, "not an IMF-fixdate: {v}");
     httpdate::parse_http_date(v).expect("an HTTP-date")
@@ -89,7 +90,8 @@ async fn every_keyed_response_with_a_record_says_when_the_record_expires() {
     assert_eq!(expires(&mismatch), stored);
 
     // No record, no expiry: a request refused before any record exists.
-    let missing = crate::support::send(Method::POST, &format!("{}/v1/workers", lb.url), TOKEN, None, Some(&other)).await;
+    let missing =
+        crate::support::send(Method::POST, &format!("{}/v1/workers", lb.url), TOKEN, None, Some(&other)).await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
     assert!(missing.headers.get("idempotency-key-expires").is_none());
 }
@@ -98,12 +100,14 @@ async fn every_keyed_response_with_a_record_says_when_the_record_expires() {
 async fn the_openapi_document_describes_the_headers_on_every_protected_operation() {
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = serve(&sqlite_url(&dir), &[]);
-    let doc: Value = http().get(format!("{}/openapi.json", lb.url)).send().await.expect("get").json().await.expect("json");
+    let doc: Value =
+        http().get(format!("{}/openapi.json", lb.url)).send().await.expect("get").json().await.expect("json");
     let mut protected = 0;
     for (path, item) in doc["paths"].as_object().expect("paths") {
         for (method, op) in item.as_object().expect("item") {
             let params = op["parameters"].as_array().cloned().unwrap_or_default();
-            let has = |name: &str| params.iter().any(|p| p["name"].as_str().is_some_and(|n| n.eq_ignore_ascii_case(name)));
+            let has =
+                |name: &str| params.iter().any(|p| p["name"].as_str().is_some_and(|n| n.eq_ignore_ascii_case(name)));
             if !has("idempotency-key") {
                 continue;
             }
@@ -112,7 +116,9 @@ async fn the_openapi_document_describes_the_headers_on_every_protected_operation
             for (status, response) in op["responses"].as_object().expect("responses") {
                 let headers = &response["headers"];
                 assert!(
-                    headers["Idempotency-Key-Expires"]["description"].as_str().is_some_and(|d| d.contains("IMF-fixdate")),
+                    headers["Idempotency-Key-Expires"]["description"]
+                        .as_str()
+                        .is_some_and(|d| d.contains("IMF-fixdate")),
                     "{method} {path} {status}: {response}"
                 );
                 assert!(headers["Preference-Applied"].is_object(), "{method} {path} {status}");
