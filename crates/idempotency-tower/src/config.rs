@@ -86,6 +86,8 @@ pub(crate) struct Config {
     pub(crate) wait_for_in_flight: Duration,
     /// The longest wait a `Prefer: wait=N` gets.
     pub(crate) max_wait: Duration,
+    /// The first and the longest time between two reads of a record a request waits for.
+    pub(crate) wait_poll: (Duration, Duration),
     /// Requests of this process waiting for a record in flight.
     pub(crate) waiters: Arc<crate::waiters::Waiters>,
     pub(crate) in_progress_retry_after: Duration,

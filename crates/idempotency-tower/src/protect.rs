@@ -33,9 +33,6 @@ use crate::replay::{replay, replayable_headers};
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
 const MAX_RACES: u32 = 8;
-/// The first and the longest sleep between polls while waiting for an in-flight request.
-const FIRST_POLL: Duration = Duration::from_millis(10);
-const MAX_POLL: Duration = Duration::from_millis(500);
 /// The shortest time between two renewals of a claim, whatever the in-flight TTL.
 const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
@@ -80,12 +77,14 @@ where
     let deadline = tokio::time::Instant::now() + wait;
     // Woken when an attempt of this process completes or fails the record; polls find others.
     let subscription = (!wait.is_zero()).then(|| cfg.waiters.subscribe(&p.scope));
+    // And by the store's announcements where it makes them (PostgreSQL: other replicas too).
+    let announced = if wait.is_zero() { None } else { store.changes().map(|c| c.subscribe(&p.scope)) };
     let mut waited = false;
     let applied = |res: Response<Body>, waited: bool| match preferred {
         Some(_) if waited => with_preference_applied(res, wait),
         _ => res,
     };
-    let mut poll = FIRST_POLL;
+    let mut poll = cfg.wait_poll.0.min(cfg.wait_poll.1);
     let mut races = 0u32;
     let mut claim_next = true;
     let mut reserved = false;
@@ -110,6 +109,10 @@ where
         let mut woken = subscription.as_ref().map(|s| Box::pin(s.notify().notified()));
         if let Some(w) = woken.as_mut() {
             w.as_mut().enable();
+        }
+        let mut heard = announced.as_ref().map(|s| Box::pin(s.notify().notified()));
+        if let Some(h) = heard.as_mut() {
+            h.as_mut().enable();
         }
         let t = now();
         let mut record = if claim_next {
@@ -165,14 +168,12 @@ where
                 }
                 waited = true;
                 // Nothing is held while waiting: no lock, no connection, only this task.
-                let sleep = tokio::time::sleep(poll.min(left));
-                match woken {
-                    Some(woken) => {
-                        futures::future::select(woken, std::pin::pin!(sleep)).await;
-                    }
-                    None => sleep.await,
+                tokio::select! {
+                    () = tokio::time::sleep(poll.min(left)) => {}
+                    () = until_notified(woken) => {}
+                    () = until_notified(heard) => {}
                 }
-                poll = (poll * 2).min(MAX_POLL);
+                poll = (poll * 2).min(cfg.wait_poll.1);
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
@@ -526,6 +527,14 @@ async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
             );
             Releases::push(cfg, claim.clone(), why);
         }
+    }
+}
+
+/// Completes when `notified` does; never without one.
+async fn until_notified(notified: Option<std::pin::Pin<Box<tokio::sync::futures::Notified<'_>>>>) {
+    match notified {
+        Some(n) => n.await,
+        None => std::future::pending().await,
     }
 }
 

@@ -274,12 +274,148 @@ mod prefer_wait {
         until_waiting(&store).await;
         gate.add_permits(1);
         let first = first.await.expect("first");
-        let waited = waiter.await.expect("waiter");
+        // A deadline for the condition, not a measure of speed: without the announcement the
+        // waiter would answer in an hour.
+        let waited = tokio::time::timeout(Duration::from_secs(60), waiter)
+            .await
+            .expect("the waiter was not woken by the announcement")
+            .expect("waiter");
         assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
         assert_eq!(waited.body, first.body);
         assert_eq!(waited.headers["preference-applied"], "wait=20");
         assert_eq!(other_calls.load(Ordering::SeqCst), 0);
         // Polled, not woken: it read the record more than once.
         assert!(store.calls(Op::Get) >= 1);
+    }
+}
+
+/// Across processes on PostgreSQL: the completion is announced (LISTEN/NOTIFY), so a waiter in
+/// another process that would not read the record again for an hour gets the response as soon
+/// as it is stored.
+mod announced {
+    use std::sync::atomic::AtomicU64;
+
+    use async_trait::async_trait;
+    use idempotency::{
+        Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope,
+        StoreError, StoredResponse, Timestamp,
+    };
+
+    use super::*;
+
+    /// A store that counts the claims it has answered (after the answer, unlike `FaultyStore`,
+    /// which counts calls as they start).
+    struct Answered<S> {
+        inner: S,
+        claims: AtomicU64,
+    }
+
+    #[async_trait]
+    impl<S: Store> Store for Answered<S> {
+        async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+            let out = self.inner.claim(req).await;
+            self.claims.fetch_add(1, Ordering::SeqCst);
+            out
+        }
+        async fn reclaim(
+            &self,
+            record: &Record,
+            now: Timestamp,
+            ttl: Duration,
+            expires_at: Timestamp,
+        ) -> Result<Option<Claim>, StoreError> {
+            self.inner.reclaim(record, now, ttl, expires_at).await
+        }
+        async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+            self.inner.heartbeat(claim, now).await
+        }
+        async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
+            self.inner.remove(claim).await
+        }
+        async fn complete(&self, claim: &Claim, r: &StoredResponse, expires_at: Timestamp) -> Result<(), StoreError> {
+            self.inner.complete(claim, r, expires_at).await
+        }
+        async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
+            self.inner.fail(claim).await
+        }
+        async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
+            self.inner.get(scope).await
+        }
+        async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
+            self.inner.sweep_expired(now, batch).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            self.inner.ping().await
+        }
+        async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+            self.inner.list_records(query).await
+        }
+        async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+            self.inner.get_by_id(id).await
+        }
+        async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
+            self.inner.forget(id).await
+        }
+        fn changes(&self) -> Option<Arc<RecordChanges>> {
+            self.inner.changes()
+        }
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_in_another_process_is_woken_by_the_postgres_announcement() {
+        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let connect = || async {
+            let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            store
+        };
+        // Two pools and two layers: two processes. Neither polls within the wait.
+        let (one_store, two_store) = (connect().await, connect().await);
+        // The second process listens from now on; the test goes on once its LISTEN is in (so
+        // the announcement, not the wake-up every listener gives when it starts, ends the wait).
+        let pool = two_store.pool().clone();
+        assert!(two_store.changes().is_some());
+        wait_until("the second process listens", Duration::from_secs(30), async || {
+            let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                       AND query LIKE 'LISTEN%' AND state = 'idle'";
+            sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.expect("pg_stat_activity") >= 1
+        })
+        .await;
+        let two_store = Arc::new(Answered { inner: two_store, claims: AtomicU64::new(0) });
+        let layer = |store: Arc<dyn Store>| {
+            IdempotencyLayer::builder(store)
+                .allow_anonymous(Principal::new("anonymous"))
+                .max_wait(HOUR)
+                .wait_poll(HOUR, HOUR)
+                .build()
+        };
+        let (one, calls, gate) = gated_app(layer(Arc::new(one_store)));
+        let (two, other_calls, _) = gated_app(layer(two_store.clone()));
+        let first = tokio::spawn({
+            let one = one.clone();
+            async move { send(&one, gated("pg-1", None, "a")).await }
+        });
+        until_called(&calls, 1).await;
+        let waiter = tokio::spawn(async move { send(&two, gated("pg-1", Some("wait=3600"), "a")).await });
+        // The waiter has read the record in flight: from now on only an announcement (or the
+        // end of its hour) ends its wait.
+        wait_until("the waiter read the record", Duration::from_secs(30), async || {
+            two_store.claims.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+        gate.add_permits(1);
+        let first = first.await.expect("first");
+        // A deadline for the condition, not a measure of speed: without the announcement the
+        // waiter would answer in an hour.
+        let waited = tokio::time::timeout(Duration::from_secs(60), waiter)
+            .await
+            .expect("the waiter was not woken by the announcement")
+            .expect("waiter");
+        assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
+        assert_eq!(waited.body, first.body);
+        assert_eq!(waited.headers["preference-applied"], "wait=3600");
+        assert_eq!(other_calls.load(Ordering::SeqCst), 0);
     }
 }
