@@ -253,10 +253,10 @@ async fn key_rejected(ctx: &mut Ctx<'_>) -> Step<()> {
         }
     };
     ctx.expect_problem(&answer, 400, "idempotency-key-invalid")?;
-    if let (Some(before), Some(after)) = (before, ctx.count().await?) {
-        if after != before {
-            return Err(fail(format!("the refused request ran anyway: the counter went {before} -> {after}")));
-        }
+    if let (Some(before), Some(after)) = (before, ctx.count().await?)
+        && after != before
+    {
+        return Err(fail(format!("the refused request ran anyway: the counter went {before} -> {after}")));
     }
     Ok(())
 }
@@ -351,7 +351,10 @@ async fn scope_endpoint(ctx: &mut Ctx<'_>) -> Step<()> {
 }
 
 /// The primary request varied as the vector says: another body, query or content type.
-fn varied(ctx: &Ctx<'_>, req: &Req) -> Step<(Req, Vec<(&'static str, &'static [u8])>)> {
+/// Extra request headers: (name, value).
+type Headers = Vec<(&'static str, &'static [u8])>;
+
+fn varied(ctx: &Ctx<'_>, req: &Req) -> Step<(Req, Headers)> {
     match ctx.vector.param_str("vary").unwrap_or("body") {
         "body" => Ok((req.variant(), vec![])),
         "query" if !ctx.profile.full_fingerprint => Err(na("the profile does not fingerprint the query string")),

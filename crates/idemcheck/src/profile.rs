@@ -188,7 +188,6 @@ impl Profile {
                     .with_token(2),
                 ),
                 delete_location: true,
-                ..base
             }),
             _ => None,
         }

@@ -151,10 +151,13 @@ fn principal(headers: &HeaderMap) -> Option<&'static str> {
     ["alice", "bob", "admin"].into_iter().zip(TOKENS).find(|(_, t)| *t == token).map(|(p, _)| p)
 }
 
-/// The key, or the refusal.
-fn parse_key(fx: &Fx, headers: &HeaderMap) -> Result<Option<String>, Response> {
+/// A key header the fixture refuses (`400 idempotency-key-invalid`).
+struct InvalidKey;
+
+/// The key, if sent.
+fn parse_key(fx: &Fx, headers: &HeaderMap) -> Result<Option<String>, InvalidKey> {
     let values: Vec<&HeaderValue> = headers.get_all("idempotency-key").iter().collect();
-    let invalid = || problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+    let invalid = || InvalidKey;
     let Some(first) = values.first() else { return Ok(None) };
     if fx.has(Defect::LaxKeys) {
         return Ok(Some(String::from_utf8_lossy(first.as_bytes()).into_owned()));
@@ -249,7 +252,7 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
         Ok(Some(k)) => k,
         Ok(None) if fx.has(Defect::OptionalKey) || !mutating => return next.run(req).await,
         Ok(None) => return problem(StatusCode::BAD_REQUEST, "idempotency-key-missing"),
-        Err(refused) => return refused,
+        Err(InvalidKey) => return problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid"),
     };
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
