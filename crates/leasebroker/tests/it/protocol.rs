@@ -193,3 +193,30 @@ async fn thirty_two_waiters_attach_to_one_create_and_one_boot() {
     assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(1), Some(0)), "{stats}");
     assert_eq!(fleet(&lb.url).await["workers_active"], 1);
 }
+
+/// Two replicas on one PostgreSQL database and one hypervisor: retries that prefer to wait
+/// attach to a create running on the other replica (woken by its announcement), and the
+/// hypervisor boots once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_on_another_replica_attach_to_the_running_create() {
+    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let hv: Proc = sim(&["--latency-ms", "3000"]);
+    let args = ["--hypervisor-url", hv.url.as_str(), "--hypervisor-timeout", "30s"];
+    let (a, b) = (serve(pg.url(), &args), serve(pg.url(), &args));
+    let slow = create_in_flight(&a.url, "replicas-1").await;
+    let waiters: Vec<_> = (0..16)
+        .map(|i| {
+            let base = if i % 2 == 0 { b.url.clone() } else { a.url.clone() };
+            tokio::spawn(async move { create_preferring(&base, "replicas-1", "wait=30").await })
+        })
+        .collect();
+    let created = slow.await.expect("create");
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    for w in waiters {
+        let r = w.await.expect("waiter");
+        assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.body, created.body);
+    }
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(1), Some(0)), "{stats}");
+}
