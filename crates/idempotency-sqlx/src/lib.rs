@@ -88,6 +88,6 @@ pub use pool::postgres_pool_options;
 #[cfg(feature = "sqlite")]
 pub use pool::sqlite_pool_options;
 #[cfg(feature = "postgres")]
-pub use postgres::{ClaimStrategy, PostgresStore};
+pub use postgres::{CHANGES_CHANNEL, ClaimStrategy, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;

@@ -1,14 +1,15 @@
 //! The PostgreSQL store.
 
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
+    StoreError, StoredResponse, Timestamp, change_tag,
 };
 use sqlx::Row;
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgListener, PgPool, PgRow};
 
 use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, db_error, fenced, stale_cutoff, state_columns};
 
@@ -37,11 +38,22 @@ pub enum ClaimStrategy {
 /// Every transition is one statement in its own implicit transaction; nothing is held open
 /// between `claim` and `complete`. A claim is one round trip and returns the whole record, so
 /// a replay costs one round trip and a first execution two (claim, complete).
+///
+/// Completing or failing a record announces it (`NOTIFY idempotency_record_changes`, in the
+/// same statement, so only a committed change is announced), and [`Store::changes`] listens on
+/// one connection per store, so a request of another replica waiting for the record
+/// (`Prefer: wait`) is woken at once. A connection pooler in transaction mode (PgBouncer) does
+/// not carry LISTEN; the waiters then find the change by polling, as with any store.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
     strategy: ClaimStrategy,
+    changes: Arc<OnceLock<Option<Arc<RecordChanges>>>>,
 }
+
+/// The channel of the announcements that a record left `in_flight`; the payload is the
+/// record's [`change_tag`].
+pub const CHANGES_CHANNEL: &str = "idempotency_record_changes";
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://user@host:5432/db`) with a pool of up to 10 connections
@@ -55,7 +67,7 @@ impl PostgresStore {
 
     /// Wraps an existing pool, with the default [`ClaimStrategy`].
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, strategy: ClaimStrategy::default() }
+        Self { pool, strategy: ClaimStrategy::default(), changes: Arc::default() }
     }
 
     /// Uses `strategy` to claim keys.
@@ -135,14 +147,17 @@ const RECLAIM: &str = concat!(
     state_columns!()
 );
 
-const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = $6, \
+// Both announce the change (one row per record changed; NOTIFY is sent at commit).
+const COMPLETE: &str = "WITH done AS (UPDATE idempotency_records SET state = 'completed', response_status = $6, \
        response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
+       AND state = 'in_flight' RETURNING 1) \
+     SELECT pg_notify('idempotency_record_changes', $11) FROM done";
 
-const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
+const FAIL: &str = "WITH done AS (UPDATE idempotency_records SET state = 'failed' \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
+       AND state = 'in_flight' RETURNING 1) \
+     SELECT pg_notify('idempotency_record_changes', $6) FROM done";
 
 // Renews a live claim; started_at never moves backwards (replicas' clocks differ a little).
 const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6) \
@@ -280,10 +295,11 @@ impl Store for PostgresStore {
             .bind(response.body.stored_bytes().as_ref())
             .bind(response.body.encoding().as_str())
             .bind(expires_at)
-            .execute(&self.pool)
+            .bind(change_tag(&r.scope))
+            .fetch_all(&self.pool)
             .await
             .map_err(db_error)?;
-        fenced(done.rows_affected(), claim)
+        fenced(done.len() as u64, claim)
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
@@ -294,10 +310,11 @@ impl Store for PostgresStore {
             .bind(r.scope.key.as_str())
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
-            .execute(&self.pool)
+            .bind(change_tag(&r.scope))
+            .fetch_all(&self.pool)
             .await
             .map_err(db_error)?;
-        fenced(done.rows_affected(), claim)
+        fenced(done.len() as u64, claim)
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
@@ -376,6 +393,58 @@ impl Store for PostgresStore {
 
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
+    }
+
+    /// Listens for the announcements of [`CHANGES_CHANNEL`] on one connection of the pool's, from
+    /// the first call on (it needs a tokio runtime; without one: none, and waiters poll).
+    fn changes(&self) -> Option<Arc<RecordChanges>> {
+        self.changes
+            .get_or_init(|| {
+                let runtime = tokio::runtime::Handle::try_current().ok()?;
+                let changes = Arc::new(RecordChanges::new());
+                runtime.spawn(listen(self.pool.clone(), Arc::downgrade(&changes)));
+                Some(changes)
+            })
+            .clone()
+    }
+}
+
+/// Wakes the waiters of each announced record until the store is dropped. A broken connection
+/// wakes every waiter (announcements may have been missed; each reads its record again) and is
+/// reopened, re-listening, by the next receive.
+async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
+    let mut listener = loop {
+        if changes.strong_count() == 0 {
+            return;
+        }
+        match PgListener::connect_with(&pool).await {
+            Ok(mut l) => match l.listen(CHANGES_CHANNEL).await {
+                Ok(()) => {
+                    // Waiters that subscribed before this listened may have missed theirs.
+                    if let Some(c) = changes.upgrade() {
+                        c.wake_all();
+                    }
+                    break l;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot LISTEN for record changes; waiters poll meanwhile"),
+            },
+            Err(e) => tracing::warn!(error = %e, "cannot open the connection that listens for record changes"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    loop {
+        let received = listener.try_recv().await;
+        let Some(changes) = changes.upgrade() else { return };
+        match received {
+            Ok(Some(n)) => changes.wake(n.payload()),
+            Ok(None) => changes.wake_all(),
+            Err(e) => {
+                tracing::warn!(error = %e, "listening for record changes failed; waiters poll until it is back");
+                changes.wake_all();
+                drop(changes);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
     }
 }
 

@@ -84,6 +84,12 @@ pub(crate) struct Config {
     pub(crate) body_limit: usize,
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) wait_for_in_flight: Duration,
+    /// The longest wait a `Prefer: wait=N` gets.
+    pub(crate) max_wait: Duration,
+    /// The first and the longest time between two reads of a record a request waits for.
+    pub(crate) wait_poll: (Duration, Duration),
+    /// Requests of this process waiting for a record in flight.
+    pub(crate) waiters: Arc<crate::waiters::Waiters>,
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) compression_threshold: usize,
     pub(crate) problem_base: Cow<'static, str>,
@@ -115,6 +121,7 @@ impl fmt::Debug for Config {
             .field("body_limit", &self.body_limit)
             .field("replay_headers", &self.replay_headers)
             .field("wait_for_in_flight", &self.wait_for_in_flight)
+            .field("max_wait", &self.max_wait)
             .field("in_progress_retry_after", &self.in_progress_retry_after)
             .field("compression_threshold", &self.compression_threshold)
             .field("problem_base", &self.problem_base)

@@ -30,6 +30,10 @@ pub const DEFAULT_COMPRESSION_THRESHOLD: usize = 1024;
 pub const DEFAULT_IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// The default largest response stored for replay (1 MiB).
 pub const DEFAULT_MAX_STORED_RESPONSE: usize = 1024 * 1024;
+/// The default longest wait a request's `Prefer: wait=N` gets (SPEC 1.3).
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
+/// The default first and longest time between two reads of a record a request waits for.
+pub const DEFAULT_WAIT_POLL: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 /// The default number of times a failed completion is retried.
 pub const DEFAULT_COMPLETION_RETRIES: usize = 8;
 /// The default wait before the first retry of a failed completion; each wait doubles, up to
@@ -65,6 +69,8 @@ impl IdempotencyLayer {
             body_limit: DEFAULT_BODY_LIMIT,
             replay_headers: vec![CONTENT_TYPE, LOCATION],
             wait_for_in_flight: Duration::ZERO,
+            max_wait: DEFAULT_MAX_WAIT,
+            wait_poll: DEFAULT_WAIT_POLL,
             in_progress_retry_after: DEFAULT_IN_PROGRESS_RETRY_AFTER,
             compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
             problem_base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
@@ -107,6 +113,8 @@ pub struct IdempotencyLayerBuilder {
     body_limit: usize,
     replay_headers: Vec<HeaderName>,
     wait_for_in_flight: Duration,
+    max_wait: Duration,
+    wait_poll: (Duration, Duration),
     in_progress_retry_after: Duration,
     compression_threshold: usize,
     problem_base: Cow<'static, str>,
@@ -214,11 +222,37 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// How long a request waits for a concurrent in-flight request with its key to finish, to
-    /// replay its response instead of answering `409 request-in-progress`. Default zero: answer
-    /// at once. The wait polls the store with short sleeps and holds nothing while it sleeps.
+    /// How long a request that states no preference waits for a concurrent in-flight request
+    /// with its key to finish, to replay its response instead of answering
+    /// `409 request-in-progress`. Default zero: answer at once. A request with `Prefer: wait=N`
+    /// waits `N` seconds instead, at most [`max_wait`](Self::max_wait).
+    ///
+    /// A waiter holds nothing (no connection, no lock): it is woken as soon as a request of this
+    /// process completes or fails the record, or the store announces that another process did
+    /// ([`Store::changes`]: PostgreSQL's LISTEN/NOTIFY), and otherwise reads the record again
+    /// with backoff ([`wait_poll`](Self::wait_poll): 10 ms doubling to 500 ms).
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.wait_for_in_flight = wait;
+        self
+    }
+
+    /// The longest wait a request asking `Prefer: wait=N` (RFC 7240) gets when its key is in
+    /// flight: it waits `min(N, max_wait)` for the record to complete, and its replay then says
+    /// `Preference-Applied: wait=W` (W that wait, in seconds); still in flight after it, the usual
+    /// `409` with `Retry-After` (with `Preference-Applied` too). Default 30 seconds
+    /// ([`DEFAULT_MAX_WAIT`]); zero turns the preference off.
+    pub fn max_wait(mut self, max: Duration) -> Self {
+        self.max_wait = max;
+        self
+    }
+
+    /// How often a waiting request reads its record again when nothing woke it: first after
+    /// `first`, then each time twice as long, at most `max` (default 10 ms and 500 ms,
+    /// [`DEFAULT_WAIT_POLL`]). Reading is how a waiter learns of a completion in another process
+    /// on a store that announces none (SQLite is one process; Redis); with PostgreSQL's
+    /// announcements both can be long.
+    pub fn wait_poll(mut self, first: Duration, max: Duration) -> Self {
+        self.wait_poll = (first, max.max(first));
         self
     }
 
@@ -309,6 +343,9 @@ impl IdempotencyLayerBuilder {
                 body_limit: self.body_limit,
                 replay_headers: self.replay_headers,
                 wait_for_in_flight: self.wait_for_in_flight,
+                max_wait: self.max_wait,
+                wait_poll: self.wait_poll,
+                waiters: Default::default(),
                 in_progress_retry_after: self.in_progress_retry_after,
                 compression_threshold: self.compression_threshold,
                 problem_base: self.problem_base,

@@ -18,6 +18,12 @@
 //! - An attempt whose outcome the store could not take (it was down) is released as soon as the
 //!   store answers again, by a background task of the layer, so a retry resumes within seconds
 //!   of the store's return instead of waiting out the in-flight TTL.
+//! - Every response answered from a record, or stored in one (the first execution once stored,
+//!   replays, `409` in flight, the mismatch problem), carries `Idempotency-Key-Expires`: the
+//!   record's expiry as an IMF-fixdate, after which the key is free again.
+//! - `Prefer: wait=N` (RFC 7240) on a key in flight waits up to
+//!   `min(N, `[`max_wait`](IdempotencyLayerBuilder::max_wait)`)` for the record to complete and
+//!   answers the replay with `Preference-Applied: wait=W`; waiting holds no connection and no lock.
 //! - A terminal response larger than
 //!   [`max_stored_response`](IdempotencyLayerBuilder::max_stored_response) reaches its client
 //!   whole, and a retry gets `410 response-too-large` instead of a second execution.
@@ -34,25 +40,28 @@
 
 mod config;
 mod context;
+mod expires;
 mod future;
 mod headers;
 mod layer;
 mod metrics;
+mod prefer;
 mod problem;
 mod protect;
 mod quota;
 mod release;
 mod replay;
 mod service;
+mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
-pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED};
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
-    DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_RETENTION,
-    IdempotencyLayer, IdempotencyLayerBuilder,
+    DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_MAX_WAIT,
+    DEFAULT_RETENTION, DEFAULT_WAIT_POLL, IdempotencyLayer, IdempotencyLayerBuilder,
 };
 #[cfg(feature = "metrics")]
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};

@@ -23,6 +23,8 @@ use tracing::Instrument;
 use crate::BoxError;
 use crate::config::Config;
 use crate::context::IdempotencyContext;
+use crate::expires::with_expiry;
+use crate::headers::PREFERENCE_APPLIED;
 use crate::metrics::{count, timed};
 use crate::problem::{Rejection, rejection_response};
 use crate::release::Releases;
@@ -31,9 +33,6 @@ use crate::replay::{replay, replayable_headers};
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
 const MAX_RACES: u32 = 8;
-/// The first and the longest sleep between polls while waiting for an in-flight request.
-const FIRST_POLL: Duration = Duration::from_millis(10);
-const MAX_POLL: Duration = Duration::from_millis(100);
 /// The shortest time between two renewals of a claim, whatever the in-flight TTL.
 const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 
@@ -69,8 +68,23 @@ where
 {
     let cfg = p.cfg.clone();
     let store = &cfg.store;
-    let deadline = tokio::time::Instant::now() + cfg.wait_for_in_flight;
-    let mut poll = FIRST_POLL;
+    // `Prefer: wait=N` sets this request's wait, bounded by the layer's; without it, the default.
+    let preferred = crate::prefer::wait_preference(&p.parts.headers);
+    let wait = match preferred {
+        Some(secs) => Duration::from_secs(secs).min(cfg.max_wait),
+        None => cfg.wait_for_in_flight,
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    // Woken when an attempt of this process completes or fails the record; polls find others.
+    let subscription = (!wait.is_zero()).then(|| cfg.waiters.subscribe(&p.scope));
+    // And by the store's announcements where it makes them (PostgreSQL: other replicas too).
+    let announced = if wait.is_zero() { None } else { store.changes().map(|c| c.subscribe(&p.scope)) };
+    let mut waited = false;
+    let applied = |res: Response<Body>, waited: bool| match preferred {
+        Some(_) if waited => with_preference_applied(res, wait),
+        _ => res,
+    };
+    let mut poll = cfg.wait_poll.0.min(cfg.wait_poll.1);
     let mut races = 0u32;
     let mut claim_next = true;
     let mut reserved = false;
@@ -90,6 +104,16 @@ where
         }
     }
     loop {
+        // Armed before the store is read, so a completion between the read and the sleep is
+        // not missed.
+        let mut woken = subscription.as_ref().map(|s| Box::pin(s.notify().notified()));
+        if let Some(w) = woken.as_mut() {
+            w.as_mut().enable();
+        }
+        let mut heard = announced.as_ref().map(|s| Box::pin(s.notify().notified()));
+        if let Some(h) = heard.as_mut() {
+            h.as_mut().enable();
+        }
         let t = now();
         let mut record = if claim_next {
             let req = ClaimRequest {
@@ -127,19 +151,29 @@ where
         claim_next = false;
         // A replay takes the response out of the record it owns instead of copying it.
         if let Some(stored) = record.take_replay(&p.fingerprint) {
-            return Ok(replay(&cfg, &stored));
+            return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
         }
         match record.decide(&p.fingerprint, t, cfg.in_flight_ttl) {
-            Decision::Replay(stored) => return Ok(replay(&cfg, &stored)),
-            Decision::Mismatch => return Ok(rejection_response(&cfg, Rejection::Mismatch)),
+            Decision::Replay(stored) => {
+                return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
+            }
+            Decision::Mismatch => {
+                return Ok(with_expiry(rejection_response(&cfg, Rejection::Mismatch), record.expires_at));
+            }
             Decision::InProgress { retry_after } => {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 if left.is_zero() {
-                    return Ok(with_operation_link(&cfg, &record, in_progress(&cfg, retry_after)));
+                    let res = with_operation_link(&cfg, &record, in_progress(&cfg, retry_after));
+                    return Ok(applied(with_expiry(res, record.expires_at), waited));
                 }
-                // Nothing is held while sleeping: no lock, no connection, only this task.
-                tokio::time::sleep(poll.min(left)).await;
-                poll = (poll * 2).min(MAX_POLL);
+                waited = true;
+                // Nothing is held while waiting: no lock, no connection, only this task.
+                tokio::select! {
+                    () = tokio::time::sleep(poll.min(left)) => {}
+                    () = until_notified(woken) => {}
+                    () = until_notified(heard) => {}
+                }
+                poll = (poll * 2).min(cfg.wait_poll.1);
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
@@ -221,6 +255,9 @@ where
     // is not taken for a dead one and run a second time.
     let handled = with_heartbeat(&cfg, &claim, handled).await;
 
+    // The expiry the stored response gets, said on this response too.
+    let expires_at = after(now(), cfg.retention);
+    let mut stored_until = None;
     let (parts, body) = match handled {
         Ok(Handled::Terminal(parts, bytes)) => {
             let stored = StoredResponse {
@@ -228,9 +265,10 @@ where
                 headers: replayable_headers(&cfg, &parts.headers),
                 body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
             };
-            if let Some(e) = complete(&cfg, &claim, stored).await {
+            if let Some(e) = complete(&cfg, &claim, stored, expires_at).await {
                 return Ok(not_acknowledged(&cfg, e));
             }
+            stored_until = Some(expires_at);
             (parts, Body::from(bytes))
         }
         Ok(Handled::TooLarge(parts, read, rest)) => {
@@ -241,9 +279,10 @@ where
                 status = parts.status.as_u16(),
                 "the response is larger than a stored response may be; a retry gets 410 response-too-large"
             );
-            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg)).await {
+            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg), expires_at).await {
                 return Ok(not_acknowledged(&cfg, e));
             }
+            stored_until = Some(expires_at);
             let stream =
                 futures::stream::once(async move { Ok::<_, axum::Error>(read) }).chain(rest.into_data_stream());
             (parts, Body::from_stream(stream))
@@ -277,6 +316,9 @@ where
     tracing::debug!(outcome, status = status.as_u16(), "handler ran");
     let mut response = Response::from_parts(parts, body);
     response.extensions_mut().insert(crate::metrics::Outcome(outcome));
+    if let Some(expires_at) = stored_until {
+        response = with_expiry(response, expires_at);
+    }
     Ok(response)
 }
 
@@ -346,11 +388,18 @@ fn not_acknowledged(cfg: &Config, e: StoreError) -> Response<Body> {
 /// Returns the error when the store wrote the completion but its replicas did not acknowledge
 /// it ([`StoreError::is_not_acknowledged`]): nothing is retried (the write is in the store
 /// already), and the caller must not answer the response as final.
-async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse) -> Option<StoreError> {
-    let expires_at = after(now(), cfg.retention);
+async fn complete(
+    cfg: &Arc<Config>,
+    claim: &Arc<Claim>,
+    stored: StoredResponse,
+    expires_at: Timestamp,
+) -> Option<StoreError> {
     let first = timed("complete", cfg.store.complete(claim, &stored, expires_at)).await;
     let error = match first {
-        Ok(()) => return None,
+        Ok(()) => {
+            cfg.waiters.wake(claim.scope());
+            return None;
+        }
         Err(StoreError::Fenced { generation }) => {
             tracing::warn!(
                 generation,
@@ -391,7 +440,10 @@ async fn complete(cfg: &Arc<Config>, claim: &Arc<Claim>, stored: StoredResponse)
             Err(last)
         };
         match with_heartbeat(&cfg, &claim, retried).await {
-            Ok(()) => tracing::info!("the response was stored on a retry"),
+            Ok(()) => {
+                cfg.waiters.wake(claim.scope());
+                tracing::info!("the response was stored on a retry")
+            }
             Err(StoreError::Fenced { generation }) => {
                 tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
             }
@@ -459,7 +511,11 @@ fn outcome(how: Run) -> &'static str {
 /// ([`Releases`]).
 async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
     match timed("fail", cfg.store.fail(claim)).await {
-        Ok(()) => tracing::info!(why, "attempt failed; a retry runs the handler again"),
+        Ok(()) => {
+            // A waiter takes the record over and runs the handler itself.
+            cfg.waiters.wake(claim.scope());
+            tracing::info!(why, "attempt failed; a retry runs the handler again")
+        }
         Err(StoreError::Fenced { generation }) => {
             tracing::warn!(generation, why, "attempt failed after a newer attempt took the key over")
         }
@@ -472,6 +528,23 @@ async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
             Releases::push(cfg, claim.clone(), why);
         }
     }
+}
+
+/// Completes when `notified` does; never without one.
+async fn until_notified(notified: Option<std::pin::Pin<Box<tokio::sync::futures::Notified<'_>>>>) {
+    match notified {
+        Some(n) => n.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Adds `Preference-Applied: wait=W` (RFC 7240 3): the request's `Prefer: wait` was honoured,
+/// with `W` the wait it got.
+fn with_preference_applied(mut res: Response<Body>, wait: Duration) -> Response<Body> {
+    if let Ok(value) = HeaderValue::from_str(&format!("wait={}", wait.as_secs())) {
+        res.headers_mut().insert(PREFERENCE_APPLIED, value);
+    }
+    res
 }
 
 fn in_progress(cfg: &Config, until_stale: Duration) -> Response<Body> {

@@ -249,6 +249,9 @@ impl<S: Store> Store for FaultyStore<S> {
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.inner.forget(id).await
     }
+    fn changes(&self) -> Option<std::sync::Arc<crate::RecordChanges>> {
+        self.inner.changes()
+    }
 }
 
 #[cfg(test)]

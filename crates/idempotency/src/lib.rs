@@ -11,6 +11,7 @@
 
 mod admin;
 mod canonical_json;
+mod changes;
 mod derive;
 mod fingerprint;
 mod key;
@@ -28,6 +29,7 @@ pub mod conformance;
 pub mod faulty;
 
 pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery};
+pub use changes::{ChangeSubscription, RecordChanges, change_tag};
 pub use derive::{SubKey, derive};
 pub use fingerprint::{DEFAULT_MAX_BODY, Fingerprint, FingerprintError, FingerprintMode, Fingerprinter, RequestParts};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

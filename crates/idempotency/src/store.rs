@@ -190,6 +190,14 @@ pub trait Store: Send + Sync + 'static {
     /// ([`Forget::InFlight`]). The key's next request then creates a new record, with a new
     /// record id.
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError>;
+
+    /// Where this store announces, to every process that uses it, that a record left
+    /// `in_flight` (completed or failed): a request waiting for another process's request with
+    /// its key is woken at once instead of at its next read. Default: none (waiters poll).
+    /// PostgreSQL announces with LISTEN/NOTIFY.
+    fn changes(&self) -> Option<std::sync::Arc<crate::RecordChanges>> {
+        None
+    }
 }
 
 #[async_trait]
@@ -244,5 +252,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         (**self).forget(id).await
+    }
+    fn changes(&self) -> Option<Arc<crate::RecordChanges>> {
+        (**self).changes()
     }
 }

@@ -142,6 +142,7 @@ impl Application {
             .response_policy(ResponsePolicy::default())
             .mismatch_status(args.mismatch_status)
             .in_flight_ttl(args.in_flight_ttl)
+            .max_wait(args.max_wait)
             .retention(args.retention)
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)

@@ -198,6 +198,12 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_IN_FLIGHT_TTL", default_value = "5m", value_parser = parse::duration)]
     pub in_flight_ttl: Duration,
 
+    /// The longest a request with `Prefer: wait=N` waits for the request in flight with its key
+    /// (it waits min(N, this), then gets the replay with `Preference-Applied`, or the usual 409).
+    /// 0: the preference is ignored.
+    #[arg(long, env = "LEASEBROKER_MAX_WAIT", default_value = "30s", value_parser = parse::duration)]
+    pub max_wait: Duration,
+
     /// How often expired idempotency records are swept (and abandoned operations reaped).
     #[arg(long, env = "LEASEBROKER_SWEEP_INTERVAL", default_value = "60s", value_parser = parse::duration)]
     pub sweep_interval: Duration,

@@ -1,6 +1,7 @@
 //! The OpenAPI document served at `/openapi.json`.
 
-use utoipa::openapi::path::{Operation, ParameterIn};
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::path::{Operation, ParameterBuilder, ParameterIn};
 use utoipa::openapi::response::Response;
 use utoipa::openapi::schema::{ObjectBuilder, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -112,6 +113,58 @@ impl CommonResponses {
                     Content::new(Some(RefOr::Ref(Ref::from_schema_name("Problem")))),
                 );
             }
+        }
+        if mutating && (path.starts_with("/v1/") || path.starts_with("/admin/")) {
+            Self::protocol_headers(op);
+        }
+    }
+}
+
+impl CommonResponses {
+    /// SPEC 1.3's protocol headers on a protected operation: `Prefer: wait=N` in, and
+    /// `Idempotency-Key-Expires` and `Preference-Applied` out.
+    fn protocol_headers(op: &mut Operation) {
+        let string = || ObjectBuilder::new().schema_type(Type::String);
+        let prefer = ParameterBuilder::new()
+            .name("Prefer")
+            .parameter_in(ParameterIn::Header)
+            .required(Required::False)
+            .description(Some(
+                "RFC 7240 preferences; `wait=N`: when the key's request is still in flight, wait up to \
+                 min(N, --max-wait) seconds for it to complete and get its response (replayed, with \
+                 `Preference-Applied`) instead of `409 request-in-progress`. Other preferences are ignored.",
+            ))
+            .schema(Some(string().examples(["wait=10"])))
+            .build();
+        let params = op.parameters.get_or_insert_with(Vec::new);
+        if !params.iter().any(|p| p.name.eq_ignore_ascii_case("prefer")) {
+            params.push(prefer);
+        }
+        for response in op.responses.responses.values_mut() {
+            let RefOr::T(response) = response else { continue };
+            response.headers.insert(
+                "Idempotency-Key-Expires".to_owned(),
+                HeaderBuilder::new()
+                    .schema(string().format(Some(utoipa::openapi::SchemaFormat::Custom("http-date".to_owned()))))
+                    .description(Some(
+                        "When the key's record expires, as an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`): \
+                         until then a retry with the key is answered from the record; after it the key is \
+                         free again. Sent on every response that has a record (the first response once \
+                         stored, replays, `409` in flight, the key-reused problem), not on a response \
+                         that stored nothing (5xx, 401, 429, ...).",
+                    ))
+                    .build(),
+            );
+            response.headers.insert(
+                "Preference-Applied".to_owned(),
+                HeaderBuilder::new()
+                    .schema(string())
+                    .description(Some(
+                        "`wait=W` when the request's `Prefer: wait` was honoured: it waited up to W seconds \
+                         for the request in flight with its key.",
+                    ))
+                    .build(),
+            );
         }
     }
 }

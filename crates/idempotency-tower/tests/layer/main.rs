@@ -6,6 +6,7 @@ mod concurrency;
 mod fixture;
 mod limits;
 mod long_running;
+mod protocol;
 mod replay;
 mod requests;
 mod service;

@@ -13,6 +13,7 @@ mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;
+mod protocol;
 mod records;
 mod redfish;
 mod service;
