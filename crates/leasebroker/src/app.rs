@@ -176,6 +176,7 @@ impl Application {
             generated_token = Some(token);
         }
 
+        let probe = crate::outage::StoreProbe::new(db.clone(), args.record_store.is_some().then(|| store.clone()));
         let state = AppState {
             firmware: Firmware {
                 domain: domain.clone(),
@@ -197,6 +198,7 @@ impl Application {
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
             audit: crate::audit::Audit::new(db.clone()),
+            probe,
         };
         let router = crate::routes::router(state, layer)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload

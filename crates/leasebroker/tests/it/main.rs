@@ -14,6 +14,7 @@ mod flashes;
 mod libvirt;
 mod records;
 mod service;
+mod store_bounds;
 mod store_tls;
 mod support;
 mod tenants;
