@@ -350,6 +350,7 @@ async fn a_postgres_partition_that_drops_packets_is_answered_503_within_5_s_on_e
 
     proxy.pause();
     for (name, r, took) in every_route(&lb.url, &worker, "cut").await {
+        eprintln!("{name}: {} in {took:?}", r.status);
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{name} after {took:?}: {}", r.text());
         assert_eq!(r.problem_type(), "store-unavailable", "{name}: {}", r.text());
         assert!(r.retry_after().is_some(), "{name}: no Retry-After: {:?}", r.headers);
@@ -358,6 +359,7 @@ async fn a_postgres_partition_that_drops_packets_is_answered_503_within_5_s_on_e
 
     proxy.resume();
     let took = retry_until_created(&lb.url, "create-cut", Duration::from_secs(60)).await;
+    eprintln!("the cut create was created on a retry {took:?} after the store returned");
     assert!(took < Duration::from_secs(30), "the cut create resumed after {took:?}, not within seconds");
     let fleet =
         send(&http(), Method::GET, &format!("{}/admin/v1/fleet", lb.url), Some(crate::bounds::ADMIN), None, None).await;
@@ -385,6 +387,7 @@ async fn a_locked_sqlite_database_is_answered_503_within_5_s_on_every_route() {
     let mut locker = sqlx::SqliteConnection::connect(&db).await.expect("open");
     sqlx::query("BEGIN IMMEDIATE").execute(&mut locker).await.expect("take the write lock");
     for (name, r, took) in every_route(&lb.url, &worker, "cut").await {
+        eprintln!("{name}: {} in {took:?}", r.status);
         assert!(took < Duration::from_secs(5), "{name} answered after {took:?}, SPEC 3.1 says within 5 s");
         let write = matches!(name.as_str(), "create" | "reboot" | "delete");
         if write || r.status == StatusCode::SERVICE_UNAVAILABLE {
@@ -399,6 +402,7 @@ async fn a_locked_sqlite_database_is_answered_503_within_5_s_on_every_route() {
     sqlx::query("ROLLBACK").execute(&mut locker).await.expect("release the lock");
     locker.close().await.expect("close");
     let took = retry_until_created(&lb.url, "create-cut", Duration::from_secs(60)).await;
+    eprintln!("the cut create was created on a retry {took:?} after the store returned");
     assert!(took < Duration::from_secs(30), "the cut create resumed after {took:?}, not within seconds");
     let fleet =
         send(&http(), Method::GET, &format!("{}/admin/v1/fleet", lb.url), Some(crate::bounds::ADMIN), None, None).await;
