@@ -9,7 +9,7 @@
 //! ([`idempotency_tower::IdempotencyLayerBuilder::store_timeout`]); the service's own statements
 //! (the handlers' domain reads and writes, on every route) are bounded here, by one middleware:
 //!
-//! - a request answered within [`STORE_DEADLINE`] (4 s) is untouched;
+//! - a request answered within [`STORE_DEADLINE`] (3 s) is untouched;
 //! - a request still running then is given a probe of the database (and of a separate record
 //!   store) of at most [`PROBE_TIMEOUT`]: a fresh connection, not one from the pool's queue, so a
 //!   busy but healthy database is not taken for a dead one. When the probe fails, the request is
@@ -37,13 +37,15 @@ use sqlx::{ConnectOptions, Connection};
 use crate::db::Db;
 
 /// How long a request runs before the database is probed on its behalf.
-pub const STORE_DEADLINE: Duration = Duration::from_secs(4);
-/// The longest a probe may take: [`STORE_DEADLINE`] plus this is under SPEC 3.1's 5 s.
-pub const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+pub const STORE_DEADLINE: Duration = Duration::from_secs(3);
+/// The longest a probe may take: [`STORE_DEADLINE`] plus this is under SPEC 3.1's 5 s, with
+/// room for the answer. Long enough that a healthy database busy with a commit (SQLite's write
+/// lock, a PostgreSQL connection's TLS handshake under load) is not taken for a dead one.
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
 /// How often a request that is slow for another reason is probed again.
 pub const RECHECK: Duration = Duration::from_secs(1);
 /// How long a probe's result is reused by other waiting requests.
-const PROBE_REUSED_FOR: Duration = Duration::from_millis(500);
+const PROBE_REUSED_FOR: Duration = Duration::from_secs(1);
 
 /// Probes whether the stores answer now, for [`store_deadline`].
 #[derive(Clone)]
@@ -100,7 +102,7 @@ impl StoreProbe {
                 conn.close().await?;
             }
             Db::Sqlite(pool) => {
-                let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT);
+                let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT * 4 / 5);
                 let mut conn = options.connect().await?;
                 sqlx::query("BEGIN IMMEDIATE").execute(&mut conn).await?;
                 sqlx::query("ROLLBACK").execute(&mut conn).await?;

@@ -250,12 +250,15 @@ async fn pump(
     }
 }
 
+/// A request: its name, method, URL, token, key and JSON body.
+type Route = (String, Method, String, Option<&'static str>, Option<String>, Option<serde_json::Value>);
+
 /// One request on every route that reads or writes the store, all at once; each answer and how
 /// long it took.
 async fn every_route(base: &str, worker: &str, round: &str) -> Vec<(String, crate::bounds::Reply, Duration)> {
     let client = http();
     let body = serde_json::json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4});
-    let routes: Vec<(String, Method, String, Option<&str>, Option<String>, Option<serde_json::Value>)> = vec![
+    let routes: Vec<Route> = vec![
         (
             "create".into(),
             Method::POST,
