@@ -33,6 +33,10 @@ const MAX_PENDING: usize = 10_000;
 /// The longest wait between two tries while the store does not answer: how late after the
 /// store's return a record is released, at worst.
 const MAX_DELAY: Duration = Duration::from_secs(1);
+/// How long after the store answers again a claim whose call timed out is still looked for: the
+/// connection that carried it may come back later than others (TCP retransmits with a backoff of
+/// up to two minutes after a partition), and its statement lands then.
+const LATE_LANDING: Duration = Duration::from_secs(150);
 
 /// What to release.
 enum Release {
@@ -61,8 +65,12 @@ struct Pending {
     why: &'static str,
     /// After this the claim is stale anyway: the in-flight TTL takes over.
     until: Instant,
-    /// Counted as detached work, so a shutdown drain gives the store a chance to come back.
-    _guard: DetachedGuard,
+    /// For a claim whose call timed out: until when it is looked for again while it is not in
+    /// the store (set when the store first answers without it).
+    look_until: Option<Instant>,
+    /// Counted as detached work, so a shutdown drain gives the store a chance to come back; no
+    /// longer once the store answered and a claim whose call timed out is only looked for again.
+    _guard: Option<DetachedGuard>,
 }
 
 impl Releases {
@@ -78,7 +86,8 @@ impl Releases {
     }
 
     fn push_pending(cfg: &Arc<Config>, what: Release, why: &'static str) {
-        let pending = Pending { what, why, until: Instant::now() + cfg.in_flight_ttl, _guard: DetachedGuard::new() };
+        let until = Instant::now() + cfg.in_flight_ttl;
+        let pending = Pending { what, why, until, look_until: None, _guard: Some(DetachedGuard::new()) };
         let start = {
             let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
             if state.queue.len() >= MAX_PENDING
@@ -109,7 +118,7 @@ async fn drain(cfg: Arc<Config>) {
     };
     let mut delays = backoff();
     loop {
-        let next = {
+        let mut next = {
             let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
             match state.queue.pop_front() {
                 Some(pending) => pending,
@@ -131,9 +140,17 @@ async fn drain(cfg: Arc<Config>) {
             Release::Unknown { scope, at } => match bounded(&cfg, "get", cfg.store.get(scope)).await {
                 // In flight since that very claim: the store took it after the call timed out.
                 Ok(Some(r)) if r.state == RecordState::InFlight && r.started_at == *at => Arc::new(Claim::new(r)),
+                // Not there (yet): its statement may still be on its way, so it is looked for
+                // again for a while, then given up.
                 Ok(_) => {
-                    tracing::debug!("a claim whose call timed out did not land; nothing to release");
-                    delays = backoff();
+                    let look_until = *next.look_until.get_or_insert_with(|| Instant::now() + LATE_LANDING);
+                    next._guard = None;
+                    if Instant::now() < look_until {
+                        cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                        tokio::time::sleep(delays.next().unwrap_or(MAX_DELAY)).await;
+                    } else {
+                        tracing::debug!("a claim whose call timed out never landed; nothing to release");
+                    }
                     continue;
                 }
                 Err(e) => {

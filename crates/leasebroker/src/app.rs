@@ -176,7 +176,7 @@ impl Application {
             generated_token = Some(token);
         }
 
-        let probe = crate::outage::StoreProbe::new(db.clone(), args.record_store.is_some().then(|| store.clone()));
+        let probe = crate::outage::StoreProbe::new(db.clone());
         let state = AppState {
             firmware: Firmware {
                 domain: domain.clone(),

@@ -10,10 +10,10 @@
 //! (the handlers' domain reads and writes, on every route) are bounded here, by one middleware:
 //!
 //! - a request answered within [`STORE_DEADLINE`] (3 s) is untouched;
-//! - a request still running then is given a probe of the database (and of a separate record
-//!   store) of at most [`PROBE_TIMEOUT`]: a fresh connection, not one from the pool's queue, so a
-//!   busy but healthy database is not taken for a dead one. When the probe fails, the request is
-//!   answered `503 store-unavailable` with `Retry-After`, at most 4 s after it came;
+//! - a request still running then is given a probe of the database of at most [`PROBE_TIMEOUT`]:
+//!   one `SELECT 1` through the service's own pool. When the pool cannot run it in time (every
+//!   connection waits on a database that does not answer, or on a locked SQLite file), the request
+//!   is answered `503 store-unavailable` with `Retry-After`, at most 4 s after it came;
 //! - when the probe succeeds, the request is slow for another reason (a slow hypervisor) and
 //!   keeps running, probed again every [`RECHECK`].
 //!
@@ -30,42 +30,43 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use idempotency::{ErrorChain, Store};
+use idempotency::ErrorChain;
 use idempotency_tower::Problem;
-use sqlx::{ConnectOptions, Connection};
 
 use crate::db::Db;
 
 /// How long a request runs before the database is probed on its behalf.
 pub const STORE_DEADLINE: Duration = Duration::from_secs(3);
 /// The longest a probe may take: [`STORE_DEADLINE`] plus this is under SPEC 3.1's 5 s, with
-/// room for the answer. Long enough that a healthy database busy with a commit (SQLite's write
-/// lock, a PostgreSQL connection's TLS handshake under load) is not taken for a dead one.
+/// room for the answer. A pool so busy that a `SELECT 1` waits longer than this for a request
+/// that already waited [`STORE_DEADLINE`] is answered `503` too (with `Retry-After`: retry).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a request that is slow for another reason is probed again.
 pub const RECHECK: Duration = Duration::from_secs(1);
 /// How long a probe's result is reused by other waiting requests.
 const PROBE_REUSED_FOR: Duration = Duration::from_secs(1);
 
-/// Probes whether the stores answer now, for [`store_deadline`].
+/// Probes whether the database answers now, for [`store_deadline`].
+///
+/// Only the service's own database: the idempotency layer bounds its calls to the record store
+/// itself, so a record store that is down (Redis) never holds a request, and a request that is
+/// slow for another reason while it is down (a slow hypervisor) keeps running.
 #[derive(Clone)]
 pub struct StoreProbe {
     db: Db,
-    /// A record store apart from the database (Redis), probed too.
-    record_store: Option<Arc<dyn Store>>,
     last: Arc<Mutex<Option<(Instant, bool)>>>,
 }
 
 impl std::fmt::Debug for StoreProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreProbe").field("separate_record_store", &self.record_store.is_some()).finish()
+        f.debug_struct("StoreProbe").finish_non_exhaustive()
     }
 }
 
 impl StoreProbe {
-    /// Probes `db`, and `record_store` when the records live elsewhere.
-    pub fn new(db: Db, record_store: Option<Arc<dyn Store>>) -> Self {
-        Self { db, record_store, last: Arc::default() }
+    /// Probes `db`.
+    pub fn new(db: Db) -> Self {
+        Self { db, last: Arc::default() }
     }
 
     /// Whether the database (and the record store) answer within [`PROBE_TIMEOUT`]; a result
@@ -80,11 +81,11 @@ impl StoreProbe {
         let ok = match tokio::time::timeout(PROBE_TIMEOUT, self.probe()).await {
             Ok(Ok(())) => true,
             Ok(Err(e)) => {
-                tracing::warn!(error = %ErrorChain(&*e), "the store does not answer a probe");
+                tracing::warn!(error = %ErrorChain(&e), "the database does not answer a probe");
                 false
             }
             Err(_) => {
-                tracing::warn!(timeout = ?PROBE_TIMEOUT, "the store did not answer a probe in time");
+                tracing::warn!(timeout = ?PROBE_TIMEOUT, "the database did not answer a probe in time");
                 false
             }
         };
@@ -92,27 +93,14 @@ impl StoreProbe {
         ok
     }
 
-    /// A fresh connection to the database that reads (PostgreSQL) or takes the write lock
-    /// (SQLite: a locked file refuses it, where a read would pass), then the record store's ping.
-    async fn probe(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// `SELECT 1` through the service's pool: what every handler's statement waits for. A
+    /// write-locked SQLite file still reads, so the probe passes unless the pool's connection is
+    /// held by a writer waiting on the lock, which is exactly when reads queue behind it.
+    async fn probe(&self) -> Result<(), sqlx::Error> {
         match &self.db {
-            Db::Postgres(pool) => {
-                let mut conn = pool.connect_options().connect().await?;
-                sqlx::query("SELECT 1").execute(&mut conn).await?;
-                conn.close().await?;
-            }
-            Db::Sqlite(pool) => {
-                let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT * 4 / 5);
-                let mut conn = options.connect().await?;
-                sqlx::query("BEGIN IMMEDIATE").execute(&mut conn).await?;
-                sqlx::query("ROLLBACK").execute(&mut conn).await?;
-                conn.close().await?;
-            }
+            Db::Postgres(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+            Db::Sqlite(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
         }
-        if let Some(store) = &self.record_store {
-            store.ping().await?;
-        }
-        Ok(())
     }
 }
 

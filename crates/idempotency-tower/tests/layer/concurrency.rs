@@ -465,8 +465,11 @@ mod outage {
     /// packets: each call is made (a claim lands) but its caller hears nothing until the
     /// partition heals.
     struct Silent {
-        inner: MemoryStore,
+        inner: Arc<MemoryStore>,
         silent: tokio::sync::watch::Sender<bool>,
+        /// A claim made while silent reaches the store only this long after the silence ends
+        /// (`None`: at once), as a statement on a connection whose retransmissions back off.
+        late: Option<Duration>,
     }
 
     impl Silent {
@@ -482,6 +485,17 @@ mod outage {
             &self,
             req: idempotency::ClaimRequest,
         ) -> Result<idempotency::ClaimOutcome, idempotency::StoreError> {
+            if let Some(late) = self.late.filter(|_| *self.silent.borrow()) {
+                // The statement is on its way whether or not its caller still waits for it.
+                let (inner, mut silent) = (self.inner.clone(), self.silent.subscribe());
+                let landed = tokio::spawn(async move {
+                    let _ = silent.wait_for(|s| !s).await;
+                    tokio::time::sleep(late).await;
+                    inner.claim(req).await
+                });
+                let out = landed.await.expect("the late claim");
+                return self.heard(out).await;
+            }
             let out = self.inner.claim(req).await;
             self.heard(out).await
         }
@@ -562,7 +576,7 @@ mod outage {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_whose_answer_is_lost_is_answered_503_in_time_and_released_when_the_store_answers() {
         let (silent, _) = tokio::sync::watch::channel(true);
-        let store = Arc::new(Silent { inner: MemoryStore::new(), silent });
+        let store = Arc::new(Silent { inner: Arc::new(MemoryStore::new()), silent, late: None });
         let timeout = Duration::from_millis(300);
         let layer = builder_for_p(store.clone()).store_timeout(timeout).build();
         let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
@@ -590,5 +604,31 @@ mod outage {
         assert_eq!((resumed.status, resumed.replayed()), (StatusCode::CREATED, false), "{}", resumed.text());
         assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
         assert!(send(&app, post_key("/v1/things", "lost")).await.replayed());
+    }
+
+    /// The same when the claim reaches the store a while after the store answers again (its
+    /// connection comes back last): the layer keeps looking for it, and releases it when it lands.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_that_lands_after_the_store_answers_again_is_released_too() {
+        let (silent, _) = tokio::sync::watch::channel(true);
+        let late = Duration::from_secs(2);
+        let store = Arc::new(Silent { inner: Arc::new(MemoryStore::new()), silent, late: Some(late) });
+        let layer = builder_for_p(store.clone()).store_timeout(Duration::from_millis(300)).build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
+        let cut = send(&app, post_key("/v1/things", "late")).await;
+        assert_eq!(cut.status, StatusCode::SERVICE_UNAVAILABLE, "{}", cut.text());
+        store.silent.send_replace(false);
+        let s = scope("/v1/things", "late");
+        wait_until("the late claim lands", Duration::from_secs(30), async || {
+            store.inner.get(&s).await.expect("get").is_some()
+        })
+        .await;
+        wait_until("the late claim is released", Duration::from_secs(30), async || {
+            store.inner.get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+        })
+        .await;
+        let resumed = send(&app, post_key("/v1/things", "late")).await;
+        assert_eq!((resumed.status, resumed.replayed()), (StatusCode::CREATED, false), "{}", resumed.text());
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
     }
 }
