@@ -180,6 +180,70 @@ async fn a_full_sqlite_file_system_answers_503_for_the_write_and_readyz_says_not
     assert_eq!(ready(client.clone(), lb.url.clone()).await, StatusCode::OK, "readyz once space is back");
 }
 
+/// The same on PostgreSQL (SQLSTATE `53100 disk_full`): a private server whose database keeps its
+/// tables in a tablespace on a small tmpfs (`ALTER DATABASE ... SET default_tablespace`, so the
+/// catalogs and the WAL stay on the big disk and only the tables fill up). The write that finds
+/// no space answers `503 store-unavailable` with `Retry-After`, `/readyz` answers `503`, a replay
+/// still answers, and once space is freed the next write succeeds and the service is ready again.
+#[tokio::test]
+async fn a_full_postgres_tablespace_answers_503_for_the_write_and_readyz_says_not_ready() {
+    use sqlx::Connection;
+    let Some(fs) = TinyFs::mount("16m") else { return };
+    let Some(server) = idempotency_sqlx::testing::LocalServer::start() else { return };
+    // The server runs as `postgres` when the test runs as root: the tablespace must be its own.
+    let id = |flag: &str| -> Option<u32> {
+        let out = Command::new("id").args([flag, "postgres"]).output().ok()?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+    };
+    if let (Some(uid), Some(gid)) = (id("-u"), id("-g")) {
+        std::os::unix::fs::chown(fs.path(), Some(uid), Some(gid)).expect("chown the tablespace");
+    }
+    let mut admin = sqlx::PgConnection::connect(&server.url("postgres")).await.expect("connect");
+    for sql in [
+        format!("CREATE TABLESPACE tiny LOCATION '{}'", fs.path().display()),
+        "CREATE DATABASE lb".to_owned(),
+        "ALTER DATABASE lb SET default_tablespace = tiny".to_owned(),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    admin.close().await.expect("close");
+    let lb = serve(&server.url("lb"), &["--rate-limit", "0", "--max-records-per-principal", "0"]);
+    let client = http();
+    let ready = |client: reqwest::Client, base: String| async move {
+        client.get(format!("{base}/readyz")).send().await.expect("readyz").status()
+    };
+    assert_eq!(delete(&client, &lb.url, ALICE, "wkr-none", "before-full").await.status, StatusCode::NOT_FOUND);
+    assert_eq!(ready(client.clone(), lb.url.clone()).await, StatusCode::OK);
+
+    let filler = fs.fill(256 << 10);
+    let id = noise(2000);
+    let mut full = None;
+    for i in 0..10_000 {
+        let r = delete(&client, &lb.url, ALICE, &id, &format!("full-{i}")).await;
+        if r.status == StatusCode::SERVICE_UNAVAILABLE {
+            full = Some(r);
+            break;
+        }
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.text());
+    }
+    let full = full.expect("the tablespace never filled up");
+    assert_eq!(full.problem_type(), "store-unavailable", "{}", full.text());
+    assert!(full.retry_after().is_some(), "{:?}", full.headers);
+    assert_eq!(ready(client.clone(), lb.url.clone()).await, StatusCode::SERVICE_UNAVAILABLE, "readyz while full");
+    let replay = delete(&client, &lb.url, ALICE, "wkr-none", "before-full").await;
+    assert_eq!((replay.status, replay.replayed()), (StatusCode::NOT_FOUND, true), "{}", replay.text());
+
+    std::fs::remove_file(&filler).expect("free the space");
+    let after = delete(&client, &lb.url, ALICE, "wkr-none", "after-free").await;
+    assert_eq!(after.status, StatusCode::NOT_FOUND, "{}", after.text());
+    assert_eq!(ready(client.clone(), lb.url.clone()).await, StatusCode::OK, "readyz once space is back");
+    drop(lb);
+    drop(server);
+}
+
 // Within 5 s, on every route.
 
 /// A TCP proxy in front of PostgreSQL that can be paused: while paused it accepts connections
