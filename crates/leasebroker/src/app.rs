@@ -138,6 +138,12 @@ impl Application {
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)
             .max_records_per_principal(Some(args.max_records_per_principal).filter(|&n| n > 0))
+            // A Redis transition waits for its replicas up to --record-store-replica-timeout: the
+            // bound on a store call leaves it that long and a second more.
+            .store_timeout(
+                idempotency_tower::DEFAULT_STORE_TIMEOUT
+                    .max(args.record_store_replica_timeout + std::time::Duration::from_secs(1)),
+            )
             .operation_link(crate::firmware::operation_link)
             .build();
         let reaper = Reaper {
