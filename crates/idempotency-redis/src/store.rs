@@ -218,8 +218,10 @@ impl Ack {
 /// The claim script's arguments: record id, fingerprint, now, expires_at, expires_at in epoch
 /// milliseconds, principal, endpoint, key (see [`crate::scripts::CLAIM`]).
 struct ClaimArgs<'a> {
-    req: &'a ClaimRequest,
     fresh: &'a Record,
+    /// The scope as the record's fields keep it ([`idempotency::stored_component`]): its key is
+    /// a digest of the whole scope already, and its fields need not hold a long part whole.
+    stored: [std::borrow::Cow<'a, str>; 3],
     rid: String,
     now: String,
     eat: String,
@@ -229,9 +231,10 @@ struct ClaimArgs<'a> {
 impl<'a> ClaimArgs<'a> {
     /// The arguments that claim `req`'s key as `fresh` when it is free.
     fn new(req: &'a ClaimRequest, fresh: &'a Record) -> Self {
+        let s = &req.scope;
         Self {
-            req,
             fresh,
+            stored: [s.principal.as_str(), s.endpoint.as_str(), s.key.as_str()].map(idempotency::stored_component),
             rid: fresh.record_id.to_hex(),
             now: encode_ts(req.now),
             eat: encode_ts(req.expires_at),
@@ -240,16 +243,16 @@ impl<'a> ClaimArgs<'a> {
     }
 
     fn args(&self) -> [&[u8]; 8] {
-        let s = &self.req.scope;
+        let [principal, endpoint, key] = &self.stored;
         [
             self.rid.as_bytes(),
             self.fresh.fingerprint.as_str().as_bytes(),
             self.now.as_bytes(),
             self.eat.as_bytes(),
             self.eat_ms.as_bytes(),
-            s.principal.as_str().as_bytes(),
-            s.endpoint.as_str().as_bytes(),
-            s.key.as_str().as_bytes(),
+            principal.as_bytes(),
+            endpoint.as_bytes(),
+            key.as_bytes(),
         ]
     }
 }
@@ -404,7 +407,7 @@ impl RedisStore {
             Value::Int(1) => {}
             reply => match record_reply(reply)? {
                 Some(record) if is_own(&record, &fresh) => {}
-                Some(record) => return Ok(ClaimOutcome::Existing(record)),
+                Some(record) => return Ok(ClaimOutcome::Existing(of_scope(record, &req.scope))),
                 None => {
                     return Err(StoreError::Corrupt("the claim script returned neither ownership nor a record".into()));
                 }
@@ -431,6 +434,13 @@ fn is_own(found: &Record, fresh: &Record) -> bool {
     found.record_id == fresh.record_id
         && found.generation == fresh.generation
         && found.state == idempotency::RecordState::InFlight
+}
+
+/// `record`, read at the key of `scope`, with that scope whole: its fields may hold a long part
+/// shortened ([`idempotency::stored_component`]), the caller's scope is the record's own.
+fn of_scope(mut record: Record, scope: &Scope) -> Record {
+    record.scope = scope.clone();
+    record
 }
 
 pub(crate) fn record_reply(v: Value) -> Result<Option<Record>, StoreError> {
@@ -473,7 +483,9 @@ impl Store for RedisStore {
         let key = self.key_of(&record.scope);
         let mut conn = self.conn.pin(&key);
         let reply = self.eval_on(&mut conn, &self.scripts.reclaim, &key, &args).await?;
-        let Some(claim) = record_reply(reply)?.map(Claim::new) else { return Ok(None) };
+        let Some(claim) = record_reply(reply)?.map(|r| Claim::new(of_scope(r, &record.scope))) else {
+            return Ok(None);
+        };
         if let Err(e) = self.acknowledged(&mut conn, "reclaim").await {
             // Not taken: marked failed under the new generation, so the next retry reclaims it
             // at once rather than after the in-flight TTL.
@@ -511,7 +523,7 @@ impl Store for RedisStore {
     /// One `HGETALL`: a single command on one key is atomic already, so it needs no script.
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         let reply = self.conn.query(redis::cmd("HGETALL").arg(self.key_of(scope))).await.map_err(redis_error)?;
-        record_reply(reply)
+        Ok(record_reply(reply)?.map(|r| of_scope(r, scope)))
     }
 
     /// Deletes nothing and returns 0: every record's key expires by itself at its

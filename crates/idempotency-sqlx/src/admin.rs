@@ -78,9 +78,10 @@ pub(crate) mod partitioned {
 }
 
 /// Runs the operating queries on one pool, decoding rows with `$decode`; implements
-/// `list_records`, `get_by_id` and `forget` as inherent helpers named `admin_*`.
+/// `list_records`, `get_by_id` and `forget` as inherent helpers named `admin_*`. A principal to
+/// filter by is given to the database as `$stored` makes it (the form its rows hold it in).
 macro_rules! admin_methods {
-    ($store:ty, $statements:path, $decode:path, $ts:expr) => {
+    ($store:ty, $statements:path, $decode:path, $ts:expr, $stored:expr) => {
         impl $store {
             async fn admin_list(
                 &self,
@@ -94,7 +95,7 @@ macro_rules! admin_methods {
                     .bind(after.as_ref().map(|a| a.as_bytes().as_slice()))
                     .bind(ts(query.now))
                     .bind(query.state.map(|s| s.as_str()))
-                    .bind(query.principal.as_ref().map(|p| p.as_str()))
+                    .bind(query.principal.as_ref().map(|p| $stored(p.as_str())))
                     .bind(query.started_before.map(&ts))
                     .bind(size as i64 + 1)
                     .fetch_all(&self.pool)

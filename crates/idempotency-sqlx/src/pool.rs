@@ -39,8 +39,29 @@ pub fn postgres_pool_options(max_connections: u32) -> PgPoolOptions {
 /// SQLite pool options: `max_connections`, no ping on checkout. A SQLite connection is a file
 /// handle in this process; there is no peer that could have gone away, and the ping would be a
 /// hop to the connection's worker thread and back.
+///
+/// A connection released with a transaction still counted open is closed instead of reused. SQLite
+/// rolls a transaction back by itself on some errors (`SQLITE_FULL` among them); sqlx does not
+/// see it, its own `ROLLBACK` of the dropped transaction then fails ("no transaction is active"),
+/// and its count of open transactions stays at one, so every later `BEGIN` on that connection
+/// would be refused: with one connection, the service would never write again, even once the
+/// disk has space (seen in leasebroker's
+/// `a_full_sqlite_file_system_answers_503_for_the_write_and_readyz_says_not_ready`).
 pub fn sqlite_pool_options(max_connections: u32) -> SqlitePoolOptions {
-    SqlitePoolOptions::new().max_connections(max_connections).test_before_acquire(false)
+    SqlitePoolOptions::new().max_connections(max_connections).test_before_acquire(false).after_release(|conn, _| {
+        Box::pin(async move {
+            use sqlx::Connection;
+            if conn.is_in_transaction() {
+                // A dropped transaction's rollback is queued: the ping runs it.
+                conn.ping().await?;
+                if conn.is_in_transaction() {
+                    tracing::warn!("a SQLite connection is left inside a transaction it cannot roll back; closed");
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })
+    })
 }
 
 #[cfg(test)]

@@ -6,12 +6,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp, change_tag,
+    StoreError, StoredResponse, Timestamp, change_tag, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgListener, PgPool, PgRow};
 
-use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, db_error, fenced, stale_cutoff, state_columns};
+use crate::row::{
+    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, SpaceWatch, db_error, fenced, stale_cutoff, state_columns,
+};
 
 /// Connections in a pool made by [`PostgresStore::connect`].
 const MAX_CONNECTIONS: u32 = 10;
@@ -49,6 +51,7 @@ pub struct PostgresStore {
     pool: PgPool,
     strategy: ClaimStrategy,
     changes: Arc<OnceLock<Option<Arc<RecordChanges>>>>,
+    space: SpaceWatch,
 }
 
 /// The channel of the announcements that a record left `in_flight`; the payload is the
@@ -67,7 +70,7 @@ impl PostgresStore {
 
     /// Wraps an existing pool, with the default [`ClaimStrategy`].
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, strategy: ClaimStrategy::default(), changes: Arc::default() }
+        Self { pool, strategy: ClaimStrategy::default(), changes: Arc::default(), space: SpaceWatch::default() }
     }
 
     /// Uses `strategy` to claim keys.
@@ -207,16 +210,16 @@ impl Store for PostgresStore {
         };
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let row = sqlx::query(sql)
-                .bind(req.scope.principal.as_str())
-                .bind(req.scope.endpoint.as_str())
-                .bind(req.scope.key.as_str())
+                .bind(stored_component(req.scope.principal.as_str()))
+                .bind(stored_component(req.scope.endpoint.as_str()))
+                .bind(stored_component(req.scope.key.as_str()))
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
                 .bind(req.expires_at)
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(db_error)?;
+                .map_err(|e| self.space.db_error(e))?;
             // Zero rows (InsertOrRead only): a concurrent transaction inserted the key and
             // committed after this statement took its snapshot. The INSERT waited for it and
             // then did nothing, but the outer SELECT reads the statement's snapshot, in which
@@ -224,18 +227,18 @@ impl Store for PostgresStore {
             // again sees it. (Also when the sweeper deleted the row in between: then the
             // insert wins.)
             let Some(row) = row else { continue };
-            let inserted: bool = row.try_get(INSERTED).map_err(db_error)?;
+            let inserted: bool = row.try_get(INSERTED).map_err(|e| self.space.db_error(e))?;
             let record = decode(&row, &req.scope)?;
             if inserted {
-                return Ok(ClaimOutcome::Owned(Claim::new(record)));
+                return Ok(self.space.owned(Claim::new(record)));
             }
             if !record.is_expired(req.now) {
                 return Ok(ClaimOutcome::Existing(record));
             }
             let replaced = sqlx::query(REPLACE_EXPIRED)
-                .bind(req.scope.principal.as_str())
-                .bind(req.scope.endpoint.as_str())
-                .bind(req.scope.key.as_str())
+                .bind(stored_component(req.scope.principal.as_str()))
+                .bind(stored_component(req.scope.endpoint.as_str()))
+                .bind(stored_component(req.scope.key.as_str()))
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
@@ -244,9 +247,9 @@ impl Store for PostgresStore {
                 .bind(record.generation)
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(db_error)?;
+                .map_err(|e| self.space.db_error(e))?;
             if let Some(row) = replaced {
-                return Ok(ClaimOutcome::Owned(Claim::new(decode(&row, &req.scope)?)));
+                return Ok(self.space.owned(Claim::new(decode(&row, &req.scope)?)));
             }
             // Another claimer replaced it first, its owner completed it, or the sweeper
             // deleted it: look again.
@@ -262,9 +265,9 @@ impl Store for PostgresStore {
         expires_at: Timestamp,
     ) -> Result<Option<Claim>, StoreError> {
         let row = sqlx::query(RECLAIM)
-            .bind(record.scope.principal.as_str())
-            .bind(record.scope.endpoint.as_str())
-            .bind(record.scope.key.as_str())
+            .bind(stored_component(record.scope.principal.as_str()))
+            .bind(stored_component(record.scope.endpoint.as_str()))
+            .bind(stored_component(record.scope.key.as_str()))
             .bind(record.record_id.as_bytes().as_slice())
             .bind(record.generation)
             .bind(now)
@@ -273,7 +276,7 @@ impl Store for PostgresStore {
             .bind(expires_at)
             .fetch_optional(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         row.map(|r| decode(&r, &record.scope).map(Claim::new)).transpose()
     }
 
@@ -285,9 +288,9 @@ impl Store for PostgresStore {
     ) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(COMPLETE)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
+            .bind(stored_component(r.scope.principal.as_str()))
+            .bind(stored_component(r.scope.endpoint.as_str()))
+            .bind(stored_component(r.scope.key.as_str()))
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
             .bind(i32::from(response.status))
@@ -298,72 +301,81 @@ impl Store for PostgresStore {
             .bind(change_tag(&r.scope))
             .fetch_all(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
+        self.space.wrote();
         fenced(done.len() as u64, claim)
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(FAIL)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
+            .bind(stored_component(r.scope.principal.as_str()))
+            .bind(stored_component(r.scope.endpoint.as_str()))
+            .bind(stored_component(r.scope.key.as_str()))
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
             .bind(change_tag(&r.scope))
             .fetch_all(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.len() as u64, claim)
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(HEARTBEAT)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
+            .bind(stored_component(r.scope.principal.as_str()))
+            .bind(stored_component(r.scope.endpoint.as_str()))
+            .bind(stored_component(r.scope.key.as_str()))
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
             .bind(now)
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(REMOVE)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
+            .bind(stored_component(r.scope.principal.as_str()))
+            .bind(stored_component(r.scope.endpoint.as_str()))
+            .bind(stored_component(r.scope.key.as_str()))
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         let row = sqlx::query(SELECT)
-            .bind(scope.principal.as_str())
-            .bind(scope.endpoint.as_str())
-            .bind(scope.key.as_str())
+            .bind(stored_component(scope.principal.as_str()))
+            .bind(stored_component(scope.endpoint.as_str()))
+            .bind(stored_component(scope.key.as_str()))
             .fetch_optional(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         row.map(|r| decode(&r, scope)).transpose()
     }
 
     async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(SWEEP).bind(now).bind(i64::from(batch)).execute(&self.pool).await.map_err(db_error)?;
+        let done = sqlx::query(SWEEP)
+            .bind(now)
+            .bind(i64::from(batch))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
         Ok(done.rows_affected())
     }
 
+    /// Not ready either while a recent write was refused for lack of space and none succeeded
+    /// since: a full database still answers a read.
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        self.space.check()?;
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         Ok(())
     }
 
@@ -375,11 +387,11 @@ impl Store for PostgresStore {
     ) -> Result<Option<u64>, StoreError> {
         let n: i64 =
             sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = $1 AND expires_at > $2")
-                .bind(principal.as_str())
+                .bind(stored_component(principal.as_str()))
                 .bind(now)
                 .fetch_one(&self.pool)
                 .await
-                .map_err(db_error)?;
+                .map_err(|e| self.space.db_error(e))?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
     }
 
@@ -448,4 +460,10 @@ async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
     }
 }
 
-crate::admin::admin_methods!(PostgresStore, crate::admin::postgres, crate::partitioned::decode, |t: Timestamp| t);
+crate::admin::admin_methods!(
+    PostgresStore,
+    crate::admin::postgres,
+    crate::partitioned::decode,
+    |t: Timestamp| t,
+    stored_component
+);

@@ -156,6 +156,73 @@ pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
     }
 }
 
+/// How long a write refused for lack of space keeps the store not ready when no write succeeds
+/// after it (as the Redis store does for `OOM`): a write that finds space (another process freed
+/// some, a sweep deleted records) makes it ready at once.
+pub(crate) const SPACE_REMEMBERED: Duration = Duration::from_secs(30);
+
+/// Remembers the last write the database refused for lack of space (SQLite `SQLITE_FULL`,
+/// PostgreSQL `53100 disk_full`), so that [`idempotency::Store::ping`] (readiness) reports it:
+/// a full database still answers `SELECT 1`. Shared by the clones of one store.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SpaceWatch(std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl SpaceWatch {
+    /// [`db_error`], noting a refusal for space.
+    pub(crate) fn db_error(&self, e: sqlx::Error) -> StoreError {
+        if refused_for_space(&e) {
+            tracing::warn!("the database refused a write for lack of space; the store reports not ready");
+            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+        }
+        db_error(e)
+    }
+
+    /// A claim that inserted its record: there is space again.
+    pub(crate) fn owned(&self, claim: idempotency::Claim) -> idempotency::ClaimOutcome {
+        self.wrote();
+        idempotency::ClaimOutcome::Owned(claim)
+    }
+
+    /// A write succeeded: there is space again.
+    pub(crate) fn wrote(&self) {
+        let mut at = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if at.take().is_some() {
+            tracing::info!("the database takes writes again");
+        }
+    }
+
+    /// `Err` while a recent write was refused for space and none succeeded since.
+    pub(crate) fn check(&self) -> Result<(), StoreError> {
+        let at = *self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match at {
+            Some(at) if at.elapsed() < SPACE_REMEMBERED => Err(StoreError::unavailable(OutOfSpace)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether the database refused a write for lack of space, by its result code (SQLite) or
+/// SQLSTATE (PostgreSQL), never by its text.
+fn refused_for_space(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else { return false };
+    let Some(code) = db.code() else { return false };
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // SQLITE_FULL, and any extended code of it.
+        return code.parse::<u32>().is_ok_and(|c| c & 0xff == 13);
+    }
+    #[cfg(feature = "postgres")]
+    if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+        return code == "53100";
+    }
+    false
+}
+
+/// The database refused a write for lack of space.
+#[derive(Debug, thiserror::Error)]
+#[error("the database refused a write for lack of space")]
+pub(crate) struct OutOfSpace;
+
 /// A claim that kept racing with concurrent writers and never settled.
 #[derive(Debug, thiserror::Error)]
 #[error("the claim did not settle after {0} attempts under concurrent writes")]

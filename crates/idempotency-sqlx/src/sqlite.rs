@@ -11,7 +11,7 @@ use idempotency::{
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous};
 
-use crate::row::{ClaimDidNotSettle, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+use crate::row::{ClaimDidNotSettle, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
 
 /// How long a connection waits for SQLite's write lock before giving up. Writers queue on one
 /// lock; every write here is one short statement or transaction, so waiting is always better
@@ -31,6 +31,7 @@ const MAX_CONNECTIONS: u32 = 8;
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    space: SpaceWatch,
 }
 
 impl SqliteStore {
@@ -42,7 +43,7 @@ impl SqliteStore {
             .connect_with(Self::connect_options(url)?)
             .await
             .map_err(db_error)?;
-        Ok(Self { pool })
+        Ok(Self::from_pool(pool))
     }
 
     /// The connection options [`SqliteStore::connect`] uses (create if missing, WAL,
@@ -65,7 +66,7 @@ impl SqliteStore {
     /// Wraps an existing pool. Its connections should have a busy timeout and WAL mode (see
     /// [`SqliteStore::connect_options`]).
     pub fn from_pool(pool: SqlitePool) -> Self {
-        Self { pool }
+        Self { pool, space: SpaceWatch::default() }
     }
 
     /// The pool.
@@ -188,7 +189,7 @@ impl Store for SqliteStore {
         // lock up front (waiting out the busy timeout), so the read that may follow the upsert
         // cannot be invalidated by another writer.
         let record = req.new_record();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db_error)?;
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| self.space.db_error(e))?;
         let row = sqlx::query(UPSERT)
             .bind(req.scope.principal.as_str())
             .bind(req.scope.endpoint.as_str())
@@ -199,16 +200,16 @@ impl Store for SqliteStore {
             .bind(micros(req.expires_at))
             .fetch_optional(&mut *tx)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         let outcome = match row {
-            Some(row) => ClaimOutcome::Owned(Claim::new(decode(&row)?)),
+            Some(row) => self.space.owned(Claim::new(decode(&row)?)),
             None => match Self::fetch(&mut *tx, &req.scope).await? {
                 Some(existing) => ClaimOutcome::Existing(existing),
                 // The upsert conflicted, so the row exists and we hold the write lock.
                 None => return Err(StoreError::unavailable(ClaimDidNotSettle(1))),
             },
         };
-        tx.commit().await.map_err(db_error)?;
+        tx.commit().await.map_err(|e| self.space.db_error(e))?;
         Ok(outcome)
     }
 
@@ -231,7 +232,7 @@ impl Store for SqliteStore {
             .bind(micros(expires_at))
             .fetch_optional(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         row.map(|r| decode(&r).map(Claim::new)).transpose()
     }
 
@@ -255,7 +256,8 @@ impl Store for SqliteStore {
             .bind(micros(expires_at))
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
+        self.space.wrote();
         fenced(done.rows_affected(), claim)
     }
 
@@ -269,7 +271,7 @@ impl Store for SqliteStore {
             .bind(r.generation)
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
@@ -284,7 +286,7 @@ impl Store for SqliteStore {
             .bind(micros(now))
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
@@ -298,7 +300,7 @@ impl Store for SqliteStore {
             .bind(r.generation)
             .execute(&self.pool)
             .await
-            .map_err(db_error)?;
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
@@ -307,13 +309,20 @@ impl Store for SqliteStore {
     }
 
     async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
-        let done =
-            sqlx::query(SWEEP).bind(micros(now)).bind(i64::from(batch)).execute(&self.pool).await.map_err(db_error)?;
+        let done = sqlx::query(SWEEP)
+            .bind(micros(now))
+            .bind(i64::from(batch))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
         Ok(done.rows_affected())
     }
 
+    /// Not ready either while a recent write was refused for lack of space and none succeeded
+    /// since: a full database still answers a read.
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        self.space.check()?;
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         Ok(())
     }
 
@@ -329,7 +338,7 @@ impl Store for SqliteStore {
                 .bind(micros(now))
                 .fetch_one(&self.pool)
                 .await
-                .map_err(db_error)?;
+                .map_err(|e| self.space.db_error(e))?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
     }
 
@@ -346,4 +355,11 @@ impl Store for SqliteStore {
     }
 }
 
-crate::admin::admin_methods!(SqliteStore, crate::admin::sqlite, decode, |t: Timestamp| micros(t));
+// SQLite keeps the scope whole: its index has no row-size limit.
+crate::admin::admin_methods!(
+    SqliteStore,
+    crate::admin::sqlite,
+    decode,
+    |t: Timestamp| micros(t),
+    std::borrow::Cow::<str>::Borrowed
+);

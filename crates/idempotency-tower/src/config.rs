@@ -95,6 +95,7 @@ pub(crate) struct Config {
     pub(crate) problem_base: Cow<'static, str>,
     pub(crate) max_stored_response: usize,
     pub(crate) completion_retry: CompletionRetry,
+    pub(crate) store_timeout: Duration,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
     /// Claims whose `fail` waits for the store to answer again.
@@ -127,6 +128,7 @@ impl fmt::Debug for Config {
             .field("problem_base", &self.problem_base)
             .field("max_stored_response", &self.max_stored_response)
             .field("completion_retry", &self.completion_retry)
+            .field("store_timeout", &self.store_timeout)
             .field("anonymous", &self.anonymous)
             .finish_non_exhaustive()
     }

@@ -40,6 +40,9 @@ pub const DEFAULT_COMPLETION_RETRIES: usize = 8;
 /// 5 seconds.
 pub const DEFAULT_COMPLETION_RETRY_DELAY: Duration = Duration::from_millis(100);
 const MAX_COMPLETION_RETRY_DELAY: Duration = Duration::from_secs(5);
+/// The default bound on one store call (3 s): with the store unreachable a request is answered
+/// `503 store-unavailable` within 5 s (SPEC 3.1), with time to spare for the answer.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
 /// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
@@ -83,6 +86,7 @@ impl IdempotencyLayer {
             anonymous: None,
             operation_link: None,
             max_records_per_principal: None,
+            store_timeout: DEFAULT_STORE_TIMEOUT,
         }
     }
 
@@ -123,6 +127,7 @@ pub struct IdempotencyLayerBuilder {
     anonymous: Option<Principal>,
     operation_link: Option<Box<OperationLinkFn>>,
     max_records_per_principal: Option<u64>,
+    store_timeout: Duration,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -326,6 +331,20 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// The longest one store call may take (default [`DEFAULT_STORE_TIMEOUT`], 3 s) before it
+    /// fails as unavailable and the request is answered `503 store-unavailable` with
+    /// `Retry-After`. A store that refuses connections fails at once; this bounds the store that
+    /// does not answer at all (packets dropped by a partition, a locked SQLite file, a frozen
+    /// host), which would otherwise hold the request for TCP's retransmission timeout. A claim
+    /// whose call timed out may still land in the store after the request was answered: the
+    /// layer then releases it (marks it failed, fenced by its generation) as soon as the store
+    /// answers again, so a retry runs the handler instead of waiting out the in-flight TTL.
+    /// Set it above the store's slowest healthy call.
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
+        self
+    }
+
     /// Builds the layer.
     pub fn build(self) -> IdempotencyLayer {
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
@@ -351,6 +370,7 @@ impl IdempotencyLayerBuilder {
                 problem_base: self.problem_base,
                 max_stored_response: self.max_stored_response,
                 completion_retry: self.completion_retry,
+                store_timeout: self.store_timeout,
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
                 releases: Default::default(),

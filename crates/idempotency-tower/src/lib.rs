@@ -12,6 +12,11 @@
 //!   so `/v1/workers/wkr-1` and `/v1/workers/%77kr-1` are one record.
 //! - While the handler runs, its claim is renewed every quarter of the in-flight TTL, so a slow
 //!   handler is never taken for a dead one and run twice.
+//! - Every store call is bounded by
+//!   [`store_timeout`](IdempotencyLayerBuilder::store_timeout) (default 3 s): a store that stops
+//!   answering (a partition that drops packets, a locked file) is answered
+//!   `503 store-unavailable` in time, and a claim that may have landed after its call gave up is
+//!   released as soon as the store answers again.
 //! - A store error while storing the response is retried in the background
 //!   ([`completion_retries`](IdempotencyLayerBuilder::completion_retries)); the client is
 //!   answered at once.
@@ -40,6 +45,7 @@
 
 mod config;
 mod context;
+mod deadline;
 mod expires;
 mod future;
 mod headers;
@@ -61,7 +67,7 @@ pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED,
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
     DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_MAX_WAIT,
-    DEFAULT_RETENTION, DEFAULT_WAIT_POLL, IdempotencyLayer, IdempotencyLayerBuilder,
+    DEFAULT_RETENTION, DEFAULT_STORE_TIMEOUT, DEFAULT_WAIT_POLL, IdempotencyLayer, IdempotencyLayerBuilder,
 };
 #[cfg(feature = "metrics")]
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};

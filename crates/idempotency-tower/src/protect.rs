@@ -23,9 +23,10 @@ use tracing::Instrument;
 use crate::BoxError;
 use crate::config::Config;
 use crate::context::IdempotencyContext;
+use crate::deadline::{bounded, timed_out};
 use crate::expires::with_expiry;
 use crate::headers::PREFERENCE_APPLIED;
-use crate::metrics::{count, timed};
+use crate::metrics::count;
 use crate::problem::{Rejection, rejection_response};
 use crate::release::Releases;
 use crate::replay::{replay, replayable_headers};
@@ -89,10 +90,10 @@ where
     let mut claim_next = true;
     let mut reserved = false;
     if let Some(limit) = &cfg.record_limit {
-        match limit.reserve(store.as_ref(), &p.scope.principal, now()).await {
+        match bounded(&cfg, "count", limit.reserve(store.as_ref(), &p.scope.principal, now())).await {
             Ok(true) => reserved = true,
             // At the limit only a key the principal already holds is answered (replay, resume).
-            Ok(false) => match timed("get", store.get(&p.scope)).await {
+            Ok(false) => match bounded(&cfg, "get", store.get(&p.scope)).await {
                 Ok(Some(record)) if !record.is_expired(now()) => claim_next = false,
                 Ok(_) => {
                     let retry_after = crate::quota::RETRY_AFTER;
@@ -122,7 +123,7 @@ where
                 now: t,
                 expires_at: after(t, cfg.retention),
             };
-            match timed("claim", store.claim(req)).await {
+            match bounded(&cfg, "claim", store.claim(req)).await {
                 Ok(ClaimOutcome::Owned(claim)) => return Box::pin(own(p, claim, Run::Executed)).await,
                 Ok(ClaimOutcome::Existing(record)) => {
                     release(&cfg, &p.scope, &mut reserved);
@@ -130,11 +131,15 @@ where
                 }
                 Err(e) => {
                     release(&cfg, &p.scope, &mut reserved);
+                    if timed_out(&e) {
+                        // The claim may still land after this answer: released if it does.
+                        Releases::push_unknown(&cfg, p.scope.clone(), t);
+                    }
                     return Ok(store_down(&cfg, "claim", e));
                 }
             }
         } else {
-            match timed("get", store.get(&p.scope)).await {
+            match bounded(&cfg, "get", store.get(&p.scope)).await {
                 Ok(Some(record)) if !record.is_expired(t) => record,
                 // Swept or expired since we looked: the key is free, claim it afresh.
                 Ok(_) => {
@@ -177,7 +182,9 @@ where
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-                match timed("reclaim", store.reclaim(&record, t, cfg.in_flight_ttl, after(t, cfg.retention))).await {
+                match bounded(&cfg, "reclaim", store.reclaim(&record, t, cfg.in_flight_ttl, after(t, cfg.retention)))
+                    .await
+                {
                     Ok(Some(claim)) => {
                         if matches!(how, Run::StaleReclaimed) {
                             tracing::warn!(
@@ -194,7 +201,12 @@ where
                             return Ok(in_progress(&cfg, Duration::from_secs(1)));
                         }
                     }
-                    Err(e) => return Ok(store_down(&cfg, "reclaim", e)),
+                    Err(e) => {
+                        if timed_out(&e) {
+                            Releases::push_unknown(&cfg, p.scope.clone(), t);
+                        }
+                        return Ok(store_down(&cfg, "reclaim", e));
+                    }
                 }
             }
         }
@@ -394,7 +406,7 @@ async fn complete(
     stored: StoredResponse,
     expires_at: Timestamp,
 ) -> Option<StoreError> {
-    let first = timed("complete", cfg.store.complete(claim, &stored, expires_at)).await;
+    let first = bounded(cfg, "complete", cfg.store.complete(claim, &stored, expires_at)).await;
     let error = match first {
         Ok(()) => {
             cfg.waiters.wake(claim.scope());
@@ -428,7 +440,7 @@ async fn complete(
             let mut last = error;
             for delay in delays {
                 tokio::time::sleep(delay).await;
-                match timed("complete", cfg.store.complete(&claim, &stored, expires_at)).await {
+                match bounded(&cfg, "complete", cfg.store.complete(&claim, &stored, expires_at)).await {
                     Ok(()) => return Ok(()),
                     Err(e @ StoreError::Fenced { .. }) => return Err(e),
                     Err(e) => {
@@ -479,7 +491,7 @@ async fn with_heartbeat<F: Future>(cfg: &Config, claim: &Claim, work: F) -> F::O
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            match timed("heartbeat", cfg.store.heartbeat(claim, now())).await {
+            match bounded(cfg, "heartbeat", cfg.store.heartbeat(claim, now())).await {
                 Ok(()) => {}
                 Err(StoreError::Fenced { generation }) => {
                     tracing::warn!(generation, "the claim is no longer this attempt's; renewal stops");
@@ -510,7 +522,7 @@ fn outcome(how: Run) -> &'static str {
 /// take it, the claim is queued for release as soon as the store answers again
 /// ([`Releases`]).
 async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
-    match timed("fail", cfg.store.fail(claim)).await {
+    match bounded(cfg, "fail", cfg.store.fail(claim)).await {
         Ok(()) => {
             // A waiter takes the record over and runs the handler itself.
             cfg.waiters.wake(claim.scope());

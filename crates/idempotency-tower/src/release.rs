@@ -9,24 +9,43 @@
 //! resumes within about a second of the store's return. `fail` is fenced by the claim's
 //! generation: a release that comes late (the claim went stale and another attempt took it) is
 //! refused by the store and changes nothing.
+//!
+//! A claim whose store call timed out ([`crate::deadline`]) is queued too, as a scope and the
+//! claim's time: the request was answered `503` and ran no handler, but the store may still have
+//! taken the claim (the statement reached it and committed after the layer gave up). When the
+//! store answers again, the record is read; if it is in flight since exactly that time (this
+//! attempt's claim, which nobody renews), it is failed, fenced by its generation like any other.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use idempotency::{Claim, ErrorChain, StoreError};
+use idempotency::{Claim, ErrorChain, RecordState, Scope, StoreError, Timestamp};
 use tokio::time::Instant;
 
 use crate::config::Config;
+use crate::deadline::bounded;
 use crate::future::DetachedGuard;
-use crate::metrics::timed;
 
 /// The most claims kept for release; past it the oldest one is left to go stale instead.
 const MAX_PENDING: usize = 10_000;
 /// The longest wait between two tries while the store does not answer: how late after the
 /// store's return a record is released, at worst.
 const MAX_DELAY: Duration = Duration::from_secs(1);
+/// How long after the store answers again a claim whose call timed out is still looked for: the
+/// connection that carried it may come back later than others (TCP retransmits with a backoff of
+/// up to two minutes after a partition), and its statement lands then.
+const LATE_LANDING: Duration = Duration::from_secs(150);
+
+/// What to release.
+enum Release {
+    /// A claim this process holds.
+    Claim(Arc<Claim>),
+    /// A claim (or reclaim) of `scope` made at `at` whose call timed out: released only if the
+    /// store took it.
+    Unknown { scope: Scope, at: Timestamp },
+}
 
 /// The claims waiting for the store to take their `fail`.
 #[derive(Default)]
@@ -42,27 +61,39 @@ struct State {
 }
 
 struct Pending {
-    claim: Arc<Claim>,
+    what: Release,
     why: &'static str,
     /// After this the claim is stale anyway: the in-flight TTL takes over.
     until: Instant,
-    /// Counted as detached work, so a shutdown drain gives the store a chance to come back.
-    _guard: DetachedGuard,
+    /// For a claim whose call timed out: until when it is looked for again while it is not in
+    /// the store (set when the store first answers without it).
+    look_until: Option<Instant>,
+    /// Counted as detached work, so a shutdown drain gives the store a chance to come back; no
+    /// longer once the store answered and a claim whose call timed out is only looked for again.
+    _guard: Option<DetachedGuard>,
 }
 
 impl Releases {
     /// Queues `claim` for release and starts the draining task if none runs.
     pub(crate) fn push(cfg: &Arc<Config>, claim: Arc<Claim>, why: &'static str) {
-        let pending = Pending { claim, why, until: Instant::now() + cfg.in_flight_ttl, _guard: DetachedGuard::new() };
+        Self::push_pending(cfg, Release::Claim(claim), why);
+    }
+
+    /// Queues the claim of `scope` made at `at`, whose store call timed out, for release if the
+    /// store took it.
+    pub(crate) fn push_unknown(cfg: &Arc<Config>, scope: Scope, at: Timestamp) {
+        Self::push_pending(cfg, Release::Unknown { scope, at }, "the claim's store call timed out");
+    }
+
+    fn push_pending(cfg: &Arc<Config>, what: Release, why: &'static str) {
+        let until = Instant::now() + cfg.in_flight_ttl;
+        let pending = Pending { what, why, until, look_until: None, _guard: Some(DetachedGuard::new()) };
         let start = {
             let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
             if state.queue.len() >= MAX_PENDING
                 && let Some(dropped) = state.queue.pop_front()
             {
-                tracing::warn!(
-                    generation = dropped.claim.generation(),
-                    "too many records wait for release; the oldest is left to go stale"
-                );
+                tracing::warn!(why = dropped.why, "too many records wait for release; the oldest is left to go stale");
             }
             state.queue.push_back(pending);
             !std::mem::replace(&mut state.draining, true)
@@ -87,7 +118,7 @@ async fn drain(cfg: Arc<Config>) {
     };
     let mut delays = backoff();
     loop {
-        let next = {
+        let mut next = {
             let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
             match state.queue.pop_front() {
                 Some(pending) => pending,
@@ -99,12 +130,38 @@ async fn drain(cfg: Arc<Config>) {
         };
         if Instant::now() >= next.until {
             tracing::warn!(
-                generation = next.claim.generation(),
+                why = next.why,
                 "the store did not answer within the in-flight TTL; the record goes stale instead of being released"
             );
             continue;
         }
-        match timed("fail", cfg.store.fail(&next.claim)).await {
+        let claim = match &next.what {
+            Release::Claim(claim) => claim.clone(),
+            Release::Unknown { scope, at } => match bounded(&cfg, "get", cfg.store.get(scope)).await {
+                // In flight since that very claim: the store took it after the call timed out.
+                Ok(Some(r)) if r.state == RecordState::InFlight && r.started_at == *at => Arc::new(Claim::new(r)),
+                // Not there (yet): its statement may still be on its way, so it is looked for
+                // again for a while, then given up.
+                Ok(_) => {
+                    let look_until = *next.look_until.get_or_insert_with(|| Instant::now() + LATE_LANDING);
+                    next._guard = None;
+                    if Instant::now() < look_until {
+                        cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                        tokio::time::sleep(delays.next().unwrap_or(MAX_DELAY)).await;
+                    } else {
+                        tracing::debug!("a claim whose call timed out never landed; nothing to release");
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %ErrorChain(&e), "reading a record to release failed");
+                    cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                    tokio::time::sleep(delays.next().unwrap_or(MAX_DELAY)).await;
+                    continue;
+                }
+            },
+        };
+        match bounded(&cfg, "fail", cfg.store.fail(&claim)).await {
             Ok(()) => {
                 tracing::info!(why = next.why, "the store answers again; the attempt's record is released");
                 delays = backoff();

@@ -36,11 +36,17 @@ impl RecordQuery {
         self.limit.clamp(1, MAX_PAGE) as usize
     }
 
-    /// True when `record` matches the filters (state, principal, age, not expired).
+    /// True when `record` matches the filters (state, principal, age, not expired). A record
+    /// read back from a store that keeps a long principal shortened
+    /// ([`stored_component`](crate::stored_component)) matches its principal too.
     pub fn matches(&self, record: &Record) -> bool {
+        let principal = record.scope.principal.as_str();
         !record.is_expired(self.now)
             && self.state.is_none_or(|s| record.state == s)
-            && self.principal.as_ref().is_none_or(|p| record.scope.principal == *p)
+            && self
+                .principal
+                .as_ref()
+                .is_none_or(|p| principal == p.as_str() || principal == crate::stored_component(p.as_str()))
             && self.started_before.is_none_or(|t| record.started_at <= t)
     }
 

@@ -40,6 +40,6 @@ pub use record::{
     Timestamp, now, stale_after,
 };
 pub use record_id::RecordId;
-pub use scope::{Endpoint, Principal, Scope, normalize_path};
+pub use scope::{Endpoint, Principal, STORED_AS_IS_MAX, STORED_COMPONENT_MAX, Scope, normalize_path, stored_component};
 pub use store::{ErrorChain, NotAcknowledged, Store, StoreError};
 pub use sweeper::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_PAUSE, Sweeper};

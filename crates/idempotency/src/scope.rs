@@ -153,6 +153,56 @@ fn hex(b: u8) -> Option<u8> {
     char::from(b).to_digit(16).and_then(|d| u8::try_from(d).ok())
 }
 
+/// The most bytes of a scope component a store keeps as it is; [`stored_component`] shortens a
+/// longer one to [`STORED_COMPONENT_MAX`] bytes at most.
+pub const STORED_AS_IS_MAX: usize = STORED_PREFIX_MAX - 4 + STORED_HASH_MARK.len() + 64;
+
+/// The most bytes [`stored_component`] returns.
+pub const STORED_COMPONENT_MAX: usize = STORED_PREFIX_MAX + STORED_HASH_MARK.len() + 64;
+
+/// How much of a shortened component is kept in front of its hash.
+const STORED_PREFIX_MAX: usize = 1024;
+/// What stands between the kept prefix and the hash of the whole.
+const STORED_HASH_MARK: &str = "...sha256:";
+
+/// A scope component (principal, endpoint or key) in the bounded form a store keeps and looks it
+/// up by: the component itself when it is at most [`STORED_AS_IS_MAX`] bytes (1,094), else its
+/// first 1,021 to 1,024 bytes (cut at a character boundary), `...sha256:` and the hex SHA-256 of
+/// the whole component.
+///
+/// So a store's key never exceeds what its index takes (PostgreSQL's btree refuses index rows
+/// over 2,704 bytes, which a 2 KiB path alone comes close to), a record's memory stays bounded
+/// whatever length the service lets through, and an operator listing records still reads the
+/// method and the start of the path. Lookups stay exact: a component kept as it is is at most
+/// 1,094 bytes, a shortened one at least 1,095, so the two never meet; two shortened ones are
+/// equal only when their whole components have the same SHA-256 (and the same prefix).
+///
+/// ```
+/// use idempotency::{STORED_AS_IS_MAX, STORED_COMPONENT_MAX, stored_component};
+///
+/// assert_eq!(stored_component("POST /v1/workers"), "POST /v1/workers");
+/// let long = format!("DELETE /v1/workers/{}", "x".repeat(2000));
+/// let stored = stored_component(&long);
+/// assert!(stored.len() > STORED_AS_IS_MAX && stored.len() <= STORED_COMPONENT_MAX);
+/// assert!(stored.starts_with("DELETE /v1/workers/xxx"));
+/// assert_ne!(stored, stored_component(&format!("{long}y")));
+/// ```
+pub fn stored_component(s: &str) -> Cow<'_, str> {
+    if s.len() <= STORED_AS_IS_MAX {
+        return Cow::Borrowed(s);
+    }
+    let mut cut = STORED_PREFIX_MAX;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let digest = <sha2::Sha256 as sha2::Digest>::digest(s.as_bytes());
+    let mut out = String::with_capacity(cut + STORED_HASH_MARK.len() + 64);
+    out.push_str(&s[..cut]);
+    out.push_str(STORED_HASH_MARK);
+    out.push_str(&hex::encode(digest));
+    Cow::Owned(out)
+}
+
 /// What identifies one record: (principal, endpoint, key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Scope {
@@ -174,6 +224,27 @@ impl Scope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_components_are_stored_shortened_and_apart() {
+        let at_limit = "a".repeat(STORED_AS_IS_MAX);
+        assert!(matches!(stored_component(&at_limit), Cow::Borrowed(_)));
+        let over = format!("{at_limit}b");
+        let stored = stored_component(&over);
+        assert!(stored.len() > STORED_AS_IS_MAX && stored.len() <= STORED_COMPONENT_MAX, "{}", stored.len());
+        assert!(stored.starts_with(&"a".repeat(1024)));
+        // Differing only at the end: two stored forms.
+        let (a, b) = (format!("{}1", "x".repeat(5000)), format!("{}2", "x".repeat(5000)));
+        assert_ne!(stored_component(&a), stored_component(&b));
+        // A multi-byte character across the cut: the prefix ends before it, and the form is
+        // still longer than any component kept as it is.
+        let wide = format!("{}é{}", "x".repeat(1023), "y".repeat(2000));
+        let stored = stored_component(&wide);
+        assert!(stored.starts_with(&"x".repeat(1023)) && !stored.contains('é'));
+        assert!(stored.len() > STORED_AS_IS_MAX, "{}", stored.len());
+        // Same input, same form.
+        assert_eq!(stored_component(&wide), stored);
+    }
 
     #[test]
     fn endpoint_drops_the_query_and_uppercases_the_method() {

@@ -147,6 +147,12 @@ impl Application {
             .body_limit(BODY_LIMIT)
             .max_stored_response(args.max_stored_response)
             .max_records_per_principal(Some(args.max_records_per_principal).filter(|&n| n > 0))
+            // A Redis transition waits for its replicas up to --record-store-replica-timeout: the
+            // bound on a store call leaves it that long and a second more.
+            .store_timeout(
+                idempotency_tower::DEFAULT_STORE_TIMEOUT
+                    .max(args.record_store_replica_timeout + std::time::Duration::from_secs(1)),
+            )
             .operation_link(crate::firmware::operation_link)
             .build();
         let reaper = Reaper {
@@ -185,6 +191,7 @@ impl Application {
             generated_token = Some(token);
         }
 
+        let probe = crate::outage::StoreProbe::new(db.clone());
         let state = AppState {
             firmware: Firmware {
                 domain: domain.clone(),
@@ -206,6 +213,7 @@ impl Application {
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
             audit: crate::audit::Audit::new(db.clone()),
+            probe,
         };
         let console = crate::console::Console::default();
         background.push(console.history.spawn_sampler(state.metrics.clone()));

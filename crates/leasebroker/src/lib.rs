@@ -30,6 +30,7 @@ pub mod firmware;
 pub mod hypervisor;
 pub mod limits;
 pub mod openapi;
+pub mod outage;
 pub mod reaper;
 pub mod routes;
 pub mod serve;

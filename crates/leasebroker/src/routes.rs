@@ -76,6 +76,7 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::co
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .layer(middleware::from_fn(method_not_allowed))
+        .layer(middleware::from_fn_with_state(state.probe.clone(), crate::outage::store_deadline))
         .layer(middleware::from_fn(count_responses))
         .with_state(state)
 }

@@ -50,14 +50,16 @@ use async_trait::async_trait;
 use chrono::NaiveDate;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
 mod days;
 
-use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, db_error, fenced, record_columns, stale_cutoff};
+use crate::row::{
+    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff,
+};
 use days::{attached, day_of};
 
 /// The partitioned table.
@@ -108,6 +110,7 @@ pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
 pub struct PartitionedPostgresStore {
     pool: PgPool,
     days_ahead: u32,
+    space: SpaceWatch,
 }
 
 impl PartitionedPostgresStore {
@@ -120,7 +123,7 @@ impl PartitionedPostgresStore {
 
     /// Wraps an existing pool; creates partitions [`DEFAULT_DAYS_AHEAD`] days ahead.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, days_ahead: DEFAULT_DAYS_AHEAD }
+        Self { pool, days_ahead: DEFAULT_DAYS_AHEAD, space: SpaceWatch::default() }
     }
 
     /// Creates the partitions of the next `days` days ahead of today on every sweep (and
@@ -184,7 +187,7 @@ impl PartitionedPostgresStore {
                     self.ensure_partitions(&[day]).await?;
                     created = true;
                 }
-                Err(e) => return Err(db_error(e)),
+                Err(e) => return Err(self.space.db_error(e)),
             }
         }
         Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
@@ -258,6 +261,14 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
     .into_record()
 }
 
+/// The record of `scope` from a row of every column: the row holds the scope as stored
+/// ([`stored_component`]: a long component shortened), the caller's record carries it whole.
+fn decode_for(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
+    let mut record = decode(row)?;
+    record.scope = scope.clone();
+    Ok(record)
+}
+
 #[async_trait]
 impl Store for PartitionedPostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
@@ -268,9 +279,9 @@ impl Store for PartitionedPostgresStore {
             let row = self
                 .settle(Some(req.expires_at), move || {
                     sqlx::query(CLAIM)
-                        .bind(req_ref.scope.principal.as_str())
-                        .bind(req_ref.scope.endpoint.as_str())
-                        .bind(req_ref.scope.key.as_str())
+                        .bind(stored_component(req_ref.scope.principal.as_str()))
+                        .bind(stored_component(req_ref.scope.endpoint.as_str()))
+                        .bind(stored_component(req_ref.scope.key.as_str()))
                         .bind(id)
                         .bind(req_ref.fingerprint.as_str())
                         .bind(req_ref.now)
@@ -280,9 +291,9 @@ impl Store for PartitionedPostgresStore {
                 .await?;
             // None: the expired record it meant to replace changed under it; look again.
             let Some(row) = row else { continue };
-            let inserted: bool = row.try_get(14).map_err(db_error)?;
-            let record = decode(&row)?;
-            return Ok(if inserted { ClaimOutcome::Owned(Claim::new(record)) } else { ClaimOutcome::Existing(record) });
+            let inserted: bool = row.try_get(14).map_err(|e| self.space.db_error(e))?;
+            let record = decode_for(&row, &req.scope)?;
+            return Ok(if inserted { self.space.owned(Claim::new(record)) } else { ClaimOutcome::Existing(record) });
         }
         Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
     }
@@ -300,9 +311,9 @@ impl Store for PartitionedPostgresStore {
         let row = self
             .settle(Some(expires_at), move || {
                 sqlx::query(RECLAIM)
-                    .bind(record.scope.principal.as_str())
-                    .bind(record.scope.endpoint.as_str())
-                    .bind(record.scope.key.as_str())
+                    .bind(stored_component(record.scope.principal.as_str()))
+                    .bind(stored_component(record.scope.endpoint.as_str()))
+                    .bind(stored_component(record.scope.key.as_str()))
                     .bind(record.record_id.as_bytes().as_slice())
                     .bind(record.generation)
                     .bind(now)
@@ -311,7 +322,7 @@ impl Store for PartitionedPostgresStore {
                     .fetch_optional(pool)
             })
             .await?;
-        row.map(|r| decode(&r).map(Claim::new)).transpose()
+        row.map(|r| decode_for(&r, &record.scope).map(Claim::new)).transpose()
     }
 
     async fn complete(
@@ -326,9 +337,9 @@ impl Store for PartitionedPostgresStore {
         let done = self
             .settle(Some(expires_at), move || {
                 sqlx::query(COMPLETE)
-                    .bind(r.scope.principal.as_str())
-                    .bind(r.scope.endpoint.as_str())
-                    .bind(r.scope.key.as_str())
+                    .bind(stored_component(r.scope.principal.as_str()))
+                    .bind(stored_component(r.scope.endpoint.as_str()))
+                    .bind(stored_component(r.scope.key.as_str()))
                     .bind(r.record_id.as_bytes().as_slice())
                     .bind(r.generation)
                     .bind(i32::from(response.status))
@@ -339,6 +350,7 @@ impl Store for PartitionedPostgresStore {
                     .execute(pool)
             })
             .await?;
+        self.space.wrote();
         fenced(done.rows_affected(), claim)
     }
 
@@ -356,13 +368,13 @@ impl Store for PartitionedPostgresStore {
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         let row = sqlx::query(SELECT)
-            .bind(scope.principal.as_str())
-            .bind(scope.endpoint.as_str())
-            .bind(scope.key.as_str())
+            .bind(stored_component(scope.principal.as_str()))
+            .bind(stored_component(scope.endpoint.as_str()))
+            .bind(stored_component(scope.key.as_str()))
             .fetch_optional(&self.pool)
             .await
-            .map_err(db_error)?;
-        row.map(|r| decode(&r)).transpose()
+            .map_err(|e| self.space.db_error(e))?;
+        row.map(|r| decode_for(&r, scope)).transpose()
     }
 
     /// Creates the partitions ahead, then drops every partition whose day ended by `now`
@@ -374,8 +386,11 @@ impl Store for PartitionedPostgresStore {
         self.drop_expired_partitions(now).await
     }
 
+    /// Not ready either while a recent write was refused for lack of space and none succeeded
+    /// since: a full database still answers a read.
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db_error)?;
+        self.space.check()?;
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         Ok(())
     }
 
@@ -388,11 +403,11 @@ impl Store for PartitionedPostgresStore {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM idempotency_records_by_day WHERE principal = $1 AND expires_at > $2",
         )
-        .bind(principal.as_str())
+        .bind(stored_component(principal.as_str()))
         .bind(now)
         .fetch_one(&self.pool)
         .await
-        .map_err(db_error)?;
+        .map_err(|e| self.space.db_error(e))?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
     }
 
@@ -409,7 +424,13 @@ impl Store for PartitionedPostgresStore {
     }
 }
 
-crate::admin::admin_methods!(PartitionedPostgresStore, crate::admin::partitioned, decode, |t: Timestamp| t);
+crate::admin::admin_methods!(
+    PartitionedPostgresStore,
+    crate::admin::partitioned,
+    decode,
+    |t: Timestamp| t,
+    stored_component
+);
 
 impl PartitionedPostgresStore {
     /// `fail`, `heartbeat` and `remove`: fenced by the claim's generation; none moves a row.
@@ -418,9 +439,9 @@ impl PartitionedPostgresStore {
         let done = self
             .settle(None, move || {
                 let q = sqlx::query(sql)
-                    .bind(r.scope.principal.as_str())
-                    .bind(r.scope.endpoint.as_str())
-                    .bind(r.scope.key.as_str())
+                    .bind(stored_component(r.scope.principal.as_str()))
+                    .bind(stored_component(r.scope.endpoint.as_str()))
+                    .bind(stored_component(r.scope.key.as_str()))
                     .bind(r.record_id.as_bytes().as_slice())
                     .bind(r.generation);
                 match now {

@@ -35,6 +35,39 @@ impl LocalServer {
         Some(server)
     }
 
+    /// Like [`LocalServer::start`], with TLS on (`ssl = on`): `cert_pem` is the server's
+    /// certificate (chain), `key_pem` its private key, both PEM, kept in the server's directory
+    /// with the modes PostgreSQL demands (the key owner-only). Clients may still connect without
+    /// TLS unless they ask for it (`sslmode=require` or stricter).
+    ///
+    /// # Panics
+    ///
+    /// When the binaries are there but the server cannot be made or started.
+    pub fn start_with_tls(cert_pem: &str, key_pem: &str) -> Option<Self> {
+        let mut server = Self::empty()?;
+        let data = server.data();
+        server.run("initdb", &["-D", &data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"]);
+        let dir = server.dir.path().join("data");
+        for (name, pem, mode) in [("server.crt", cert_pem, 0o644), ("server.key", key_pem, 0o600)] {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).unwrap_or_else(|e| panic!("writing {name}: {e}"));
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .unwrap_or_else(|e| panic!("chmod {name}: {e}"));
+            if server.as_postgres {
+                std::os::unix::fs::chown(&path, Some(id_of("-u")), Some(id_of("-g")))
+                    .unwrap_or_else(|e| panic!("chown {name}: {e}"));
+            }
+        }
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join("postgresql.conf"))
+            .expect("opening postgresql.conf");
+        writeln!(conf, "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'")
+            .expect("writing postgresql.conf");
+        server.start_again();
+        Some(server)
+    }
+
     /// A standby of `primary`, copied with `pg_basebackup -R` (streaming replication) and
     /// started; `None` (skipped) without the binaries.
     ///

@@ -460,4 +460,175 @@ mod outage {
             assert!(send(&app, post_key("/v1/things", key)).await.replayed(), "{key}");
         }
     }
+
+    /// A store whose answers are lost while `silent` is set, as behind a partition that drops
+    /// packets: each call is made (a claim lands) but its caller hears nothing until the
+    /// partition heals.
+    struct Silent {
+        inner: Arc<MemoryStore>,
+        silent: tokio::sync::watch::Sender<bool>,
+        /// A claim made while silent reaches the store only this long after the silence ends
+        /// (`None`: at once), as a statement on a connection whose retransmissions back off.
+        late: Option<Duration>,
+    }
+
+    impl Silent {
+        async fn heard<T>(&self, out: T) -> T {
+            let _ = self.silent.subscribe().wait_for(|s| !s).await;
+            out
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Silent {
+        async fn claim(
+            &self,
+            req: idempotency::ClaimRequest,
+        ) -> Result<idempotency::ClaimOutcome, idempotency::StoreError> {
+            if let Some(late) = self.late.filter(|_| *self.silent.borrow()) {
+                // The statement is on its way whether or not its caller still waits for it.
+                let (inner, mut silent) = (self.inner.clone(), self.silent.subscribe());
+                let landed = tokio::spawn(async move {
+                    let _ = silent.wait_for(|s| !s).await;
+                    tokio::time::sleep(late).await;
+                    inner.claim(req).await
+                });
+                let out = landed.await.expect("the late claim");
+                return self.heard(out).await;
+            }
+            let out = self.inner.claim(req).await;
+            self.heard(out).await
+        }
+        async fn reclaim(
+            &self,
+            r: &idempotency::Record,
+            now: idempotency::Timestamp,
+            ttl: Duration,
+            exp: idempotency::Timestamp,
+        ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            let out = self.inner.reclaim(r, now, ttl, exp).await;
+            self.heard(out).await
+        }
+        async fn heartbeat(
+            &self,
+            c: &idempotency::Claim,
+            now: idempotency::Timestamp,
+        ) -> Result<(), idempotency::StoreError> {
+            let out = self.inner.heartbeat(c, now).await;
+            self.heard(out).await
+        }
+        async fn remove(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            let out = self.inner.remove(c).await;
+            self.heard(out).await
+        }
+        async fn complete(
+            &self,
+            c: &idempotency::Claim,
+            resp: &idempotency::StoredResponse,
+            exp: idempotency::Timestamp,
+        ) -> Result<(), idempotency::StoreError> {
+            let out = self.inner.complete(c, resp, exp).await;
+            self.heard(out).await
+        }
+        async fn fail(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            let out = self.inner.fail(c).await;
+            self.heard(out).await
+        }
+        async fn get(
+            &self,
+            scope: &idempotency::Scope,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            let out = self.inner.get(scope).await;
+            self.heard(out).await
+        }
+        async fn sweep_expired(&self, now: idempotency::Timestamp, batch: u32) -> Result<u64, idempotency::StoreError> {
+            let out = self.inner.sweep_expired(now, batch).await;
+            self.heard(out).await
+        }
+        async fn ping(&self) -> Result<(), idempotency::StoreError> {
+            self.heard(Ok(())).await
+        }
+        async fn list_records(
+            &self,
+            q: &idempotency::RecordQuery,
+        ) -> Result<idempotency::RecordPage, idempotency::StoreError> {
+            let out = self.inner.list_records(q).await;
+            self.heard(out).await
+        }
+        async fn get_by_id(
+            &self,
+            id: &idempotency::RecordId,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            let out = self.inner.get_by_id(id).await;
+            self.heard(out).await
+        }
+        async fn forget(&self, id: &idempotency::RecordId) -> Result<idempotency::Forget, idempotency::StoreError> {
+            let out = self.inner.forget(id).await;
+            self.heard(out).await
+        }
+    }
+
+    /// A store that stops answering (SPEC 3.1): each request is answered `503 store-unavailable`
+    /// once its store call has waited `store_timeout`, and runs no handler. The claim that landed
+    /// although its answer was lost is released as soon as the store answers again, so the
+    /// retry runs the handler at once, not after the in-flight TTL (5 minutes here), and only
+    /// once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_whose_answer_is_lost_is_answered_503_in_time_and_released_when_the_store_answers() {
+        let (silent, _) = tokio::sync::watch::channel(true);
+        let store = Arc::new(Silent { inner: Arc::new(MemoryStore::new()), silent, late: None });
+        let timeout = Duration::from_millis(300);
+        let layer = builder_for_p(store.clone()).store_timeout(timeout).build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
+        for attempt in 0..2 {
+            let started = Instant::now();
+            let cut = send(&app, post_key("/v1/things", "lost")).await;
+            let took = started.elapsed();
+            assert_eq!(cut.status, StatusCode::SERVICE_UNAVAILABLE, "{attempt}: {}", cut.text());
+            assert_eq!(cut.problem_type(), "/problems/store-unavailable", "{attempt}");
+            assert!(cut.headers.contains_key("retry-after"), "{attempt}");
+            assert!(took >= timeout && took < Duration::from_secs(5), "{attempt}: answered after {took:?}");
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "no handler ran");
+        let s = scope("/v1/things", "lost");
+        let landed = store.inner.get(&s).await.expect("get").expect("the first claim landed");
+        assert_eq!(landed.state, RecordState::InFlight);
+
+        // The partition heals: the landed claim is released, and the retry runs the handler.
+        store.silent.send_replace(false);
+        wait_until("the landed claim is released", Duration::from_secs(30), async || {
+            store.inner.get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+        })
+        .await;
+        let resumed = send(&app, post_key("/v1/things", "lost")).await;
+        assert_eq!((resumed.status, resumed.replayed()), (StatusCode::CREATED, false), "{}", resumed.text());
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+        assert!(send(&app, post_key("/v1/things", "lost")).await.replayed());
+    }
+
+    /// The same when the claim reaches the store a while after the store answers again (its
+    /// connection comes back last): the layer keeps looking for it, and releases it when it lands.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_that_lands_after_the_store_answers_again_is_released_too() {
+        let (silent, _) = tokio::sync::watch::channel(true);
+        let late = Duration::from_secs(2);
+        let store = Arc::new(Silent { inner: Arc::new(MemoryStore::new()), silent, late: Some(late) });
+        let layer = builder_for_p(store.clone()).store_timeout(Duration::from_millis(300)).build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
+        let cut = send(&app, post_key("/v1/things", "late")).await;
+        assert_eq!(cut.status, StatusCode::SERVICE_UNAVAILABLE, "{}", cut.text());
+        store.silent.send_replace(false);
+        let s = scope("/v1/things", "late");
+        wait_until("the late claim lands", Duration::from_secs(30), async || {
+            store.inner.get(&s).await.expect("get").is_some()
+        })
+        .await;
+        wait_until("the late claim is released", Duration::from_secs(30), async || {
+            store.inner.get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+        })
+        .await;
+        let resumed = send(&app, post_key("/v1/things", "late")).await;
+        assert_eq!((resumed.status, resumed.replayed()), (StatusCode::CREATED, false), "{}", resumed.text());
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    }
 }

@@ -194,6 +194,55 @@ pub async fn scopes_never_share_a_record(fx: Fixture) {
     assert_eq!(rb.response.expect("b").body.decode().expect("decode"), Bytes::from_static(b"bob"));
 }
 
+/// Scopes far longer than a store's index takes (a 64 KiB path, a 3 KiB principal, random hex
+/// that does not compress; PostgreSQL refuses btree rows over 2,704 bytes) go through every
+/// transition, replay whole, are counted and listed by their principal, and two that differ only
+/// in their last character are two records.
+pub async fn long_scopes_are_stored_apart(fx: Fixture) {
+    let t = now();
+    let noise = |bytes: usize| (0..bytes / 32 + 1).map(|_| crate::RecordId::random().to_hex()).collect::<String>();
+    let principal = format!("{}-{}", unique("long-principal"), noise(3_000));
+    let path = format!("/v1/workers/{}", noise(65_000));
+    let key = unique("long-key");
+    let key = format!("{key}{}", "k".repeat(crate::MAX_KEY_LEN - key.len()));
+    let a = scope_with(&principal, &format!("{path}a"), &key);
+    let b = scope_with(&principal, &format!("{path}b"), &key);
+
+    let ca = owned(&*fx.store, request(&a, &fp("a"), t)).await;
+    fx.store.heartbeat(&ca, t + Span::seconds(1)).await.expect("heartbeat");
+    fx.store.complete(&ca, &response(201, b"a"), t + Span::hours(1)).await.expect("complete");
+    let ra = existing(&*fx.peer, request(&a, &fp("a"), t)).await;
+    assert_eq!(ra.scope, a, "the record of a long scope carries that scope whole");
+    assert_eq!(ra.decide(&fp("a"), t, TTL), Decision::Replay(response(201, b"a")));
+
+    // Only the last character differs: another record, owned afresh.
+    let cb = owned(&*fx.store, request(&b, &fp("b"), t)).await;
+    assert_ne!(cb.record().record_id, ca.record().record_id);
+    fx.store.fail(&cb).await.expect("fail");
+    let rb = existing(&*fx.peer, request(&b, &fp("b"), t)).await;
+    assert_eq!(rb.state, RecordState::Failed);
+    let cb =
+        fx.peer.reclaim(&rb, t, TTL, t + Span::hours(1)).await.expect("reclaim").expect("a failed record is reclaimed");
+    fx.peer.complete(&cb, &response(201, b"b"), t + Span::hours(1)).await.expect("complete");
+    for (s, body) in [(&a, b"a"), (&b, b"b")] {
+        let r = fx.store.get(s).await.expect("get").expect("the record");
+        assert_eq!(r.response.expect("a response").body.decode().expect("decode"), Bytes::copy_from_slice(body));
+    }
+
+    if let Some(n) = fx.store.count_records(&a.principal, t).await.expect("count") {
+        assert_eq!(n, 2, "both records count for their principal");
+    }
+    let query = crate::RecordQuery { principal: Some(a.principal.clone()), ..crate::RecordQuery::all(t, 10) };
+    let listed = fx.store.list_records(&query).await.expect("list").records;
+    assert_eq!(listed.len(), 2, "both records are listed by their principal");
+    for r in &listed {
+        // A store may keep a long component shortened; the method and the path's start remain.
+        assert!(r.scope.endpoint.as_str().starts_with(&format!("POST {}", &path[..500])), "{:.80}", r.scope.endpoint);
+        let by_id = fx.store.get_by_id(&r.record_id).await.expect("get by id").expect("found by id");
+        assert_eq!(by_id.record_id, r.record_id);
+    }
+}
+
 /// A body above the threshold is stored compressed and read back byte for byte; so is a binary
 /// body that is not UTF-8.
 pub async fn compressed_and_binary_bodies_round_trip(fx: Fixture) {

@@ -186,6 +186,7 @@ macro_rules! store_conformance_suite {
                 stale_reclaim_has_exactly_one_winner,
                 superseded_claim_is_fenced,
                 scopes_never_share_a_record,
+                long_scopes_are_stored_apart,
                 compressed_and_binary_bodies_round_trip,
                 unknown_scope_is_absent,
                 reclaim_extends_expiry,

@@ -291,10 +291,22 @@ pub async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// How long `/readyz` waits for the store's answer.
+const READYZ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The store did not answer `/readyz`'s ping in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the store did not answer within {READYZ_TIMEOUT:?}")]
+struct PingTimedOut;
+
 /// The store answers.
 #[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    match state.store.ping().await {
+    // Bounded: a store that does not answer at all is not ready either (SPEC 3.1, within 5 s).
+    let ping = tokio::time::timeout(READYZ_TIMEOUT, state.store.ping())
+        .await
+        .unwrap_or_else(|_| Err(idempotency::StoreError::unavailable(PingTimedOut)));
+    match ping {
         Ok(()) => "ready\n".into_response(),
         // Unauthenticated: the error (a driver message, maybe a host name) goes to the log only.
         Err(e) => {

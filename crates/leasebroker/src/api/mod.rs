@@ -51,6 +51,8 @@ pub struct AppState {
     pub rate_limiter: Option<Arc<PrincipalRateLimiter>>,
     /// The audit trail of operators' actions on records.
     pub audit: crate::audit::Audit,
+    /// Whether the stores answer, for requests that wait on them too long.
+    pub probe: crate::outage::StoreProbe,
 }
 
 /// A rate limiter with one budget per principal. Its memory is bounded by the configured

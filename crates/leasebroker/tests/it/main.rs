@@ -17,6 +17,7 @@ mod protocol;
 mod records;
 mod redfish;
 mod service;
+mod store_bounds;
 mod store_tls;
 mod support;
 mod tenants;

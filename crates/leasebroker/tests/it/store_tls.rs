@@ -188,3 +188,40 @@ async fn postgres_over_tls_require_and_prefer_use_tls_and_verify_full_checks_the
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("PostgreSQL"), "{err}");
 }
+
+/// SPEC 3.2 "TLS to the stores", the success path of `verify-full` with a private CA: a real
+/// PostgreSQL the test starts with `ssl = on` and a server certificate its own CA (rcgen) issued.
+/// `sslmode=verify-full&sslrootcert=CA` connects, serves, and its sessions use TLS; a CA that did
+/// not issue the certificate is refused at start with one line.
+#[tokio::test]
+async fn postgres_verify_full_with_a_private_ca_connects_and_a_wrong_ca_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ca, cert, key) = generate_ca_and_server_cert(dir.path(), "pg-test-ca");
+    let read = |p: &Path| std::fs::read_to_string(p).expect("read PEM");
+    let Some(server) = idempotency_sqlx::testing::LocalServer::start_with_tls(&read(&cert), &read(&key)) else {
+        return;
+    };
+    let url = |ca: &Path| format!("{}?sslmode=verify-full&sslrootcert={}", server.url("postgres"), ca.display());
+    let (lb, base) = serve(&url(&ca), &[]).unwrap_or_else(|e| panic!("verify-full with the issuing CA: {e}"));
+    assert_eq!(create_worker(&base, "pg-verify-full").await, StatusCode::CREATED);
+    // The service's sessions are TLS ones, every one of them.
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&server.url("postgres"))
+        .await
+        .expect("connect");
+    let (tls, clear): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) FROM pg_stat_ssl s \
+         JOIN pg_stat_activity a USING (pid) WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()",
+    )
+    .fetch_one(&admin)
+    .await
+    .expect("pg_stat_ssl");
+    assert!(tls >= 1 && clear == 0, "{tls} sessions with TLS, {clear} without");
+    drop(lb);
+
+    let (wrong, _, _) = generate_ca_and_server_cert(dir.path(), "not-the-pg-ca");
+    let err = serve(&url(&wrong), &[]).err().expect("verify-full accepted a certificate its CA did not issue");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("PostgreSQL"), "{err}");
+}
