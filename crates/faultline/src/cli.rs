@@ -296,6 +296,26 @@ mod tests {
     }
 
     #[test]
+    fn parses_the_late_landing_pause_and_planting_modes() {
+        let run = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["faultline", "run"].iter().chain(args)).map_err(|e| e.to_string())?;
+            let Command::Run(r) = cli.command else { panic!("run") };
+            Ok::<_, String>(r.scenario)
+        };
+        let s = run(&["--late-landings", "0.2", "--late-by", "5s", "--pauses", "3", "--pause-for", "4s"]).unwrap();
+        assert_eq!((s.late_landings, s.late_by, s.pauses), (0.2, Duration::from_secs(5), 3));
+        assert_eq!(s.pause_for, Some(Duration::from_secs(4)));
+        assert_eq!(run(&["--plant-orphans", "2"]).unwrap().plant_orphans, 2);
+        // Off by default; the pause defaults to the claim TTL plus 2 s (in the run).
+        let s = run(&[]).unwrap();
+        assert_eq!((s.late_landings, s.late_by, s.pauses, s.pause_for), (0.0, Duration::from_secs(3), 0, None));
+        assert_eq!(s.plant_orphans, 0);
+        assert!(run(&["--late-landings", "1.5"]).is_err());
+        assert!(run(&["--pause-for", "soon"]).is_err());
+        assert!(run(&["--plant-orphans", "101"]).is_err());
+    }
+
+    #[test]
     fn parses_the_failover_modes() {
         let run = |args: &[&str]| {
             let cli = Cli::try_parse_from(["faultline", "run"].iter().chain(args)).map_err(|e| e.to_string())?;

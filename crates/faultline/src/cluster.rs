@@ -175,8 +175,14 @@ pub struct Replica {
 impl Replica {
     /// Starts replica `index` on `port`.
     pub async fn start(index: usize, port: u16, config: ServeConfig) -> anyhow::Result<Self> {
-        let mut replica =
-            Replica { index, addr: SocketAddr::from(([127, 0, 0, 1], port)), config, process: None, restarts: 0, pauses: 0 };
+        let mut replica = Replica {
+            index,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            config,
+            process: None,
+            restarts: 0,
+            pauses: 0,
+        };
         replica.spawn().await?;
         Ok(replica)
     }

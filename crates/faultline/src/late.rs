@@ -151,7 +151,13 @@ async fn pass(State(s): State<Shared>, method: Method, uri: Uri, headers: Header
 
 /// Sends the call to the simulator; its answer (and its status), or a dropped connection when
 /// the simulator dropped it.
-async fn forward(s: &Shared, method: Method, path: &str, headers: &HeaderMap, body: Bytes) -> (Response, Option<StatusCode>) {
+async fn forward(
+    s: &Shared,
+    method: Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> (Response, Option<StatusCode>) {
     let mut request = s.http.request(method, format!("{}{path}", s.upstream)).body(body);
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         request = request.header(header::CONTENT_TYPE, ct);

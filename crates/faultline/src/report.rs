@@ -228,7 +228,8 @@ pub fn table(runs: &[RunReport]) -> String {
         (
             "late landings past settle (held / booted)",
             Box::new(|r| {
-                let by = if r.setup.late_landings > 0.0 { format!(" (+{}ms)", r.setup.late_by_ms) } else { String::new() };
+                let by =
+                    if r.setup.late_landings > 0.0 { format!(" (+{}ms)", r.setup.late_by_ms) } else { String::new() };
                 format!("{}{by}: {}/{}", r.setup.late_landings, r.late.held, r.late.booted)
             }),
         ),

@@ -297,7 +297,10 @@ impl Reader {
                 (self.http.post(format!("{hv}/v1/vms")).json(&body), format!("{hv}/v1/vms?tag={tag}"))
             } else {
                 let body = serde_json::json!({"version": "planted", "tag": tag});
-                (self.http.post(format!("{hv}/v1/bmc/{flash_node}/flash")).json(&body), format!("{hv}/v1/bmc?tag={tag}"))
+                (
+                    self.http.post(format!("{hv}/v1/bmc/{flash_node}/flash")).json(&body),
+                    format!("{hv}/v1/bmc?tag={tag}"),
+                )
             };
             let mut planted = false;
             for _ in 0..50 {
@@ -307,7 +310,8 @@ impl Reader {
                     break;
                 }
                 let listed: Option<serde_json::Value> = self.get(&check, "").await?;
-                if listed.is_some_and(|v| v["vms"].as_array().or(v["nodes"].as_array()).is_some_and(|a| !a.is_empty())) {
+                if listed.is_some_and(|v| v["vms"].as_array().or(v["nodes"].as_array()).is_some_and(|a| !a.is_empty()))
+                {
                     planted = true;
                     break;
                 }

@@ -276,9 +276,11 @@ pub(super) async fn run_in(
     reader.settle(quiet, Duration::from_secs(60)).await?;
     // What landed after its operation ended is the inventory sweep's: it removes a VM nobody owns
     // once the settle window has passed since its last send, on its next tick. Wait for it, with
-    // a deadline: what is left then runs without an owner.
+    // a deadline (a few ticks, at most 20 s of them, and a margin for a busy machine): what is
+    // left then runs without an owner.
     let owners_wait = Instant::now();
-    let owners_deadline = owners_wait + settle.unwrap_or_default() + 4 * sc.sweep_interval + Duration::from_secs(10);
+    let ticks = (4 * sc.sweep_interval).min(Duration::from_secs(20));
+    let owners_deadline = owners_wait + settle.unwrap_or_default() + ticks + Duration::from_secs(10);
     let truth = reader.ground_truth_once_owned(owners_deadline).await?;
     let owners_wait_secs = owners_wait.elapsed().as_secs_f64();
     let lock_ledger = || workload.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
