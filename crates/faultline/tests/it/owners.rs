@@ -24,7 +24,7 @@ fn late_landings_and_paused_replicas_leave_nothing_unowned() {
         "--concurrency",
         "8",
         "--client-faults",
-        "0.2",
+        "0.1",
         "--hv-fail-before",
         "0.05",
         "--hv-fail-after",
@@ -35,8 +35,11 @@ fn late_landings_and_paused_replicas_leave_nothing_unowned() {
         "2",
         "--abandon",
         "0.1",
+        // Longer than a faulted client's gap between two attempts (a 503's Retry-After of up to
+        // the settle window, then an attempt lost to a client fault), so that the reaper rolls
+        // back what was abandoned, not what a retry is about to resume.
         "--abandon-after",
-        "2s",
+        "8s",
         "--flashes",
         "0.1",
         "--max-duration",
