@@ -684,7 +684,64 @@ pub fn check(
 
 #[cfg(test)]
 mod tests {
-    use super::sample;
+    use super::*;
+
+    fn worker(id: &str, vm: Option<&str>) -> Worker {
+        serde_json::from_value(serde_json::json!({
+            "id": id, "state": "running", "image": "i", "cpu": 1, "memory_gb": 1, "node_id": "node-0001",
+            "lease_id": "lease-1", "vm_id": vm, "created_at": "2026-12-02T00:00:00Z",
+        }))
+        .expect("a worker")
+    }
+
+    #[test]
+    fn a_vm_no_listed_worker_runs_on_is_unowned() {
+        let fleet: Fleet = serde_json::from_value(serde_json::json!({
+            "nodes_total": 1, "nodes_allocated": 0, "leases_active": 0, "workers_active": 2, "vms_running": 3,
+            "vm_boots_total": 3, "reboots_total": 0,
+        }))
+        .expect("a fleet");
+        let workers = [worker("wkr-a", Some("vm-1")), worker("wkr-b", None)]
+            .into_iter()
+            .map(|w| (w.id.clone(), (0, w)))
+            .collect();
+        let vms = [("vm-1", "sk-1"), ("vm-2", "sk-2"), ("vm-3", "faultline-planted-0")]
+            .into_iter()
+            .map(|(id, tag)| (id.to_owned(), tag.to_owned()))
+            .collect();
+        let truth = GroundTruth { fleet, sim: SimStats::default(), workers, server: ServerCounters::default(), vms };
+        assert_eq!(truth.vms_without_worker(), ["vm-2 (sk-2)", "vm-3 (faultline-planted-0)"]);
+
+        let (mut damage, mut invariants) = (Damage::default(), Vec::new());
+        check_owners(&truth.vms_without_worker(), &[], &mut damage, &mut invariants);
+        assert_eq!((damage.vms_without_worker, damage.flashes_without_operation), (2, 0));
+        assert_eq!(invariants.iter().map(|i| (i.actual, i.ok)).collect::<Vec<_>>(), [(2, false), (0, true)]);
+    }
+
+    #[test]
+    fn derives_a_flash_requests_tag_and_operation_from_its_record() {
+        let record = |endpoint: &str| -> leasebroker_client::Record {
+            serde_json::from_value(serde_json::json!({
+                "id": "0123456789abcdef0123456789abcdef", "principal": "admin", "endpoint": endpoint,
+                "key": "k-1", "state": "completed", "fingerprint": "sha256:00", "response_status": 202,
+                "created_at": "x", "started_at": "x", "expires_at": "x",
+            }))
+            .expect("a record")
+        };
+        let flash = record("POST /admin/v1/nodes/node-0003/firmware");
+        let (tag, op) = flash_keys(&flash).expect("a flash record");
+        let scope = idempotency::Scope::new(
+            idempotency::Principal::new("admin"),
+            idempotency::Endpoint::new("POST", "/admin/v1/nodes/node-0003/firmware"),
+            idempotency::IdempotencyKey::parse_header(b"k-1").expect("a key"),
+        );
+        let id = idempotency::RecordId::from_hex("0123456789abcdef0123456789abcdef").expect("an id");
+        assert_eq!(tag, idempotency::derive(&scope, &id, "flash").as_str());
+        let op_key = idempotency::derive(&scope, &id, "flash-op");
+        assert_eq!(op, format!("op-{}", &op_key.as_str()[3..19]));
+        assert_eq!(flash_keys(&record("POST /v1/workers")), None);
+        assert_eq!(flash_keys(&record("POST /admin/v1/nodes/node-0003/reboot")), None);
+    }
 
     #[test]
     fn reads_a_sample_by_name_and_labels() {
