@@ -13,8 +13,12 @@ use crate::support::{SERIAL, num, run};
 fn run_faultline(extra: &[&str]) -> (i32, Value) {
     let mut args = vec!["--ops", "150", "--concurrency", "8", "--client-faults", "0.3", "--server-kills", "1"];
     args.extend(["--hv-fail-before", "0.1", "--hv-fail-after", "0.1", "--lbctl-share", "0.2"]);
-    // A small share of the slow, refusing and abandoning modes (the full run has more).
-    args.extend(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "2s"]);
+    // A small share of the slow, refusing and abandoning modes (the full run has more). The
+    // abandon window is longer than a faulted client's gap between two attempts (a 503's
+    // Retry-After of up to the settle window, rounded up, then an attempt lost to a client
+    // fault): with 2 s the reaper sometimes rolled back a create whose client was waiting out
+    // that Retry-After, and the retry booted again (one boot more than workers created).
+    args.extend(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "8s"]);
     args.extend(["--flashes", "0.15", "--max-duration", "150s"]);
     args.extend(extra);
     crate::support::run_faultline(&args)
