@@ -88,6 +88,30 @@ pub struct Scenario {
     /// than `--hypervisor-timeout` for the calls to land late).
     #[arg(long, default_value_t = 2500)]
     pub hv_slow_ms: u64,
+    /// Late landings past the settle window: a share `P` of VM boots (the first call of each boot
+    /// tag) is held by a proxy of faultline's between the servers and the simulator and delivered
+    /// `--late-by` after the servers' `--hypervisor-settle` has passed, whatever the server did
+    /// meanwhile (it timed out, answered 503, a retry booted again, the reaper rolled the create
+    /// back). What lands then is the service's inventory sweep's to remove.
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
+    pub late_landings: f64,
+    /// How long after the settle window a late landing lands.
+    #[arg(long, default_value = "3s", value_parser = parse::duration)]
+    pub late_by: Duration,
+    /// Pause a random replica with SIGSTOP this many times per run (spread over the run, each
+    /// while it has a request open), for `--pause-for`, then SIGCONT it: its attempts outlive
+    /// their claims and wake after retries on other replicas went on.
+    #[arg(long, default_value_t = 0)]
+    pub pauses: u32,
+    /// How long each pause lasts [default: --in-flight-ttl plus 2s, past the claims it holds].
+    #[arg(long, value_parser = parse::duration)]
+    pub pause_for: Option<Duration>,
+    /// A check of the checker: after the workload, boot this many VMs on the simulator directly
+    /// and start one flash on a BMC, all tagged `faultline-planted-...` (not the service's tag
+    /// prefix), so nothing owns them and nothing removes them: the run must report them as
+    /// running without an owner.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub plant_orphans: u32,
     /// Hypervisor simulator: probability that a mutating call is refused for good (a 4xx, nothing
     /// done: a definite refusal).
     #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
@@ -103,7 +127,8 @@ pub struct Scenario {
     /// Passed to the servers as --abandon-after (when they have it) if `--abandon` is set.
     #[arg(long, default_value = "3s", value_parser = parse::duration)]
     pub abandon_after: Duration,
-    /// Passed to the servers as --sweep-interval if `--abandon` is set: how often the reaper looks.
+    /// Passed to the servers as --sweep-interval if `--abandon`, `--late-landings` or
+    /// `--plant-orphans` is set: how often the reaper and the inventory sweep look.
     #[arg(long, default_value = "500ms", value_parser = parse::duration)]
     pub sweep_interval: Duration,
     /// Passed to the servers as --hypervisor-settle (when they have it) [default: the simulator's
@@ -268,6 +293,26 @@ mod tests {
         let s = r.scenario;
         assert_eq!((s.hv_slow, s.hv_refuse, s.abandon, s.postgres_restarts), (0.0, 0.0, 0.0, 0));
         assert!(Cli::try_parse_from(["faultline", "run", "--abandon", "1.1"]).is_err());
+    }
+
+    #[test]
+    fn parses_the_late_landing_pause_and_planting_modes() {
+        let run = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["faultline", "run"].iter().chain(args)).map_err(|e| e.to_string())?;
+            let Command::Run(r) = cli.command else { panic!("run") };
+            Ok::<_, String>(r.scenario)
+        };
+        let s = run(&["--late-landings", "0.2", "--late-by", "5s", "--pauses", "3", "--pause-for", "4s"]).unwrap();
+        assert_eq!((s.late_landings, s.late_by, s.pauses), (0.2, Duration::from_secs(5), 3));
+        assert_eq!(s.pause_for, Some(Duration::from_secs(4)));
+        assert_eq!(run(&["--plant-orphans", "2"]).unwrap().plant_orphans, 2);
+        // Off by default; the pause defaults to the claim TTL plus 2 s (in the run).
+        let s = run(&[]).unwrap();
+        assert_eq!((s.late_landings, s.late_by, s.pauses, s.pause_for), (0.0, Duration::from_secs(3), 0, None));
+        assert_eq!(s.plant_orphans, 0);
+        assert!(run(&["--late-landings", "1.5"]).is_err());
+        assert!(run(&["--pause-for", "soon"]).is_err());
+        assert!(run(&["--plant-orphans", "101"]).is_err());
     }
 
     #[test]

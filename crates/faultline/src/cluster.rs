@@ -42,6 +42,22 @@ struct Running {
     child: Child,
 }
 
+/// Sends `which` (`-STOP`, `-CONT`) to process `pid` with the system's `kill`: the workspace
+/// forbids unsafe code (no `libc::kill`), and the nix crate would switch on libc features that
+/// rebuild the whole workspace.
+async fn signal(pid: u32, which: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .arg(which)
+        .arg(pid.to_string())
+        .status()
+        .await
+        .with_context(|| format!("running kill {which} {pid}"))?;
+    if !status.success() {
+        bail!("kill {which} {pid} failed: {status}");
+    }
+    Ok(())
+}
+
 /// Starts `command` (stdout piped, stderr appended to `log`), waits for its `listening on` line and
 /// returns the process and the address it printed.
 async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, SocketAddr)> {
@@ -152,13 +168,21 @@ pub struct Replica {
     process: Option<Running>,
     /// Times it was killed and restarted.
     pub restarts: u32,
+    /// Times it was paused (SIGSTOP, then SIGCONT).
+    pub pauses: u32,
 }
 
 impl Replica {
     /// Starts replica `index` on `port`.
     pub async fn start(index: usize, port: u16, config: ServeConfig) -> anyhow::Result<Self> {
-        let mut replica =
-            Replica { index, addr: SocketAddr::from(([127, 0, 0, 1], port)), config, process: None, restarts: 0 };
+        let mut replica = Replica {
+            index,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            config,
+            process: None,
+            restarts: 0,
+            pauses: 0,
+        };
         replica.spawn().await?;
         Ok(replica)
     }
@@ -208,6 +232,32 @@ impl Replica {
         }
         self.restarts += 1;
         self.spawn().await
+    }
+
+    /// Pauses the process with SIGSTOP for `pause`, then resumes it with SIGCONT: it keeps its
+    /// sockets and its in-memory state but runs nothing, as a frozen VM or a long GC pause would,
+    /// so the claims it holds go stale and its attempts wake after others went on. Returns
+    /// whether there was a process to pause.
+    pub async fn pause_for(&mut self, pause: Duration) -> anyhow::Result<bool> {
+        let Some(pid) = self.pid() else { return Ok(false) };
+        signal(pid, "-STOP").await?;
+        self.pauses += 1;
+        tokio::time::sleep(pause).await;
+        signal(pid, "-CONT").await?;
+        Ok(true)
+    }
+
+    /// Sends SIGCONT (whether it was paused or not), so that no replica stays stopped when a
+    /// pause is cut short.
+    pub async fn resume(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = signal(pid, "-CONT").await;
+        }
+    }
+
+    /// The process id of the running child (none once it was reaped).
+    fn pid(&self) -> Option<u32> {
+        self.process.as_ref()?.child.id()
     }
 
     /// Stops the process (SIGKILL: the run is over, its state is in the database).

@@ -8,9 +8,11 @@
 //! the client process is killed and rerun), server replicas killed with SIGKILL mid-request, the
 //! simulator failing before or after doing the work, calls slower than the server's timeout
 //! (landing after it gave up), definite refusals, clients that abandon an operation for good, and
-//! a database that restarts mid-run. Then it waits out the servers' abandon window, reads the
-//! ground truth (the fleet, the simulator's counters, every worker) and checks that nothing was
-//! duplicated, lost or left held.
+//! a database that restarts mid-run, boots that land after the servers' settle window (held by a
+//! proxy of its own in front of the simulator, [`late`]) and replicas paused with SIGSTOP past
+//! their claims. Then it waits out the servers' abandon window and their inventory sweep, reads
+//! the ground truth (the fleet, the simulator's counters and VMs, the BMCs, every worker) and
+//! checks that nothing was duplicated, lost or left held, and that nothing runs that nobody owns.
 //!
 //! The same workload runs twice: with clients that keep one key per logical operation (the SDK,
 //! `lbctl --op-id`), where every invariant must hold, and with naive clients that make a fresh
@@ -28,6 +30,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod late;
 pub mod pg;
 pub mod proxy;
 pub mod report;

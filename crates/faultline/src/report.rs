@@ -45,6 +45,16 @@ pub struct Setup {
     pub hv_slow_ms: u64,
     /// Simulator: share of calls refused for good (4xx, nothing done).
     pub hv_refuse: f64,
+    /// Share of first boots held past the settle window (`--late-landings`).
+    pub late_landings: f64,
+    /// How long after the settle window they land, in milliseconds.
+    pub late_by_ms: u64,
+    /// Replica pauses asked for (SIGSTOP, then SIGCONT).
+    pub pauses: u32,
+    /// How long each pause lasts, in milliseconds.
+    pub pause_ms: u64,
+    /// VMs (and one flash) planted with no owner (`--plant-orphans`).
+    pub plant_orphans: u32,
     /// The servers' `--hypervisor-timeout`, in milliseconds.
     pub hypervisor_timeout_ms: u64,
     /// The servers' `--hypervisor-settle`, in milliseconds (absent when they lack the flag).
@@ -138,6 +148,10 @@ pub struct RunReport {
     /// Failovers made (PostgreSQL primary killed or switched over; Redis primary killed and its
     /// replica promoted).
     pub failovers: u32,
+    /// Replica pauses made (SIGSTOP, then SIGCONT).
+    pub pauses: u32,
+    /// Boots held past the settle window, and how many landed.
+    pub late: crate::late::LateCounts,
     /// How the operations ended.
     pub outcomes: Outcomes,
     /// What was duplicated or lost.
@@ -158,6 +172,12 @@ pub struct RunReport {
     pub refusals: Vec<String>,
     /// Listed workers whose VM does not run, and what the clients know of each.
     pub workers_without_vm: Vec<String>,
+    /// VMs running that no worker runs on (`vm_id (tag)`), after the inventory sweep's time.
+    pub vms_without_worker: Vec<String>,
+    /// Flashes the BMCs hold that no operation owns (`node: tag`).
+    pub flashes_without_operation: Vec<String>,
+    /// Seconds the run waited after settling for what nobody owns to be removed.
+    pub owners_wait_secs: f64,
     /// Seconds spent running operations.
     pub workload_secs: f64,
     /// Seconds for the whole run (start-up, settling and checks included).
@@ -206,6 +226,15 @@ pub fn table(runs: &[RunReport]) -> String {
             }),
         ),
         (
+            "late landings past settle (held / booted)",
+            Box::new(|r| {
+                let by =
+                    if r.setup.late_landings > 0.0 { format!(" (+{}ms)", r.setup.late_by_ms) } else { String::new() };
+                format!("{}{by}: {}/{}", r.setup.late_landings, r.late.held, r.late.booted)
+            }),
+        ),
+        ("replica pauses (SIGSTOP)", Box::new(|r| format!("{} ({}ms)", r.pauses, r.setup.pause_ms))),
+        (
             "hypervisor timeout / settle",
             Box::new(|r| {
                 let settle = r.setup.hypervisor_settle_ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms}ms"));
@@ -226,10 +255,13 @@ pub fn table(runs: &[RunReport]) -> String {
         ),
         ("replayed answers", Box::new(|r| r.outcomes.replayed.to_string())),
         (
-            "server: refusals released / late VMs destroyed / ops reaped",
+            "server: refusals released / late VMs destroyed / orphans removed / ops reaped",
             Box::new(|r| {
                 let s = r.server;
-                format!("{}/{}/{}", s.refusals_released, s.duplicate_vms_destroyed, s.operations_reaped)
+                format!(
+                    "{}/{}/{}/{}",
+                    s.refusals_released, s.duplicate_vms_destroyed, s.orphans_removed, s.operations_reaped
+                )
             }),
         ),
         ("workers active (server)", Box::new(|r| r.fleet.workers_active.to_string())),
@@ -254,6 +286,10 @@ pub fn table(runs: &[RunReport]) -> String {
             Box::new(|r| format!("{}/{}", r.damage.extra_flashes, r.damage.duplicate_flash_tags)),
         ),
         ("  flash operations stuck running", Box::new(|r| r.damage.stuck_operations.to_string())),
+        (
+            "RUNNING UNOWNED: VMs w/o worker / flashes w/o op",
+            Box::new(|r| format!("{}/{}", r.damage.vms_without_worker, r.damage.flashes_without_operation)),
+        ),
         ("FAILED OPS (gave up)", Box::new(|r| r.outcomes.failed.to_string())),
         (
             "invariants",

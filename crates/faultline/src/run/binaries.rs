@@ -82,8 +82,11 @@ pub(super) fn serve_extra(
         }
         None
     };
-    let abandon_after = if sc.abandon > 0.0 {
+    // The reaper's tick runs the rollbacks and the inventory sweep (late landings, orphans).
+    if sc.abandon > 0.0 || sc.late_landings > 0.0 || sc.plant_orphans > 0 {
         extra.extend(["--sweep-interval".to_owned(), ms(sc.sweep_interval)]);
+    }
+    let abandon_after = if sc.abandon > 0.0 {
         if bin.serve_has("--abandon-after") {
             extra.extend(["--abandon-after".to_owned(), ms(sc.abandon_after)]);
             Some(sc.abandon_after)

@@ -1,5 +1,5 @@
-//! The faults a run makes on the server side: replicas killed mid-request and restarted, the
-//! database stopped and started again.
+//! The faults a run makes on the server side: replicas killed mid-request and restarted, replicas
+//! paused past their claims, the database stopped and started again.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -62,6 +62,38 @@ pub(super) async fn restart_database(
         cluster.start_again().await?;
         cluster.restarts += 1;
         done += 1;
+    }
+    Ok(done)
+}
+
+/// Pauses a random replica `pauses` times, at evenly spread points of the workload (off the
+/// kills' points), each time while it has a request open: SIGSTOP, `pause`, SIGCONT. The
+/// replicas' lock is held through the pause, so a kill never hits a stopped process. Returns the
+/// pauses made.
+pub(super) async fn pause_replicas(
+    pauses: u32,
+    pause: Duration,
+    ops: u64,
+    workload: Arc<Workload>,
+    replicas: Arc<Mutex<Vec<Replica>>>,
+    proxies: Arc<Vec<Proxy>>,
+) -> anyhow::Result<u32> {
+    let mut done = 0;
+    for k in 1..=u64::from(pauses) {
+        let milestone = (ops * (3 * k - 1) / (3 * u64::from(pauses) + 1)).max(1);
+        while workload.counters.ops_done.load(Ordering::Relaxed) < milestone {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let victim = rand::rng().random_range(0..proxies.len());
+        // Mid-request: wait (briefly) until the victim has a connection open, so that a claim is
+        // held when it stops.
+        let wait_until = Instant::now() + Duration::from_secs(2);
+        while proxies[victim].stats.active_upstream.load(Ordering::Relaxed) == 0 && Instant::now() < wait_until {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        if replicas.lock().await[victim].pause_for(pause).await? {
+            done += 1;
+        }
     }
     Ok(done)
 }

@@ -13,11 +13,12 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::binaries::{Binaries, serve_extra};
-use super::chaos::{kill_replicas, restart_database};
+use super::chaos::{kill_replicas, pause_replicas, restart_database};
 use super::failover::{fail_over_postgres, fail_over_redis};
 use super::progress::{progress_bar, status};
 use crate::cli::Scenario;
 use crate::cluster::{self, Hypervisor, Replica, ServeConfig, SimFaults};
+use crate::late::LateProxy;
 use crate::pg::LocalCluster;
 use crate::proxy::{FaultPlan, Proxy, ProxyCounts};
 use crate::report::{Faults, Outcomes, RunReport, Setup};
@@ -27,6 +28,8 @@ use idempotency_sqlx::testing::ha::HaPostgres;
 
 /// Flashes go to the first this many nodes of the pool, so that some meet a running flash.
 const FLASH_NODES: u32 = 16;
+/// What runs without an owner, listed in the report (the counts are complete).
+const KEPT_UNOWNED: usize = 50;
 
 /// The database servers of faultline's own that a run makes faults on.
 pub(super) struct OwnServers {
@@ -64,6 +67,14 @@ pub(super) async fn run_in(
     };
     let hypervisor = Hypervisor::start(&bin.leasebroker, dir, faults).await?;
     let (mut extra, settle, abandon_after) = serve_extra(sc, bin)?;
+    // Late landings: the servers call the simulator through a proxy that holds a share of first
+    // boots until the settle window has passed, and `--late-by` more.
+    let late = if sc.late_landings > 0.0 {
+        let window = settle.unwrap_or(sc.hypervisor_timeout + Duration::from_secs(2));
+        Some(LateProxy::start(&hypervisor.url, sc.late_landings, window + sc.late_by).await?)
+    } else {
+        None
+    };
     // Stopped and removed when the run ends (its processes are killed on drop).
     let redis = if sc.redis_cluster {
         if !idempotency_redis::testing::have_redis_binaries() {
@@ -88,7 +99,7 @@ pub(super) async fn run_in(
         database: database.to_owned(),
         principals: principals.clone(),
         pool_nodes,
-        hypervisor_url: hypervisor.url.clone(),
+        hypervisor_url: late.as_ref().map_or_else(|| hypervisor.url.clone(), |l| l.url.clone()),
         hypervisor_timeout: sc.hypervisor_timeout,
         in_flight_ttl: sc.in_flight_ttl,
         extra,
@@ -146,6 +157,10 @@ pub(super) async fn run_in(
     }
     let mut killer = JoinSet::new();
     killer.spawn(kill_replicas(sc.server_kills, sc.ops, workload.clone(), replicas.clone(), proxies.clone()));
+    let pause = sc.pause_for.unwrap_or(sc.in_flight_ttl + Duration::from_secs(2));
+    let mut pauser = JoinSet::new();
+    pauser.spawn(pause_replicas(sc.pauses, pause, sc.ops, workload.clone(), replicas.clone(), proxies.clone()));
+    let mut pauses_done = 0;
     let mut restarter = JoinSet::new();
     if let Some(cluster) = &own_cluster {
         restarter.spawn(restart_database(
@@ -177,6 +192,10 @@ pub(super) async fn run_in(
                 Ok(n) => kills_done = n,
                 Err(e) => break Some(e.context("killing and restarting a replica")),
             },
+            Some(joined) = pauser.join_next() => match joined.context("the pause task panicked")? {
+                Ok(n) => pauses_done = n,
+                Err(e) => break Some(e.context("pausing a replica")),
+            },
             Some(joined) = restarter.join_next() => match joined.context("the database restart task panicked")? {
                 Ok(n) => restarts_done = n,
                 Err(e) => break Some(e.context("restarting the database")),
@@ -188,6 +207,17 @@ pub(super) async fn run_in(
             _ = ticker.tick() => progress.set_message(status(&workload, &proxies, &replicas).await),
         }
     };
+    // A pause still pending is not made; one under way is cut short, and no replica stays stopped.
+    pauser.abort_all();
+    while let Some(joined) = pauser.join_next().await {
+        if let Ok(Ok(n)) = joined {
+            pauses_done = n;
+        }
+    }
+    for r in replicas.lock().await.iter() {
+        r.resume().await;
+    }
+    let pauses_done = pauses_done.max(replicas.lock().await.iter().map(|r| r.pauses).sum());
     if let Some(e) = kill_error {
         return Err(e);
     }
@@ -224,6 +254,15 @@ pub(super) async fn run_in(
     for p in proxies.iter() {
         p.set_faults(false);
     }
+    // Flashes go to nodes 1..=FLASH_NODES; a planted flash to the next one, which no operation
+    // flashes.
+    let flash_nodes = pool_nodes.min(FLASH_NODES);
+    let mut bmc_nodes: Vec<String> = (1..=flash_nodes).map(|n| format!("node-{n:04}")).collect();
+    if sc.plant_orphans > 0 {
+        let node = format!("node-{:04}", flash_nodes + 1);
+        reader.plant_orphans(sc.plant_orphans, &node).await.context("planting orphans")?;
+        bmc_nodes.push(node);
+    }
     // Let cut-off handlers finish, late calls land, stale in-flight records age out and the
     // reaper roll back what was abandoned before reading the truth.
     let mut quiet = sc.in_flight_ttl + sc.hypervisor_timeout + Duration::from_secs(1);
@@ -231,8 +270,19 @@ pub(super) async fn run_in(
     if let Some(after) = abandon_after {
         quiet += after + settle.unwrap_or_default() + 2 * sc.sweep_interval;
     }
+    if late.is_some() {
+        quiet += sc.late_by;
+    }
     reader.settle(quiet, Duration::from_secs(60)).await?;
-    let truth = reader.ground_truth().await?;
+    // What landed after its operation ended is the inventory sweep's: it removes a VM nobody owns
+    // once the settle window has passed since its last send, on its next tick. Wait for it, with
+    // a deadline (a few ticks, at most 20 s of them, and a margin for a busy machine): what is
+    // left then runs without an owner.
+    let owners_wait = Instant::now();
+    let ticks = (4 * sc.sweep_interval).min(Duration::from_secs(20));
+    let owners_deadline = owners_wait + settle.unwrap_or_default() + ticks + Duration::from_secs(10);
+    let truth = reader.ground_truth_once_owned(owners_deadline).await?;
+    let owners_wait_secs = owners_wait.elapsed().as_secs_f64();
     let lock_ledger = || workload.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let held: Vec<_> = lock_ledger()
         .workers
@@ -243,13 +293,18 @@ pub(super) async fn run_in(
     let gets = reader.get_each(held).await;
     let flash_ops = lock_ledger().flash_ops.clone();
     let operations = reader.operations_ended(&flash_ops, Duration::from_secs(120)).await;
+    let flashes_unowned = reader.flashes_without_operation(&bmc_nodes).await.context("reading the BMCs' flashes")?;
+    let vms_unowned = truth.vms_without_worker();
+    let late_counts = late.as_ref().map(|l| l.stats.snapshot()).unwrap_or_default();
     let report = {
         let ledger = lock_ledger();
         let c = &workload.counters;
         let reboots_ok = c.reboots_ok.load(Ordering::Relaxed);
         let failed = c.failed.load(Ordering::Relaxed);
-        let (mut damage, mut invariants) = verify::check(&ledger, &truth, &gets, reboots_ok, failed);
+        let (mut damage, mut invariants) =
+            verify::check(&ledger, &truth, &gets, reboots_ok, failed, late_counts.delivered);
         verify::check_flashes(&ledger, &truth, &operations, &mut damage, &mut invariants);
+        verify::check_owners(&vms_unowned, &flashes_unowned, &mut damage, &mut invariants);
 
         let proxy = proxies.iter().map(|p| p.stats.snapshot()).fold(ProxyCounts::default(), |a, b| a + b);
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -279,6 +334,11 @@ pub(super) async fn run_in(
                 hv_slow: sc.hv_slow,
                 hv_slow_ms: sc.hv_slow_ms,
                 hv_refuse: sc.hv_refuse,
+                late_landings: sc.late_landings,
+                late_by_ms: millis(sc.late_by),
+                pauses: sc.pauses,
+                pause_ms: millis(pause),
+                plant_orphans: sc.plant_orphans,
                 hypervisor_timeout_ms: millis(sc.hypervisor_timeout),
                 hypervisor_settle_ms: settle.map(millis),
                 abandon: sc.abandon,
@@ -298,6 +358,8 @@ pub(super) async fn run_in(
             server_kills: kills_done,
             postgres_restarts: restarts_done,
             failovers: failovers_done,
+            pauses: pauses_done,
+            late: late_counts,
             outcomes: Outcomes {
                 succeeded: load(&c.succeeded),
                 refused: load(&c.refused),
@@ -321,6 +383,9 @@ pub(super) async fn run_in(
             failures: ledger.failures.clone(),
             refusals: ledger.refusals.clone(),
             workers_without_vm: verify::workers_without_vm(&ledger, &truth),
+            vms_without_worker: vms_unowned.iter().take(KEPT_UNOWNED).cloned().collect(),
+            flashes_without_operation: flashes_unowned.iter().take(KEPT_UNOWNED).cloned().collect(),
+            owners_wait_secs,
             workload_secs,
             elapsed_secs: started.elapsed().as_secs_f64(),
         }
@@ -328,6 +393,7 @@ pub(super) async fn run_in(
     for r in replicas.lock().await.iter_mut() {
         r.stop().await;
     }
+    drop(late);
     drop(hypervisor);
     Ok(report)
 }

@@ -5,78 +5,23 @@
 //! The PostgreSQL variant runs when `TEST_POSTGRES_URL` is set (a server URL on loopback); without
 //! it the test says so on stderr and passes, except under `CI=true`, where it fails.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Mutex;
-
 use serde_json::Value;
 
-/// One run at a time: each already keeps both cores busy.
-static SERIAL: Mutex<()> = Mutex::new(());
+use crate::support::{SERIAL, num, run};
 
-/// `target/<profile>/`, where cargo put the faultline binary and the servers live next to it.
-fn target_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_faultline")).parent().expect("the binary has a directory").to_path_buf()
-}
-
-/// The leasebroker and lbctl binaries, built first if they are missing.
-fn servers() -> (PathBuf, PathBuf) {
-    let dir = target_dir();
-    let (leasebroker, lbctl) = (dir.join("leasebroker"), dir.join("lbctl"));
-    if !leasebroker.is_file() || !lbctl.is_file() {
-        let mut build = Command::new(env!("CARGO"));
-        build.args(["build", "-p", "leasebroker", "-p", "lbctl"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            build.arg("--release");
-        }
-        let status = build.status().expect("running cargo build");
-        assert!(status.success(), "cargo build -p leasebroker -p lbctl failed");
-    }
-    (leasebroker, lbctl)
-}
-
+/// The smoke run's faults, and `extra`.
 fn run_faultline(extra: &[&str]) -> (i32, Value) {
-    let (leasebroker, lbctl) = servers();
-    let out = tempfile::tempdir().expect("temp dir");
-    let output = Command::new(env!("CARGO_BIN_EXE_faultline"))
-        .arg("run")
-        .arg("--leasebroker")
-        .arg(&leasebroker)
-        .arg("--lbctl")
-        .arg(&lbctl)
-        .args(["--ops", "150", "--concurrency", "8", "--client-faults", "0.3", "--server-kills", "1"])
-        .args(["--hv-fail-before", "0.1", "--hv-fail-after", "0.1", "--lbctl-share", "0.2"])
-        // A small share of the slow, refusing and abandoning modes (the full run has more).
-        .args(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "2s"])
-        .args(["--flashes", "0.15"])
-        .args(["--no-progress", "--max-duration", "150s", "--out"])
-        .arg(out.path())
-        .args(extra)
-        .output()
-        .expect("running faultline");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    eprintln!("--- faultline stdout\n{stdout}\n--- faultline stderr\n{stderr}");
-    let report =
-        std::fs::read(out.path().join("run.json")).unwrap_or_else(|e| panic!("no run.json ({e}); stderr:\n{stderr}"));
-    (output.status.code().unwrap_or(-1), serde_json::from_slice(&report).expect("run.json is JSON"))
-}
-
-fn run<'a>(report: &'a Value, clients: &str) -> &'a Value {
-    report["runs"]
-        .as_array()
-        .expect("runs")
-        .iter()
-        .find(|r| r["clients"] == clients)
-        .unwrap_or_else(|| panic!("no {clients} run in the report"))
-}
-
-fn num(v: &Value, path: &[&str]) -> i64 {
-    let mut v = v;
-    for p in path {
-        v = &v[*p];
-    }
-    v.as_i64().unwrap_or_else(|| panic!("{path:?} is not a number: {v}"))
+    let mut args = vec!["--ops", "150", "--concurrency", "8", "--client-faults", "0.3", "--server-kills", "1"];
+    args.extend(["--hv-fail-before", "0.1", "--hv-fail-after", "0.1", "--lbctl-share", "0.2"]);
+    // A small share of the slow, refusing and abandoning modes (the full run has more). The
+    // abandon window is longer than a faulted client's gap between two attempts (a 503's
+    // Retry-After of up to the settle window, rounded up, then an attempt lost to a client
+    // fault): with 2 s the reaper sometimes rolled back a create whose client was waiting out
+    // that Retry-After, and the retry booted again (one boot more than workers created).
+    args.extend(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "8s"]);
+    args.extend(["--flashes", "0.15", "--max-duration", "150s"]);
+    args.extend(extra);
+    crate::support::run_faultline(&args)
 }
 
 fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {

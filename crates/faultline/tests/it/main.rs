@@ -1,0 +1,6 @@
+//! faultline's integration tests: the real `faultline` binary against real `leasebroker` and
+//! `lbctl` processes.
+
+mod owners;
+mod smoke;
+mod support;
