@@ -45,7 +45,6 @@ async fn task_bodies(sim: &str) -> Vec<Value> {
     bodies
 }
 
-
 fn op_id(reply: &Reply) -> String {
     assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&reply.body));
     reply.json()["id"].as_str().expect("id").to_owned()
