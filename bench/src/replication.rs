@@ -138,7 +138,7 @@ pub(crate) async fn replication(a: ReplicationArgs) -> anyhow::Result<()> {
             tokio::task::spawn_blocking(|| idempotency_redis::testing::Cluster::start_with_replicas(1)).await?;
         let url = cluster.url();
         for (name, replicas) in [("redis-wait1", 1), ("redis-nowait", 0)] {
-            let options = RedisStoreOptions::default().prefix(&format!("{name}:")).replicas(replicas);
+            let options = RedisStoreOptions::default().prefix(format!("{name}:")).replicas(replicas);
             targets.push((name, Arc::new(Target::Redis(RedisStore::connect_with(&url, options).await?))));
         }
         redis_cluster = Some(cluster);
