@@ -10,3 +10,4 @@ mod protocol;
 mod replay;
 mod requests;
 mod service;
+mod sources;
