@@ -53,6 +53,8 @@ mod layer;
 mod metrics;
 mod prefer;
 mod problem;
+#[cfg(feature = "reqwest")]
+mod propagate;
 mod protect;
 mod quota;
 mod release;
@@ -77,6 +79,8 @@ pub use layer::{
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
 pub use metrics::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
+#[cfg(feature = "reqwest")]
+pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
 

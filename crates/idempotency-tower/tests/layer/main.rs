@@ -6,6 +6,8 @@ mod concurrency;
 mod fixture;
 mod limits;
 mod long_running;
+#[cfg(feature = "reqwest")]
+mod propagation;
 mod protocol;
 mod replay;
 mod requests;
