@@ -13,11 +13,14 @@ use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 
 use crate::fixture::*;
 
+/// The calls a downstream got: path and `Idempotency-Key`.
+type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
 /// A downstream on a real port that records the `Idempotency-Key` of every call it gets
 /// (`None` for a call without one), by path.
-async fn downstream() -> (String, Arc<Mutex<Vec<(String, Option<String>)>>>) {
-    let seen: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
-    let record = |State(seen): State<Arc<Mutex<Vec<(String, Option<String>)>>>>, uri: http::Uri, headers: HeaderMap| async move {
+async fn downstream() -> (String, Seen) {
+    let seen: Seen = Arc::default();
+    let record = |State(seen): State<Seen>, uri: http::Uri, headers: HeaderMap| async move {
         let key = headers.get("idempotency-key").map(|v| v.to_str().expect("ascii").to_owned());
         seen.lock().unwrap().push((uri.path().to_owned(), key));
         StatusCode::ACCEPTED

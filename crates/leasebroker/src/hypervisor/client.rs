@@ -166,8 +166,7 @@ impl HvError {
 /// [`HypervisorClient::with_ca_cert`], a private CA.
 #[derive(Debug, Clone)]
 pub struct HypervisorClient {
-    http: reqwest::Client,
-    /// `http` with the key propagation: a boot, reboot or flash carries its tag (the derived
+    /// The HTTP client with the key propagation: a boot, reboot or flash carries its tag (the derived
     /// sub-key) as `Idempotency-Key: "<tag>"`, so a hypervisor that honours the header
     /// deduplicates it natively.
     keyed: reqwest_middleware::ClientWithMiddleware,
@@ -253,7 +252,6 @@ impl HypervisorClient {
             .with(idempotency_tower::PropagateIdempotencyKey)
             .build();
         Ok(Self {
-            http,
             keyed,
             base,
             #[cfg(feature = "libvirt")]
@@ -275,9 +273,10 @@ impl HypervisorClient {
         self.redfish.as_ref()
     }
 
-    /// The HTTP client: its timeout, TLS roots and no-redirect policy.
-    pub(super) fn http(&self) -> &reqwest::Client {
-        &self.http
+    /// The HTTP client (its timeout, TLS roots and no-redirect policy) with the key propagation
+    /// middleware.
+    pub(super) fn keyed(&self) -> &reqwest_middleware::ClientWithMiddleware {
+        &self.keyed
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
@@ -831,6 +830,8 @@ mod tests {
         assert!(matches!(err, HvError::Connect(_)), "{err:?}");
         assert!(!err.may_have_happened());
         assert_eq!(sim.stats().flashes_total, 1);
+        // The flash carried its tag as its Idempotency-Key (key propagation).
+        assert_eq!(sim.stats().tag_keyed_calls, 1);
     }
 
     #[tokio::test]
