@@ -70,12 +70,15 @@ impl fmt::Display for MismatchStatus {
 
 pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
+pub(crate) type KeySourcesFn = dyn Fn(&Method, &str) -> crate::sources::KeySources + Send + Sync;
 pub(crate) type OperationLinkFn = dyn Fn(&Record) -> Option<String> + Send + Sync;
 
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) principal: Box<PrincipalFn>,
     pub(crate) policy: Box<PolicyFn>,
+    /// Where else than `Idempotency-Key` a route's key comes from; `None`: nowhere.
+    pub(crate) key_sources: Option<Box<KeySourcesFn>>,
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) response_policy: ResponsePolicy,
     pub(crate) mismatch_status: MismatchStatus,

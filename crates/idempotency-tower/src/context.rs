@@ -26,9 +26,28 @@ pub struct IdempotencyContext {
     claim: Arc<Claim>,
 }
 
+tokio::task_local! {
+    /// The context of the protected request whose handler this task runs.
+    static CURRENT: IdempotencyContext;
+}
+
 impl IdempotencyContext {
     pub(crate) fn new(claim: Claim) -> Self {
         Self { claim: Arc::new(claim) }
+    }
+
+    /// The context of the protected request whose handler is running on this task, if any: the
+    /// layer sets it around the handler, so code the handler calls (a client middleware, see
+    /// [`PropagateIdempotencyKey`](crate::PropagateIdempotencyKey)) finds it without having it
+    /// passed down. A task the handler spawns does not inherit it: pass the context (or a
+    /// derived sub-key) to such a task explicitly.
+    pub fn current() -> Option<Self> {
+        CURRENT.try_with(Clone::clone).ok()
+    }
+
+    /// Runs `work` with this context as [`current`](Self::current).
+    pub(crate) fn scope<F: Future>(self, work: F) -> impl Future<Output = F::Output> {
+        CURRENT.scope(self, work)
     }
 
     pub(crate) fn claim_arc(&self) -> Arc<Claim> {

@@ -17,3 +17,15 @@ pub const PREFER: HeaderName = HeaderName::from_static("prefer");
 
 /// The response header that says which preferences were honoured (RFC 7240 section 3).
 pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
+
+/// The request header of OASIS Repeatable Requests (and Azure's guidelines) that carries the key
+/// on routes that accept it ([`KeySources::repeatability`](crate::KeySources::repeatability)).
+pub const REPEATABILITY_REQUEST_ID: HeaderName = HeaderName::from_static("repeatability-request-id");
+
+/// The request header that says when the client first sent the request (an HTTP-date), sent
+/// with `Repeatability-Request-ID`.
+pub const REPEATABILITY_FIRST_SENT: HeaderName = HeaderName::from_static("repeatability-first-sent");
+
+/// The response header that answers a request keyed by `Repeatability-Request-ID`: `accepted`
+/// (the request was executed or replayed) or `rejected` (the layer refused it).
+pub const REPEATABILITY_RESULT: HeaderName = HeaderName::from_static("repeatability-result");

@@ -12,11 +12,12 @@ use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, R
 use tower::Layer;
 
 use crate::config::{
-    CompletionRetry, Config, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy, default_policy,
-    default_principal,
+    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy,
+    default_policy, default_principal,
 };
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
+use crate::sources::KeySources;
 
 /// The default time an in-flight claim is honoured before another request may take it over.
 pub const DEFAULT_IN_FLIGHT_TTL: Duration = Duration::from_secs(5 * 60);
@@ -64,6 +65,7 @@ impl IdempotencyLayer {
             store,
             principal: Box::new(default_principal),
             policy: Box::new(default_policy),
+            key_sources: None,
             fingerprint_mode: FingerprintMode::Raw,
             response_policy: ResponsePolicy::default(),
             mismatch_status: MismatchStatus::Conflict,
@@ -109,6 +111,7 @@ pub struct IdempotencyLayerBuilder {
     store: Arc<dyn Store>,
     principal: Box<PrincipalFn>,
     policy: Box<PolicyFn>,
+    key_sources: Option<Box<KeySourcesFn>>,
     fingerprint_mode: FingerprintMode,
     response_policy: ResponsePolicy,
     mismatch_status: MismatchStatus,
@@ -172,6 +175,33 @@ impl IdempotencyLayerBuilder {
     /// Default: [`RoutePolicy::Required`] for every POST, PUT, PATCH and DELETE.
     pub fn policy(mut self, f: impl Fn(&Method, &str) -> RoutePolicy + Send + Sync + 'static) -> Self {
         self.policy = Box::new(f);
+        self
+    }
+
+    /// Where else than `Idempotency-Key` the key of a mutating request may come from, by its
+    /// method and path, next to its [`policy`](Self::policy) (SPEC 1.3, "Other key sources"):
+    /// `Repeatability-Request-ID` ([`KeySources::repeatability`]) and a JSON body field
+    /// ([`KeySources::body_field`], AIP-155's `request_id`). Each names the same record, in the
+    /// same scope, as `Idempotency-Key` with that value; a request with two different keys gets
+    /// `400 idempotency-key-invalid`. A `Required` route is satisfied by a key from any of its
+    /// sources. Default: `Idempotency-Key` only, on every route.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency::MemoryStore;
+    /// use idempotency_tower::{IdempotencyLayer, KeySources};
+    ///
+    /// let layer = IdempotencyLayer::builder(Arc::new(MemoryStore::new()))
+    ///     .key_sources(|_method, path| match path {
+    ///         p if p.starts_with("/azure/") => KeySources::default().repeatability(),
+    ///         p if p.starts_with("/google/") => KeySources::default().body_field("request_id"),
+    ///         _ => KeySources::default(),
+    ///     })
+    ///     .build();
+    /// # let _ = layer;
+    /// ```
+    pub fn key_sources(mut self, f: impl Fn(&Method, &str) -> KeySources + Send + Sync + 'static) -> Self {
+        self.key_sources = Some(Box::new(f));
         self
     }
 
@@ -354,6 +384,7 @@ impl IdempotencyLayerBuilder {
                 store: self.store,
                 principal: self.principal,
                 policy: self.policy,
+                key_sources: self.key_sources,
                 fingerprinter,
                 response_policy: self.response_policy,
                 mismatch_status: self.mismatch_status,

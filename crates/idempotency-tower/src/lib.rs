@@ -53,17 +53,23 @@ mod layer;
 mod metrics;
 mod prefer;
 mod problem;
+#[cfg(feature = "reqwest")]
+mod propagate;
 mod protect;
 mod quota;
 mod release;
 mod replay;
 mod service;
+mod sources;
 mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
 pub use context::IdempotencyContext;
 pub use future::{ResponseFuture, detached_handlers};
-pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED};
+pub use headers::{
+    IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED,
+    REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,
+};
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
     DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_MAX_WAIT,
@@ -73,7 +79,10 @@ pub use layer::{
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
 pub use metrics::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
+#[cfg(feature = "reqwest")]
+pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
+pub use sources::{AIP_155_REQUEST_ID, KeySources};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, Principal, ResponsePolicy, Store};

@@ -146,18 +146,34 @@ impl IntoResponse for Problem {
 pub(crate) enum Rejection {
     MissingKey,
     InvalidKey(KeyError),
-    BodyTooLarge { limit: usize },
+    /// A key from another source (SPEC 1.3) that is invalid, or two different keys; the detail
+    /// says which.
+    InvalidKeySource(String),
+    /// `Repeatability-First-Sent` is older than the retention.
+    RepeatabilityExpired {
+        age: Duration,
+        retention: Duration,
+    },
+    BodyTooLarge {
+        limit: usize,
+    },
     BodyUnreadable,
     BodyTimeout,
-    TooManyRecords { retry_after: Duration },
+    TooManyRecords {
+        retry_after: Duration,
+    },
     PrincipalMissing,
     Mismatch,
-    InProgress { retry_after: Duration },
+    InProgress {
+        retry_after: Duration,
+    },
     StoreUnavailable(StoreError),
     HandlerPanicked,
     ResponseBodyFailed,
     StoredResponseCorrupt,
-    ResponseTooLarge { limit: usize },
+    ResponseTooLarge {
+        limit: usize,
+    },
 }
 
 /// How long a client is told to wait after the store failed: long enough not to hammer a
@@ -169,7 +185,8 @@ impl Rejection {
     pub(crate) fn outcome(&self) -> &'static str {
         match self {
             Self::MissingKey => "missing_key",
-            Self::InvalidKey(_) => "invalid_key",
+            Self::InvalidKey(_) | Self::InvalidKeySource(_) => "invalid_key",
+            Self::RepeatabilityExpired { .. } => "repeatability_expired",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::BodyUnreadable => "body_unreadable",
             Self::BodyTimeout => "body_timeout",
@@ -199,6 +216,21 @@ impl Rejection {
                 "idempotency-key-invalid",
                 "Invalid Idempotency-Key",
                 format!("{e}; a key is 1 to 128 visible ASCII characters, sent once"),
+            ),
+            Self::InvalidKeySource(detail) => {
+                Problem::new(StatusCode::BAD_REQUEST, "idempotency-key-invalid", "Invalid Idempotency-Key", detail)
+            }
+            Self::RepeatabilityExpired { age, retention } => Problem::new(
+                StatusCode::PRECONDITION_FAILED,
+                "repeatability-expired",
+                "Repeatability window passed",
+                format!(
+                    "Repeatability-First-Sent is {} s ago, longer than the {} s a request is remembered; it may \
+                     have run already and its record be gone, so it is not run; send it as a new request (a new \
+                     Repeatability-Request-ID)",
+                    age.as_secs(),
+                    retention.as_secs()
+                ),
             ),
             Self::BodyTooLarge { limit } => Problem::new(
                 StatusCode::PAYLOAD_TOO_LARGE,

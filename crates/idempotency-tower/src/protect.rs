@@ -239,12 +239,14 @@ where
     // The handler's context and this function share one claim rather than copying the record.
     let ctx = IdempotencyContext::new(claim);
     let claim = ctx.claim_arc();
-    parts.extensions.insert(ctx);
+    parts.extensions.insert(ctx.clone());
     let req = Request::from_parts(parts, Body::from(body));
     let limit = cfg.max_stored_response;
     let policy = cfg.response_policy.clone();
     let handled = AssertUnwindSafe(async move {
-        match inner.oneshot(req).await {
+        // The handler runs with its context current, for the calls it makes through the
+        // propagating client middleware.
+        match ctx.scope(inner.oneshot(req)).await {
             Err(e) => Handled::ServiceError(e),
             Ok(res) => {
                 let (parts, body) = res.into_parts();

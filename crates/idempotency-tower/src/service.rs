@@ -1,5 +1,6 @@
 //! The [`IdempotencyService`]: decides, per request, whether the layer protects it.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -10,16 +11,16 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{Endpoint, IdempotencyKey, KeyError, RequestParts, Scope};
-use tower::Service;
+use idempotency::{Endpoint, IdempotencyKey, RequestParts, Scope};
+use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
 use crate::BoxError;
 use crate::config::{Config, RoutePolicy, is_mutating};
 use crate::future::{Detach, ResponseFuture};
-use crate::headers::IDEMPOTENCY_KEY;
 use crate::problem::{Rejection, rejection_response};
 use crate::protect::{Protected, run};
+use crate::sources::{HeaderKey, agree, body_key, header_key, with_result};
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around an inner service `S`.
 ///
@@ -91,36 +92,66 @@ where
         if policy == RoutePolicy::Off {
             return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
         }
-        let key = match parse_key(&parts) {
-            Ok(Some(key)) => key,
-            Ok(None) if policy == RoutePolicy::Optional => {
-                return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
-            }
-            Ok(None) => return reject(cfg, Rejection::MissingKey, None),
-            Err(e) => return reject(cfg, Rejection::InvalidKey(e), None),
+        let sources = cfg.key_sources.as_ref().map(|f| f(&parts.method, path)).unwrap_or_default();
+        let HeaderKey { key, repeatable } = match header_key(&parts, &sources, cfg.retention) {
+            Ok(found) => found,
+            Err((rejection, repeatable)) => return reject(cfg, rejection, None, repeatable),
         };
-        let Some(principal) = (cfg.principal)(&parts).or_else(|| cfg.anonymous.clone()) else {
-            return reject(cfg, Rejection::PrincipalMissing, Some(&key));
-        };
-        let endpoint = Endpoint::new(parts.method.as_str(), path);
         let span = tracing::info_span!(
             "idempotency",
-            key = %key,
-            principal = %principal,
-            endpoint = %endpoint,
+            key = tracing::field::Empty,
+            principal = tracing::field::Empty,
+            endpoint = tracing::field::Empty,
             outcome = tracing::field::Empty,
             status = tracing::field::Empty,
         );
-        let scope = Scope::new(principal, endpoint, key);
+        let keyed = match sources.into_field() {
+            // The key is in the body: known once the body is read.
+            Some(field) => Keyed::FromBody { header: key, field, policy },
+            None => {
+                let key = match key {
+                    Some(key) => key,
+                    None if policy == RoutePolicy::Optional => {
+                        return ResponseFuture::inner(self.inner.call(Request::from_parts(parts, Body::new(body))));
+                    }
+                    None => return reject(cfg, Rejection::MissingKey, None, repeatable),
+                };
+                match scope_of(cfg, &parts, key, &span) {
+                    Ok(scope) => Keyed::Known(scope),
+                    Err((rejection, key)) => return reject(cfg, rejection, Some(&key), repeatable),
+                }
+            }
+        };
 
         // The service that was polled ready goes with this request; a clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let cfg = cfg.clone();
         let fut = async move {
+            let answer = |res: Response<Body>| if repeatable { with_result(res) } else { res };
             let body = match read_body(body, &parts, cfg.body_limit).await {
                 Ok(body) => body,
-                Err(rejection) => return Ok(rejection_response(&cfg, rejection)),
+                Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
+            };
+            let scope = match keyed {
+                Keyed::Known(scope) => scope,
+                Keyed::FromBody { header, field, policy } => {
+                    let key = body_key(&body, &field)
+                        .and_then(|from_body| agree(header, from_body, "a header", &format!("body field {field:?}")));
+                    let key = match key {
+                        Ok(Some(key)) => key,
+                        Ok(None) if policy == RoutePolicy::Optional => {
+                            let req = Request::from_parts(parts, Body::from(body));
+                            return inner.oneshot(req).await.map(|res| res.map(Body::new));
+                        }
+                        Ok(None) => return Ok(answer(rejection_response(&cfg, Rejection::MissingKey))),
+                        Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
+                    };
+                    match scope_of(&cfg, &parts, key, &tracing::Span::current()) {
+                        Ok(scope) => scope,
+                        Err((rejection, _)) => return Ok(answer(rejection_response(&cfg, rejection))),
+                    }
+                }
             };
             let fingerprint = {
                 let content_type = parts.headers.get(http::header::CONTENT_TYPE).map_or(&b""[..], |v| v.as_bytes());
@@ -135,7 +166,7 @@ where
                 match cfg.fingerprinter.fingerprint(&parts) {
                     Ok(fp) => fp,
                     Err(_) => {
-                        return Ok(rejection_response(&cfg, Rejection::BodyTooLarge { limit: cfg.body_limit }));
+                        return Ok(answer(rejection_response(&cfg, Rejection::BodyTooLarge { limit: cfg.body_limit })));
                     }
                 }
             };
@@ -145,10 +176,10 @@ where
             // task of its own if this future is dropped first.
             let work = Detach::new(run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint }));
             match work.await {
-                Ok(result) => result,
+                Ok(result) => result.map(answer),
                 Err(_panic) => {
                     tracing::error!("the protected request panicked outside the handler");
-                    Ok(rejection_response(&cfg, Rejection::HandlerPanicked))
+                    Ok(answer(rejection_response(&cfg, Rejection::HandlerPanicked)))
                 }
             }
         }
@@ -166,14 +197,27 @@ fn request_path(parts: &Parts) -> &str {
     }
 }
 
-/// The key, if sent: `Ok(None)` when absent, an error when sent twice or invalid.
-fn parse_key(parts: &Parts) -> Result<Option<IdempotencyKey>, KeyError> {
-    let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(first) = values.next() else { return Ok(None) };
-    if values.next().is_some() {
-        return Err(KeyError::Repeated);
-    }
-    IdempotencyKey::parse_header(first.as_bytes()).map(Some)
+/// How a protected request's scope is known: from its headers at once, or once its body is read.
+enum Keyed {
+    Known(Scope),
+    FromBody { header: Option<IdempotencyKey>, field: Cow<'static, str>, policy: RoutePolicy },
+}
+
+/// The record's scope for `key`, recorded in `span`; refused when the request has no principal.
+fn scope_of(
+    cfg: &Config,
+    parts: &Parts,
+    key: IdempotencyKey,
+    span: &tracing::Span,
+) -> Result<Scope, (Rejection, IdempotencyKey)> {
+    let Some(principal) = (cfg.principal)(parts).or_else(|| cfg.anonymous.clone()) else {
+        return Err((Rejection::PrincipalMissing, key));
+    };
+    let endpoint = Endpoint::new(parts.method.as_str(), request_path(parts));
+    span.record("key", tracing::field::display(&key));
+    span.record("principal", tracing::field::display(&principal));
+    span.record("endpoint", tracing::field::display(&endpoint));
+    Ok(Scope::new(principal, endpoint, key))
 }
 
 /// After refusing an oversized body, how much more of it the layer reads and throws away. A
@@ -251,7 +295,12 @@ where
     }
 }
 
-fn reject<F, E>(cfg: &Config, rejection: Rejection, key: Option<&IdempotencyKey>) -> ResponseFuture<F, E> {
+fn reject<F, E>(
+    cfg: &Config,
+    rejection: Rejection,
+    key: Option<&IdempotencyKey>,
+    repeatable: bool,
+) -> ResponseFuture<F, E> {
     let _span = tracing::info_span!(
         "idempotency",
         key = key.map(tracing::field::display),
@@ -259,5 +308,6 @@ fn reject<F, E>(cfg: &Config, rejection: Rejection, key: Option<&IdempotencyKey>
         status = tracing::field::Empty
     )
     .entered();
-    ResponseFuture::ready(rejection_response(cfg, rejection))
+    let res = rejection_response(cfg, rejection);
+    ResponseFuture::ready(if repeatable { with_result(res) } else { res })
 }

@@ -6,7 +6,10 @@ mod concurrency;
 mod fixture;
 mod limits;
 mod long_running;
+#[cfg(feature = "reqwest")]
+mod propagation;
 mod protocol;
 mod replay;
 mod requests;
 mod service;
+mod sources;

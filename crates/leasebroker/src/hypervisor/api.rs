@@ -148,6 +148,11 @@ pub struct SimStats {
     /// Nodes bricked by a flash that started while another one ran.
     #[serde(default)]
     pub bricked_nodes: u64,
+    /// Boots, reboots and flashes that happened whose request carried its tag as its
+    /// `Idempotency-Key`, in the structured field string form (`Idempotency-Key: "<tag>"`): the
+    /// calls a client's key propagation keyed (SPEC 1.3).
+    #[serde(default)]
+    pub tag_keyed_calls: u64,
 }
 
 /// `POST /v1/bmc/{node_id}/flash`: flash firmware `version`; `tag` is the caller's sub-key,

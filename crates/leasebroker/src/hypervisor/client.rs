@@ -78,6 +78,13 @@ pub enum HvError {
     /// was done, but its result (the VM id) is unknown.
     #[error("could not decode the hypervisor's answer")]
     Decode(#[source] reqwest::Error),
+    /// A client middleware failed the call (the key propagation never does). Ambiguous: where in
+    /// the chain it failed is not known.
+    #[error("hypervisor call failed in the client: {message}")]
+    Middleware {
+        /// The middleware's message.
+        message: String,
+    },
     /// A libvirt call failed (`--hypervisor-url libvirt+...`). Definite when libvirt refused it
     /// before acting (no such domain, an invalid definition, no connection); ambiguous when the
     /// connection was lost mid-call, the call timed out, or libvirt failed inside.
@@ -106,7 +113,7 @@ impl HvError {
                 false
             }
             Self::Status { status, .. } => !status.is_client_error(),
-            Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) => true,
+            Self::Timeout(_) | Self::Transport(_) | Self::Decode(_) | Self::Middleware { .. } => true,
             Self::Libvirt { definite, .. } => !definite,
         }
     }
@@ -122,7 +129,16 @@ impl HvError {
             | Self::Connect(_)
             | Self::Timeout(_)
             | Self::Transport(_)
-            | Self::Decode(_) => None,
+            | Self::Decode(_)
+            | Self::Middleware { .. } => None,
+        }
+    }
+
+    /// Classifies an error of the client with middleware like [`HvError::from_transport`].
+    pub(super) fn from_middleware(err: reqwest_middleware::Error) -> Self {
+        match err {
+            reqwest_middleware::Error::Reqwest(err) => Self::from_transport(err),
+            reqwest_middleware::Error::Middleware(err) => Self::Middleware { message: format!("{err:#}") },
         }
     }
 
@@ -150,7 +166,10 @@ impl HvError {
 /// [`HypervisorClient::with_ca_cert`], a private CA.
 #[derive(Debug, Clone)]
 pub struct HypervisorClient {
-    http: reqwest::Client,
+    /// The HTTP client with the key propagation: a boot, reboot or flash carries its tag (the derived
+    /// sub-key) as `Idempotency-Key: "<tag>"`, so a hypervisor that honours the header
+    /// deduplicates it natively.
+    keyed: reqwest_middleware::ClientWithMiddleware,
     base: Url,
     /// Where the VMs live when not behind the HTTP API: a libvirt host.
     #[cfg(feature = "libvirt")]
@@ -229,8 +248,11 @@ impl HypervisorClient {
         let http = if base.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }
             .build()
             .map_err(|e| invalid(&e.to_string()))?;
+        let keyed = reqwest_middleware::ClientBuilder::new(http.clone())
+            .with(idempotency_tower::PropagateIdempotencyKey)
+            .build();
         Ok(Self {
-            http,
+            keyed,
             base,
             #[cfg(feature = "libvirt")]
             libvirt: None,
@@ -251,9 +273,10 @@ impl HypervisorClient {
         self.redfish.as_ref()
     }
 
-    /// The HTTP client: its timeout, TLS roots and no-redirect policy.
-    pub(super) fn http(&self) -> &reqwest::Client {
-        &self.http
+    /// The HTTP client (its timeout, TLS roots and no-redirect policy) with the key propagation
+    /// middleware.
+    pub(super) fn keyed(&self) -> &reqwest_middleware::ClientWithMiddleware {
+        &self.keyed
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
@@ -275,7 +298,7 @@ impl HypervisorClient {
         struct Booted {
             vm_id: String,
         }
-        let response = self.send(Method::POST, &["v1", "vms"], None, Some(req)).await?;
+        let response = self.send(Method::POST, &["v1", "vms"], None, Some(req), Some(&req.tag)).await?;
         let booted: Booted = expect_success(response).await?;
         Ok(Vm { vm_id: booted.vm_id, tag: req.tag.clone(), state: VmState::Running })
     }
@@ -286,7 +309,7 @@ impl HypervisorClient {
         if let Some(vms) = &self.libvirt {
             return vms.list_by_tag(tag).await;
         }
-        let response = self.send::<()>(Method::GET, &["v1", "vms"], Some(tag), None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "vms"], Some(tag), None, None).await?;
         Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
     }
 
@@ -296,7 +319,7 @@ impl HypervisorClient {
         if let Some(vms) = &self.libvirt {
             return vms.list_all().await;
         }
-        let response = self.send::<()>(Method::GET, &["v1", "vms"], None, None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "vms"], None, None, None).await?;
         Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
     }
 
@@ -306,7 +329,7 @@ impl HypervisorClient {
         if let Some(vms) = &self.libvirt {
             return vms.get(vm_id).await;
         }
-        let response = self.send::<()>(Method::GET, &["v1", "vms", vm_id], None, None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "vms", vm_id], None, None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -335,7 +358,7 @@ impl HypervisorClient {
             return vms.reboot(vm_id, tag).await;
         }
         let body = RebootRequest { tag: tag.to_owned() };
-        let response = self.send(Method::POST, &["v1", "vms", vm_id, "reboot"], None, Some(&body)).await?;
+        let response = self.send(Method::POST, &["v1", "vms", vm_id, "reboot"], None, Some(&body), Some(tag)).await?;
         expect_success_status(response).await
     }
 
@@ -345,7 +368,7 @@ impl HypervisorClient {
         if let Some(vms) = &self.libvirt {
             return vms.delete(vm_id).await;
         }
-        let response = self.send::<()>(Method::DELETE, &["v1", "vms", vm_id], None, None).await?;
+        let response = self.send::<()>(Method::DELETE, &["v1", "vms", vm_id], None, None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(false);
         }
@@ -356,13 +379,14 @@ impl HypervisorClient {
     /// `req.tag` on it. The BMC answers `202` as the flash starts; it writes on after that. Any
     /// `2xx` is success, whatever its body holds or lacks: the contract promises nothing more.
     pub async fn flash(&self, node_id: &str, req: &FlashRequest) -> Result<(), HvError> {
-        let response = self.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req)).await?;
+        let response =
+            self.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req), Some(&req.tag)).await?;
         expect_success_status(response).await
     }
 
     /// The BMC of `node_id` (`GET /v1/bmc/{node_id}`), or `None` when it has no such node.
     pub async fn bmc(&self, node_id: &str) -> Result<Option<BmcNode>, HvError> {
-        let response = self.send::<()>(Method::GET, &["v1", "bmc", node_id], None, None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "bmc", node_id], None, None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -376,13 +400,13 @@ impl HypervisorClient {
         struct Holding {
             nodes: Vec<serde::de::IgnoredAny>,
         }
-        let response = self.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None, None).await?;
         Ok(expect::<Holding>(response, StatusCode::OK).await?.nodes.len())
     }
 
     /// The simulator's counters (`GET /v1/stats`); a real hypervisor may not serve them.
     pub async fn stats(&self) -> Result<SimStats, HvError> {
-        let response = self.send::<()>(Method::GET, &["v1", "stats"], None, None).await?;
+        let response = self.send::<()>(Method::GET, &["v1", "stats"], None, None, None).await?;
         expect(response, StatusCode::OK).await
     }
 
@@ -399,17 +423,23 @@ impl HypervisorClient {
         url
     }
 
+    /// One call; `key` (a side effect's tag, its derived sub-key) goes out as its
+    /// `Idempotency-Key` through the key propagation middleware.
     async fn send<B: Serialize>(
         &self,
         method: Method,
         segments: &[&str],
         tag: Option<&str>,
         body: Option<&B>,
+        key: Option<&str>,
     ) -> Result<reqwest::Response, HvError> {
         let url = self.url(segments, tag);
-        let mut request = self.http.request(method.clone(), url);
+        let mut request = self.keyed.request(method.clone(), url);
         if let Some(body) = body {
             request = request.json(body);
+        }
+        if let Some(key) = key {
+            request = request.with_extension(idempotency_tower::CallKey::new(key));
         }
         // One span per downstream call (target `leasebroker::downstream`, exported as a trace's
         // child span): the method and the route's first segment, never the URL (credentials).
@@ -429,7 +459,7 @@ impl HypervisorClient {
             // reqwest's error names the URL, which may carry credentials.
             tracing::debug!(%method, error = %crate::db::redact(&err.to_string()), "hypervisor call failed");
         }
-        result.map_err(HvError::from_transport)
+        result.map_err(HvError::from_middleware)
     }
 }
 
@@ -541,9 +571,41 @@ mod tests {
                 duplicate_boot_tags: 1,
                 reboots_total: 2,
                 duplicate_reboot_tags: 1,
+                // Each call carried its tag as its Idempotency-Key (key propagation).
+                tag_keyed_calls: 4,
                 ..SimStats::default()
             }
         );
+    }
+
+    /// Key propagation (SPEC 1.3): a boot, a reboot and a flash each carry their tag as
+    /// `Idempotency-Key: "<tag>"`, which the simulator counts; reads carry none, and a call
+    /// made without the client (no header) is not counted.
+    #[tokio::test]
+    async fn boot_reboot_and_flash_carry_their_tag_as_their_idempotency_key() {
+        let (sim, client) = start(SimConfig::default()).await;
+        let vm = client.boot(&boot_req("wkr-1.boot")).await.expect("boot");
+        client.reboot(&vm.vm_id, "wkr-1.reboot").await.expect("reboot");
+        let flash = FlashRequest { version: "2.0.1".into(), tag: "node-1.flash".into() };
+        client.flash("node-1", &flash).await.expect("flash");
+        client.list_by_tag("wkr-1.boot").await.expect("list");
+        assert_eq!(sim.stats().tag_keyed_calls, 3, "{:?}", sim.stats());
+        let url = client.base.as_str().trim_end_matches('/').to_owned();
+        let raw =
+            reqwest::Client::new().post(format!("{url}/v1/vms")).json(&boot_req("raw")).send().await.expect("raw boot");
+        assert_eq!(raw.status(), StatusCode::CREATED);
+        // A bare key is not the structured field string form: not counted either.
+        let bare = reqwest::Client::new()
+            .post(format!("{url}/v1/vms"))
+            .header("idempotency-key", "bare")
+            .json(&boot_req("bare"))
+            .send()
+            .await
+            .expect("bare boot");
+        assert_eq!(bare.status(), StatusCode::CREATED);
+        let stats = sim.stats();
+        assert_eq!((stats.boots_total, stats.reboots_total, stats.flashes_total), (3, 1, 1), "{stats:?}");
+        assert_eq!(stats.tag_keyed_calls, 3, "{stats:?}");
     }
 
     #[tokio::test]
@@ -768,6 +830,8 @@ mod tests {
         assert!(matches!(err, HvError::Connect(_)), "{err:?}");
         assert!(!err.may_have_happened());
         assert_eq!(sim.stats().flashes_total, 1);
+        // The flash carried its tag as its Idempotency-Key (key propagation).
+        assert_eq!(sim.stats().tag_keyed_calls, 1);
     }
 
     #[tokio::test]

@@ -47,7 +47,9 @@ const TASKS: &str = "/redfish/v1/TaskService/Tasks";
 /// Cheap to clone: clones share the connection pool and the tasks remembered by tag.
 #[derive(Debug, Clone)]
 pub struct RedfishBmc {
-    http: reqwest::Client,
+    /// The hypervisor client's HTTP client with the key propagation: a flash carries its tag as
+    /// `Idempotency-Key: "<tag>"`.
+    keyed: reqwest_middleware::ClientWithMiddleware,
     /// The service's root (`http[s]://[USER:PASSWORD@]HOST:PORT/`): reqwest sends the user
     /// information as basic authentication.
     base: Url,
@@ -176,7 +178,7 @@ impl RedfishBmc {
         {
             return Err(invalid_images("an absolute URL a BMC can fetch from, without a query".to_owned()));
         }
-        Ok(Self { http: client.http().clone(), base, images, tasks: Arc::default() })
+        Ok(Self { keyed: client.keyed().clone(), base, images, tasks: Arc::default() })
     }
 
     /// The `ImageURI` of `version`, carrying `tag`.
@@ -212,7 +214,7 @@ impl RedfishBmc {
         if let Target::System(system) = target {
             body["Targets"] = json!([system]);
         }
-        let response = self.send(Method::POST, self.at(SIMPLE_UPDATE), Some(&body)).await?;
+        let response = self.send(Method::POST, self.at(SIMPLE_UPDATE), Some(&body), Some(tag)).await?;
         let response = check_success(response).await?;
         let location = response.headers().get(reqwest::header::LOCATION).and_then(|v| v.to_str().ok());
         let mut follow = location.and_then(|l| self.resolve(l));
@@ -259,7 +261,7 @@ impl RedfishBmc {
     /// Reads a task or its monitor. A monitor answers its operation's own status once it ended: a
     /// `4xx` there is a failed flash. A `5xx` or a lost connection is an error (ask again later).
     pub async fn task_outcome(&self, url: &Url) -> Result<TaskOutcome, HvError> {
-        let response = self.send(Method::GET, url.clone(), None).await?;
+        let response = self.send(Method::GET, url.clone(), None, None).await?;
         let status = response.status();
         if matches!(status, StatusCode::NOT_FOUND | StatusCode::GONE) {
             return Ok(TaskOutcome::Gone);
@@ -351,7 +353,7 @@ impl RedfishBmc {
     /// A resource, or `None` when the BMC has none there (`404`).
     async fn read(&self, uri: &str) -> Result<Option<Resource>, HvError> {
         let Some(url) = self.resolve(uri) else { return Ok(None) };
-        let response = self.send(Method::GET, url, None).await?;
+        let response = self.send(Method::GET, url, None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -359,8 +361,19 @@ impl RedfishBmc {
         response.json().await.map(Some).map_err(|e| HvError::from_transport(e.without_url()))
     }
 
-    async fn send(&self, method: Method, url: Url, body: Option<&Value>) -> Result<reqwest::Response, HvError> {
-        let mut request = self.http.request(method.clone(), url);
+    /// One call; `key` (a flash's tag, its derived sub-key) goes out as its `Idempotency-Key`
+    /// through the key propagation middleware.
+    async fn send(
+        &self,
+        method: Method,
+        url: Url,
+        body: Option<&Value>,
+        key: Option<&str>,
+    ) -> Result<reqwest::Response, HvError> {
+        let mut request = self.keyed.request(method.clone(), url);
+        if let Some(key) = key {
+            request = request.with_extension(idempotency_tower::CallKey::new(key));
+        }
         if let Some(body) = body {
             request = request.json(body);
         }
@@ -373,15 +386,17 @@ impl RedfishBmc {
             http.response.status_code = tracing::field::Empty,
         );
         // The URL may carry the BMC's credentials: it stays out of the error.
-        let result =
-            tracing::Instrument::instrument(request.send(), span.clone()).await.map_err(reqwest::Error::without_url);
+        let result = tracing::Instrument::instrument(request.send(), span.clone()).await.map_err(|e| match e {
+            reqwest_middleware::Error::Reqwest(e) => reqwest_middleware::Error::Reqwest(e.without_url()),
+            e => e,
+        });
         match &result {
             Ok(response) => {
                 span.record("http.response.status_code", response.status().as_u16());
             }
             Err(err) => tracing::debug!(%method, error = %err, "Redfish call failed"),
         }
-        result.map_err(HvError::from_transport)
+        result.map_err(HvError::from_middleware)
     }
 }
 
@@ -431,6 +446,11 @@ mod tests {
                         return StatusCode::UNAUTHORIZED.into_response();
                     }
                     if body["Targets"] != json!(["/redfish/v1/Systems/A"]) {
+                        return StatusCode::BAD_REQUEST.into_response();
+                    }
+                    // The flash carries its tag as its Idempotency-Key (key propagation).
+                    let tag = body["ImageURI"].as_str().and_then(|u| u.split("tag=").nth(1)).unwrap_or_default();
+                    if headers.get("idempotency-key").and_then(|v| v.to_str().ok()) != Some(&format!("\"{tag}\"")) {
                         return StatusCode::BAD_REQUEST.into_response();
                     }
                     let location = [("location", "https://elsewhere.example/redfish/v1/TaskService/Tasks/7")];

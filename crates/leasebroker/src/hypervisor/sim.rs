@@ -245,6 +245,18 @@ impl Simulator {
         *lock(&self.shared.faults)
     }
 
+    /// Whether a call's headers carry `tag` as `Idempotency-Key: "<tag>"` (an RFC 9651 String).
+    fn keyed_by(headers: &axum::http::HeaderMap, tag: &str) -> bool {
+        let mut keys = headers.get_all("idempotency-key").iter();
+        match (keys.next(), keys.next()) {
+            (Some(key), None) => {
+                key.as_bytes().first() == Some(&b'"')
+                    && idempotency::IdempotencyKey::parse_header(key.as_bytes()).is_ok_and(|k| k.as_str() == tag)
+            }
+            _ => false,
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, SimState> {
         lock(&self.shared.state)
     }

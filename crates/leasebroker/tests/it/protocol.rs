@@ -220,3 +220,33 @@ async fn waiters_on_another_replica_attach_to_the_running_create() {
     let stats = sim_stats(&hv.url).await;
     assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(1), Some(0)), "{stats}");
 }
+
+/// Key propagation on the real binary: a create's boot and a reboot reach the (standalone)
+/// hypervisor with their tag as `Idempotency-Key: "<tag>"`, which the simulator counts; a
+/// replayed create reaches it not at all.
+#[tokio::test]
+async fn downstream_calls_carry_their_tag_as_their_idempotency_key() {
+    let hv: Proc = sim(&[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url]);
+    let created = create(&lb.url, TOKEN, "propagate-1", &worker_body()).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let replayed = create(&lb.url, TOKEN, "propagate-1", &worker_body()).await;
+    assert_eq!(replayed.status, StatusCode::CREATED);
+    let id = created.json()["id"].as_str().expect("worker id").to_owned();
+    let rebooted = crate::support::send(
+        Method::POST,
+        &format!("{}/v1/workers/{id}/reboot", lb.url),
+        TOKEN,
+        Some("propagate-reboot-1"),
+        None,
+    )
+    .await;
+    assert!(rebooted.status.is_success(), "{} {}", rebooted.status, String::from_utf8_lossy(&rebooted.body));
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["boots_total"].as_i64(), stats["reboots_total"].as_i64(), stats["tag_keyed_calls"].as_i64()),
+        (Some(1), Some(1), Some(2)),
+        "{stats}"
+    );
+}

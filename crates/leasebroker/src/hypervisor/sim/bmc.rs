@@ -140,6 +140,7 @@ pub(super) fn validate(node_id: &str, req: &FlashRequest) -> Result<(), String> 
 /// `POST /v1/bmc/{node_id}/flash`.
 pub(super) async fn flash(
     State(sim): State<Simulator>,
+    headers: axum::http::HeaderMap,
     node_id: Result<Path<String>, PathRejection>,
     body: Result<Json<FlashRequest>, JsonRejection>,
 ) -> Response {
@@ -160,8 +161,10 @@ pub(super) async fn flash(
     let writer = sim.clone();
     let flash_time = sim.flash_time();
     let verified = !super::roll(sim.flash_failure());
+    let keyed = Simulator::keyed_by(&headers, &req.tag);
     let node = match sim
         .mutate(move |state| {
+            state.stats.tag_keyed_calls += u64::from(keyed);
             let started = state.bmcs.start(&node_id, req, &mut state.stats);
             let node = started.node.clone();
             tokio::spawn(async move {

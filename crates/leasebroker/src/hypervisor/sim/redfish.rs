@@ -398,7 +398,11 @@ fn read_update(options: &RedfishOptions, body: &Value) -> Result<(String, FlashR
 }
 
 /// `POST /redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate`.
-async fn simple_update(State(sim): State<Simulator>, body: Result<Json<Value>, JsonRejection>) -> Response {
+async fn simple_update(
+    State(sim): State<Simulator>,
+    headers: axum::http::HeaderMap,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
     let options = sim.redfish_options();
     let Json(body) = match body {
         Ok(body) => body,
@@ -414,8 +418,10 @@ async fn simple_update(State(sim): State<Simulator>, body: Result<Json<Value>, J
     let writer = sim.clone();
     let flash_time = sim.flash_time();
     let verified = !super::roll(sim.flash_failure());
+    let keyed = Simulator::keyed_by(&headers, &request.tag);
     let created = sim
         .mutate(move |state| {
+            state.stats.tag_keyed_calls += u64::from(keyed);
             let started = state.bmcs.start(&machine, request, &mut state.stats);
             let id = state.tasks.create(json_body);
             tokio::spawn(async move {

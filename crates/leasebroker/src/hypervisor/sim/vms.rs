@@ -2,7 +2,7 @@
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Json, Path, Query, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
@@ -10,7 +10,11 @@ use super::problem::{json_rejection, problem, vm_not_found};
 use super::{SimState, SimVm, Simulator};
 use crate::hypervisor::api::{BootRequest, RebootRequest, Vm, VmDetail, VmList, VmState};
 
-pub(super) async fn boot(State(sim): State<Simulator>, body: Result<Json<BootRequest>, JsonRejection>) -> Response {
+pub(super) async fn boot(
+    State(sim): State<Simulator>,
+    headers: HeaderMap,
+    body: Result<Json<BootRequest>, JsonRejection>,
+) -> Response {
     let Json(req) = match body {
         Ok(body) => body,
         Err(rejection) => return json_rejection(rejection),
@@ -18,7 +22,14 @@ pub(super) async fn boot(State(sim): State<Simulator>, body: Result<Json<BootReq
     if let Err(detail) = validate_boot(&req) {
         return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
     }
-    match sim.mutate(move |state| state.boot(req)).await {
+    let keyed = Simulator::keyed_by(&headers, &req.tag);
+    match sim
+        .mutate(move |state| {
+            state.stats.tag_keyed_calls += u64::from(keyed);
+            state.boot(req)
+        })
+        .await
+    {
         Ok(vm) => {
             let mut response = (StatusCode::CREATED, Json(&vm)).into_response();
             if let Ok(location) = HeaderValue::from_str(&format!("/v1/vms/{}", vm.vm_id)) {
@@ -70,6 +81,7 @@ pub(super) async fn get_vm(State(sim): State<Simulator>, vm_id: Result<Path<Stri
 
 pub(super) async fn reboot(
     State(sim): State<Simulator>,
+    headers: HeaderMap,
     vm_id: Result<Path<String>, PathRejection>,
     body: Result<Json<RebootRequest>, JsonRejection>,
 ) -> Response {
@@ -82,7 +94,17 @@ pub(super) async fn reboot(
         Err(rejection) => return json_rejection(rejection),
     };
     let target = vm_id.clone();
-    match sim.mutate(move |state| state.reboot(&target, req.tag)).await {
+    let keyed = Simulator::keyed_by(&headers, &req.tag);
+    match sim
+        .mutate(move |state| {
+            let rebooted = state.reboot(&target, req.tag);
+            if rebooted.is_some() {
+                state.stats.tag_keyed_calls += u64::from(keyed);
+            }
+            rebooted
+        })
+        .await
+    {
         Ok(Some(detail)) => (StatusCode::ACCEPTED, Json(detail)).into_response(),
         Ok(None) => vm_not_found(&vm_id),
         Err(response) => response,
