@@ -63,8 +63,16 @@ fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {
         assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
     }
 
-    // The naive clients ran into the same faults and paid for it.
+    // Nothing acknowledged was lost: every key a success was answered for (through the SDK or
+    // lbctl) still has its completed record, for the naive clients' keys too.
     let naive = run(report, "naive");
+    for r in [protected, naive] {
+        let lost = crate::support::invariant(r, crate::lost::RECORDS_LOST);
+        assert_eq!((lost["actual"].as_i64(), lost["ok"].as_bool()), (Some(0), Some(true)), "{lost}");
+        assert_eq!(num(r, &["acknowledged"]), num(r, &["outcomes", "succeeded"]), "each success's key is known");
+    }
+
+    // The naive clients ran into the same faults and paid for it.
     assert!(num(naive, &["faults", "response_lost"]) > 0);
     let damage = num(naive, &["damage", "phantom_workers"])
         + num(naive, &["damage", "extra_boots"])
