@@ -850,12 +850,17 @@ mod tests {
         check_acknowledged(lost.len() as u64, 0, &mut damage, &mut invariants);
         assert_eq!((damage.acknowledged_records_lost, damage.acknowledged_flash_ops_lost), (2, 0));
         assert_eq!(invariants.iter().map(|i| (i.actual, i.ok)).collect::<Vec<_>>(), [(2, false), (0, true)]);
-        assert!(records_lost(&acknowledged, &[("k2", "completed"), ("k3", "completed")]
-            .into_iter()
-            .chain([("k1", "completed"), ("k4", "completed")])
-            .map(|(k, s)| (k.to_owned(), s.to_owned()))
-            .collect())
-        .is_empty());
+        assert!(
+            records_lost(
+                &acknowledged,
+                &[("k2", "completed"), ("k3", "completed")]
+                    .into_iter()
+                    .chain([("k1", "completed"), ("k4", "completed")])
+                    .map(|(k, s)| (k.to_owned(), s.to_owned()))
+                    .collect()
+            )
+            .is_empty()
+        );
     }
 
     #[test]

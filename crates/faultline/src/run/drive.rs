@@ -265,9 +265,15 @@ pub(super) async fn run_in(
     }
     // A check of the checker: records a success was answered for, deleted behind the service's back.
     if sc.drop_acknowledged > 0 {
-        let keys: Vec<String> =
-            workload.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).acknowledged.iter()
-                .take(sc.drop_acknowledged as usize).map(|a| a.key.clone()).collect();
+        let keys: Vec<String> = workload
+            .ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .acknowledged
+            .iter()
+            .take(sc.drop_acknowledged as usize)
+            .map(|a| a.key.clone())
+            .collect();
         let dropped = verify::drop_records(database, &keys).await.context("deleting acknowledged records")?;
         eprintln!("faultline: deleted {dropped} acknowledged record(s) behind the service's back");
     }
