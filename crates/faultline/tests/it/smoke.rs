@@ -16,8 +16,10 @@ fn run_faultline(extra: &[&str]) -> (i32, Value) {
     // A small share of the slow, refusing and abandoning modes (the full run has more). The
     // abandon window is longer than a faulted client's gap between two attempts (a 503's
     // Retry-After of up to the settle window, rounded up, then an attempt lost to a client
-    // fault): with 2 s the reaper sometimes rolled back a create whose client was waiting out
-    // that Retry-After, and the retry booted again (one boot more than workers created).
+    // fault). With 2 s the reaper once rolled back a create whose client was waiting out that
+    // Retry-After, and the retry booted again (one boot more than workers created); the reaper now
+    // waits at least the longest Retry-After plus a grace (leasebroker's
+    // `effects::the_reaper_waits_out_the_retry_after_the_service_gave`), the 8 s cover the rest.
     args.extend(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "8s"]);
     args.extend(["--flashes", "0.15", "--max-duration", "150s"]);
     args.extend(extra);
