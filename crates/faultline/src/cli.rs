@@ -112,6 +112,12 @@ pub struct Scenario {
     /// running without an owner.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub plant_orphans: u32,
+    /// A check of the checker: after the workload, delete this many records that a success was
+    /// answered for straight from the database (SQLite or PostgreSQL; not with --redis-cluster),
+    /// behind the service's back: the run must report them as acknowledged records lost.
+    #[arg(long, default_value_t = 0, conflicts_with = "redis_cluster",
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub drop_acknowledged: u32,
     /// Hypervisor simulator: probability that a mutating call is refused for good (a 4xx, nothing
     /// done: a definite refusal).
     #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
@@ -306,10 +312,12 @@ mod tests {
         assert_eq!((s.late_landings, s.late_by, s.pauses), (0.2, Duration::from_secs(5), 3));
         assert_eq!(s.pause_for, Some(Duration::from_secs(4)));
         assert_eq!(run(&["--plant-orphans", "2"]).unwrap().plant_orphans, 2);
+        assert_eq!(run(&["--drop-acknowledged", "3"]).unwrap().drop_acknowledged, 3);
+        assert!(run(&["--drop-acknowledged", "3", "--redis-cluster"]).is_err());
         // Off by default; the pause defaults to the claim TTL plus 2 s (in the run).
         let s = run(&[]).unwrap();
         assert_eq!((s.late_landings, s.late_by, s.pauses, s.pause_for), (0.0, Duration::from_secs(3), 0, None));
-        assert_eq!(s.plant_orphans, 0);
+        assert_eq!((s.plant_orphans, s.drop_acknowledged), (0, 0));
         assert!(run(&["--late-landings", "1.5"]).is_err());
         assert!(run(&["--pause-for", "soon"]).is_err());
         assert!(run(&["--plant-orphans", "101"]).is_err());

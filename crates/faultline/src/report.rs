@@ -55,6 +55,8 @@ pub struct Setup {
     pub pause_ms: u64,
     /// VMs (and one flash) planted with no owner (`--plant-orphans`).
     pub plant_orphans: u32,
+    /// `--drop-acknowledged`: acknowledged records deleted behind the service's back.
+    pub drop_acknowledged: u32,
     /// The servers' `--hypervisor-timeout`, in milliseconds.
     pub hypervisor_timeout_ms: u64,
     /// The servers' `--hypervisor-settle`, in milliseconds (absent when they lack the flag).
@@ -176,6 +178,11 @@ pub struct RunReport {
     pub vms_without_worker: Vec<String>,
     /// Flashes the BMCs hold that no operation owns (`node: tag`).
     pub flashes_without_operation: Vec<String>,
+    /// Keys a success (`2xx`) was answered for.
+    pub acknowledged: u64,
+    /// Acknowledged keys whose record is gone or no longer completed at the end (`key (what):
+    /// gone|state`, the first 50; the count is `damage.acknowledged_records_lost`).
+    pub records_lost: Vec<String>,
     /// Seconds the run waited after settling for what nobody owns to be removed.
     pub owners_wait_secs: f64,
     /// Seconds spent running operations.
@@ -289,6 +296,16 @@ pub fn table(runs: &[RunReport]) -> String {
         (
             "RUNNING UNOWNED: VMs w/o worker / flashes w/o op",
             Box::new(|r| format!("{}/{}", r.damage.vms_without_worker, r.damage.flashes_without_operation)),
+        ),
+        (
+            "ACKNOWLEDGED RECORDS LOST (of acked) / workers / flash ops",
+            Box::new(|r| {
+                let d = r.damage;
+                format!(
+                    "{} (of {})/{}/{}",
+                    d.acknowledged_records_lost, r.acknowledged, d.lost_workers, d.acknowledged_flash_ops_lost
+                )
+            }),
         ),
         ("FAILED OPS (gave up)", Box::new(|r| r.outcomes.failed.to_string())),
         (

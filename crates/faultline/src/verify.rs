@@ -285,6 +285,30 @@ impl Reader {
         Ok(out)
     }
 
+    /// The state of every record the service holds, by key (`GET /admin/v1/records`, page by
+    /// page, every principal's).
+    pub async fn record_states(&self) -> anyhow::Result<HashMap<String, String>> {
+        let mut states = HashMap::new();
+        let mut cursor: Option<String> = None;
+        for _ in 0..100_000 {
+            let mut url = format!("{}/admin/v1/records?limit=500", self.replicas[0]);
+            if let Some(c) = &cursor {
+                url.push_str("&cursor=");
+                url.push_str(c);
+            }
+            let page: leasebroker_client::RecordPage =
+                self.get(&url, ADMIN_TOKEN).await?.ok_or_else(|| anyhow!("listing records answered 404"))?;
+            for r in page.records {
+                states.insert(r.key, r.state);
+            }
+            match page.next_cursor {
+                Some(next) if cursor.as_ref() != Some(&next) => cursor = Some(next),
+                _ => break,
+            }
+        }
+        Ok(states)
+    }
+
     /// Boots `vms` VMs on the simulator directly and starts one flash on `flash_node`'s BMC, each
     /// tagged `faultline-planted-N`: nothing in the service owns them. Retries a call the
     /// simulator's faults cut until its tag is there.
@@ -357,6 +381,67 @@ impl Reader {
             .collect()
             .await
     }
+}
+
+/// The acknowledged keys (a `2xx` was answered for each) whose record the service no longer
+/// holds completed, as `key (what): gone` or `key (what): <state>`, sorted: what a failover (or
+/// anything else) lost after it was acknowledged. A retry of such a key runs again.
+pub fn records_lost(acknowledged: &[crate::workload::Acknowledged], states: &HashMap<String, String>) -> Vec<String> {
+    let mut out: Vec<String> = acknowledged
+        .iter()
+        .filter_map(|a| match states.get(&a.key).map(String::as_str) {
+            Some("completed") => None,
+            Some(state) => Some(format!("{} ({}): {state}", a.key, a.what)),
+            None => Some(format!("{} ({}): gone", a.key, a.what)),
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The invariant "nothing acknowledged is lost": every key a success was answered for still has
+/// its completed record; every worker a client holds is still listed; every accepted flash
+/// operation can still be read.
+pub fn check_acknowledged(
+    records_lost: u64,
+    flash_ops_lost: u64,
+    damage: &mut Damage,
+    invariants: &mut Vec<Invariant>,
+) {
+    damage.acknowledged_records_lost = records_lost;
+    damage.acknowledged_flash_ops_lost = flash_ops_lost;
+    for (name, actual) in [
+        (ACKNOWLEDGED_RECORDS_LOST, records_lost),
+        ("acknowledged flash operations lost (accepted, no longer found)", flash_ops_lost),
+    ] {
+        invariants.push(Invariant { name: name.to_owned(), expected: 0, actual, at_most: false, ok: actual == 0 });
+    }
+}
+
+/// The name of the invariant on acknowledged records.
+pub const ACKNOWLEDGED_RECORDS_LOST: &str = "acknowledged records lost (2xx answered, record gone or not completed)";
+
+/// Deletes the records of `keys` straight from the database at `database` (a `sqlite://` or
+/// `postgres://` URL), behind the service's back (`--drop-acknowledged`). Returns how many rows
+/// went.
+pub async fn drop_records(database: &str, keys: &[String]) -> anyhow::Result<u64> {
+    const DELETE: &str = "DELETE FROM idempotency_records WHERE key = $1";
+    let mut dropped = 0;
+    if database.starts_with("sqlite:") {
+        let options: sqlx::sqlite::SqliteConnectOptions = database.parse().context("the SQLite URL")?;
+        let pool = sqlx::SqlitePool::connect_with(options.busy_timeout(Duration::from_secs(10))).await?;
+        for key in keys {
+            dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+        }
+        pool.close().await;
+    } else {
+        let pool = sqlx::PgPool::connect(database).await.context("connecting to PostgreSQL")?;
+        for key in keys {
+            dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+        }
+        pool.close().await;
+    }
+    Ok(dropped)
 }
 
 /// The tag prefix of what `--plant-orphans` plants.
@@ -441,6 +526,10 @@ pub struct Damage {
     pub vms_without_worker: u64,
     /// Flashes the BMCs hold that no operation owns (none, or one that did not succeed).
     pub flashes_without_operation: u64,
+    /// Keys a success was answered for whose record is gone or no longer completed at the end.
+    pub acknowledged_records_lost: u64,
+    /// Accepted flash operations (`202`) that cannot be found at the end.
+    pub acknowledged_flash_ops_lost: u64,
 }
 
 /// The create operation a listed worker belongs to, from its label.
@@ -609,6 +698,8 @@ pub fn check(
         extra_flashes: 0,
         vms_without_worker: 0,
         flashes_without_operation: 0,
+        acknowledged_records_lost: 0,
+        acknowledged_flash_ops_lost: 0,
     };
 
     let mut invariants = Vec::new();
@@ -741,6 +832,35 @@ mod tests {
         assert_eq!(op, format!("op-{}", &op_key.as_str()[3..19]));
         assert_eq!(flash_keys(&record("POST /v1/workers")), None);
         assert_eq!(flash_keys(&record("POST /admin/v1/nodes/node-0003/reboot")), None);
+    }
+
+    #[test]
+    fn an_acknowledged_key_whose_record_is_gone_or_not_completed_is_lost() {
+        use crate::workload::Acknowledged;
+        let ack = |key: &str| Acknowledged { key: key.to_owned(), what: format!("create op {key}") };
+        let acknowledged = [ack("k1"), ack("k2"), ack("k3"), ack("k4")];
+        let states: HashMap<String, String> = [("k1", "completed"), ("k3", "in_flight"), ("k4", "completed")]
+            .into_iter()
+            .map(|(k, s)| (k.to_owned(), s.to_owned()))
+            .collect();
+        let lost = records_lost(&acknowledged, &states);
+        assert_eq!(lost, ["k2 (create op k2): gone", "k3 (create op k3): in_flight"]);
+
+        let (mut damage, mut invariants) = (Damage::default(), Vec::new());
+        check_acknowledged(lost.len() as u64, 0, &mut damage, &mut invariants);
+        assert_eq!((damage.acknowledged_records_lost, damage.acknowledged_flash_ops_lost), (2, 0));
+        assert_eq!(invariants.iter().map(|i| (i.actual, i.ok)).collect::<Vec<_>>(), [(2, false), (0, true)]);
+        assert!(
+            records_lost(
+                &acknowledged,
+                &[("k2", "completed"), ("k3", "completed")]
+                    .into_iter()
+                    .chain([("k1", "completed"), ("k4", "completed")])
+                    .map(|(k, s)| (k.to_owned(), s.to_owned()))
+                    .collect()
+            )
+            .is_empty()
+        );
     }
 
     #[test]

@@ -161,6 +161,7 @@ impl Application {
             hypervisor: hypervisor.clone(),
             settle: args.hypervisor_settle,
             abandon_after: args.abandon_after,
+            retry_grace: crate::reaper::RETRY_GRACE,
             in_flight_ttl: args.in_flight_ttl,
             retention: args.retention,
             orphan_deletes: Default::default(),

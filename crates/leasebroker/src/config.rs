@@ -104,6 +104,9 @@ pub struct ServeArgs {
 
     /// Roll back a create nobody retried for this long (its record failed or its claim went
     /// stale): VM deleted, lease and node freed, record removed. Checked every --sweep-interval.
+    /// Never sooner than the longest Retry-After a waiting retry is told (--hypervisor-settle plus
+    /// 1 s, rounded up to whole seconds) plus 2 s after the last attempt, so that a client doing
+    /// what it was told finds its create still there.
     #[arg(long, env = "LEASEBROKER_ABANDON_AFTER", default_value = "1h", value_parser = parse::duration)]
     pub abandon_after: Duration,
 

@@ -11,7 +11,8 @@
 //!   compact finished mark until the retention;
 //! - an attempt holds the record (in flight, not stale): nothing to do yet;
 //! - a create whose record failed or whose claim went stale, with no attempt for
-//!   `--abandon-after`: it is rolled back. The reaper takes the record's claim by compare-and-set
+//!   `--abandon-after` (and never sooner than the longest `Retry-After` the service may have told
+//!   its last attempt, plus [`RETRY_GRACE`]: see [`Reaper::patience`]): it is rolled back. The reaper takes the record's claim by compare-and-set
 //!   (so it never races a retry, on any replica), marks the operation as rolling back (every
 //!   step of a create checks that mark in its own transaction, so an attempt still running after
 //!   its claim went stale can take, call or show nothing more), waits out the settle window of
@@ -89,6 +90,10 @@ pub fn describe_metrics() {
     );
 }
 
+/// How long past the `Retry-After` it was given a retrying client may take to come back (the
+/// answer's way to it, its own scheduling), before the reaper may roll its create back.
+pub const RETRY_GRACE: Duration = Duration::from_secs(2);
+
 /// The most operations one tick looks at (half from each end of the due ones).
 const PER_TICK: u32 = 500;
 
@@ -120,6 +125,9 @@ pub struct Reaper {
     pub settle: Duration,
     /// `--abandon-after`.
     pub abandon_after: Duration,
+    /// How long past its `Retry-After` a retrying client may take to come back ([`RETRY_GRACE`]
+    /// in the service): see [`Reaper::patience`].
+    pub retry_grace: Duration,
     /// `--in-flight-ttl`: when a claim is stale.
     pub in_flight_ttl: Duration,
     /// `--retention`: how long tombstones are kept (longer than any record that could need them).
@@ -133,6 +141,7 @@ impl std::fmt::Debug for Reaper {
         f.debug_struct("Reaper")
             .field("settle", &self.settle)
             .field("abandon_after", &self.abandon_after)
+            .field("retry_grace", &self.retry_grace)
             .finish_non_exhaustive()
     }
 }
@@ -147,6 +156,17 @@ enum Verdict {
 }
 
 impl Reaper {
+    /// How long after an operation's last attempt the reaper waits before it takes the operation
+    /// as abandoned: `--abandon-after`, but never less than the longest `Retry-After` that
+    /// attempt may have been told while a call of an earlier one could still land (the settle
+    /// window from the send stamp, rounded up to whole seconds) plus the retry grace. A shorter
+    /// wait rolls back a create whose client is doing what it was told: its retry then runs as a
+    /// new operation and boots again.
+    pub fn patience(&self) -> Duration {
+        let promised = crate::service::longest_settle_retry_after(self.settle);
+        self.abandon_after.max(promised + self.retry_grace)
+    }
+
     /// One pass: the inventory (late landings, orphans), then the operations due, then old
     /// marks and tombstones.
     pub async fn run_once(&self) -> ReapReport {
@@ -221,7 +241,7 @@ impl Reaper {
         }
         let scope = scope_of(op)?;
         let record = self.store.get(&scope).await?.filter(|r| r.record_id.to_hex() == op.record_id);
-        let abandoned_at = op.last_attempt_at.saturating_add(micros(self.abandon_after));
+        let abandoned_at = op.last_attempt_at.saturating_add(micros(self.patience()));
         let abandoned = abandoned_at <= now;
         let verdict = match &record {
             None if op.kind == "create" => Verdict::RollBack(None),

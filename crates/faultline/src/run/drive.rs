@@ -263,6 +263,20 @@ pub(super) async fn run_in(
         reader.plant_orphans(sc.plant_orphans, &node).await.context("planting orphans")?;
         bmc_nodes.push(node);
     }
+    // A check of the checker: records a success was answered for, deleted behind the service's back.
+    if sc.drop_acknowledged > 0 {
+        let keys: Vec<String> = workload
+            .ledger
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .acknowledged
+            .iter()
+            .take(sc.drop_acknowledged as usize)
+            .map(|a| a.key.clone())
+            .collect();
+        let dropped = verify::drop_records(database, &keys).await.context("deleting acknowledged records")?;
+        eprintln!("faultline: deleted {dropped} acknowledged record(s) behind the service's back");
+    }
     // Let cut-off handlers finish, late calls land, stale in-flight records age out and the
     // reaper roll back what was abandoned before reading the truth.
     let mut quiet = sc.in_flight_ttl + sc.hypervisor_timeout + Duration::from_secs(1);
@@ -295,6 +309,11 @@ pub(super) async fn run_in(
     let operations = reader.operations_ended(&flash_ops, Duration::from_secs(120)).await;
     let flashes_unowned = reader.flashes_without_operation(&bmc_nodes).await.context("reading the BMCs' flashes")?;
     let vms_unowned = truth.vms_without_worker();
+    // What was acknowledged and is no longer there: read after everything settled (and after any
+    // failover), by key from the records listing.
+    let record_states = reader.record_states().await.context("reading the records")?;
+    let records_lost = verify::records_lost(&lock_ledger().acknowledged, &record_states);
+    let flash_ops_lost = operations.iter().filter(|(_, op)| op.is_none()).count() as u64;
     let late_counts = late.as_ref().map(|l| l.stats.snapshot()).unwrap_or_default();
     let report = {
         let ledger = lock_ledger();
@@ -305,6 +324,7 @@ pub(super) async fn run_in(
             verify::check(&ledger, &truth, &gets, reboots_ok, failed, late_counts.delivered);
         verify::check_flashes(&ledger, &truth, &operations, &mut damage, &mut invariants);
         verify::check_owners(&vms_unowned, &flashes_unowned, &mut damage, &mut invariants);
+        verify::check_acknowledged(records_lost.len() as u64, flash_ops_lost, &mut damage, &mut invariants);
 
         let proxy = proxies.iter().map(|p| p.stats.snapshot()).fold(ProxyCounts::default(), |a, b| a + b);
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -339,6 +359,7 @@ pub(super) async fn run_in(
                 pauses: sc.pauses,
                 pause_ms: millis(pause),
                 plant_orphans: sc.plant_orphans,
+                drop_acknowledged: sc.drop_acknowledged,
                 hypervisor_timeout_ms: millis(sc.hypervisor_timeout),
                 hypervisor_settle_ms: settle.map(millis),
                 abandon: sc.abandon,
@@ -385,6 +406,8 @@ pub(super) async fn run_in(
             workers_without_vm: verify::workers_without_vm(&ledger, &truth),
             vms_without_worker: vms_unowned.iter().take(KEPT_UNOWNED).cloned().collect(),
             flashes_without_operation: flashes_unowned.iter().take(KEPT_UNOWNED).cloned().collect(),
+            acknowledged: ledger.acknowledged.len() as u64,
+            records_lost: records_lost.iter().take(KEPT_UNOWNED).cloned().collect(),
             owners_wait_secs,
             workload_secs,
             elapsed_secs: started.elapsed().as_secs_f64(),

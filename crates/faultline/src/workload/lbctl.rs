@@ -83,8 +83,13 @@ impl Workload {
             let err_line = String::from_utf8_lossy(&err).lines().last().unwrap_or_default().to_owned();
             return match status.ok().and_then(|s| s.code()) {
                 Some(0) => {
-                    if String::from_utf8_lossy(&err).contains("(replayed)") {
+                    let err = String::from_utf8_lossy(&err);
+                    if err.contains("(replayed)") {
                         add(&self.counters.replayed, 1);
+                    }
+                    match key_of(&err) {
+                        Some(key) => self.acknowledged(op, key),
+                        None => return Outcome::Failed("lbctl -v printed no key".into()),
                     }
                     decode(op, &out)
                 }
@@ -107,6 +112,15 @@ pub(super) fn drain<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
         }
         buf
     })
+}
+
+/// The key lbctl `-v` names (`lbctl: key K (...)`, or `lbctl: op "ID" key K (journal ...)`).
+pub(super) fn key_of(stderr: &str) -> Option<&str> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("lbctl: "))
+        .filter(|l| l.starts_with("key ") || l.starts_with("op "))
+        .find_map(|l| l.split_once("key ")?.1.split_whitespace().next())
 }
 
 /// lbctl `-v` prints one `lbctl: attempt N (...)` line per attempt.

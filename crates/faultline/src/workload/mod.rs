@@ -166,6 +166,18 @@ pub struct Ledger {
     pub abandoned_flashes: u64,
     /// Flash operations refused because another flash ran on the node (`409 operation-conflict`).
     pub flash_conflicts: u64,
+    /// Every key a success (`2xx`) was answered to, with what it was: the service must still hold
+    /// its record, completed, at the end (the keys are fresh UUIDs: one record each).
+    pub acknowledged: Vec<Acknowledged>,
+}
+
+/// A key a client was answered a success (`2xx`) for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acknowledged {
+    /// The `Idempotency-Key`.
+    pub key: String,
+    /// What it was, for the report: the operation's kind and its index.
+    pub what: String,
 }
 
 /// The workload's counters.
@@ -278,6 +290,17 @@ impl Workload {
 
     fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
         self.ledger.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Notes that a success was answered for `key` (operation `op`).
+    fn acknowledged(&self, op: &Op, key: &str) {
+        let what = match op {
+            Op::Create { index, .. } => format!("create op {index}"),
+            Op::Reboot { id, .. } => format!("reboot {id}"),
+            Op::Delete { id, .. } => format!("delete {id}"),
+            Op::Flash { node, .. } => format!("flash {node}"),
+        };
+        self.ledger().acknowledged.push(Acknowledged { key: key.to_owned(), what });
     }
 
     /// Runs logical operation `index`: picks its kind, runs it to the end, records the outcome.

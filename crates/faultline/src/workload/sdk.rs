@@ -24,7 +24,10 @@ impl Workload {
         let once = Retrier::new(self.policy.with_max_attempts(1).with_attempt_timeout(hang_up));
         add(&self.counters.attempts, 1);
         match once.send(Some(&key), || self.request(op, &body)).await {
-            Ok(response) => decode(op, &response.body),
+            Ok(response) => {
+                self.acknowledged(op, key.as_str());
+                decode(op, &response.body)
+            }
             Err(e @ Error::Refused { .. }) => classify(&e),
             Err(_) => Outcome::Abandoned,
         }
@@ -61,12 +64,13 @@ impl Workload {
             ClientKind::Protected => {
                 // One key for the logical operation, made before the first attempt.
                 let key = OpKey::new_v4();
-                self.retrier.send(Some(&key), || self.request(op, &body)).await
+                self.retrier.send(Some(&key), || self.request(op, &body)).await.map(|r| (r, key))
             }
             ClientKind::Naive => self.naive_send(op, &body).await,
         };
         match result {
-            Ok(response) => {
+            Ok((response, key)) => {
+                self.acknowledged(op, key.as_str());
                 if response.replayed {
                     add(&self.counters.replayed, 1);
                 }
@@ -76,12 +80,13 @@ impl Workload {
         }
     }
 
-    /// The antipattern: the same backoff, but a new key on every attempt.
+    /// The antipattern: the same backoff, but a new key on every attempt. Returns the answer and
+    /// the key of the attempt that got it.
     pub(super) async fn naive_send(
         &self,
         op: &Op,
         body: &[u8],
-    ) -> Result<leasebroker_client::retry::HttpResponse, Error> {
+    ) -> Result<(leasebroker_client::retry::HttpResponse, OpKey), Error> {
         let start = Instant::now();
         let mut cap = self.policy.min_delay;
         loop {
@@ -96,7 +101,7 @@ impl Workload {
                     tokio::time::sleep(wait).await;
                     cap = (cap * 2).min(self.policy.max_delay);
                 }
-                other => return other,
+                other => return other.map(|response| (response, key)),
             }
         }
     }

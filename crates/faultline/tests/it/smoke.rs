@@ -16,8 +16,10 @@ fn run_faultline(extra: &[&str]) -> (i32, Value) {
     // A small share of the slow, refusing and abandoning modes (the full run has more). The
     // abandon window is longer than a faulted client's gap between two attempts (a 503's
     // Retry-After of up to the settle window, rounded up, then an attempt lost to a client
-    // fault): with 2 s the reaper sometimes rolled back a create whose client was waiting out
-    // that Retry-After, and the retry booted again (one boot more than workers created).
+    // fault). With 2 s the reaper once rolled back a create whose client was waiting out that
+    // Retry-After, and the retry booted again (one boot more than workers created); the reaper now
+    // waits at least the longest Retry-After plus a grace (leasebroker's
+    // `effects::the_reaper_waits_out_the_retry_after_the_service_gave`), the 8 s cover the rest.
     args.extend(["--hv-slow", "0.05", "--hv-refuse", "0.05", "--abandon", "0.08", "--abandon-after", "8s"]);
     args.extend(["--flashes", "0.15", "--max-duration", "150s"]);
     args.extend(extra);
@@ -63,8 +65,16 @@ fn assert_protected_and_naive(code: i32, report: &Value, replicas: i64) {
         assert_eq!(num(protected, &["damage", field]), 0, "protected {field}");
     }
 
-    // The naive clients ran into the same faults and paid for it.
+    // Nothing acknowledged was lost: every key a success was answered for (through the SDK or
+    // lbctl) still has its completed record, for the naive clients' keys too.
     let naive = run(report, "naive");
+    for r in [protected, naive] {
+        let lost = crate::support::invariant(r, crate::lost::RECORDS_LOST);
+        assert_eq!((lost["actual"].as_i64(), lost["ok"].as_bool()), (Some(0), Some(true)), "{lost}");
+        assert_eq!(num(r, &["acknowledged"]), num(r, &["outcomes", "succeeded"]), "each success's key is known");
+    }
+
+    // The naive clients ran into the same faults and paid for it.
     assert!(num(naive, &["faults", "response_lost"]) > 0);
     let damage = num(naive, &["damage", "phantom_workers"])
         + num(naive, &["damage", "extra_boots"])

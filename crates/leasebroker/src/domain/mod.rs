@@ -256,6 +256,9 @@ macro_rules! guard {
 /// How far ahead of the clock a call's send stamp lies: the longest the stamp's commit may take
 /// for the call still to be sent (`service::stamped_in_time`).
 const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
+/// [`SEND_STAMP_AHEAD_MICROS`] as a duration.
+pub(crate) const SEND_STAMP_AHEAD: std::time::Duration =
+    std::time::Duration::from_micros(SEND_STAMP_AHEAD_MICROS as u64);
 
 /// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
 /// ahead of the clock, and always past `seen` (so the compare-and-set moves it). Taken only

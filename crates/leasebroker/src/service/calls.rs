@@ -54,6 +54,14 @@ pub(crate) fn settled_since(tag: &str, sent_at: i64, settle: Duration) -> Result
     Ok(())
 }
 
+/// The longest `Retry-After` [`settled_since`] gives for a call sent under a settle window of
+/// `settle`: the window counts from the send stamp, which lies up to
+/// [`crate::domain::SEND_STAMP_AHEAD`] ahead of the clock, and is rounded up to whole seconds.
+pub(crate) fn longest_settle_retry_after(settle: Duration) -> Duration {
+    let window = settle.saturating_add(crate::domain::SEND_STAMP_AHEAD);
+    Duration::from_secs(window.as_secs() + u64::from(window.subsec_nanos() > 0))
+}
+
 pub(crate) fn now_micros() -> i64 {
     idempotency::now().timestamp_micros()
 }
@@ -86,5 +94,17 @@ pub(crate) async fn destroy_duplicates(hypervisor: &HypervisorClient, tag: &str,
                 format!("VM {vm_id} (tag {tag}; kept {keep})"),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_settle_retry_after_counts_the_stamp_ahead_and_rounds_up() {
+        let secs = |s: f64| longest_settle_retry_after(Duration::from_secs_f64(s)).as_secs();
+        // 1.5 s + 1 s ahead = 2.5 s -> 3; 4.5 s (faultline's smoke run) -> 6; whole seconds stay.
+        assert_eq!((secs(1.5), secs(4.5), secs(30.0), secs(0.0)), (3, 6, 31, 1));
     }
 }

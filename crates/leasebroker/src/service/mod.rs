@@ -54,7 +54,7 @@ mod error;
 mod hook;
 mod keys;
 
-pub(crate) use calls::{destroy_duplicates, may_send, micros, now_micros, settled_since};
+pub(crate) use calls::{destroy_duplicates, longest_settle_retry_after, may_send, micros, now_micros, settled_since};
 pub use error::ServiceError;
 pub use hook::{Hook, Step};
 pub use keys::{CreateKeys, Operation, public_id};

@@ -287,6 +287,61 @@ async fn an_abandoned_create_is_rolled_back_and_its_key_runs_afresh() {
     assert_one_worker_node_and_lease(&lb.url).await;
 }
 
+/// The reaper's patience covers the `Retry-After` the service gave. A boot outlives its call
+/// (timeout 300 ms, the simulator makes it take 800 ms), an immediate retry finds no VM yet and is
+/// told to wait out the rest of the settle window (1.5 s from the send stamp, which lies 1 s ahead
+/// of the clock: about 2.2 s, rounded up to `Retry-After: 3`), the boot lands. The abandon window
+/// (1 s) is shorter than the settle window. A client that retries exactly when told
+/// must find its create still there (the landed VM adopted: one boot), not rolled back behind its
+/// back (the VM deleted) and booted again as a new operation: the mechanism of faultline's smoke
+/// run that booted 81 VMs for 80 creates.
+#[tokio::test]
+async fn the_reaper_waits_out_the_retry_after_the_service_gave() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let args = [
+        "--hypervisor-url",
+        hv.url.as_str(),
+        "--hypervisor-timeout",
+        "300ms",
+        "--hypervisor-settle",
+        "1500ms",
+        "--abandon-after",
+        "1s",
+        "--in-flight-ttl",
+        "1s",
+        "--sweep-interval",
+        "200ms",
+    ];
+    let lb = serve(&sqlite_url(&dir), &args);
+    let slow = |slow: f64| {
+        let faults = json!({"fail_before": 0.0, "fail_after": 0.0, "latency_ms": 0, "slow": slow, "slow_ms": 800});
+        let url = format!("{}/v1/faults", hv.url);
+        async move { assert!(http().put(url).json(&faults).send().await.expect("faults").status().is_success()) }
+    };
+    // The boot outlives its call: 503, the intent stays pending, the VM lands after 800 ms.
+    slow(1.0).await;
+    let first = create(&lb.url, TOKEN, "patient", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&first.body));
+    slow(0.0).await;
+    // An immediate retry finds no VM yet: it is told to wait out the rest of the settle window.
+    let waiting = create(&lb.url, TOKEN, "patient", &worker_body()).await;
+    assert_eq!(waiting.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&waiting.body));
+    let retry_after: u64 = waiting.headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+    assert!(retry_after >= 2, "Retry-After: {retry_after}");
+    tokio::time::sleep(Duration::from_secs(retry_after)).await;
+    let done = create(&lb.url, TOKEN, "patient", &worker_body()).await;
+    assert_eq!(done.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&done.body));
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!(
+        (stats["boots_total"].as_i64(), stats["running"].as_i64()),
+        (Some(1), Some(1)),
+        "the retry adopted the VM that landed (not rolled back and booted again): {stats}"
+    );
+    assert_eq!(metric(&lb.url, "leasebroker_reaper_rolled_back_total{resource=\"operation\"").await, 0.0);
+    assert_one_worker_node_and_lease(&lb.url).await;
+}
+
 /// Item 3: the reaper never rolls back a create that finished, however short --abandon-after,
 /// and once operations finished their intents are gone and their rows are compact marks
 /// (pruned after the retention, issue 24): no domain table grows with every request beyond it.
@@ -689,6 +744,7 @@ mod racing_attempts {
             hypervisor: rig.workers.hypervisor.clone(),
             settle: rig.workers.settle,
             abandon_after: Duration::ZERO,
+            retry_grace: Duration::ZERO,
             in_flight_ttl: Duration::from_secs(1),
             retention: Duration::from_secs(3600),
             orphan_deletes: Default::default(),
@@ -832,6 +888,7 @@ mod racing_attempts {
             hypervisor: rig.workers.hypervisor.clone(),
             settle: rig.workers.settle,
             abandon_after: Duration::ZERO,
+            retry_grace: Duration::ZERO,
             in_flight_ttl: Duration::from_secs(1),
             retention: Duration::from_secs(3600),
             orphan_deletes: Default::default(),
@@ -939,6 +996,7 @@ mod racing_attempts {
             hypervisor: rig.workers.hypervisor.clone(),
             settle: rig.workers.settle,
             abandon_after: Duration::ZERO,
+            retry_grace: Duration::ZERO,
             in_flight_ttl: Duration::from_secs(1),
             retention: Duration::from_secs(3600),
             orphan_deletes: Default::default(),
