@@ -299,7 +299,16 @@ async fn sushy_tools_takes_a_flash_once() {
     assert!(retry.replayed() && retry.body == first.body, "the same 202");
     let ended = until_ended(&lb.url, &op_id).await;
     assert_eq!((ended["state"].as_str(), &ended["error"]), (Some("succeeded"), &Value::Null), "{ended}");
-    let log = bmc.log();
+    // The emulator writes each request's log line after it has answered, and the test reads
+    // its output from a pipe: the last lines may come a moment after the operation ended.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = bmc.log();
+        if log.contains("GET /redfish/v1/TaskService/Tasks/42") || Instant::now() > deadline {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let updates: Vec<&str> = log.lines().filter(|l| l.contains("POST /redfish/v1/UpdateService/Actions/")).collect();
     assert_eq!(updates.len(), 1, "one SimpleUpdate:\n{log}");
     assert!(updates[0].contains(" 204 "), "{}", updates[0]);

@@ -244,10 +244,19 @@ async fn lagging_replicas_then_a_dead_primary(replication: idempotency_sqlx::tes
     let mut receivers = vec![];
     for i in (0..3).filter(|&i| i != primary) {
         let mut replica = PgConnection::connect(&pg.member_url(i)).await.expect("connect to a replica");
-        let pid: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_wal_receiver")
-            .fetch_one(&mut replica)
-            .await
-            .expect("the replica's WAL receiver");
+        // A replica that has just joined may not be streaming yet: wait for its WAL receiver.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let pid: i32 = loop {
+            let pid = sqlx::query_scalar("SELECT pid FROM pg_stat_wal_receiver")
+                .fetch_optional(&mut replica)
+                .await
+                .expect("read the replica's WAL receiver");
+            match pid {
+                Some(pid) => break pid,
+                None if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+                None => panic!("replica {i} has no WAL receiver after 60 s"),
+            }
+        };
         receivers.push(pid.to_string());
     }
     let signal = |which: &str| {
