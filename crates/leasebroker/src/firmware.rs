@@ -291,6 +291,14 @@ pub struct WatchReport {
     pub ended: u64,
 }
 
+/// Whether a pass takes or renews the lease on `row` before looking at it: always when another
+/// watcher holds it (or nobody), and for this watcher's own lease only once half of `lease` is
+/// gone. A lease renewed on every poll is a write (and on SQLite an fsync) per operation per
+/// poll, which queues the database's one writer behind the watcher.
+fn renews(row: &FlashRow, name: &str, now: i64, lease: Duration) -> bool {
+    row.watcher.as_deref() != Some(name) || row.watch_until.saturating_sub(now) <= micros(lease) / 2
+}
+
 impl Watcher {
     /// How long a lease holds: several polls, so a live watcher always renews it in time.
     fn lease(&self) -> Duration {
@@ -309,13 +317,16 @@ impl Watcher {
             }
         };
         for row in rows {
-            let until = now_micros().saturating_add(micros(self.lease()));
-            match self.domain.take_watch(&row.op_id, &self.name, row.watch_until, until).await {
-                Ok(true) => {}
-                Ok(false) => continue, // another replica took it, or it ended
-                Err(e) => {
-                    tracing::warn!(error = %ErrorChain(&e), op_id = %row.op_id, "cannot take the watch lease");
-                    continue;
+            let now = now_micros();
+            if renews(&row, &self.name, now, self.lease()) {
+                let until = now.saturating_add(micros(self.lease()));
+                match self.domain.take_watch(&row.op_id, &self.name, row.watch_until, until).await {
+                    Ok(true) => {}
+                    Ok(false) => continue, // another replica took it, or it ended
+                    Err(e) => {
+                        tracing::warn!(error = %ErrorChain(&e), op_id = %row.op_id, "cannot take the watch lease");
+                        continue;
+                    }
                 }
             }
             if row.watcher.as_deref() != Some(self.name.as_str()) {
@@ -522,4 +533,40 @@ pub fn spawn(watcher: Watcher) -> JoinHandle<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(watcher: Option<&str>, watch_until: i64) -> FlashRow {
+        FlashRow {
+            op_id: "op-1".into(),
+            node_id: "node-0001".into(),
+            version: "1.0".into(),
+            state: "running".into(),
+            error: None,
+            intent: "accepted".into(),
+            tag: "sk-1".into(),
+            sent_at: 0,
+            created_at: 0,
+            finished_at: None,
+            watcher: watcher.map(str::to_owned),
+            watch_until,
+        }
+    }
+
+    #[test]
+    fn a_watcher_renews_its_own_lease_only_once_half_of_it_is_gone() {
+        let lease = Duration::from_secs(10);
+        let now = 1_000_000_000;
+        let s = 1_000_000;
+        assert!(renews(&row(None, 0), "w1", now, lease), "nobody holds it: take it");
+        assert!(renews(&row(Some("w2"), now - s), "w1", now, lease), "another's expired lease: take it");
+        assert!(renews(&row(Some("w2"), now + 9 * s), "w1", now, lease), "another's: try (the take is fenced)");
+        assert!(!renews(&row(Some("w1"), now + 9 * s), "w1", now, lease), "its own, 9 s of 10 left");
+        assert!(!renews(&row(Some("w1"), now + 5 * s + 1), "w1", now, lease), "just over half left");
+        assert!(renews(&row(Some("w1"), now + 5 * s), "w1", now, lease), "half gone");
+        assert!(renews(&row(Some("w1"), now - s), "w1", now, lease), "its own, lapsed");
+    }
 }
