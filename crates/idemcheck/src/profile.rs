@@ -105,6 +105,10 @@ pub(crate) struct Profile {
     pub(crate) long_running: Option<Req>,
     /// A created resource can be deleted at its `Location` (DELETE, with a key of its own).
     pub(crate) delete_location: bool,
+    /// `Repeatability-Request-ID` names the same record as `Idempotency-Key`.
+    pub(crate) repeatability: bool,
+    /// A top-level JSON body field that names the same record as `Idempotency-Key`.
+    pub(crate) body_key_field: Option<&'static str>,
 }
 
 pub(crate) const NAMES: [&str; 3] = ["ietf-draft", "stripe", "leasebroker"];
@@ -130,6 +134,8 @@ impl Profile {
             server_error: None,
             long_running: None,
             delete_location: false,
+            repeatability: false,
+            body_key_field: None,
         };
         match name {
             "ietf-draft" => Some(base),
@@ -146,7 +152,8 @@ impl Profile {
             "leasebroker" => Some(Profile {
                 name: "leasebroker",
                 about: "this workspace's contract (SPEC 1 and 3): both key forms, 409 for a reused key \
-                        (--mismatch-status), problem types, Idempotency-Key-Expires, Prefer: wait; tokens: 1st and \
+                        (--mismatch-status), problem types, Idempotency-Key-Expires, Prefer: wait, Repeatability-Request-ID \
+                        and a body request_id (serve --key-sources repeatability,request-id); tokens: 1st and \
                         2nd two tenants, 3rd the admin token (firmware flash)",
                 mismatch_status: 409,
                 key_required: true,
@@ -173,11 +180,12 @@ impl Profile {
                     "/v1/workers",
                     Some(json!({"image": "idemcheck:1", "cpu": 0, "memory_gb": 1})),
                 )),
-                // leasebroker takes an image of spaces; its hypervisor refuses it: 502.
+                // An image its hypervisor lacks (`serve --sim-missing-image idemcheck-missing:1`):
+                // refused downstream, 502.
                 server_error: Some(Req::new(
                     "POST",
                     "/v1/workers",
-                    Some(json!({"image": " ", "cpu": 1, "memory_gb": 1})),
+                    Some(json!({"image": "idemcheck-missing:1", "cpu": 1, "memory_gb": 1})),
                 )),
                 long_running: Some(
                     Req::new(
@@ -188,6 +196,9 @@ impl Profile {
                     .with_token(2),
                 ),
                 delete_location: true,
+                // `serve --key-sources repeatability,request-id`.
+                repeatability: true,
+                body_key_field: Some("request_id"),
             }),
             _ => None,
         }

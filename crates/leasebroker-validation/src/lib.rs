@@ -67,6 +67,9 @@ impl CreateWorker {
         if self.image.chars().any(char::is_control) {
             return invalid("image must not contain control characters".into());
         }
+        if self.image.trim().is_empty() {
+            return invalid("image must not be blank".into());
+        }
         if !(1..=limits.node_cpu).contains(&self.cpu) {
             return invalid(format!("cpu must be 1 to {}, got {}", limits.node_cpu, self.cpu));
         }
@@ -162,6 +165,11 @@ mod tests {
         let l = Limits { node_cpu: 64, node_memory_gb: 512 };
         assert!(req("img", 16, 64, 2).validate(l).is_ok());
         assert!(req("", 16, 64, 0).validate(l).is_err());
+        for blank in [" ", "   ", "\u{3000}\u{a0}"] {
+            let e = req(blank, 16, 64, 0).validate(l).expect_err("a blank image");
+            assert_eq!(e.message(), "image must not be blank");
+        }
+        assert!(req(" img ", 16, 64, 0).validate(l).is_ok(), "spaces around a name are the hypervisor's business");
         assert!(req(&"x".repeat(201), 16, 64, 0).validate(l).is_err());
         assert!(req("img", 0, 64, 0).validate(l).is_err());
         assert!(req("img", 65, 64, 0).validate(l).is_err());

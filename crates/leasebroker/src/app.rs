@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use idempotency::{Principal, ResponsePolicy, Store};
-use idempotency_tower::IdempotencyLayer;
+use idempotency_tower::{IdempotencyLayer, KeySources};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use rand::RngCore;
 use subtle::ConstantTimeEq;
@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::api::{self, AppState, BODY_LIMIT, token_digest};
-use crate::config::ServeArgs;
+use crate::config::{KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
 use crate::firmware::{Firmware, Watcher};
@@ -101,7 +101,8 @@ impl Application {
                     ..SimConfig::default()
                 })
                 .with_flash_time(Duration::from_millis(args.sim_flash_ms))
-                .with_flash_failure(args.sim_flash_fail);
+                .with_flash_failure(args.sim_flash_fail)
+                .with_missing_images(args.sim_missing_image.clone());
                 let (url, headers, task) = spawn_private_simulator(sim, timeouts).await?;
                 background.push(task);
                 HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers, args.header_timeout / 2)
@@ -154,6 +155,7 @@ impl Application {
                     .max(args.record_store_replica_timeout + std::time::Duration::from_secs(1)),
             )
             .operation_link(crate::firmware::operation_link)
+            .key_sources(key_sources(&args.key_sources))
             .build();
         let reaper = Reaper {
             store: store.clone(),
@@ -215,6 +217,10 @@ impl Application {
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
             audit: crate::audit::Audit::new(db.clone()),
             probe,
+            body_key_field: args
+                .key_sources
+                .contains(&KeySource::RequestId)
+                .then_some(idempotency_tower::AIP_155_REQUEST_ID),
         };
         let console = crate::console::Console::default();
         background.push(console.history.spawn_sampler(state.metrics.clone()));
@@ -265,6 +271,26 @@ impl Application {
 
 /// This process's name on the watch leases it holds: the host, the pid and a random part, so a
 /// restarted process (same pid, maybe) never takes itself for its predecessor.
+/// The key sources of each protected route (`--key-sources`): `Repeatability-Request-ID` on
+/// every one, the body's `request_id` on the two with a JSON body (creating a worker, flashing a
+/// node).
+fn key_sources(sources: &[KeySource]) -> impl Fn(&axum::http::Method, &str) -> KeySources + Send + Sync + 'static {
+    let repeatability = sources.contains(&KeySource::Repeatability);
+    let request_id = sources.contains(&KeySource::RequestId);
+    move |method, path| {
+        let mut ks = KeySources::default();
+        if repeatability {
+            ks = ks.repeatability();
+        }
+        let has_body = method == axum::http::Method::POST
+            && (path == "/v1/workers" || (path.starts_with("/admin/v1/nodes/") && path.ends_with("/firmware")));
+        if request_id && has_body {
+            ks = ks.body_field(idempotency_tower::AIP_155_REQUEST_ID);
+        }
+        ks
+    }
+}
+
 fn watcher_name() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".to_owned());
     format!("{host}/{}/{:08x}", std::process::id(), rand::random::<u32>())

@@ -152,6 +152,11 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_SIM_LATENCY_MS", default_value_t = 0)]
     pub sim_latency_ms: u64,
 
+    /// In-process simulator: an image the hypervisor does not have (may repeat): a create of it
+    /// is refused downstream (`502` `upstream-refused`, node and lease given back).
+    #[arg(long, env = "LEASEBROKER_SIM_MISSING_IMAGE", value_name = "IMAGE", value_delimiter = ',')]
+    pub sim_missing_image: Vec<String>,
+
     /// In-process simulator: how long a BMC firmware flash writes, in milliseconds.
     #[arg(long, env = "LEASEBROKER_SIM_FLASH_MS", default_value_t = 3000)]
     pub sim_flash_ms: u64,
@@ -214,6 +219,13 @@ pub struct ServeArgs {
     /// Status for a key reused with a different request: 409 (default), 422 (IETF draft) or 400.
     #[arg(long, env = "LEASEBROKER_MISMATCH_STATUS", value_enum, default_value_t = MismatchStatus::Conflict)]
     pub mismatch_status: MismatchStatus,
+
+    /// Where a request's key may come from besides `Idempotency-Key` (comma-separated; none by
+    /// default): `repeatability` (`Repeatability-Request-ID` with `Repeatability-First-Sent`, on
+    /// every protected route), `request-id` (the JSON body field `request_id`, AIP-155, on the
+    /// routes with a body: `POST /v1/workers` and the firmware flash).
+    #[arg(long, env = "LEASEBROKER_KEY_SOURCES", value_enum, value_delimiter = ',')]
+    pub key_sources: Vec<KeySource>,
 
     // Tenants: quotas, rate limits, connection timeouts and the shutdown drain (SPEC 3.1, 3.2).
     /// The most workers one principal may hold; a create beyond it answers 403 `quota-exceeded`.
@@ -342,6 +354,9 @@ pub struct SimArgs {
     /// Probability that a mutating call is refused for good: `409`, nothing done.
     #[arg(long, env = "LEASEBROKER_REFUSE", default_value_t = 0.0, value_parser = parse::probability)]
     pub refuse: f64,
+    /// An image the hypervisor does not have (may repeat): a boot of it is refused with `422`.
+    #[arg(long, env = "LEASEBROKER_MISSING_IMAGE", value_name = "IMAGE", value_delimiter = ',')]
+    pub missing_image: Vec<String>,
     /// How long a BMC firmware flash writes, in milliseconds (a second flash of a node while
     /// one writes bricks it).
     #[arg(long, env = "LEASEBROKER_FLASH_MS", default_value_t = 3000)]
@@ -368,6 +383,15 @@ pub struct SimArgs {
     /// Redfish: answer a `SimpleUpdate` with `204` and the task's `Location`, no body.
     #[arg(long, env = "LEASEBROKER_REDFISH_TERSE")]
     pub redfish_terse: bool,
+}
+
+/// `serve --key-sources`: a source of the request's key besides `Idempotency-Key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KeySource {
+    /// `Repeatability-Request-ID` + `Repeatability-First-Sent` (OASIS Repeatable Requests).
+    Repeatability,
+    /// The JSON body field `request_id` (AIP-155).
+    RequestId,
 }
 
 /// `hypervisor-sim --bmc`.
@@ -484,6 +508,22 @@ mod tests {
         assert!(err.contains("--record-store-replicas"), "{err}");
         assert!(serve(&[&redis[..], &["--record-store-replica-timeout", "0s"]].concat()).is_err());
         assert!(serve(&["--record-store-replicas", "-1"]).is_err());
+    }
+
+    #[test]
+    fn key_sources_are_a_comma_separated_list_and_none_by_default() {
+        let serve = |extra: &[&str]| {
+            let cli = Cli::try_parse_from(["leasebroker", "serve"].iter().chain(extra)).map_err(|e| e.to_string())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            Ok::<_, String>(s.key_sources)
+        };
+        assert_eq!(serve(&[]), Ok(vec![]), "only Idempotency-Key by default");
+        assert_eq!(
+            serve(&["--key-sources", "repeatability,request-id"]),
+            Ok(vec![KeySource::Repeatability, KeySource::RequestId])
+        );
+        let err = serve(&["--key-sources", "cookie"]).unwrap_err();
+        assert!(err.contains("repeatability") && err.contains("request-id"), "names the choices: {err}");
     }
 
     #[test]

@@ -77,7 +77,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 refuse: args.refuse,
             })
             .with_flash_time(Duration::from_millis(args.flash_ms))
-            .with_flash_failure(args.flash_fail);
+            .with_flash_failure(args.flash_fail)
+            .with_missing_images(args.missing_image.clone());
             let sim = match args.bmc {
                 BmcApi::Native => sim,
                 BmcApi::Redfish => sim.with_redfish(RedfishOptions {

@@ -121,8 +121,9 @@ impl CommonResponses {
 }
 
 impl CommonResponses {
-    /// SPEC 1.3's protocol headers on a protected operation: `Prefer: wait=N` in, and
-    /// `Idempotency-Key-Expires` and `Preference-Applied` out.
+    /// SPEC 1.3's protocol headers on a protected operation: `Prefer: wait=N` and the
+    /// Repeatable Requests headers in, and `Idempotency-Key-Expires`, `Repeatability-Result` and
+    /// `Preference-Applied` out.
     fn protocol_headers(op: &mut Operation) {
         let string = || ObjectBuilder::new().schema_type(Type::String);
         let prefer = ParameterBuilder::new()
@@ -136,9 +137,37 @@ impl CommonResponses {
             ))
             .schema(Some(string().examples(["wait=10"])))
             .build();
+        let optional_header = |name: &str, description: &str, example: &str| {
+            ParameterBuilder::new()
+                .name(name)
+                .parameter_in(ParameterIn::Header)
+                .required(Required::False)
+                .description(Some(description))
+                .schema(Some(string().examples([example])))
+                .build()
+        };
+        let repeatability = [
+            optional_header(
+                "Repeatability-Request-ID",
+                "Only when the service runs with `--key-sources repeatability`: the request's key, as \
+                 OASIS Repeatable Requests send it; the same record and scope as `Idempotency-Key` with \
+                 the same value (then `Idempotency-Key` may be left out; two different keys: `400`). \
+                 Needs `Repeatability-First-Sent`. Likewise, with `--key-sources request-id`, the \
+                 top-level JSON body field `request_id` (AIP-155) on the operations with a body.",
+                "0f8fad5b-d9cb-469f-a165-70867728950e",
+            ),
+            optional_header(
+                "Repeatability-First-Sent",
+                "With `Repeatability-Request-ID`: when the request was first sent (IMF-fixdate). Longer \
+                 ago than the retention: `412 repeatability-expired`, nothing runs.",
+                "Sun, 06 Nov 1994 08:49:37 GMT",
+            ),
+        ];
         let params = op.parameters.get_or_insert_with(Vec::new);
-        if !params.iter().any(|p| p.name.eq_ignore_ascii_case("prefer")) {
-            params.push(prefer);
+        for p in std::iter::once(prefer).chain(repeatability) {
+            if !params.iter().any(|q| q.name.eq_ignore_ascii_case(&p.name)) {
+                params.push(p);
+            }
         }
         for response in op.responses.responses.values_mut() {
             let RefOr::T(response) = response else { continue };
@@ -152,6 +181,16 @@ impl CommonResponses {
                          free again. Sent on every response that has a record (the first response once \
                          stored, replays, `409` in flight, the key-reused problem), not on a response \
                          that stored nothing (5xx, 401, 429, ...).",
+                    ))
+                    .build(),
+            );
+            response.headers.insert(
+                "Repeatability-Result".to_owned(),
+                HeaderBuilder::new()
+                    .schema(string().enum_values(Some(["accepted", "rejected"])))
+                    .description(Some(
+                        "On the answer to a request keyed by `Repeatability-Request-ID`: `accepted` when \
+                         it was executed or replayed, `rejected` when the idempotency layer refused it.",
                     ))
                     .build(),
             );

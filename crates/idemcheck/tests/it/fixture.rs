@@ -72,9 +72,19 @@ pub(crate) enum Defect {
     ProtectGet,
     /// Deleting a worker forgets the records that created it.
     ForgetOnDelete,
+    /// `Repeatability-Request-ID` is not read.
+    NoRepeatability,
+    /// `Repeatability-First-Sent` is not checked against the retention.
+    RepeatabilityNoExpiry,
+    /// No `Repeatability-Result` on the answers.
+    NoRepeatabilityResult,
+    /// The body's `request_id` is not read.
+    BodyKeyIgnored,
+    /// Two different keys on one request: the header's wins.
+    TwoKeysHeaderWins,
 }
 
-pub(crate) const ALL: [Defect; 25] = [
+pub(crate) const ALL: [Defect; 30] = [
     Defect::IgnoreKey,
     Defect::LaxKeys,
     Defect::ShortKeys,
@@ -100,6 +110,11 @@ pub(crate) const ALL: [Defect; 25] = [
     Defect::Store401,
     Defect::ProtectGet,
     Defect::ForgetOnDelete,
+    Defect::NoRepeatability,
+    Defect::RepeatabilityNoExpiry,
+    Defect::NoRepeatabilityResult,
+    Defect::BodyKeyIgnored,
+    Defect::TwoKeysHeaderWins,
 ];
 
 pub(crate) const TOKENS: [&str; 3] = ["fx-alice", "fx-bob", "fx-admin"];
@@ -236,7 +251,57 @@ fn stored(fx: &Fx, status: StatusCode) -> bool {
 }
 
 /// The idempotency middleware, with its defects.
+/// Marks an answer the handler gave or a replay (`Repeatability-Result: accepted`).
+#[derive(Clone, Copy)]
+struct Accepted;
+
+fn accepted(mut res: Response) -> Response {
+    res.extensions_mut().insert(Accepted);
+    res
+}
+
+/// The key of `Repeatability-Request-ID` (checked against `Repeatability-First-Sent`) and of the
+/// body's `request_id`; a refusal as its answer.
+fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, Response> {
+    let invalid = || problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+    let mut found = None;
+    if let Some(v) = headers.get("repeatability-request-id").filter(|_| !fx.has(Defect::NoRepeatability)) {
+        let id = v.to_str().ok().filter(|s| !s.is_empty()).ok_or_else(invalid)?.to_owned();
+        let sent = headers
+            .get("repeatability-first-sent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| httpdate::parse_http_date(s).ok())
+            .ok_or_else(invalid)?;
+        let age = SystemTime::now().duration_since(sent).unwrap_or_default();
+        if age > RETENTION && !fx.has(Defect::RepeatabilityNoExpiry) {
+            return Err(problem(StatusCode::PRECONDITION_FAILED, "repeatability-expired"));
+        }
+        found = Some(id);
+    }
+    if !fx.has(Defect::BodyKeyIgnored)
+        && let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body)
+        && let Some(Value::String(k)) = map.get("request_id")
+    {
+        match &found {
+            Some(f) if f != k && !fx.has(Defect::TwoKeysHeaderWins) => return Err(invalid()),
+            Some(_) => {}
+            None => found = Some(k.clone()),
+        }
+    }
+    Ok(found)
+}
+
 async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Response {
+    let repeatable = req.headers().contains_key("repeatability-request-id") && !fx.has(Defect::NoRepeatability);
+    let mut res = protect(fx.clone(), req, next).await;
+    if repeatable && !fx.has(Defect::NoRepeatabilityResult) {
+        let result = if res.extensions().get::<Accepted>().is_some() { "accepted" } else { "rejected" };
+        res.headers_mut().insert("repeatability-result", HeaderValue::from_static(result));
+    }
+    res
+}
+
+async fn protect(fx: Shared, req: Request, next: Next) -> Response {
     let mutating = matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH | Method::DELETE);
     if !mutating && !fx.has(Defect::ProtectGet) {
         return next.run(req).await;
@@ -248,14 +313,29 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
     if fx.has(Defect::IgnoreKey) {
         return next.run(req).await;
     }
-    let key = match parse_key(&fx, req.headers()) {
-        Ok(Some(k)) => k,
-        Ok(None) if fx.has(Defect::OptionalKey) || !mutating => return next.run(req).await,
-        Ok(None) => return problem(StatusCode::BAD_REQUEST, "idempotency-key-missing"),
+    let header_key = match parse_key(&fx, req.headers()) {
+        Ok(k) => k,
         Err(InvalidKey) => return problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid"),
     };
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
+    let other = match other_key(&fx, &parts.headers, &body) {
+        Ok(k) => k,
+        Err(refused) => return refused,
+    };
+    let key = match (header_key, other) {
+        (Some(a), Some(b)) if a != b && !fx.has(Defect::TwoKeysHeaderWins) => {
+            return problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+        }
+        (a, b) => a.or(b),
+    };
+    let key = match key {
+        Some(k) => k,
+        None if fx.has(Defect::OptionalKey) || !mutating => {
+            return next.run(Request::from_parts(parts, Body::from(body))).await;
+        }
+        None => return problem(StatusCode::BAD_REQUEST, "idempotency-key-missing"),
+    };
     let content_type = parts.headers.get("content-type").map(|v| v.as_bytes().to_vec()).unwrap_or_default();
     let fingerprint = if fx.has(Defect::BodyOnlyFingerprint) {
         format!("{body:?}")
@@ -287,7 +367,7 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
         }
         match rec.state {
             RecState::Done { .. } => {
-                let mut res = replay(&fx, &rec);
+                let mut res = accepted(replay(&fx, &rec));
                 if waited {
                     res.headers_mut()
                         .insert("preference-applied", format!("wait={}", wait.unwrap_or(0)).parse().expect("v"));
@@ -345,7 +425,7 @@ async fn idempotency(State(fx): State<Shared>, req: Request, next: Next) -> Resp
         }
     }
     fx.done.notify_waiters();
-    let res = Response::from_parts(rparts, Body::from(rbody));
+    let res = accepted(Response::from_parts(rparts, Body::from(rbody)));
     if keep { with_expiry(&fx, res, expires) } else { res }
 }
 
@@ -354,7 +434,7 @@ async fn create_worker(State(fx): State<Shared>, headers: HeaderMap, body: Bytes
     if v["cpu"].as_i64().unwrap_or(0) < 1 {
         return problem(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed");
     }
-    if v["image"].as_str().unwrap_or_default().trim().is_empty() {
+    if v["image"] == "idemcheck-missing:1" {
         return problem(StatusCode::BAD_GATEWAY, "upstream-refused");
     }
     tokio::time::sleep(WORK).await;
@@ -458,6 +538,11 @@ fn must_fail(d: Defect) -> &'static [&'static str] {
         Defect::Store401 => &["not-stored-401"],
         Defect::ProtectGet => &["get-ignores-key"],
         Defect::ForgetOnDelete => &["replay-after-delete"],
+        Defect::NoRepeatability => &["repeatability-same-record", "repeatability-expired", "repeatability-two-keys"],
+        Defect::RepeatabilityNoExpiry => &["repeatability-expired"],
+        Defect::NoRepeatabilityResult => &["repeatability-same-record", "repeatability-expired"],
+        Defect::BodyKeyIgnored => &["body-key-same-record", "body-key-two-keys"],
+        Defect::TwoKeysHeaderWins => &["repeatability-two-keys", "body-key-two-keys"],
     }
 }
 

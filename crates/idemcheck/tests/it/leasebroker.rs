@@ -36,6 +36,10 @@ async fn every_vector_passes_against_leasebroker() {
         .args(["serve", "--listen", "127.0.0.1:0", "--database", &db, "--pool-nodes", "256", "--rate-limit", "0"])
         // A create takes a while, so duplicates arrive while it runs (in flight, Prefer: wait).
         .args(["--sim-latency-ms", "300"])
+        // The profile's 5xx: a create of an image the hypervisor does not have.
+        .args(["--sim-missing-image", "idemcheck-missing:1"])
+        // The other key sources the profile promises.
+        .args(["--key-sources", "repeatability,request-id"])
         .args(["--token", &format!("{}=alice", TOKENS[0]), "--token", &format!("{}=bob", TOKENS[1])])
         .args(["--admin-token", TOKENS[2]])
         .env("RUST_LOG", "warn")

@@ -45,7 +45,7 @@ pub async fn create_worker(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
-    let req: CreateWorker = match parse_json(&headers, &body) {
+    let req: CreateWorker = match parse_json(&headers, &body, state.body_key_field) {
         Ok(r) => r,
         Err(p) => return p.into_response(),
     };
@@ -202,7 +202,7 @@ pub async fn flash_firmware(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
-    let req: FlashFirmware = match parse_json(&headers, &body) {
+    let req: FlashFirmware = match parse_json(&headers, &body, state.body_key_field) {
         Ok(r) => r,
         Err(p) => return p.into_response(),
     };

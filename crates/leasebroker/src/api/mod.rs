@@ -53,6 +53,9 @@ pub struct AppState {
     pub audit: crate::audit::Audit,
     /// Whether the stores answer, for requests that wait on them too long.
     pub probe: crate::outage::StoreProbe,
+    /// The JSON body field a request's key may come from (`--key-sources request-id`): the
+    /// idempotency layer reads it, the handlers take it out before reading the request.
+    pub body_key_field: Option<&'static str>,
 }
 
 /// A rate limiter with one budget per principal. Its memory is bounded by the configured

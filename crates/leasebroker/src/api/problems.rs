@@ -192,7 +192,11 @@ pub(super) fn context(ctx: Option<Extension<IdempotencyContext>>) -> Result<Idem
     })
 }
 
-pub(super) fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, Problem> {
+pub(super) fn parse_json<T: serde::de::DeserializeOwned>(
+    headers: &HeaderMap,
+    body: &Bytes,
+    key_field: Option<&str>,
+) -> Result<T, Problem> {
     let json_ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -205,8 +209,27 @@ pub(super) fn parse_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, bo
             "send Content-Type: application/json",
         ));
     }
-    serde_json::from_slice(body).map_err(|e| {
+    let parsed = match key_field {
+        // The key's field was read by the idempotency layer; the request type does not have it.
+        Some(field) => serde_json::from_slice::<serde_json::Value>(body).and_then(|mut v| {
+            if let Some(map) = v.as_object_mut() {
+                map.remove(field);
+            }
+            T::deserialize(v)
+        }),
+        None => serde_json::from_slice(body),
+    };
+    parsed.map_err(|e| {
         use serde_json::error::Category;
+        if key_field.is_none() && e.to_string().starts_with("unknown field `request_id`") {
+            return Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "validation-failed",
+                "Invalid request",
+                "request_id: this service reads a key from the body only when started with \
+                 --key-sources request-id; send the key in Idempotency-Key",
+            );
+        }
         let detail = json_error_detail(&e);
         match e.classify() {
             Category::Data => {
@@ -232,11 +255,8 @@ pub fn json_error_detail(e: &serde_json::Error) -> String {
     let text = e.to_string();
     // serde puts the unknown name between backquotes unescaped, so it is not cut out reliably.
     if text.starts_with("unknown field") {
-        return format!(
-            "unknown field, expected one of `image`, `cpu`, `memory_gb`, `labels` at line {} column {}",
-            e.line(),
-            e.column()
-        );
+        let at = if e.line() == 0 { String::new() } else { format!(" at line {} column {}", e.line(), e.column()) };
+        return format!("unknown field, expected one of `image`, `cpu`, `memory_gb`, `labels`{at}");
     }
     let cleaned = quoted.replace_all(&text, |c: &regex::Captures<'_>| {
         let q = &c[0];

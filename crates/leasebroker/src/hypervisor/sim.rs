@@ -120,6 +120,7 @@ pub struct Simulator {
     flash_time: Duration,
     flash_failure: f64,
     redfish: Option<RedfishOptions>,
+    missing_images: Arc<[String]>,
 }
 
 pub mod bmc;
@@ -165,6 +166,7 @@ impl Simulator {
             flash_time: DEFAULT_FLASH_TIME,
             flash_failure: 0.0,
             redfish: None,
+            missing_images: Arc::new([]),
         }
     }
 
@@ -187,6 +189,19 @@ impl Simulator {
     pub fn with_flash_failure(mut self, probability: f64) -> Self {
         self.flash_failure = if probability.is_nan() { 0.0 } else { probability.clamp(0.0, 1.0) };
         self
+    }
+
+    /// Images the hypervisor does not have (`--missing-image`): a boot of one is refused with
+    /// `422`, nothing done, as a real hypervisor refuses an image it cannot find.
+    #[must_use]
+    pub fn with_missing_images(mut self, images: Vec<String>) -> Self {
+        self.missing_images = images.into();
+        self
+    }
+
+    /// Whether the hypervisor lacks `image`.
+    pub(crate) fn lacks_image(&self, image: &str) -> bool {
+        self.missing_images.iter().any(|m| m == image)
     }
 
     /// The probability that a BMC flash fails its verification.

@@ -113,6 +113,9 @@ async fn the_openapi_document_describes_the_headers_on_every_protected_operation
             }
             protected += 1;
             assert!(has("prefer"), "{method} {path} has no Prefer parameter");
+            for name in ["repeatability-request-id", "repeatability-first-sent"] {
+                assert!(has(name), "{method} {path} has no {name} parameter");
+            }
             for (status, response) in op["responses"].as_object().expect("responses") {
                 let headers = &response["headers"];
                 assert!(
@@ -122,6 +125,7 @@ async fn the_openapi_document_describes_the_headers_on_every_protected_operation
                     "{method} {path} {status}: {response}"
                 );
                 assert!(headers["Preference-Applied"].is_object(), "{method} {path} {status}");
+                assert!(headers["Repeatability-Result"].is_object(), "{method} {path} {status}");
             }
         }
     }
@@ -249,4 +253,201 @@ async fn downstream_calls_carry_their_tag_as_their_idempotency_key() {
         (Some(1), Some(1), Some(2)),
         "{stats}"
     );
+}
+
+/// `--key-sources`: the other keys SPEC 1.3 names, on the real binary.
+mod key_sources {
+    use super::*;
+    use crate::support::{ADMIN, send};
+
+    /// `method url` with the Repeatability headers (`first_sent`: seconds ago) and `body`.
+    async fn repeatable(
+        method: Method,
+        url: &str,
+        token: &str,
+        id: &str,
+        first_sent: Option<u64>,
+        body: Option<&Value>,
+    ) -> Reply {
+        let mut req = http().request(method, url).bearer_auth(token).header("Repeatability-Request-ID", id);
+        if let Some(ago) = first_sent {
+            req = req.header(
+                "Repeatability-First-Sent",
+                httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(ago)),
+            );
+        }
+        if let Some(b) = body {
+            req = req.header("content-type", "application/json").body(serde_json::to_vec(b).expect("json"));
+        }
+        let resp = req.send().await.expect("request");
+        Reply {
+            status: resp.status(),
+            headers: resp.headers().clone(),
+            body: resp.bytes().await.expect("body").to_vec(),
+        }
+    }
+
+    /// A POST with `body` and no key header.
+    async fn post_body(url: &str, token: &str, body: &Value) -> Reply {
+        send(Method::POST, url, token, None, Some(body)).await
+    }
+
+    fn result(r: &Reply) -> &str {
+        r.headers.get("repeatability-result").and_then(|v| v.to_str().ok()).unwrap_or("(none)")
+    }
+
+    #[tokio::test]
+    async fn sixteen_creates_with_one_repeatability_request_id_boot_one_vm() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lb = serve(
+            &sqlite_url(&dir),
+            &["--key-sources", "repeatability", "--sim-latency-ms", "1500", "--rate-limit", "0"],
+        );
+        let url = format!("{}/v1/workers", lb.url);
+        let body = worker_body();
+        let answers = futures::future::join_all(
+            (0..16).map(|_| repeatable(Method::POST, &url, TOKEN, "rr-create-1", Some(0), Some(&body))),
+        )
+        .await;
+        let created: Vec<&Reply> = answers.iter().filter(|r| r.status == StatusCode::CREATED).collect();
+        assert!(!created.is_empty(), "{:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+        for r in &answers {
+            match r.status {
+                StatusCode::CREATED => {
+                    assert_eq!(result(r), "accepted");
+                    assert_eq!(r.body, created[0].body, "every 201 is the one create");
+                }
+                StatusCode::CONFLICT => {
+                    assert_eq!((r.problem_type().as_str(), result(r)), ("request-in-progress", "rejected"));
+                }
+                other => panic!("unexpected {other}: {}", String::from_utf8_lossy(&r.body)),
+            }
+        }
+        // The same key in Idempotency-Key names the same record.
+        let replay = create(&lb.url, TOKEN, "rr-create-1", &body).await;
+        assert!(replay.replayed(), "{} {}", replay.status, String::from_utf8_lossy(&replay.body));
+        assert_eq!(replay.body, created[0].body);
+        assert_eq!(fleet(&lb.url).await["vm_boots_total"], 1, "one boot for sixteen requests and a replay");
+    }
+
+    #[tokio::test]
+    async fn repeatability_refusals_change_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lb = serve(&sqlite_url(&dir), &["--key-sources", "repeatability", "--retention", "1h"]);
+        let url = format!("{}/v1/workers", lb.url);
+        let body = worker_body();
+
+        // First sent longer ago than the retention: the record may be gone, so nothing runs.
+        let old = repeatable(Method::POST, &url, TOKEN, "rr-old", Some(2 * 3600), Some(&body)).await;
+        assert_eq!(
+            (old.status, old.problem_type().as_str()),
+            (StatusCode::PRECONDITION_FAILED, "repeatability-expired")
+        );
+        assert_eq!(result(&old), "rejected");
+        // No First-Sent.
+        let bare = repeatable(Method::POST, &url, TOKEN, "rr-bare", None, Some(&body)).await;
+        assert_eq!((bare.status, bare.problem_type().as_str()), (StatusCode::BAD_REQUEST, "idempotency-key-invalid"));
+        // Two different keys on one request.
+        let two = http()
+            .post(&url)
+            .bearer_auth(TOKEN)
+            .header("Idempotency-Key", "rr-one")
+            .header("Repeatability-Request-ID", "rr-two")
+            .header("Repeatability-First-Sent", httpdate::fmt_http_date(SystemTime::now()))
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(two.status(), StatusCode::BAD_REQUEST);
+        let f = fleet(&lb.url).await;
+        assert_eq!((f["vm_boots_total"].as_i64(), f["workers_active"].as_i64()), (Some(0), Some(0)), "{f}");
+
+        // Reboot and delete take it too, once each.
+        let created = repeatable(Method::POST, &url, TOKEN, "rr-made", Some(0), Some(&body)).await;
+        assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+        let id = created.json()["id"].as_str().expect("id").to_owned();
+        let reboot_url = format!("{url}/{id}/reboot");
+        for _ in 0..2 {
+            let r = repeatable(Method::POST, &reboot_url, TOKEN, "rr-reboot", Some(0), None).await;
+            assert!(r.status.is_success(), "{} {}", r.status, String::from_utf8_lossy(&r.body));
+            assert_eq!(result(&r), "accepted");
+        }
+        let worker = send(Method::GET, &format!("{url}/{id}"), TOKEN, None, None).await.json();
+        assert_eq!(worker["reboot_count"], 1, "{worker}");
+        for _ in 0..2 {
+            let r = repeatable(Method::DELETE, &format!("{url}/{id}"), TOKEN, "rr-delete", Some(0), None).await;
+            assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&r.body));
+        }
+        assert_eq!(fleet(&lb.url).await["workers_active"], 0);
+    }
+
+    #[tokio::test]
+    async fn the_body_request_id_keys_a_create_and_a_flash() {
+        let hv = sim(&["--flash-ms", "300"]);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--key-sources", "request-id"]);
+        let url = format!("{}/v1/workers", lb.url);
+        let mut body = worker_body();
+        body["request_id"] = json!("aip-155-create-1");
+
+        let first = post_body(&url, TOKEN, &body).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
+        assert!(first.json().get("request_id").is_none(), "the key is not part of the worker");
+        let again = post_body(&url, TOKEN, &body).await;
+        assert!(again.replayed(), "{} {}", again.status, String::from_utf8_lossy(&again.body));
+        assert_eq!(again.body, first.body);
+        // The same value in the header is the same key (and the same request).
+        let header = create(&lb.url, TOKEN, "aip-155-create-1", &body).await;
+        assert!(header.replayed() && header.body == first.body);
+        // A different request_id is another create.
+        body["request_id"] = json!("aip-155-create-2");
+        assert_eq!(post_body(&url, TOKEN, &body).await.status, StatusCode::CREATED);
+        // Not a string: refused, nothing runs.
+        body["request_id"] = json!(42);
+        let bad = post_body(&url, TOKEN, &body).await;
+        assert_eq!((bad.status, bad.problem_type().as_str()), (StatusCode::BAD_REQUEST, "idempotency-key-invalid"));
+        assert_eq!(sim_stats(&hv.url).await["boots_total"], 2);
+
+        let flash_url = format!("{}/admin/v1/nodes/node-0005/firmware", lb.url);
+        let fw = json!({"version": "2.4.1", "request_id": "aip-155-flash-1"});
+        let first = post_body(&flash_url, ADMIN, &fw).await;
+        assert_eq!(first.status, StatusCode::ACCEPTED, "{}", String::from_utf8_lossy(&first.body));
+        let again = post_body(&flash_url, ADMIN, &fw).await;
+        assert!(
+            again.replayed() && again.body == first.body,
+            "{} {}",
+            again.status,
+            String::from_utf8_lossy(&again.body)
+        );
+        let op_id = first.json()["id"].as_str().expect("id").to_owned();
+        assert_eq!(crate::flashes::until_ended(&lb.url, &op_id).await["state"], "succeeded");
+        assert_eq!(crate::flashes::flashes_and_bricked(&hv.url).await, (1, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn without_the_flag_a_body_request_id_is_refused_and_not_ignored() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lb = serve(&sqlite_url(&dir), &[]);
+        let mut body = worker_body();
+        body["request_id"] = json!("aip-155-unasked");
+        // No key header: the layer asks for one (the body is not read for a key).
+        let keyless = post_body(&format!("{}/v1/workers", lb.url), TOKEN, &body).await;
+        assert_eq!(keyless.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&keyless.body));
+        // A key header and a request_id the service does not read: 422, saying why.
+        let r = create(&lb.url, TOKEN, "k-unasked", &body).await;
+        assert_eq!((r.status, r.problem_type().as_str()), (StatusCode::UNPROCESSABLE_ENTITY, "validation-failed"));
+        assert!(r.json()["detail"].as_str().is_some_and(|d| d.contains("--key-sources request-id")), "{}", r.json());
+        // Repeatability-Request-ID alone is not a key either.
+        let rr = repeatable(
+            Method::POST,
+            &format!("{}/v1/workers", lb.url),
+            TOKEN,
+            "rr-unasked",
+            Some(0),
+            Some(&worker_body()),
+        )
+        .await;
+        assert_eq!(rr.status, StatusCode::BAD_REQUEST);
+        assert_eq!(fleet(&lb.url).await["vm_boots_total"], 0);
+    }
 }

@@ -451,6 +451,14 @@ async fn limits_body_header_key_labels_and_page_size() {
         assert_problem(&r, StatusCode::UNPROCESSABLE_ENTITY, "validation-failed");
     }
 
+    // An image of blanks is no image: 422 here, not a 502 from the hypervisor's refusal.
+    let boots = crate::support::fleet(base).await["vm_boots_total"].clone();
+    for (key, image) in [("blank-1", " "), ("blank-2", "\u{3000} ")] {
+        let r = create(base, TOKEN, key, &json!({"image": image, "cpu": 1, "memory_gb": 1})).await;
+        assert_problem(&r, StatusCode::UNPROCESSABLE_ENTITY, "validation-failed");
+    }
+    assert_eq!(crate::support::fleet(base).await["vm_boots_total"], boots, "nothing booted");
+
     // Page size: 1 to 500.
     for (query, status) in [
         ("limit=0", StatusCode::BAD_REQUEST),

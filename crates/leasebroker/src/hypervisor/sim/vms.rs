@@ -22,6 +22,9 @@ pub(super) async fn boot(
     if let Err(detail) = validate_boot(&req) {
         return problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-request", &detail);
     }
+    if sim.lacks_image(&req.image) {
+        return problem(StatusCode::UNPROCESSABLE_ENTITY, "image-not-found", "this hypervisor has no such image");
+    }
     let keyed = Simulator::keyed_by(&headers, &req.tag);
     match sim
         .mutate(move |state| {
