@@ -85,6 +85,6 @@ pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
-pub use idempotency::{FingerprintMode, Principal, ResponsePolicy, Store};
+pub use idempotency::{FingerprintMode, MemoryStore, Principal, ResponsePolicy, Store};
 
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use tower::BoxError;

@@ -261,9 +261,9 @@ fn accepted(mut res: Response) -> Response {
 }
 
 /// The key of `Repeatability-Request-ID` (checked against `Repeatability-First-Sent`) and of the
-/// body's `request_id`; a refusal as its answer.
-fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, Response> {
-    let invalid = || problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+/// body's `request_id`; a refusal as its status and problem name.
+fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, (StatusCode, &'static str)> {
+    let invalid = || (StatusCode::BAD_REQUEST, "idempotency-key-invalid");
     let mut found = None;
     if let Some(v) = headers.get("repeatability-request-id").filter(|_| !fx.has(Defect::NoRepeatability)) {
         let id = v.to_str().ok().filter(|s| !s.is_empty()).ok_or_else(invalid)?.to_owned();
@@ -274,7 +274,7 @@ fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>
             .ok_or_else(invalid)?;
         let age = SystemTime::now().duration_since(sent).unwrap_or_default();
         if age > RETENTION && !fx.has(Defect::RepeatabilityNoExpiry) {
-            return Err(problem(StatusCode::PRECONDITION_FAILED, "repeatability-expired"));
+            return Err((StatusCode::PRECONDITION_FAILED, "repeatability-expired"));
         }
         found = Some(id);
     }
@@ -321,7 +321,7 @@ async fn protect(fx: Shared, req: Request, next: Next) -> Response {
     let body = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
     let other = match other_key(&fx, &parts.headers, &body) {
         Ok(k) => k,
-        Err(refused) => return refused,
+        Err((status, name)) => return problem(status, name),
     };
     let key = match (header_key, other) {
         (Some(a), Some(b)) if a != b && !fx.has(Defect::TwoKeysHeaderWins) => {
