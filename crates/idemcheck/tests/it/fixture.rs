@@ -514,7 +514,8 @@ async fn a_shared_scope_is_caught_without_the_replay_header() {
 /// both forms of one run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_counter_option_counts_executions_on_a_given_route() {
-    let url = serve(&[]).await;
+    // A fixture per run: the counter counts every create of the caller's, and the runs overlap.
+    let urls = futures::future::join_all((0..4).map(|_| serve(&[]))).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let md = dir.path().join("report.md").display().to_string();
     let route = ["--route", "POST /v1/workers", "--body", r#"{"image": "i:1", "cpu": 1, "memory_gb": 1}"#];
@@ -525,10 +526,10 @@ async fn the_counter_option_counts_executions_on_a_given_route() {
     let missing = args(&["--counter", "/v1/no-such-counter"]);
     let none = args(&[]);
     let (good, wrong_pointer, missing, none) = tokio::join!(
-        kit::run_with(&url, "ietf-draft", &TOKENS, &good),
-        kit::run_with(&url, "ietf-draft", &TOKENS, &wrong_pointer),
-        kit::run_with(&url, "ietf-draft", &TOKENS, &missing),
-        kit::run_with(&url, "ietf-draft", &TOKENS, &none),
+        kit::run_with(&urls[0], "ietf-draft", &TOKENS, &good),
+        kit::run_with(&urls[1], "ietf-draft", &TOKENS, &wrong_pointer),
+        kit::run_with(&urls[2], "ietf-draft", &TOKENS, &missing),
+        kit::run_with(&urls[3], "ietf-draft", &TOKENS, &none),
     );
     let reason = |run: &kit::Run| {
         run.report["vectors"]
