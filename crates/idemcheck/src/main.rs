@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 
 use crate::checks::Ctx;
 use crate::client::Target;
-use crate::profile::{Profile, Req};
+use crate::profile::{Counter, Profile, Req};
 use crate::report::{Outcome, Report};
 
 /// Checks an HTTP API's Idempotency-Key support against conformance vectors.
@@ -60,15 +60,21 @@ struct RunArgs {
     /// The JSON body of the --route before it (one per --route, in order).
     #[arg(long)]
     body: Vec<String>,
+    /// How the target's executions are counted (the concurrent duplicates, a refused key): a
+    /// GET path answered with JSON, and a JSON pointer to the number (or array) that counts,
+    /// e.g. '/counter#/executions' (no pointer: the whole answer). Sent with the first token.
+    /// Replaces the profile's counter.
+    #[arg(long, value_name = "PATH[#POINTER]")]
+    counter: Option<String>,
     /// What the target promises.
     #[arg(long, default_value = "ietf-draft", value_parser = clap::builder::PossibleValuesParser::new(profile::NAMES))]
     profile: String,
     /// The vectors' directory (default: conformance/vectors).
     #[arg(long, value_name = "DIR")]
     vectors: Option<PathBuf>,
-    /// Writes a report: markdown (.md) or JSON (.json).
+    /// Writes a report: markdown (.md) or JSON (.json). May be repeated (both forms of one run).
     #[arg(long, value_name = "out.md|out.json")]
-    report: Option<PathBuf>,
+    report: Vec<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -118,7 +124,15 @@ async fn run(args: RunArgs) -> Result<ExitCode, String> {
         .map(|(i, r)| Req::parse(r, args.body.get(i).map(String::as_str)))
         .collect::<Result<Vec<_>, _>>()?;
     let profile = Profile::named(&args.profile).ok_or_else(|| format!("unknown profile {}", args.profile))?;
-    let profile = profile.with_routes(routes);
+    let mut profile = profile.with_routes(routes);
+    if let Some(counter) = &args.counter {
+        profile.counter = Some(Counter::parse(counter)?);
+    }
+    if let Some(path) =
+        args.report.iter().find(|p| !matches!(p.extension().and_then(|e| e.to_str()), Some("md" | "json")))
+    {
+        return Err(format!("--report {}: name a .md or .json file", path.display()));
+    }
     let vectors = vectors::load(&args.vectors.unwrap_or_else(vectors::default_dir))?;
     let target = Target::new(&args.url, args.token).map_err(|e| e.to_string())?;
 
@@ -142,7 +156,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, String> {
         vectors: outcomes,
     };
     println!("{}", report.summary());
-    if let Some(path) = &args.report {
+    for path in &args.report {
         report.write(path)?;
     }
     Ok(if report.failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })

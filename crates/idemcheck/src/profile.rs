@@ -72,6 +72,22 @@ pub(crate) struct Counter {
     pub(crate) describe: String,
 }
 
+impl Counter {
+    /// `PATH` or `PATH#POINTER`, as `--counter` gives it: a GET path on the target and a JSON
+    /// pointer into its answer (none: the whole answer).
+    pub(crate) fn parse(arg: &str) -> Result<Self, String> {
+        let (path, pointer) = arg.split_once('#').unwrap_or((arg, ""));
+        if !path.starts_with('/') || path.contains(char::is_whitespace) {
+            return Err(format!("--counter {arg:?}: expected PATH or PATH#POINTER, the path starting with /"));
+        }
+        if !(pointer.is_empty() || pointer.starts_with('/')) {
+            return Err(format!("--counter {arg:?}: the JSON pointer after # must start with / (e.g. #/count)"));
+        }
+        let at = if pointer.is_empty() { String::new() } else { format!(" at {pointer}") };
+        Ok(Self { path: path.to_owned(), pointer: pointer.to_owned(), next: None, describe: format!("GET {path}{at}") })
+    }
+}
+
 /// What a profile expects of the target.
 #[derive(Debug, Clone)]
 pub(crate) struct Profile {

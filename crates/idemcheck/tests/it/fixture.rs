@@ -583,3 +583,54 @@ async fn every_vector_fails_against_at_least_one_defect() {
     let uncaught: Vec<String> = kit::vector_ids().into_iter().filter(|id| !caught.contains_key(id)).collect();
     assert!(uncaught.is_empty(), "vectors no defect makes fail: {uncaught:?}");
 }
+
+/// A target that replays without the profile's replay header and shares records between
+/// principals still fails scope-per-principal: the other principal got the first one's body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shared_scope_is_caught_without_the_replay_header() {
+    let url = serve(&[Defect::SharedScope, Defect::NoReplayHeader]).await;
+    let run = kit::run(&url, "leasebroker", &TOKENS).await;
+    assert_eq!(run.results()["scope-per-principal"], "fail", "{}", run.stdout);
+}
+
+/// `--counter PATH#POINTER` replaces the counter a `--route` drops: the 32 concurrent
+/// duplicates are counted through it (a pointer to nothing fails the vector; without the
+/// option the vector cannot tell, and passes on the answers alone). `--report` twice writes
+/// both forms of one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_counter_option_counts_executions_on_a_given_route() {
+    // A fixture per run: the counter counts every create of the caller's, and the runs overlap.
+    let urls = futures::future::join_all((0..4).map(|_| serve(&[]))).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let md = dir.path().join("report.md").display().to_string();
+    let route = ["--route", "POST /v1/workers", "--body", r#"{"image": "i:1", "cpu": 1, "memory_gb": 1}"#];
+    let args = |extra: &[&'static str]| route.iter().chain(extra).copied().collect::<Vec<&str>>();
+    let good = args(&["--counter", "/v1/workers#/workers"]);
+    let good = [good, vec!["--report", md.as_str()]].concat();
+    let wrong_pointer = args(&["--counter", "/v1/workers#/nope"]);
+    let missing = args(&["--counter", "/v1/no-such-counter"]);
+    let none = args(&[]);
+    let (good, wrong_pointer, missing, none) = tokio::join!(
+        kit::run_with(&urls[0], "ietf-draft", &TOKENS, &good),
+        kit::run_with(&urls[1], "ietf-draft", &TOKENS, &wrong_pointer),
+        kit::run_with(&urls[2], "ietf-draft", &TOKENS, &missing),
+        kit::run_with(&urls[3], "ietf-draft", &TOKENS, &none),
+    );
+    let reason = |run: &kit::Run| {
+        run.report["vectors"]
+            .as_array()
+            .and_then(|vs| vs.iter().find(|v| v["id"] == "concurrent-duplicates-32"))
+            .map(|v| v["reason"].as_str().unwrap_or_default().to_owned())
+            .unwrap_or_default()
+    };
+    assert_eq!(good.results()["concurrent-duplicates-32"], "pass", "{}", good.stdout);
+    assert_eq!(none.results()["concurrent-duplicates-32"], "pass", "{}", none.stdout);
+    for (run, says) in [(&wrong_pointer, "the counter has no /nope"), (&missing, "the counter GET /v1/no-such-counter")]
+    {
+        assert_eq!(run.results()["concurrent-duplicates-32"], "fail", "{}", run.stdout);
+        assert!(reason(run).contains(says), "{says:?} not in {:?}", reason(run));
+    }
+    let summary = good.stdout.trim_end().lines().last().unwrap_or_default().to_owned();
+    let text = std::fs::read_to_string(&md).expect("the .md report");
+    assert!(summary.contains(" passed, ") && text.contains(&summary), "{summary:?} not in the .md report");
+}

@@ -37,8 +37,14 @@ impl Run {
 
 /// `idemcheck run --url URL --profile P --token T... --report <tmp>.json`, in a blocking thread.
 pub(crate) async fn run(url: &str, profile: &str, tokens: &[&str]) -> Run {
+    run_with(url, profile, tokens, &[]).await
+}
+
+/// The same with `extra` arguments after the tokens (`--route`, `--body`, `--counter`...).
+pub(crate) async fn run_with(url: &str, profile: &str, tokens: &[&str], extra: &[&str]) -> Run {
     let (url, profile) = (url.to_owned(), profile.to_owned());
     let tokens: Vec<String> = tokens.iter().map(|t| (*t).to_owned()).collect();
+    let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
     tokio::task::spawn_blocking(move || {
         let dir = tempfile::tempdir().expect("tempdir");
         let report = dir.path().join("report.json");
@@ -47,6 +53,7 @@ pub(crate) async fn run(url: &str, profile: &str, tokens: &[&str]) -> Run {
         for t in &tokens {
             cmd.args(["--token", t]);
         }
+        cmd.args(&extra);
         cmd.arg("--report").arg(&report);
         let out = cmd.output().expect("run idemcheck");
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -91,6 +98,9 @@ fn bad_input_is_one_line_and_exit_2() {
         vec!["run", "--url", "http://127.0.0.1:1", "--route", "GET /x"],
         vec!["run", "--url", "http://127.0.0.1:1", "--route", "POST /x", "--body", "{not json"],
         vec!["run", "--url", "http://127.0.0.1:1", "--vectors", "/nonexistent-idemcheck-dir"],
+        vec!["run", "--url", "http://127.0.0.1:1", "--counter", "counter"],
+        vec!["run", "--url", "http://127.0.0.1:1", "--counter", "/counter#count"],
+        vec!["run", "--url", "http://127.0.0.1:1", "--report", "out.txt"],
     ] {
         let out = Command::new(BIN).args(&args).output().expect("run");
         let stderr = String::from_utf8_lossy(&out.stderr);
