@@ -68,6 +68,22 @@ impl Conn {
         })
     }
 
+    /// Clients for a subscription (pub/sub needs a connection of its own): the server, or each
+    /// node the cluster URL names.
+    pub(crate) fn subscribers(url: &str, options: &RedisStoreOptions) -> Result<Vec<redis::Client>, ConnectError> {
+        let urls = match url.strip_prefix(CLUSTER_SCHEME) {
+            Some(rest) => cluster_nodes(rest)?,
+            None => vec![url.to_owned()],
+        };
+        urls.iter()
+            .map(|u| match &options.root_certificates {
+                Some(pem) => redis::Client::build_with_tls(u.as_str(), tls_certificates(pem)),
+                None => redis::Client::open(u.as_str()),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))
+    }
+
     /// One connection to the primary of `key`, for a transition and the `WAIT` after it: `WAIT`
     /// counts the replicas that have the last write made on its own connection, so both must go
     /// over the same one.

@@ -154,6 +154,19 @@
 //! after each claim with plain commands, not atomically with it (Redis 7.0 or later for its
 //! expiry); a record it misses is not counted.
 //!
+//! # Waiting for a record in flight
+//!
+//! `complete` and `fail` announce that a record left `in_flight`: once the script has run they
+//! `PUBLISH` the record's [`change_tag`](idempotency::change_tag) on the prefix's channel
+//! ([`changes_channel`], `PREFIXrecord-changes`), and [`Store::changes`](idempotency::Store::changes)
+//! subscribes to it on a connection of its own. So a request of another process that waits for
+//! the record (`Prefer: wait`, in `idempotency-tower`) is woken as soon as it is stored instead
+//! of at its next poll. On a cluster a `PUBLISH` reaches every node's subscribers, so the one
+//! subscription (to the first node of the URL that answers) hears every primary. An
+//! announcement is not a guarantee: one lost (the subscription broke, the publisher died between
+//! the script and the `PUBLISH`) costs the waiter its next poll, nothing more, and a broken
+//! subscription wakes every waiter so each reads its record again.
+//!
 //! # Errors
 //!
 //! A Redis error (refused connection, timeout, `OOM`, `CLUSTERDOWN`) is
@@ -166,6 +179,7 @@
 #![warn(missing_docs)]
 
 mod admin;
+mod changes;
 mod codec;
 mod conn;
 mod options;
@@ -174,6 +188,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use changes::channel as changes_channel;
 pub use options::{
     CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, DEFAULT_REPLICA_TIMEOUT, RedisStoreOptions,
     UnverifiedPolicy,

@@ -27,6 +27,10 @@ pub struct RedisStore {
     ack: Option<Ack>,
     /// When a write was last refused for lack of memory (`OOM`), until a claim succeeds again.
     refused_for_memory: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// Where to subscribe to record changes, and the waiters it wakes (from the first call of
+    /// `changes`).
+    subscribers: Arc<Vec<redis::Client>>,
+    changes: Arc<std::sync::OnceLock<Option<Arc<idempotency::RecordChanges>>>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -59,6 +63,7 @@ impl RedisStore {
             return Err(ConnectError::InvalidPrefix(options.prefix));
         }
         let conn = Conn::open(url, &options).await?;
+        let subscribers = Arc::new(Conn::subscribers(url, &options)?);
         conn.check_eviction_policy(options.unverified_policy).await?;
         let ack = match options.replicas {
             0 => None,
@@ -77,6 +82,8 @@ impl RedisStore {
             scripts: Arc::new(Scripts::new()),
             ack,
             refused_for_memory: Arc::default(),
+            subscribers,
+            changes: Arc::default(),
         })
     }
 
@@ -160,6 +167,12 @@ impl RedisStore {
             Value::Int(0) => Err(StoreError::Fenced { generation: r.generation }),
             other => Err(StoreError::Corrupt(format!("unexpected script reply {other:?}"))),
         }
+    }
+
+    /// Announces that `claim`'s record left `in_flight` (see [`crate::changes_channel`]).
+    async fn announce(&self, claim: &Claim) {
+        let tag = idempotency::change_tag(&claim.record().scope);
+        crate::changes::announce(&self.conn, &crate::changes::channel(&self.prefix), &tag).await;
     }
 
     /// After a write on `conn`: `WAIT` (or `WAITAOF`) for the configured replicas; fewer in
@@ -513,11 +526,15 @@ impl Store for RedisStore {
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
-        self.fenced("complete", &self.scripts.complete, claim, &args.args()).await
+        self.fenced("complete", &self.scripts.complete, claim, &args.args()).await?;
+        self.announce(claim).await;
+        Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("fail", &self.scripts.fail, claim, &[]).await
+        self.fenced("fail", &self.scripts.fail, claim, &[]).await?;
+        self.announce(claim).await;
+        Ok(())
     }
 
     /// One `HGETALL`: a single command on one key is atomic already, so it needs no script.
@@ -589,6 +606,21 @@ impl Store for RedisStore {
     /// this id and is not in flight.
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
+    }
+
+    /// Subscribes to the prefix's announcements ([`crate::changes_channel`]) on a connection of
+    /// its own, from the first call on (it needs a tokio runtime; without one: none, and waiters
+    /// poll).
+    fn changes(&self) -> Option<Arc<idempotency::RecordChanges>> {
+        self.changes
+            .get_or_init(|| {
+                let runtime = tokio::runtime::Handle::try_current().ok()?;
+                let changes = Arc::new(idempotency::RecordChanges::new());
+                let channel = crate::changes::channel(&self.prefix);
+                runtime.spawn(crate::changes::listen(self.subscribers.clone(), channel, Arc::downgrade(&changes)));
+                Some(changes)
+            })
+            .clone()
     }
 }
 

@@ -26,9 +26,7 @@ mod support {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use async_trait::async_trait;
     use idempotency::conformance::Fixture;
-    use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
     pub(crate) use idempotency_redis::testing::{Cluster, have_redis_binaries, start_server};
     use idempotency_redis::{RedisStore, RedisStoreOptions};
 
@@ -60,64 +58,7 @@ mod support {
         format!("test-{}:", idempotency::RecordId::random().to_hex())
     }
 
-    /// A store that keeps what it lives on (a cluster, a prefix to clean up) alive as long as
-    /// it is.
-    pub(crate) struct Holding<G> {
-        store: RedisStore,
-        _guard: Arc<G>,
-    }
-
-    impl<G> Holding<G> {
-        pub(crate) fn new(store: RedisStore, guard: Arc<G>) -> Self {
-            Self { store, _guard: guard }
-        }
-    }
-
-    #[async_trait]
-    impl<G: Send + Sync + 'static> Store for Holding<G> {
-        async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-            self.store.claim(req).await
-        }
-        async fn reclaim(
-            &self,
-            r: &Record,
-            now: Timestamp,
-            ttl: Duration,
-            exp: Timestamp,
-        ) -> Result<Option<Claim>, StoreError> {
-            self.store.reclaim(r, now, ttl, exp).await
-        }
-        async fn heartbeat(&self, c: &Claim, now: Timestamp) -> Result<(), StoreError> {
-            self.store.heartbeat(c, now).await
-        }
-        async fn remove(&self, c: &Claim) -> Result<(), StoreError> {
-            self.store.remove(c).await
-        }
-        async fn complete(&self, c: &Claim, resp: &StoredResponse, exp: Timestamp) -> Result<(), StoreError> {
-            self.store.complete(c, resp, exp).await
-        }
-        async fn fail(&self, c: &Claim) -> Result<(), StoreError> {
-            self.store.fail(c).await
-        }
-        async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-            self.store.get(scope).await
-        }
-        async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
-            self.store.sweep_expired(now, batch).await
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            self.store.ping().await
-        }
-        async fn list_records(&self, q: &idempotency::RecordQuery) -> Result<idempotency::RecordPage, StoreError> {
-            self.store.list_records(q).await
-        }
-        async fn get_by_id(&self, id: &idempotency::RecordId) -> Result<Option<Record>, StoreError> {
-            self.store.get_by_id(id).await
-        }
-        async fn forget(&self, id: &idempotency::RecordId) -> Result<idempotency::Forget, StoreError> {
-            self.store.forget(id).await
-        }
-    }
+    pub(crate) type Holding<G> = idempotency::conformance::Holding<RedisStore, G>;
 
     /// Deletes every key under a prefix on the shared server when dropped.
     pub(crate) struct PrefixCleanup {
@@ -628,4 +569,97 @@ async fn a_claim_script_run_twice_by_one_call_owns_its_record() {
     }
     let other = store.claim(request(&s)).await.expect("another request");
     assert!(matches!(other, ClaimOutcome::Existing(ref r) if r.record_id == fresh.record_id), "{other:?}");
+}
+
+/// Waits until `channel` has a subscriber on the node `url` names (`PUBSUB NUMSUB`).
+async fn until_subscribed(url: &str, channel: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut con = ::redis::Client::open(url).expect("url").get_connection().expect("connect");
+    loop {
+        let (_, n): (String, i64) = ::redis::cmd("PUBSUB").arg("NUMSUB").arg(channel).query(&mut con).expect("numsub");
+        if n >= 1 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "nobody subscribed to {channel}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `waiter`'s announcements of `scope`'s record: armed now, so one sent from here on counts.
+async fn announced_within(
+    changes: &Arc<idempotency::RecordChanges>,
+    s: &idempotency::Scope,
+    work: impl std::future::Future,
+) {
+    let sub = changes.subscribe(s);
+    let mut heard = std::pin::pin!(sub.notify().notified());
+    heard.as_mut().enable();
+    work.await;
+    // A deadline for the condition, not a measure of speed: without the announcement nothing
+    // would ever wake it.
+    tokio::time::timeout(Duration::from_secs(30), heard).await.expect("the change was announced");
+}
+
+/// Across processes on one server: a record completed or failed by one store is announced to the
+/// other's waiters (`PUBLISH` on the prefix's channel), and only that record's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_completion_and_failure_are_announced_to_another_process() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let options = idempotency_redis::RedisStoreOptions::default().prefix(store.prefix());
+    let other = idempotency_redis::RedisStore::connect_with(&cleanup.url, options).await.expect("connect the peer");
+    let changes = other.changes().expect("a Redis store announces changes");
+    until_subscribed(&cleanup.url, &idempotency_redis::changes_channel(store.prefix())).await;
+
+    let (done, failed, untouched) = (scope(), scope(), scope());
+    let quiet = changes.subscribe(&untouched);
+    let mut not_heard = std::pin::pin!(quiet.notify().notified());
+    not_heard.as_mut().enable();
+    announced_within(&changes, &done, async {
+        let ClaimOutcome::Owned(c) = store.claim(request(&done)).await.expect("claim") else { panic!("owned") };
+        store.complete(&c, &response(), request(&done).expires_at).await.expect("complete");
+    })
+    .await;
+    announced_within(&changes, &failed, async {
+        let ClaimOutcome::Owned(c) = store.claim(request(&failed)).await.expect("claim") else { panic!("owned") };
+        store.fail(&c).await.expect("fail");
+    })
+    .await;
+    assert!(futures::poll!(not_heard.as_mut()).is_pending(), "another record's waiter was not woken");
+}
+
+/// On a cluster, one subscription (to a node of the URL) hears the announcements of records on
+/// every primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_announcements_from_every_primary_reach_one_subscription() {
+    let Some(cluster) = support::cluster().await else { return };
+    let prefix = support::unique_prefix();
+    let store = support::cluster_store(&cluster, &prefix).await;
+    let other = support::cluster_store(&cluster, &prefix).await;
+    let changes = other.changes().expect("a Redis store announces changes");
+    let channel = idempotency_redis::changes_channel(&prefix);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !{
+        let mut subscribed = 0;
+        for n in &cluster.nodes {
+            let (_, c): (String, i64) =
+                ::redis::cmd("PUBSUB").arg("NUMSUB").arg(&channel).query(&mut n.connection()).expect("numsub");
+            subscribed += c;
+        }
+        subscribed >= 1
+    } {
+        assert!(std::time::Instant::now() < deadline, "nobody subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut owners = std::collections::BTreeSet::new();
+    while owners.len() < cluster.nodes.len() {
+        let s = scope();
+        if !owners.insert(cluster.owner_of(&store.key_of(&s))) {
+            continue;
+        }
+        announced_within(&changes, &s, async {
+            let ClaimOutcome::Owned(c) = store.claim(request(&s)).await.expect("claim") else { panic!("owned") };
+            store.complete(&c, &response(), request(&s).expires_at).await.expect("complete");
+        })
+        .await;
+    }
 }

@@ -424,7 +424,7 @@ impl Store for PostgresStore {
 /// Wakes the waiters of each announced record until the store is dropped. A broken connection
 /// wakes every waiter (announcements may have been missed; each reads its record again) and is
 /// reopened, re-listening, by the next receive.
-async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
+pub(crate) async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
     let mut listener = loop {
         if changes.strong_count() == 0 {
             return;

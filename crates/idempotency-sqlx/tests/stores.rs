@@ -11,73 +11,11 @@ use idempotency_sqlx::{ClaimStrategy, PostgresStore, SqliteStore};
 
 mod support {
     use std::sync::Arc;
-    use std::time::Duration;
 
-    use async_trait::async_trait;
-    use idempotency::conformance::Fixture;
-    use idempotency::{Claim, ClaimOutcome, ClaimRequest, Record, Scope, Store, StoreError, StoredResponse, Timestamp};
+    use idempotency::conformance::{Fixture, Holding};
     use idempotency_sqlx::testing::TestDatabase;
     use idempotency_sqlx::{ClaimStrategy, PartitionedPostgresStore, PostgresStore, SqliteStore};
     use sqlx::postgres::{PgPool, PgPoolOptions};
-
-    /// A store that keeps what it lives in (a temp dir, a test database) alive as long as it is.
-    /// Fields drop in order: the store (its pool) first, then the guard.
-    pub(crate) struct Holding<S, G> {
-        store: S,
-        _guard: Arc<G>,
-    }
-
-    impl<S, G> Holding<S, G> {
-        pub(crate) fn new(store: S, guard: Arc<G>) -> Self {
-            Self { store, _guard: guard }
-        }
-    }
-
-    #[async_trait]
-    impl<S: Store, G: Send + Sync + 'static> Store for Holding<S, G> {
-        async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-            self.store.claim(req).await
-        }
-        async fn reclaim(
-            &self,
-            r: &Record,
-            now: Timestamp,
-            ttl: Duration,
-            exp: Timestamp,
-        ) -> Result<Option<Claim>, StoreError> {
-            self.store.reclaim(r, now, ttl, exp).await
-        }
-        async fn heartbeat(&self, c: &Claim, now: Timestamp) -> Result<(), StoreError> {
-            self.store.heartbeat(c, now).await
-        }
-        async fn remove(&self, c: &Claim) -> Result<(), StoreError> {
-            self.store.remove(c).await
-        }
-        async fn complete(&self, c: &Claim, resp: &StoredResponse, exp: Timestamp) -> Result<(), StoreError> {
-            self.store.complete(c, resp, exp).await
-        }
-        async fn fail(&self, c: &Claim) -> Result<(), StoreError> {
-            self.store.fail(c).await
-        }
-        async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-            self.store.get(scope).await
-        }
-        async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
-            self.store.sweep_expired(now, batch).await
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            self.store.ping().await
-        }
-        async fn list_records(&self, q: &idempotency::RecordQuery) -> Result<idempotency::RecordPage, StoreError> {
-            self.store.list_records(q).await
-        }
-        async fn get_by_id(&self, id: &idempotency::RecordId) -> Result<Option<Record>, StoreError> {
-            self.store.get_by_id(id).await
-        }
-        async fn forget(&self, id: &idempotency::RecordId) -> Result<idempotency::Forget, StoreError> {
-            self.store.forget(id).await
-        }
-    }
 
     /// A temp SQLite file; `store` and `peer` are two pools on it, as two processes would be.
     pub(crate) async fn sqlite_fixture() -> Fixture {

@@ -5,17 +5,18 @@ use std::sync::Arc;
 use idempotency::{Claim, Endpoint, IdempotencyKey, Principal, SubKey};
 
 /// The idempotency record a protected request runs under, in the request's extensions while
-/// the handler owns it. Extract it with `axum::Extension<IdempotencyContext>`; it is absent on
-/// requests the layer did not protect (reads, `Off` routes, `Optional` routes without a key).
+/// the handler owns it. It is an axum extractor: take `ctx: IdempotencyContext` in a handler
+/// behind the layer (a request the layer did not protect is rejected with
+/// [`MissingContext`], a `500` problem), or `Option<IdempotencyContext>` on a route that also
+/// serves unprotected requests (reads, `Off` routes, `Optional` routes without a key).
 ///
 /// Key each side effect off [`derive`](Self::derive): the sub-key is the same on every retry of
 /// the record, so a retry after a partial failure finds what the first attempt did.
 ///
 /// ```
-/// use axum::Extension;
 /// use idempotency_tower::IdempotencyContext;
 ///
-/// async fn create_worker(Extension(ctx): Extension<IdempotencyContext>) -> String {
+/// async fn create_worker(ctx: IdempotencyContext) -> String {
 ///     let allocation_id = ctx.derive("alloc");
 ///     format!("allocating under {allocation_id} for {}", ctx.principal())
 /// }
@@ -83,5 +84,51 @@ impl IdempotencyContext {
     /// claim. A handler may use it to decide to reconcile before acting again.
     pub fn attempt(&self) -> i64 {
         self.claim.generation()
+    }
+}
+
+/// The rejection of [`IdempotencyContext`] as an extractor: the handler runs on a request the
+/// idempotency layer did not protect (the route is not behind it, or its policy let the request
+/// through without a record). A server's mistake, so `500` with an RFC 9457 problem, `internal`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MissingContext;
+
+impl std::fmt::Display for MissingContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request runs without an idempotency record: the route is not behind the idempotency layer")
+    }
+}
+
+impl std::error::Error for MissingContext {}
+
+impl axum::response::IntoResponse for MissingContext {
+    fn into_response(self) -> axum::response::Response {
+        tracing::error!("{self}");
+        crate::Problem::new(
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "the idempotency layer is missing",
+        )
+        .into_response()
+    }
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyContext {
+    type Rejection = MissingContext;
+
+    async fn from_request_parts(parts: &mut http::request::Parts, _: &S) -> Result<Self, MissingContext> {
+        parts.extensions.get::<Self>().cloned().ok_or(MissingContext)
+    }
+}
+
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyContext {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _: &S,
+    ) -> Result<Option<Self>, std::convert::Infallible> {
+        Ok(parts.extensions.get::<Self>().cloned())
     }
 }

@@ -64,7 +64,7 @@ mod sources;
 mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
-pub use context::IdempotencyContext;
+pub use context::{IdempotencyContext, MissingContext};
 pub use future::{ResponseFuture, detached_handlers};
 pub use headers::{
     IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED,

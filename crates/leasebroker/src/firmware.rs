@@ -139,10 +139,7 @@ impl Firmware {
             // An earlier attempt sent the flash and does not know what came of it: the BMC says.
             let holding = self.hypervisor.bmcs_by_tag(&tag).await.map_err(|e| {
                 tracing::warn!(error = %ErrorChain(&e), "cannot list BMCs by tag to reconcile a flash");
-                ServiceError::UpstreamUnavailable {
-                    reason: "cannot ask the BMC what an earlier attempt did; retry with the same key".into(),
-                    retry_after: 1,
-                }
+                ServiceError::upstream("cannot ask the BMC what an earlier attempt did; retry with the same key")
             })?;
             if holding > 0 {
                 tracing::info!(op_id, "adopted the flash an earlier attempt sent");
@@ -157,10 +154,7 @@ impl Firmware {
             Ok(_) => Ok(self.domain.accept_flash(&op_id).await?),
             Err(e) if e.may_have_happened() => {
                 tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
-                Err(ServiceError::UpstreamUnavailable {
-                    reason: "the BMC call may or may not have taken effect; retry with the same key".into(),
-                    retry_after: 1,
-                })
+                Err(ServiceError::upstream("the BMC call may or may not have taken effect; retry with the same key"))
             }
             Err(e) => self.not_sent(&op_id, stamp, e).await,
         }
@@ -191,10 +185,9 @@ impl Firmware {
             };
             settled_since(&row.tag, row.sent_at, self.settle)?;
             if busy {
-                return Err(ServiceError::UpstreamUnavailable {
-                    reason: "the BMC still runs a task, which may be this flash; retry with the same key".into(),
-                    retry_after: 1,
-                });
+                return Err(ServiceError::upstream(
+                    "the BMC still runs a task, which may be this flash; retry with the same key",
+                ));
             }
             let runs =
                 inventory_runs(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
@@ -231,10 +224,7 @@ impl Firmware {
             Ok(()) => Ok(self.domain.accept_flash(op_id).await?),
             Err(e) if e.may_have_happened() => {
                 tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
-                Err(ServiceError::UpstreamUnavailable {
-                    reason: "the BMC call may or may not have taken effect; retry with the same key".into(),
-                    retry_after: 1,
-                })
+                Err(ServiceError::upstream("the BMC call may or may not have taken effect; retry with the same key"))
             }
             Err(e) => self.not_sent(op_id, stamp, e).await,
         }
@@ -255,7 +245,7 @@ impl Firmware {
             None => {
                 tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
                 self.domain.unsend_flash(op_id, stamp).await?;
-                Err(ServiceError::UpstreamUnavailable { reason: "the BMC is unreachable".into(), retry_after: 1 })
+                Err(ServiceError::upstream("the BMC is unreachable"))
             }
         }
     }
@@ -497,10 +487,7 @@ fn count_end(succeeded: bool) {
 /// The answer when the BMC cannot be asked what the flash needs (a read: nothing was sent).
 fn bmc_unavailable(e: &HvError, what: &str) -> ServiceError {
     tracing::warn!(error = %ErrorChain(e), "cannot {what}");
-    ServiceError::UpstreamUnavailable {
-        reason: "the BMC does not answer; retry with the same key".into(),
-        retry_after: 1,
-    }
+    ServiceError::upstream("the BMC does not answer; retry with the same key")
 }
 
 /// What the BMC's state says of an accepted flash: `None` while it writes, `Ok` when the node

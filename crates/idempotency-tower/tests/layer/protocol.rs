@@ -373,9 +373,27 @@ mod announced {
         };
         // Two pools and two layers: two processes. Neither polls within the wait.
         let (one_store, two_store) = (connect().await, connect().await);
+        let pool = two_store.pool().clone();
+        woken_by_the_announcement(Arc::new(one_store), Arc::new(two_store), pool).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_in_another_process_is_woken_by_the_partitioned_stores_announcement() {
+        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let connect = || async {
+            let store = idempotency_sqlx::PartitionedPostgresStore::connect(db.url()).await.expect("connect");
+            store.migrate().await.expect("migrate");
+            store
+        };
+        let (one_store, two_store) = (connect().await, connect().await);
+        let pool = two_store.pool().clone();
+        woken_by_the_announcement(Arc::new(one_store), Arc::new(two_store), pool).await;
+    }
+
+    /// `one` and `two` on one PostgreSQL database, two processes; `pool` is `two`'s.
+    async fn woken_by_the_announcement(one_store: Arc<dyn Store>, two_store: Arc<dyn Store>, pool: sqlx::PgPool) {
         // The second process listens from now on; the test goes on once its LISTEN is in (so
         // the announcement, not the wake-up every listener gives when it starts, ends the wait).
-        let pool = two_store.pool().clone();
         assert!(two_store.changes().is_some());
         wait_until("the second process listens", Duration::from_secs(30), async || {
             let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
@@ -391,7 +409,7 @@ mod announced {
                 .wait_poll(HOUR, HOUR)
                 .build()
         };
-        let (one, calls, gate) = gated_app(layer(Arc::new(one_store)));
+        let (one, calls, gate) = gated_app(layer(one_store));
         let (two, other_calls, _) = gated_app(layer(two_store.clone()));
         let first = tokio::spawn({
             let one = one.clone();

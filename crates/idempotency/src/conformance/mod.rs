@@ -32,10 +32,12 @@ use crate::{
 
 pub use crate::faulty::{FaultyStore, InjectedFault, Op};
 pub use claims::*;
+pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
 
 mod claims;
+mod holding;
 mod lifecycle;
 mod operating;
 

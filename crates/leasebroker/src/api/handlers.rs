@@ -11,7 +11,7 @@ use idempotency_tower::{IdempotencyContext, Problem};
 
 use crate::service::{CreateWorker, FlashFirmware, Operation, ServiceError};
 
-use super::problems::{context, parse_json};
+use super::problems::parse_json;
 use super::*;
 
 /// Creates a worker.
@@ -37,27 +37,15 @@ use super::*;
 pub async fn create_worker(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    ctx: Option<Extension<IdempotencyContext>>,
+    ctx: IdempotencyContext,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let ctx = match context(ctx) {
-        Ok(c) => c,
-        Err(p) => return p.into_response(),
-    };
-    let req: CreateWorker = match parse_json(&headers, &body, state.body_key_field) {
-        Ok(r) => r,
-        Err(p) => return p.into_response(),
-    };
+) -> Result<Response, ApiError> {
+    let req: CreateWorker = parse_json(&headers, &body, state.body_key_field)?;
     let op = Operation::new(ctx.claim().record().clone());
-    match state.workers.create(principal.as_str(), &req, &op).await {
-        Ok(row) => {
-            let worker = Worker::from(row);
-            let location = format!("/v1/workers/{}", worker.id);
-            located(StatusCode::CREATED, Json(worker), &location)
-        }
-        Err(e) => e.into_response(),
-    }
+    let worker = Worker::from(state.workers.create(principal.as_str(), &req, &op).await?);
+    let location = format!("/v1/workers/{}", worker.id);
+    Ok(located(StatusCode::CREATED, Json(worker), &location))
 }
 
 /// `status` with `body` and `Location: location`.
@@ -78,11 +66,10 @@ pub async fn get_worker(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Response {
-    match state.workers.domain.worker(principal.as_str(), &id).await {
-        Ok(Some(w)) => Json(Worker::from(w)).into_response(),
-        Ok(None) => ServiceError::NotFound(id).into_response(),
-        Err(e) => ServiceError::from(e).into_response(),
+) -> Result<Response, ApiError> {
+    match state.workers.domain.worker(principal.as_str(), &id).await? {
+        Some(w) => Ok(Json(Worker::from(w)).into_response()),
+        None => Err(ServiceError::NotFound(id).into()),
     }
 }
 
@@ -94,29 +81,16 @@ pub async fn list_workers(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
-) -> Response {
-    let Ok(Query(q)) = query else {
-        return Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", "limit must be a number")
-            .into_response();
-    };
+) -> Result<Response, ApiError> {
+    let invalid = |detail: String| Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", detail);
+    let Ok(Query(q)) = query else { return Err(invalid("limit must be a number".into()).into()) };
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
-        return Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-query",
-            "Invalid query",
-            format!("limit must be 1 to {MAX_PAGE}"),
-        )
-        .into_response();
+        return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")).into());
     }
-    match state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await {
-        Ok(rows) => {
-            let next_cursor =
-                (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
-            Json(WorkerPage { workers: rows.into_iter().map(Worker::from).collect(), next_cursor }).into_response()
-        }
-        Err(e) => ServiceError::from(e).into_response(),
-    }
+    let rows = state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await?;
+    let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
+    Ok(Json(WorkerPage { workers: rows.into_iter().map(Worker::from).collect(), next_cursor }).into_response())
 }
 
 /// Deletes a worker, its lease, node allocation and VM.
@@ -130,18 +104,12 @@ pub async fn list_workers(
 pub async fn delete_worker(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    ctx: Option<Extension<IdempotencyContext>>,
+    ctx: IdempotencyContext,
     Path(id): Path<String>,
-) -> Response {
-    let ctx = match context(ctx) {
-        Ok(c) => c,
-        Err(p) => return p.into_response(),
-    };
+) -> Result<Response, ApiError> {
     let op = Operation::new(ctx.claim().record().clone());
-    match state.workers.delete(principal.as_str(), &id, &op).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    state.workers.delete(principal.as_str(), &id, &op).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 /// Reboots a worker: once per key, ever.
@@ -156,18 +124,12 @@ pub async fn delete_worker(
 pub async fn reboot_worker(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    ctx: Option<Extension<IdempotencyContext>>,
+    ctx: IdempotencyContext,
     Path(id): Path<String>,
-) -> Response {
-    let ctx = match context(ctx) {
-        Ok(c) => c,
-        Err(p) => return p.into_response(),
-    };
+) -> Result<Response, ApiError> {
     let op = Operation::new(ctx.claim().record().clone());
-    match state.workers.reboot(principal.as_str(), &id, &op).await {
-        Ok(reboot_count) => (StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response(),
-        Err(e) => e.into_response(),
-    }
+    let reboot_count = state.workers.reboot(principal.as_str(), &id, &op).await?;
+    Ok((StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response())
 }
 
 /// Starts a firmware flash: an operation, answered `202` as soon as the BMC accepted it.
@@ -193,42 +155,26 @@ pub async fn reboot_worker(
     security(("bearer" = [])))]
 pub async fn flash_firmware(
     State(state): State<AppState>,
-    ctx: Option<Extension<IdempotencyContext>>,
+    ctx: IdempotencyContext,
     Path(node_id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let ctx = match context(ctx) {
-        Ok(c) => c,
-        Err(p) => return p.into_response(),
-    };
-    let req: FlashFirmware = match parse_json(&headers, &body, state.body_key_field) {
-        Ok(r) => r,
-        Err(p) => return p.into_response(),
-    };
+) -> Result<Response, ApiError> {
+    let req: FlashFirmware = parse_json(&headers, &body, state.body_key_field)?;
     let op = Operation::new(ctx.claim().record().clone());
-    match state.firmware.refuses_in_use(&node_id, &req, &op).await {
-        Ok(false) => {}
-        Ok(true) => {
-            return Problem::new(
-                StatusCode::CONFLICT,
-                "node-in-use",
-                "Node in use",
-                "a worker holds this node and a flash would disrupt it; delete the worker first, or send \
-                 \"force\": true to flash anyway",
-            )
-            .into_response();
-        }
-        Err(e) => return e.into_response(),
+    if state.firmware.refuses_in_use(&node_id, &req, &op).await? {
+        return Err(Problem::new(
+            StatusCode::CONFLICT,
+            "node-in-use",
+            "Node in use",
+            "a worker holds this node and a flash would disrupt it; delete the worker first, or send \
+             \"force\": true to flash anyway",
+        )
+        .into());
     }
-    match state.firmware.flash(&node_id, &req, &op).await {
-        Ok(row) => {
-            let operation = dto::Operation::from(row);
-            let location = crate::firmware::operation_location(&operation.id);
-            located(StatusCode::ACCEPTED, Json(operation), &location)
-        }
-        Err(e) => e.into_response(),
-    }
+    let operation = dto::Operation::from(state.firmware.flash(&node_id, &req, &op).await?);
+    let location = crate::firmware::operation_location(&operation.id);
+    Ok(located(StatusCode::ACCEPTED, Json(operation), &location))
 }
 
 /// Reads an operation.
@@ -237,14 +183,13 @@ pub async fn flash_firmware(
     responses((status = 200, body = dto::Operation), (status = 401, description = "Unauthorized"),
               (status = 404, description = "No such operation")),
     security(("bearer" = [])))]
-pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<String>) -> Response {
+pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<String>) -> Result<Response, ApiError> {
     if !leasebroker_validation::is_path_id(&op_id) {
-        return ServiceError::NoSuchOperation(op_id).into_response();
+        return Err(ServiceError::NoSuchOperation(op_id).into());
     }
-    match state.workers.domain.flash_operation(&op_id).await {
-        Ok(Some(row)) => Json(dto::Operation::from(row)).into_response(),
-        Ok(None) => ServiceError::NoSuchOperation(op_id).into_response(),
-        Err(e) => ServiceError::from(e).into_response(),
+    match state.workers.domain.flash_operation(&op_id).await? {
+        Some(row) => Ok(Json(dto::Operation::from(row)).into_response()),
+        None => Err(ServiceError::NoSuchOperation(op_id).into()),
     }
 }
 
@@ -252,11 +197,8 @@ pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<Stri
 #[utoipa::path(get, path = "/admin/v1/fleet", tag = "admin",
     responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
     security(("bearer" = [])))]
-pub async fn fleet(State(state): State<AppState>) -> Response {
-    match fleet_snapshot(&state).await {
-        Ok(fleet) => Json(fleet).into_response(),
-        Err(e) => e.into_response(),
-    }
+pub async fn fleet(State(state): State<AppState>) -> Result<Json<Fleet>, ApiError> {
+    Ok(Json(fleet_snapshot(&state).await?))
 }
 
 /// The fleet's counts from the domain tables and the VMs running on the hypervisor: what
@@ -266,10 +208,7 @@ pub async fn fleet_snapshot(state: &AppState) -> Result<Fleet, ServiceError> {
     let vms_running = match state.hypervisor.list_all().await {
         Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
         Err(e) => {
-            return Err(ServiceError::UpstreamUnavailable {
-                reason: format!("cannot list VMs: {}", ErrorChain(&e)),
-                retry_after: 1,
-            });
+            return Err(ServiceError::upstream(format!("cannot list VMs: {}", ErrorChain(&e))));
         }
     };
     Ok(Fleet {

@@ -26,7 +26,7 @@ pub use auth::ADMIN_PRINCIPAL;
 pub(crate) use auth::{authenticate, authenticate_admin, rate_limit};
 pub use dto::*;
 pub use handlers::*;
-pub use problems::{MAX_DETAIL, json_error_detail};
+pub use problems::{ApiError, MAX_DETAIL, json_error_detail};
 pub use records::*;
 
 /// Shared state of the handlers.

@@ -3,11 +3,10 @@
 use idempotency::ErrorChain;
 use std::sync::OnceLock;
 
-use axum::Extension;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idempotency_tower::{IdempotencyContext, Problem};
+use idempotency_tower::Problem;
 use regex::Regex;
 
 use crate::db::redact;
@@ -29,6 +28,43 @@ pub(super) fn bounded(mut detail: String) -> String {
         detail.push_str("...");
     }
     detail
+}
+
+/// What a handler fails with: a problem it wrote itself (bad input, a conflict it found), or a
+/// service error (each maps to its problem). Handlers return `Result<_, ApiError>` and use `?`.
+#[derive(Debug)]
+pub enum ApiError {
+    /// A problem as it is.
+    Problem(Problem),
+    /// A service error, answered as its problem.
+    Service(ServiceError),
+}
+
+impl From<Problem> for ApiError {
+    fn from(p: Problem) -> Self {
+        Self::Problem(p)
+    }
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        Self::Service(e)
+    }
+}
+
+impl From<DomainError> for ApiError {
+    fn from(e: DomainError) -> Self {
+        Self::Service(e.into())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Problem(p) => p.into_response(),
+            Self::Service(e) => e.into_response(),
+        }
+    }
 }
 
 impl IntoResponse for ServiceError {
@@ -179,17 +215,6 @@ fn operation_conflict(running: &str) -> Response {
         r.headers_mut().insert(header::LINK, link);
     }
     r
-}
-
-pub(super) fn context(ctx: Option<Extension<IdempotencyContext>>) -> Result<IdempotencyContext, Problem> {
-    ctx.map(|Extension(c)| c).ok_or_else(|| {
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "Internal error",
-            "the idempotency layer is missing",
-        )
-    })
 }
 
 pub(super) fn parse_json<T: serde::de::DeserializeOwned>(

@@ -10,7 +10,6 @@ use idempotency::{ErrorChain, Forget, Principal, Record, RecordId, RecordQuery, 
 use idempotency_tower::{IdempotencyContext, Problem};
 use serde::{Deserialize, Serialize};
 
-use super::problems::context;
 use super::*;
 use crate::audit::AuditEntry;
 
@@ -240,13 +239,9 @@ pub async fn get_record(
 pub async fn forget_record(
     State(state): State<AppState>,
     Extension(actor): Extension<Principal>,
-    ctx: Option<Extension<IdempotencyContext>>,
+    ctx: IdempotencyContext,
     Path(id): Path<String>,
 ) -> Response {
-    let ctx = match context(ctx) {
-        Ok(c) => c,
-        Err(p) => return p.into_response(),
-    };
     match forget(&state, &actor, Some(ctx.key().as_str()), &id).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(ForgetError::InFlight) => Problem::new(

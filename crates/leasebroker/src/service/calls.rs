@@ -15,10 +15,9 @@ use crate::hypervisor::client::HypervisorClient;
 pub(crate) fn may_send(tag: &str, stamp: Option<i64>) -> Result<i64, ServiceError> {
     let Some(stamp) = stamp else {
         tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
-        return Err(ServiceError::UpstreamUnavailable {
-            reason: "another attempt of this request is calling the downstream; retry with the same key".into(),
-            retry_after: 1,
-        });
+        return Err(ServiceError::upstream(
+            "another attempt of this request is calling the downstream; retry with the same key",
+        ));
     };
     stamped_in_time(tag, stamp)?;
     Ok(stamp)
@@ -30,10 +29,9 @@ pub(crate) fn may_send(tag: &str, stamp: Option<i64>) -> Result<i64, ServiceErro
 pub(crate) fn stamped_in_time(tag: &str, stamp: i64) -> Result<(), ServiceError> {
     if now_micros() >= stamp {
         tracing::warn!(tag, "recording the call took too long; not sending it");
-        return Err(ServiceError::UpstreamUnavailable {
-            reason: "the database was too slow to record the call before sending it; nothing was sent".into(),
-            retry_after: 1,
-        });
+        return Err(ServiceError::upstream(
+            "the database was too slow to record the call before sending it; nothing was sent",
+        ));
     }
     Ok(())
 }

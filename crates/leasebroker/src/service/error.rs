@@ -47,6 +47,13 @@ pub enum ServiceError {
     Database(#[from] DomainError),
 }
 
+impl ServiceError {
+    /// The downstream could not be reached or may not have acted: `503`, retry in a second.
+    pub fn upstream(reason: impl Into<String>) -> Self {
+        Self::UpstreamUnavailable { reason: reason.into(), retry_after: 1 }
+    }
+}
+
 /// A body that fails validation is a 422 with the validator's message.
 impl From<InvalidRequest> for ServiceError {
     fn from(e: InvalidRequest) -> Self {

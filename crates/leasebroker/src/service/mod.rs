@@ -251,10 +251,7 @@ impl Workers {
     async fn adopt_boot(&self, intent: &Intent, op_id: &str) -> Result<Option<String>, ServiceError> {
         let found = self.hypervisor.list_by_tag(&intent.intent_id).await.map_err(|e| {
             tracing::warn!(error = %ErrorChain(&e), "cannot list VMs by tag to reconcile a boot");
-            ServiceError::UpstreamUnavailable {
-                reason: "cannot ask the hypervisor what an earlier attempt did; retry with the same key".into(),
-                retry_after: 1,
-            }
+            ServiceError::upstream("cannot ask the hypervisor what an earlier attempt did; retry with the same key")
         })?;
         let Some(first) = found.iter().map(|vm| &vm.vm_id).min() else { return Ok(None) };
         let keep = self.domain.adopt_vm(&intent.intent_id, op_id, first).await?;
@@ -267,10 +264,7 @@ impl Workers {
         if let Some(vm) = kept.first() {
             self.hypervisor.ensure_running(vm).await.map_err(|e| {
                 tracing::warn!(error = %ErrorChain(&e), vm_id = %keep, "cannot start the VM an earlier attempt booted");
-                ServiceError::UpstreamUnavailable {
-                    reason: "cannot start the VM an earlier attempt booted; retry with the same key".into(),
-                    retry_after: 1,
-                }
+                ServiceError::upstream("cannot start the VM an earlier attempt booted; retry with the same key")
             })?;
         }
         tracing::info!(tag = %intent.intent_id, vm_id = %keep, "adopted the VM an earlier attempt booted");
@@ -323,10 +317,7 @@ impl Workers {
     /// The answer to a call that may have taken effect: the intent stays pending.
     fn ambiguous(e: HvError) -> ServiceError {
         tracing::warn!(error = %ErrorChain(&e), "hypervisor call may or may not have taken effect");
-        ServiceError::UpstreamUnavailable {
-            reason: "the hypervisor call may or may not have taken effect; retry with the same key".into(),
-            retry_after: 1,
-        }
+        ServiceError::upstream("the hypervisor call may or may not have taken effect; retry with the same key")
     }
 
     /// The answer to a call that definitely did not take effect.
@@ -334,9 +325,7 @@ impl Workers {
         tracing::warn!(error = %ErrorChain(&e), "hypervisor call refused or not sent");
         match e.status() {
             Some(status) => ServiceError::UpstreamRefused(format!("status {}", status.as_u16())),
-            None => {
-                ServiceError::UpstreamUnavailable { reason: "the hypervisor is unreachable".into(), retry_after: 1 }
-            }
+            None => ServiceError::upstream("the hypervisor is unreachable"),
         }
     }
 
@@ -356,10 +345,7 @@ impl Workers {
         // Deleting a VM by id is naturally idempotent: "already gone" is success.
         self.hypervisor.delete(&w.vm_id).await.map_err(|e| {
             tracing::warn!(error = %ErrorChain(&e), "cannot delete the VM");
-            ServiceError::UpstreamUnavailable {
-                reason: "cannot delete the VM; retry with the same key".into(),
-                retry_after: 1,
-            }
+            ServiceError::upstream("cannot delete the VM; retry with the same key")
         })?;
         self.domain.delete_worker(principal, worker_id, tombstone.as_str(), now_micros()).await?;
         Ok(())
@@ -400,11 +386,9 @@ impl Workers {
         if !created {
             let vm = self.hypervisor.get(&w.vm_id).await.map_err(|e| {
                 tracing::warn!(error = %ErrorChain(&e), "cannot read the VM to reconcile a reboot");
-                ServiceError::UpstreamUnavailable {
-                    reason: "cannot ask the hypervisor whether an earlier reboot happened; retry with the same key"
-                        .into(),
-                    retry_after: 1,
-                }
+                ServiceError::upstream(
+                    "cannot ask the hypervisor whether an earlier reboot happened; retry with the same key",
+                )
             })?;
             if vm.as_ref().is_some_and(|vm| vm.reboot_tags.iter().any(|t| t == tag)) {
                 return Ok(self.domain.finish_reboot(tag, &w.vm_id, worker_id, &row.op_id).await?);
