@@ -11,9 +11,13 @@
 //!
 //! - a request answered within [`STORE_DEADLINE`] (3 s) is untouched;
 //! - a request still running then is given a probe of the database of at most [`PROBE_TIMEOUT`]:
-//!   one `SELECT 1` through the service's own pool. When the pool cannot run it in time (every
-//!   connection waits on a database that does not answer, or on a locked SQLite file), the request
-//!   is answered `503 store-unavailable` with `Retry-After`, at most 4 s after it came;
+//!   on PostgreSQL one `SELECT 1` through the service's own pool; on SQLite, whose one pooled
+//!   connection is also the writer queue (and may be busy for longer than that under load
+//!   without anything being wrong), whether a connection of the probe's own can take the write
+//!   lock (`BEGIN IMMEDIATE`, then `ROLLBACK`). When it cannot in time (every connection waits
+//!   on a database that does not answer; another process, or a writer stuck in a stalled disk,
+//!   holds the SQLite file's lock), the request is answered `503 store-unavailable` with
+//!   `Retry-After`, at most 4 s after it came;
 //! - when the probe succeeds, the request is slow for another reason (a slow hypervisor) and
 //!   keeps running, probed again every [`RECHECK`].
 //!
@@ -55,6 +59,8 @@ const PROBE_REUSED_FOR: Duration = Duration::from_secs(1);
 pub struct StoreProbe {
     db: Db,
     last: Arc<Mutex<Option<(Instant, bool)>>>,
+    /// SQLite: the probe's own connection, opened on first use.
+    writer: Arc<tokio::sync::Mutex<Option<sqlx::SqliteConnection>>>,
 }
 
 impl std::fmt::Debug for StoreProbe {
@@ -66,7 +72,7 @@ impl std::fmt::Debug for StoreProbe {
 impl StoreProbe {
     /// Probes `db`.
     pub fn new(db: Db) -> Self {
-        Self { db, last: Arc::default() }
+        Self { db, last: Arc::default(), writer: Arc::default() }
     }
 
     /// Whether the database (and the record store) answer within [`PROBE_TIMEOUT`]; a result
@@ -86,6 +92,10 @@ impl StoreProbe {
             }
             Err(_) => {
                 tracing::warn!(timeout = ?PROBE_TIMEOUT, "the database did not answer a probe in time");
+                // A statement cut in the middle may leave the probe's connection in any state.
+                if let Ok(mut writer) = self.writer.try_lock() {
+                    *writer = None;
+                }
                 false
             }
         };
@@ -93,13 +103,30 @@ impl StoreProbe {
         ok
     }
 
-    /// `SELECT 1` through the service's pool: what every handler's statement waits for. A
-    /// write-locked SQLite file still reads, so the probe passes unless the pool's connection is
-    /// held by a writer waiting on the lock, which is exactly when reads queue behind it.
+    /// PostgreSQL: `SELECT 1` through the service's pool, what every handler's statement waits
+    /// for. SQLite: the write lock, taken and given back on the probe's own connection (a
+    /// write-locked file still reads, so a read would pass; and the pool's one connection may be
+    /// busy with other requests' work for a while under load, which is no outage).
     async fn probe(&self) -> Result<(), sqlx::Error> {
         match &self.db {
             Db::Postgres(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
-            Db::Sqlite(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+            Db::Sqlite(pool) => {
+                use sqlx::ConnectOptions;
+                let mut writer = self.writer.lock().await;
+                if writer.is_none() {
+                    // Shorter than the probe's own bound, so a lock not given in time is an
+                    // answer (SQLITE_BUSY), not a statement cut in the middle.
+                    let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT * 3 / 4);
+                    *writer = Some(options.connect().await?);
+                }
+                let conn = writer.as_mut().expect("opened above");
+                let locked = sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK").execute(&mut *conn).await;
+                if locked.is_err() {
+                    // Whatever state it is left in, the next probe starts on a fresh connection.
+                    *writer = None;
+                }
+                locked.map(drop)
+            }
         }
     }
 }
@@ -131,4 +158,40 @@ pub(crate) fn store_unavailable() -> Response {
     )
     .with_retry_after(1)
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn sqlite(dir: &tempfile::TempDir) -> Db {
+        let db = Db::connect(&format!("sqlite://{}", dir.path().join("p.db").display())).await.expect("db");
+        db.migrate().await.expect("migrate");
+        db
+    }
+
+    #[tokio::test]
+    async fn a_busy_pool_is_no_outage_while_the_sqlite_file_takes_writes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sqlite(&dir).await;
+        let Db::Sqlite(pool) = &db else { unreachable!() };
+        // The pool's one connection is busy (here: held), as under a queue of requests.
+        let _held = pool.acquire().await.expect("the pool's connection");
+        assert!(StoreProbe::new(db.clone()).answers().await, "a busy pool answered 503 while the file takes writes");
+    }
+
+    #[tokio::test]
+    async fn a_sqlite_file_another_process_has_locked_is_an_outage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sqlite(&dir).await;
+        let Db::Sqlite(pool) = &db else { unreachable!() };
+        use sqlx::ConnectOptions;
+        let mut other = (*pool.connect_options()).clone().connect().await.expect("another connection");
+        sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
+        let probe = StoreProbe::new(db.clone());
+        assert!(!probe.answers().await, "a locked file was taken for a healthy one");
+        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
+        *probe.last.lock().expect("last") = None;
+        assert!(probe.answers().await, "the probe recovers once the lock is given back");
+    }
 }

@@ -6,35 +6,18 @@
 //! `LEASEBROKER_BIN_UNDER_TEST` runs them against another build of the binary (for example the
 //! one before a fix, to see a test fail); by default they run the one this test build made.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::support::{Launch, Proc, bin};
+
 pub(crate) const ALICE: &str = "tok-alice-25b0c3e9d1f47a86";
 const BOB: &str = "tok-bob-25e8a1f3c6d09b47";
 pub(crate) const ADMIN: &str = "tok-admin-25c4f7a0e9b2d136";
-
-fn bin() -> String {
-    std::env::var("LEASEBROKER_BIN_UNDER_TEST").unwrap_or_else(|_| env!("CARGO_BIN_EXE_leasebroker").to_owned())
-}
-
-/// A child process killed when dropped, with its stderr collected.
-pub(crate) struct Proc {
-    pub(crate) child: Child,
-    pub(crate) url: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Starts `leasebroker serve` on a free port with the test tokens and `extra` flags.
 pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {
@@ -42,37 +25,7 @@ pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--database", db, "--token", &alice, "--token", &bob];
     args.extend_from_slice(&["--admin-token", ADMIN, "--pool-nodes", "8"]);
     args.extend_from_slice(extra);
-    let mut child = Command::new(bin())
-        .args(&args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start leasebroker");
-    let log = Arc::new(Mutex::new(String::new()));
-    let (stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[leasebroker] {line}");
-            sink.lock().expect("log").push_str(&format!("{line}\n"));
-        }
-    });
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(url) => Proc { child, url },
-        Err(_) => {
-            let _ = child.kill();
-            panic!("leasebroker did not report its address; its log:\n{}", log.lock().expect("log"));
-        }
-    }
+    Launch::new(&args).start()
 }
 
 fn sqlite_url(dir: &tempfile::TempDir) -> String {

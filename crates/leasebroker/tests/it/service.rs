@@ -6,8 +6,7 @@ mod database;
 mod failover;
 mod outage;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -302,9 +301,7 @@ async fn sigterm_drains_and_exits_zero() {
     let base = lb.url.clone();
     let pending = tokio::spawn(async move { create(&base, TOKEN, "term-1", &worker_body()).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let pid = lb.child.id().to_string();
-    let status = Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM");
-    assert!(status.success());
+    lb.sigterm();
     let r = pending.await.expect("task");
     assert_eq!(r.status, StatusCode::CREATED, "the in-flight request finished during the drain");
     let exit = lb.child.wait().expect("wait");
@@ -315,26 +312,9 @@ async fn sigterm_drains_and_exits_zero() {
 async fn no_token_configured_generates_and_prints_one() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut token = None;
-    let mut url = None;
-    while let Some(Ok(line)) = lines.next() {
-        if let Some(t) = line.trim().strip_prefix("token: ") {
-            token = Some(t.to_owned());
-        }
-        if let Some(i) = line.find("listening on http://") {
-            url = Some(line[i + "listening on ".len()..].trim().to_owned());
-            break;
-        }
-    }
-    let mut proc = Proc { child, url: url.expect("url") };
-    let token = token.expect("a generated token is printed");
+    let mut proc = Launch::new(&["serve", "--listen", "127.0.0.1:0", "--database", &db]).start();
+    let printed = proc.stdout();
+    let token = printed.lines().find_map(|l| l.trim().strip_prefix("token: ")).expect("a generated token is printed");
     let ok = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), &token, None, None).await;
     assert_eq!(ok.status, StatusCode::OK);
     let no = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), "guess", None, None).await;
@@ -602,28 +582,8 @@ async fn debug_logs_never_show_tokens_or_bodies() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
     let token_arg = format!("{CANARY_TOKEN}=carol");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db, "--token", &token_arg])
-        .args(["--admin-token", ADMIN])
-        .env("RUST_LOG", "debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start");
-    let stderr = child.stderr.take().expect("stderr");
-    let log = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut s);
-        s
-    });
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let url = loop {
-        let line = lines.next().expect("a listening line").expect("stdout");
-        if let Some(i) = line.find("listening on http://") {
-            break line[i + "listening on ".len()..].trim().to_owned();
-        }
-    };
-    let mut proc = Proc { child, url };
+    let serve = ["serve", "--listen", "127.0.0.1:0", "--database", &db, "--token", &token_arg];
+    let mut proc = Launch::new(&[&serve[..], &["--admin-token", ADMIN]].concat()).env("RUST_LOG", "debug").start();
     let base = proc.url.clone();
 
     let body = json!({"image": CANARY_BODY, "cpu": 2, "memory_gb": 4, "labels": {"team": CANARY_LABEL}});
@@ -650,7 +610,7 @@ async fn debug_logs_never_show_tokens_or_bodies() {
     assert_eq!(del.status, StatusCode::NO_CONTENT);
 
     proc.sigkill();
-    let log = log.join().expect("stderr reader");
+    let log = proc.log();
     assert!(log.contains("log-1"), "debug logging was on (keys are logged): {}", &log[..log.len().min(2000)]);
     for canary in [CANARY_TOKEN, WRONG_TOKEN, CANARY_BODY, CANARY_LABEL] {
         let at = log.find(canary).map(|i| &log[i.saturating_sub(300)..(i + 300).min(log.len())]);
@@ -699,21 +659,11 @@ async fn a_response_above_max_stored_response_runs_once_and_a_retry_gets_410() {
 async fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--database", &db])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    while let Some(Ok(line)) = lines.next() {
-        if line.contains("listening on http://") {
-            break;
-        }
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut lb = Launch::new(&["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--database", &db])
+        .env("RUST_LOG", "info")
+        .start();
+    lb.sigkill();
+    let stderr = lb.log();
     let logged: Vec<Value> = stderr
         .lines()
         .filter(|l| !l.trim().is_empty())

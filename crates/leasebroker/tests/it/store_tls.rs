@@ -3,17 +3,14 @@
 //! the PostgreSQL server of `TEST_POSTGRES_URL` (which must have `ssl = on`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::json;
 
-const ALICE: &str = "tok-alice-tls-4f1e9a7c2b";
+use crate::support::{Launch, Proc};
 
-fn bin() -> String {
-    std::env::var("LEASEBROKER_BIN_UNDER_TEST").unwrap_or_else(|_| env!("CARGO_BIN_EXE_leasebroker").to_owned())
-}
+const ALICE: &str = "tok-alice-tls-4f1e9a7c2b";
 
 /// A CA and a server certificate for 127.0.0.1 it issued, as PEM files in `dir`: (CA, cert, key).
 fn generate_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, PathBuf) {
@@ -35,49 +32,14 @@ fn generate_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, 
     (paths.0, paths.1, paths.2)
 }
 
-/// `leasebroker serve` with `args`; `Ok(url)` once it listens, `Err(stderr)` when it exits first.
-struct Served {
-    child: std::process::Child,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(db: &str, extra: &[&str]) -> Result<(Served, String), String> {
-    use std::io::{BufRead, BufReader, Read};
+/// Starts `leasebroker serve`; its address, or its log when it would not start.
+fn serve(db: &str, extra: &[&str]) -> Result<(Proc, String), String> {
     let token = format!("{ALICE}=alice");
     let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--database", db, "--token", &token];
     args.extend_from_slice(extra);
-    let mut child = Command::new(bin())
-        .args(&args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start leasebroker");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(url) => Ok((Served { child }, url)),
-        Err(_) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            let mut stderr = String::new();
-            let _ = child.stderr.take().expect("stderr").read_to_string(&mut stderr);
-            Err(stderr)
-        }
-    }
+    let lb = Launch::new(&args).try_start()?;
+    let url = lb.url.clone();
+    Ok((lb, url))
 }
 
 async fn create_worker(base: &str, key: &str) -> StatusCode {

@@ -13,11 +13,23 @@ pub(crate) const TOKEN: &str = "tok-alice-5a8d1c7e90b3";
 pub(crate) const OTHER: &str = "tok-bob-3e7f0a9c2d64b1";
 pub(crate) const ADMIN: &str = "tok-admin-8c1b4d7e2f9a";
 
-/// A child process killed when dropped.
+/// The binary under test: `LEASEBROKER_BIN_UNDER_TEST` (another build), else this package's.
+pub(crate) fn bin() -> String {
+    std::env::var("LEASEBROKER_BIN_UNDER_TEST").unwrap_or_else(|_| BIN.to_owned())
+}
+
+/// A running `leasebroker` (server or simulator): killed when dropped; its log (stderr) kept and
+/// echoed, prefixed, into the test's output.
 pub(crate) struct Proc {
     pub(crate) child: Child,
     pub(crate) url: String,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+    logger: Option<std::thread::JoinHandle<()>>,
+    stdout: std::sync::Arc<std::sync::Mutex<String>>,
 }
+
+/// The same, for tests that read what it logged.
+pub(crate) type Logged = Proc;
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -26,72 +38,121 @@ impl Drop for Proc {
     }
 }
 
-impl Proc {
-    pub(crate) fn sigkill(&mut self) {
-        self.child.kill().expect("kill");
-        self.child.wait().expect("wait");
+/// How a test starts the real binary: its arguments and environment (`RUST_LOG=warn` unless
+/// set). The one place that spawns it and waits for its "listening on http://ADDR" line.
+pub(crate) struct Launch {
+    command: Command,
+}
+
+impl Launch {
+    /// `leasebroker ARGS`.
+    pub(crate) fn new(args: &[&str]) -> Self {
+        let mut command = Command::new(bin());
+        command.args(args).env("RUST_LOG", "warn");
+        Self { command }
     }
-}
 
-/// Starts `leasebroker ARGS` and waits for its "listening on http://ADDR" line.
-pub(crate) fn start(args: &[&str]) -> Proc {
-    let mut command = Command::new(BIN);
-    command.args(args).env("RUST_LOG", "warn").stderr(Stdio::inherit());
-    let (child, url) = spawn_listening(command, |_| {});
-    Proc { child, url }
-}
-
-/// Spawns `command` with its stdout piped, hands the child to `spawned` (to take its other pipes
-/// before anything waits on them), and waits (up to a minute) for its "listening on
-/// http://ADDR" line; returns the child and its URL.
-fn spawn_listening(mut command: Command, spawned: impl FnOnce(&mut Child)) -> (Child, String) {
-    let mut child = command.stdout(Stdio::piped()).spawn().expect("start leasebroker");
-    spawned(&mut child);
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    let url = rx.recv_timeout(Duration::from_secs(60)).expect("the process did not report its address in time");
-    (child, url)
-}
-
-/// The server with its log (stderr) kept, for tests that read what it logged.
-pub(crate) struct Logged {
-    pub(crate) child: Child,
-    pub(crate) url: String,
-    pub(crate) log: std::sync::Arc<std::sync::Mutex<String>>,
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// Sets an environment variable.
+    pub(crate) fn env(mut self, name: &str, value: &str) -> Self {
+        self.command.env(name, value);
+        self
     }
-}
 
-impl Logged {
-    /// Starts `leasebroker ARGS` with `env` (`RUST_LOG` among it), keeping its log.
-    pub(crate) fn start(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(BIN);
-        command.args(args).envs(env.iter().copied()).stderr(Stdio::piped());
+    /// Starts it and waits (up to a minute) for its address; its log when it exits or stays
+    /// silent instead.
+    pub(crate) fn try_start(mut self) -> Result<Proc, String> {
+        let mut child = self
+            .command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin()));
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let sink = log.clone();
-        let (child, url) = spawn_listening(command, move |child| {
-            let stderr = child.stderr.take().expect("stderr");
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    let mut s = sink.lock().expect("log");
+        let (stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
+        let logger = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[leasebroker] {line}");
+                let mut s = sink.lock().expect("log");
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let stdout = child.stdout.take().expect("stdout");
+        let printed = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = printed.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                {
+                    let mut s = sink.lock().expect("stdout");
                     s.push_str(&line);
                     s.push('\n');
                 }
-            });
+                if let Some(i) = line.find("listening on http://") {
+                    let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
+                }
+            }
         });
-        Logged { child, url, log }
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(url) => Ok(Proc { child, url, log, logger: Some(logger), stdout: printed }),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = logger.join();
+                Err(log.lock().expect("log").clone())
+            }
+        }
+    }
+
+    /// [`Launch::try_start`], or the test fails with the process's log.
+    pub(crate) fn start(self) -> Proc {
+        self.try_start().unwrap_or_else(|log| panic!("leasebroker did not report its address; its log:\n{log}"))
+    }
+}
+
+impl Proc {
+    /// Kills it with SIGKILL and reaps it; its log is whole after this.
+    pub(crate) fn sigkill(&mut self) {
+        self.child.kill().expect("kill");
+        self.child.wait().expect("wait");
+        self.log_complete();
+    }
+
+    /// Waits for the log's last line (the process has exited).
+    fn log_complete(&mut self) {
+        if let Some(logger) = self.logger.take() {
+            let _ = logger.join();
+        }
+    }
+
+    /// Sends SIGTERM (a graceful shutdown), without waiting.
+    pub(crate) fn sigterm(&self) {
+        let pid = rustix::process::Pid::from_raw(i32::try_from(self.child.id()).expect("a pid")).expect("a pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    }
+
+    /// Sends SIGTERM and waits (up to two minutes) for the exit code.
+    pub(crate) fn sigterm_and_wait(&mut self) -> Option<i32> {
+        self.sigterm();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                self.log_complete();
+                return status.code();
+            }
+            assert!(Instant::now() < deadline, "the server did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts `leasebroker ARGS` with `env` (`RUST_LOG` among it).
+    pub(crate) fn start(args: &[&str], env: &[(&str, &str)]) -> Self {
+        env.iter().fold(Launch::new(args), |l, (k, v)| l.env(k, v)).start()
+    }
+
+    /// What it printed on stdout up to now (its address, a generated token).
+    pub(crate) fn stdout(&self) -> String {
+        self.stdout.lock().expect("stdout").clone()
     }
 
     /// The log so far.
@@ -111,6 +172,11 @@ impl Logged {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// Starts `leasebroker ARGS` and waits for its "listening on http://ADDR" line.
+pub(crate) fn start(args: &[&str]) -> Proc {
+    Launch::new(args).start()
 }
 
 pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {

@@ -3,92 +3,24 @@
 //! in-process simulator's reachability, and the shutdown drain of detached handlers. Each starts
 //! the real `leasebroker` binary.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::io::Read;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_leasebroker");
+use crate::support::BIN;
 const ALICE: &str = "tok-alice-7f3c9e21b5d04a68";
 const BOB: &str = "tok-bob-1d8e6f0a3c5b7924";
 const ADMIN: &str = "tok-admin-90ab4c2e7d1f3865";
 
-/// A child process killed when dropped, with its stderr collected.
-struct Proc {
-    child: Child,
-    url: String,
-    log: Arc<Mutex<String>>,
-}
+use crate::support::{Launch, Proc};
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn log(&self) -> String {
-        self.log.lock().expect("log").clone()
-    }
-
-    /// Sends SIGTERM and waits (up to two minutes) for the exit code.
-    fn sigterm_and_wait(&mut self) -> Option<i32> {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM").success());
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status.code();
-            }
-            assert!(Instant::now() < deadline, "the server did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-/// Starts `leasebroker ARGS` with `env`, and waits for its "listening on http://ADDR" line.
+/// Starts `leasebroker ARGS` (`RUST_LOG=info`) with `env`, and waits for its address.
 fn start_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .envs(env.iter().copied())
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start leasebroker");
-    let log = Arc::new(Mutex::new(String::new()));
-    let stderr = child.stderr.take().expect("stderr");
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[leasebroker] {line}");
-            let mut s = sink.lock().expect("log");
-            s.push_str(&line);
-            s.push('\n');
-        }
-    });
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("listening on http://") {
-                let _ = tx.send(line[i + "listening on ".len()..].trim().to_owned());
-            }
-        }
-    });
-    let url = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(url) => url,
-        Err(_) => {
-            let _ = child.kill();
-            panic!("the process did not report its address in time; its log:\n{}", log.lock().expect("log"));
-        }
-    };
-    Proc { child, url, log }
+    env.iter().fold(Launch::new(args).env("RUST_LOG", "info"), |l, (k, v)| l.env(k, v)).start()
 }
 
 fn serve(db: &str, extra: &[&str]) -> Proc {

@@ -257,15 +257,14 @@ async fn lagging_replicas_then_a_dead_primary(replication: idempotency_sqlx::tes
                 None => panic!("replica {i} has no WAL receiver after 60 s"),
             }
         };
-        receivers.push(pid.to_string());
+        receivers.push(rustix::process::Pid::from_raw(pid).expect("a WAL receiver's pid"));
     }
-    let signal = |which: &str| {
+    let signal = |which: rustix::process::Signal| {
         for pid in &receivers {
-            let ok = std::process::Command::new("kill").args([which, pid]).status().is_ok_and(|s| s.success());
-            assert!(ok, "kill {which} {pid}");
+            rustix::process::kill_process(*pid, which).unwrap_or_else(|e| panic!("{which:?} to {pid:?}: {e}"));
         }
     };
-    signal("-STOP");
+    signal(rustix::process::Signal::STOP);
 
     // While they lag: a backlog, then five commits, each on a connection of its own.
     let url = pg.url();
@@ -325,7 +324,7 @@ async fn lagging_replicas_then_a_dead_primary(replication: idempotency_sqlx::tes
     }
     drop(conn);
     tokio::task::block_in_place(|| pg.kill_member(primary));
-    signal("-CONT");
+    signal(rustix::process::Signal::CONT);
     let (acknowledged, errors) = writes.await.expect("writes");
     tokio::task::block_in_place(|| pg.wait_until_new_primary(primary)).expect("a new primary");
 
