@@ -389,7 +389,7 @@ mod tests {
         assert_eq!(s.libvirt_dir, PathBuf::from("/var/tmp/faultline-libvirt"));
         assert_eq!(run(&["--libvirt", "qemu:///session"]).unwrap().libvirt.as_deref(), Some("qemu:///session"));
         let s = run(&["--bmc", "redfish", "--hv-fail-before", "0.1"]).unwrap();
-        assert_eq!((s.libvirt, s.bmc), (None, BmcMode::Redfish));
+        assert_eq!((s.libvirt.as_deref(), s.bmc), (None, BmcMode::Redfish));
         assert_eq!(s.check_modes(), Ok(()), "the simulator's faults apply to its Redfish service");
         assert!(run(&["--bmc", "ipmi"]).is_err());
         assert_eq!(run(&["--libvirt", "--bmc", "redfish", "--server-kills", "3"]).unwrap().check_modes(), Ok(()));
