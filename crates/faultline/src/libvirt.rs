@@ -101,6 +101,8 @@ pub struct Libvirt {
     /// The run's directory: its base image, and its domains' overlays under `vms/`.
     pub dir: PathBuf,
     seen: Arc<Mutex<HashMap<String, Seen>>>,
+    /// How many started domains without XML were last warned about.
+    unread_warned: Mutex<usize>,
     _events: [Child; 2],
 }
 
@@ -127,12 +129,29 @@ async fn virsh(uri: &str, args: &[&str]) -> anyhow::Result<Option<String>> {
     Ok(out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned()))
 }
 
-/// The XML of domain `name`, `None` when it is gone.
+/// The XML of domain `name`, `None` when it is gone. A failure that is not "no such domain" (a
+/// busy libvirtd refusing connections, as on a loaded host) is retried for a few seconds.
 async fn dumpxml(uri: &str, name: &str) -> anyhow::Result<Option<DomainXml>> {
-    match virsh(uri, &["dumpxml", name]).await? {
-        Some(xml) => DomainXml::parse(&xml).map(Some),
-        None => Ok(None),
+    let mut last = String::new();
+    for attempt in 0..8u64 {
+        if attempt > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(250 * attempt)).await;
+        }
+        let out = Command::new("virsh")
+            .args(["-q", "-c", uri, "dumpxml", name])
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("running virsh (Debian: libvirt-clients)")?;
+        if out.status.success() {
+            return DomainXml::parse(&String::from_utf8_lossy(&out.stdout)).map(Some);
+        }
+        last = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        if last.contains("failed to get domain") || last.contains("Domain not found") {
+            return Ok(None);
+        }
     }
+    bail!("virsh dumpxml {name}: {last}")
 }
 
 /// The names of the host's domains (all, or only the running ones).
@@ -140,6 +159,27 @@ async fn names(uri: &str, all: bool) -> anyhow::Result<Vec<String>> {
     let args: &[&str] = if all { &["list", "--all", "--name"] } else { &["list", "--name"] };
     let out = virsh(uri, args).await?.ok_or_else(|| anyhow!("virsh -c {uri} list failed"))?;
     Ok(out.lines().map(str::trim).filter(|n| !n.is_empty()).map(str::to_owned).collect())
+}
+
+/// Destroys and undefines every domain running on a disk under `dir`, eight at a time (a destroy
+/// waits for its QEMU to exit). Returns how many went.
+async fn remove_under(uri: &str, dir: &Path) -> anyhow::Result<usize> {
+    let removed: Vec<anyhow::Result<bool>> = futures::stream::iter(names(uri, true).await?)
+        .map(|name| async move {
+            if dumpxml(uri, &name).await?.is_some_and(|x| x.under(dir)) {
+                remove(uri, &name).await?;
+                return Ok(true);
+            }
+            Ok(false)
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut n = 0;
+    for r in removed {
+        n += usize::from(r?);
+    }
+    Ok(n)
 }
 
 /// Destroys and undefines domain `name` (whatever state it is in).
@@ -262,7 +302,7 @@ impl Libvirt {
         let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
         let lifecycle = watch(uri, &["event", "--all", "--loop"], seen.clone(), dir.clone())?;
         let resets = watch(uri, &["qemu-monitor-event", "--loop", "--event", "RESET"], seen.clone(), dir.clone())?;
-        Ok(Self { uri: uri.to_owned(), dir, seen, _events: [lifecycle, resets] })
+        Ok(Self { uri: uri.to_owned(), dir, seen, unread_warned: Mutex::new(0), _events: [lifecycle, resets] })
     }
 
     /// The libvirt URI.
@@ -273,13 +313,7 @@ impl Libvirt {
     /// Destroys and undefines every domain running on a disk under `parent` (every faultline
     /// run's), and removes the run directories there. Returns how many domains went.
     pub async fn remove_left_over(uri: &str, parent: &Path) -> anyhow::Result<usize> {
-        let mut removed = 0;
-        for name in names(uri, true).await? {
-            if dumpxml(uri, &name).await?.is_some_and(|x| x.under(parent)) {
-                remove(uri, &name).await?;
-                removed += 1;
-            }
-        }
+        let removed = remove_under(uri, parent).await?;
         if let Ok(entries) = std::fs::read_dir(parent) {
             for e in entries.flatten() {
                 if e.file_name().to_string_lossy().starts_with("run-") {
@@ -338,19 +372,24 @@ impl Libvirt {
             }
         }
         stats.duplicate_boot_tags = per_tag.values().map(|n| n - 1).sum();
+        let unread: Vec<&String> =
+            seen.iter().filter(|(_, s)| s.started > 0 && s.xml.is_none()).map(|(n, _)| n).collect();
+        let mut warned = self.unread_warned.lock().unwrap_or_else(PoisonError::into_inner);
+        if unread.len() != *warned {
+            *warned = unread.len();
+            // Not counted: nothing tells whose they were. Named here so a gap in the truth shows.
+            eprintln!(
+                "faultline: {} domain(s) started during the run were gone before their XML could be read (not counted): {unread:?}",
+                unread.len()
+            );
+        }
         Ok(stats)
     }
 
     /// Destroys and undefines every domain of the run and removes its directory. Returns how
     /// many domains went.
     pub async fn clean_up(&self) -> anyhow::Result<usize> {
-        let mut removed = 0;
-        for name in names(&self.uri, true).await? {
-            if dumpxml(&self.uri, &name).await?.is_some_and(|x| x.under(&self.dir)) {
-                remove(&self.uri, &name).await?;
-                removed += 1;
-            }
-        }
+        let removed = remove_under(&self.uri, &self.dir).await?;
         let _ = std::fs::remove_dir_all(&self.dir);
         Ok(removed)
     }
