@@ -72,13 +72,15 @@ impl DomainXml {
 }
 
 /// One line of `virsh event`: the event's kind, its domain and its detail.
+/// `virsh event` prints `event 'KIND' for domain 'NAME': DETAIL`, `virsh qemu-monitor-event`
+/// `event KIND at SECS.MICROS for domain 'NAME': DATA`.
 pub fn parse_event(line: &str) -> Option<(&str, &str, &str)> {
     let rest = &line[line.find("event ")? + 6..];
     let (kind, rest) = match rest.strip_prefix('\'') {
         Some(quoted) => quoted.split_once('\'')?,
-        None => rest.split_once(' ').map(|(k, r)| (k, r.strip_prefix(' ').unwrap_or(r)))?,
+        None => rest.split_once(' ')?,
     };
-    let rest = rest.trim_start().strip_prefix("for domain '")?;
+    let rest = &rest[rest.find("for domain '")? + 12..];
     let (name, rest) = rest.split_once('\'')?;
     Some((kind, name, rest.strip_prefix(": ").unwrap_or("")))
 }
@@ -92,6 +94,9 @@ struct Seen {
     started: u64,
     /// Resets the host asked for (QEMU `RESET` events with `"guest": false`).
     resets: u64,
+    /// Seen running, or stopping: it was booted at least once, whether or not its `Started`
+    /// event came through.
+    ran: bool,
 }
 
 /// The host's domains of one run, watched from the run's start.
@@ -103,6 +108,8 @@ pub struct Libvirt {
     seen: Arc<Mutex<HashMap<String, Seen>>>,
     /// How many started domains without XML were last warned about.
     unread_warned: Mutex<usize>,
+    /// How many domains that ran without a `Started` event seen were last warned about.
+    unstarted_warned: Mutex<usize>,
     _events: [Child; 2],
 }
 
@@ -214,6 +221,7 @@ fn watch(uri: &str, args: &[&str], seen: Arc<Mutex<HashMap<String, Seen>>>, run_
                 let reset = kind == "RESET" && host_reset(detail);
                 match kind {
                     "lifecycle" if detail.starts_with("Started") => entry.started += 1,
+                    "lifecycle" if detail.starts_with("Stopped") => entry.ran = true,
                     "RESET" if reset => entry.resets += 1,
                     _ => {}
                 }
@@ -302,7 +310,14 @@ impl Libvirt {
         let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
         let lifecycle = watch(uri, &["event", "--all", "--loop"], seen.clone(), dir.clone())?;
         let resets = watch(uri, &["qemu-monitor-event", "--loop", "--event", "RESET"], seen.clone(), dir.clone())?;
-        Ok(Self { uri: uri.to_owned(), dir, seen, unread_warned: Mutex::new(0), _events: [lifecycle, resets] })
+        Ok(Self {
+            uri: uri.to_owned(),
+            dir,
+            seen,
+            unread_warned: Mutex::new(0),
+            unstarted_warned: Mutex::new(0),
+            _events: [lifecycle, resets],
+        })
     }
 
     /// The libvirt URI.
@@ -347,7 +362,9 @@ impl Libvirt {
             if let Some(tag) = xml.tag.clone() {
                 out.push(Domain { running: running.contains(&name), name: name.clone(), tag });
             }
-            seen.entry(name).or_default().xml = Some(xml);
+            let entry = seen.entry(name.clone()).or_default();
+            entry.xml = Some(xml);
+            entry.ran |= running.contains(&name);
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -362,18 +379,33 @@ impl Libvirt {
         let ours = seen.values().filter_map(|s| s.xml.as_ref().and_then(|x| x.tag.clone()).map(|tag| (tag, s)));
         let mut stats = SimStats { running, ..SimStats::default() };
         let mut per_tag: HashMap<String, u64> = HashMap::new();
+        let mut unstarted = Vec::new();
         for (tag, s) in ours {
-            stats.boots_total += s.started;
+            // A domain seen running (or stopping) was booted, also when its `Started` event was
+            // not seen.
+            if s.started == 0 && s.ran {
+                unstarted.push(tag.clone());
+            }
+            let started = s.started.max(u64::from(s.ran));
+            stats.boots_total += started;
             stats.reboots_total += s.resets;
             let tags = s.xml.as_ref().map_or(0, |x| x.reboot_tags.iter().collect::<HashSet<_>>().len() as u64);
             stats.duplicate_reboot_tags += s.resets.saturating_sub(tags);
-            if s.started > 0 {
+            if started > 0 {
                 *per_tag.entry(tag).or_default() += 1;
             }
         }
         stats.duplicate_boot_tags = per_tag.values().map(|n| n - 1).sum();
         let unread: Vec<&String> =
-            seen.iter().filter(|(_, s)| s.started > 0 && s.xml.is_none()).map(|(n, _)| n).collect();
+            seen.iter().filter(|(_, s)| (s.started > 0 || s.ran) && s.xml.is_none()).map(|(n, _)| n).collect();
+        let mut unstarted_warned = self.unstarted_warned.lock().unwrap_or_else(PoisonError::into_inner);
+        if unstarted.len() != *unstarted_warned {
+            *unstarted_warned = unstarted.len();
+            eprintln!(
+                "faultline: {} domain(s) of the run ran without a Started event seen (each counted as one boot)",
+                unstarted.len()
+            );
+        }
         let mut warned = self.unread_warned.lock().unwrap_or_else(PoisonError::into_inner);
         if unread.len() != *warned {
             *warned = unread.len();
@@ -424,7 +456,9 @@ mod tests {
         assert_eq!(parse_event(line), Some(("lifecycle", "vm-1", "Started Booted")));
         assert_eq!(parse_event("event 'reboot' for domain 'vm-2'"), Some(("reboot", "vm-2", "")));
         assert_eq!(parse_event("events received: 3"), None);
-        let reset = r#"event RESET for domain 'vm-3': {"guest":false,"reason":"host-qmp-system-reset"}"#;
+        // As virsh qemu-monitor-event prints it (without --timestamp: QEMU's own time).
+        let reset =
+            r#"event RESET at 1764686730.479000 for domain 'vm-3': {"guest":false,"reason":"host-qmp-system-reset"}"#;
         let (kind, name, data) = parse_event(reset).expect("a QEMU event");
         assert_eq!((kind, name), ("RESET", "vm-3"));
         assert!(host_reset(data));

@@ -92,6 +92,11 @@ fn real_domains_booted_rebooted_and_deleted_through_sigkills_hold_every_invarian
     assert!(num(protected, &["hypervisor", "boots_total"]) >= creates, "{}", protected["hypervisor"]);
     assert_eq!(num(protected, &["hypervisor", "running"]), num(protected, &["fleet", "workers_active"]));
     assert!(num(protected, &["fleet", "workers_active"]) > 0, "some workers held at the end");
+    // The resets were read from QEMU's events: as many as the reboots that succeeded (fewer only
+    // when a kill fell between a reboot's tag and its reset).
+    let reboots = num(protected, &["outcomes", "reboots_ok"]);
+    let resets = num(protected, &["hypervisor", "reboots_total"]);
+    assert!(reboots == 0 || (resets > 0 && resets <= reboots), "{reboots} reboots, {resets} resets");
     // Every domain the run made is gone.
     assert_eq!(domains_mentioning(RUNS_DIR), Vec::<String>::new(), "the run's domains are removed");
 }
