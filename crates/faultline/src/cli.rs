@@ -180,6 +180,24 @@ pub struct Scenario {
     /// How long the database stays down at each restart.
     #[arg(long, default_value = "2s", value_parser = parse::duration)]
     pub postgres_down: Duration,
+    /// Put the VMs on a real libvirt/QEMU host instead of the simulator: the servers run with
+    /// `--hypervisor-url libvirt+URI` (a leasebroker built with its `libvirt` feature) and the
+    /// ground truth is read from libvirt (`virsh`: the domains, their metadata, their lifecycle and
+    /// reboot events). Each run boots from qcow2 overlays under a directory of its own in
+    /// `--libvirt-dir`, which is how its domains are told from anyone else's; they are all
+    /// destroyed and undefined at the end (and any an earlier run left, at the start). The
+    /// simulator's faults (`--hv-*`), `--late-landings` and `--plant-orphans` do not apply.
+    #[arg(long, value_name = "URI", num_args = 0..=1, default_missing_value = "qemu:///system")]
+    pub libvirt: Option<String>,
+    /// With --libvirt: where each run's base image and overlays go (a directory of its own per
+    /// run, readable by libvirt's QEMU).
+    #[arg(long, default_value = "/var/tmp/faultline-libvirt")]
+    pub libvirt_dir: PathBuf,
+    /// How the firmware flashes reach the BMCs: `native` (the simulator's `/v1/bmc`, SPEC 3.4) or
+    /// `redfish` (the simulator runs `--bmc redfish` and the servers get `--bmc-url
+    /// redfish+http://...`: `UpdateService.SimpleUpdate` and task monitors).
+    #[arg(long, value_enum, default_value = "native")]
+    pub bmc: BmcMode,
     /// A PostgreSQL server URL: a fresh database is created in it for each run and dropped after.
     /// Without it, one replica runs on SQLite in a temporary directory.
     #[arg(long, env = "FAULTLINE_POSTGRES", hide_env_values = true)]
@@ -225,6 +243,42 @@ pub struct Scenario {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+}
+
+/// `--bmc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BmcMode {
+    /// The simulator's BMC API, `/v1/bmc`.
+    Native,
+    /// The simulator's Redfish service, through the servers' `--bmc-url redfish+http://...`.
+    Redfish,
+}
+
+impl Scenario {
+    /// Refuses the modes that do not apply together, in one line each: on `--libvirt` the
+    /// simulator's VM faults, the late-landing proxy (both sit in front of the simulator's VM
+    /// API) and `--plant-orphans` (which plants on the simulator).
+    pub fn check_modes(&self) -> Result<(), String> {
+        if self.libvirt.is_none() {
+            return Ok(());
+        }
+        let simulator_only = [
+            ("--hv-fail-before", self.hv_fail_before > 0.0),
+            ("--hv-fail-after", self.hv_fail_after > 0.0),
+            ("--hv-latency-ms", self.hv_latency_ms > 0),
+            ("--hv-slow", self.hv_slow > 0.0),
+            ("--hv-refuse", self.hv_refuse > 0.0),
+            ("--late-landings", self.late_landings > 0.0),
+            ("--plant-orphans", self.plant_orphans > 0),
+        ];
+        match simulator_only.iter().find(|(_, on)| *on) {
+            Some((flag, _)) => Err(format!(
+                "{flag} does not apply with --libvirt: it is a fault of the hypervisor simulator, which the VMs do not go through"
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// `--postgres-replication`.
@@ -321,6 +375,37 @@ mod tests {
         assert!(run(&["--late-landings", "1.5"]).is_err());
         assert!(run(&["--pause-for", "soon"]).is_err());
         assert!(run(&["--plant-orphans", "101"]).is_err());
+    }
+
+    #[test]
+    fn parses_the_libvirt_and_redfish_modes_and_refuses_the_simulators_faults_on_libvirt() {
+        let run = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["faultline", "run"].iter().chain(args)).map_err(|e| e.to_string())?;
+            let Command::Run(r) = cli.command else { panic!("run") };
+            Ok::<_, String>(r.scenario)
+        };
+        let s = run(&["--libvirt"]).unwrap();
+        assert_eq!((s.libvirt.as_deref(), s.bmc), (Some("qemu:///system"), BmcMode::Native));
+        assert_eq!(s.libvirt_dir, PathBuf::from("/var/tmp/faultline-libvirt"));
+        assert_eq!(run(&["--libvirt", "qemu:///session"]).unwrap().libvirt.as_deref(), Some("qemu:///session"));
+        let s = run(&["--bmc", "redfish", "--hv-fail-before", "0.1"]).unwrap();
+        assert_eq!((s.libvirt.as_deref(), s.bmc), (None, BmcMode::Redfish));
+        assert_eq!(s.check_modes(), Ok(()), "the simulator's faults apply to its Redfish service");
+        assert!(run(&["--bmc", "ipmi"]).is_err());
+        assert_eq!(run(&["--libvirt", "--bmc", "redfish", "--server-kills", "3"]).unwrap().check_modes(), Ok(()));
+        for flag in [
+            ["--hv-fail-before", "0.1"],
+            ["--hv-fail-after", "0.1"],
+            ["--hv-latency-ms", "5"],
+            ["--hv-slow", "0.1"],
+            ["--hv-refuse", "0.1"],
+            ["--late-landings", "0.1"],
+            ["--plant-orphans", "1"],
+        ] {
+            let err = run(&["--libvirt", flag[0], flag[1]]).unwrap().check_modes().unwrap_err();
+            assert!(err.starts_with(flag[0]) && err.contains("does not apply with --libvirt"), "{err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
     }
 
     #[test]

@@ -104,6 +104,8 @@ pub struct SimFaults {
     pub slow_ms: u64,
     /// `--refuse`.
     pub refuse: f64,
+    /// `--bmc redfish`: the BMCs served as a Redfish service.
+    pub redfish: bool,
 }
 
 /// The standalone hypervisor simulator.
@@ -128,6 +130,9 @@ impl Hypervisor {
         }
         if faults.refuse > 0.0 {
             command.args(["--refuse", &faults.refuse.to_string()]);
+        }
+        if faults.redfish {
+            command.args(["--bmc", "redfish"]);
         }
         let (process, addr) = start(command, &dir.join("hypervisor-sim.log")).await.context("hypervisor-sim")?;
         Ok(Hypervisor { _process: process, url: format!("http://{addr}") })

@@ -31,6 +31,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod late;
+pub mod libvirt;
 pub mod pg;
 pub mod proxy;
 pub mod report;

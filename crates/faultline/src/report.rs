@@ -31,6 +31,10 @@ pub struct Setup {
     pub lbctl_share: f64,
     /// Share of operations that flash firmware.
     pub flash_share: f64,
+    /// Where the VMs ran: `simulator`, or `libvirt URI`.
+    pub hypervisor: String,
+    /// How the flashes reached the BMCs.
+    pub bmc: crate::cli::BmcMode,
     /// Server kills asked for.
     pub server_kills: u32,
     /// Simulator fail-before probability.
@@ -209,6 +213,17 @@ pub fn table(runs: &[RunReport]) -> String {
             }),
         ),
         ("idempotency records", Box::new(|r| r.setup.record_store.to_owned())),
+        (
+            "VMs on / BMCs via",
+            Box::new(|r| {
+                let bmc = match (r.setup.bmc, r.setup.flash_share > 0.0) {
+                    (_, false) => "no flashes",
+                    (crate::cli::BmcMode::Native, true) => "native",
+                    (crate::cli::BmcMode::Redfish, true) => "redfish",
+                };
+                format!("{} / {bmc}", r.setup.hypervisor)
+            }),
+        ),
         ("  --record-store-replicas (WAIT)", Box::new(|r| r.setup.record_store_replicas.to_string())),
         (
             "failovers made (postgres / redis asked)",

@@ -97,20 +97,111 @@ impl GroundTruth {
     }
 }
 
+/// Where the VMs run, as the ground truth reads them.
+#[derive(Debug, Clone)]
+pub enum Vms {
+    /// The simulator at this base URL (`/v1/stats`, `/v1/vms`).
+    Simulator(String),
+    /// A real libvirt host (`--libvirt`): the run's domains and their events.
+    Libvirt(std::sync::Arc<crate::libvirt::Libvirt>),
+}
+
+/// Where the flashes go: the simulator's BMCs, through its native API or its Redfish service.
+#[derive(Debug, Clone)]
+pub struct Bmcs {
+    /// The simulator's base URL.
+    pub url: String,
+    /// Served as Redfish (`hypervisor-sim --bmc redfish`).
+    pub redfish: bool,
+}
+
 /// Direct (unproxied, fault-free) reads of the servers and the simulator.
 #[derive(Debug, Clone)]
 pub struct Reader {
     http: reqwest::Client,
     replicas: Vec<String>,
-    hypervisor: String,
+    vms: Vms,
+    /// `None` when the BMCs are the servers' in-process ones (`--libvirt` without `--bmc
+    /// redfish`): no flashes are run then.
+    bmcs: Option<Bmcs>,
     principals: Vec<Principal>,
 }
 
 impl Reader {
-    /// A reader for these replicas (direct URLs) and the simulator.
-    pub fn new(replicas: Vec<String>, hypervisor: String, principals: Vec<Principal>) -> anyhow::Result<Self> {
+    /// A reader for these replicas (direct URLs), the VMs and the BMCs.
+    pub fn new(
+        replicas: Vec<String>,
+        vms: Vms,
+        bmcs: Option<Bmcs>,
+        principals: Vec<Principal>,
+    ) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build()?;
-        Ok(Reader { http, replicas, hypervisor, principals })
+        Ok(Reader { http, replicas, vms, bmcs, principals })
+    }
+
+    /// The simulator's counters, or on libvirt what its domains and events show beside the
+    /// BMCs' counters of the simulator (when there is one).
+    async fn hypervisor_stats(&self) -> anyhow::Result<SimStats> {
+        match &self.vms {
+            Vms::Simulator(url) => self.get(&format!("{url}/v1/stats"), "").await?.ok_or_else(|| anyhow!("no stats")),
+            Vms::Libvirt(libvirt) => {
+                let mut stats = libvirt.stats().await?;
+                if let Some(bmcs) = &self.bmcs {
+                    let sim: SimStats =
+                        self.get(&format!("{}/v1/stats", bmcs.url), "").await?.ok_or_else(|| anyhow!("no stats"))?;
+                    stats.flashes_total = sim.flashes_total;
+                    stats.duplicate_flash_tags = sim.duplicate_flash_tags;
+                    stats.bricked_nodes = sim.bricked_nodes;
+                }
+                Ok(stats)
+            }
+        }
+    }
+
+    /// The flash tags the BMCs of `nodes` hold, as `(node, tag)`: the native API's `flash_tags`,
+    /// or the Redfish tasks' requests (`Targets` and the `tag` of `ImageURI`).
+    pub async fn bmc_flash_tags(&self, nodes: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+        let Some(bmcs) = &self.bmcs else { return Ok(Vec::new()) };
+        let mut flashed = Vec::new();
+        if !bmcs.redfish {
+            #[derive(Deserialize)]
+            struct Bmc {
+                #[serde(default)]
+                flash_tags: Vec<String>,
+            }
+            for node in nodes {
+                let bmc: Bmc = self
+                    .get(&format!("{}/v1/bmc/{node}", bmcs.url), "")
+                    .await?
+                    .ok_or_else(|| anyhow!("no BMC {node}"))?;
+                flashed.extend(bmc.flash_tags.into_iter().map(|tag| (node.clone(), tag)));
+            }
+            return Ok(flashed);
+        }
+        let tasks: serde_json::Value = self
+            .get(&format!("{}/redfish/v1/TaskService/Tasks", bmcs.url), "")
+            .await?
+            .ok_or_else(|| anyhow!("no Redfish task collection"))?;
+        let members: Vec<String> = tasks["Members"]
+            .as_array()
+            .ok_or_else(|| anyhow!("the Redfish task collection has no Members"))?
+            .iter()
+            .filter_map(|m| m["@odata.id"].as_str().map(str::to_owned))
+            .collect();
+        let read: Vec<anyhow::Result<Option<serde_json::Value>>> = futures::stream::iter(members)
+            .map(|path| async move { self.get::<serde_json::Value>(&format!("{}{path}", bmcs.url), "").await })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        for task in read {
+            let Some(task) = task? else { continue };
+            if let Some((node, tag)) = redfish_task_flash(&task)
+                && nodes.contains(&node)
+            {
+                flashed.push((node, tag));
+            }
+        }
+        Ok(flashed)
     }
 
     /// GETs `url` as JSON, retrying a few times on errors (the servers have no injected faults
@@ -136,8 +227,8 @@ impl Reader {
     /// The fleet and the simulator's counters.
     pub async fn counters(&self) -> anyhow::Result<(Fleet, SimStats)> {
         let fleet = self.get(&format!("{}/admin/v1/fleet", self.replicas[0]), ADMIN_TOKEN).await?;
-        let sim = self.get(&format!("{}/v1/stats", self.hypervisor), "").await?;
-        Ok((fleet.ok_or_else(|| anyhow!("no fleet"))?, sim.ok_or_else(|| anyhow!("no stats"))?))
+        let sim = self.hypervisor_stats().await?;
+        Ok((fleet.ok_or_else(|| anyhow!("no fleet"))?, sim))
     }
 
     /// Waits until nothing moves any more: handlers cut off by a client finish, stale in-flight
@@ -201,9 +292,13 @@ impl Reader {
             #[serde(default)]
             tag: String,
         }
-        let vms: VmList =
-            self.get(&format!("{}/v1/vms", self.hypervisor), "").await?.ok_or_else(|| anyhow!("no VM list"))?;
-        let vms = vms.vms.into_iter().map(|v| (v.vm_id, v.tag)).collect();
+        let vms = match &self.vms {
+            Vms::Simulator(url) => {
+                let vms: VmList = self.get(&format!("{url}/v1/vms"), "").await?.ok_or_else(|| anyhow!("no VM list"))?;
+                vms.vms.into_iter().map(|v| (v.vm_id, v.tag)).collect()
+            }
+            Vms::Libvirt(libvirt) => libvirt.domains().await?.into_iter().map(|d| (d.name, d.tag)).collect(),
+        };
         Ok(GroundTruth { fleet, sim, workers, server, vms })
     }
 
@@ -226,19 +321,7 @@ impl Reader {
     /// and operation id derive from its record (`idempotency::derive`, as leasebroker's
     /// `firmware::keys` derives them), read from `GET /admin/v1/records`.
     pub async fn flashes_without_operation(&self, nodes: &[String]) -> anyhow::Result<Vec<String>> {
-        #[derive(Deserialize)]
-        struct Bmc {
-            #[serde(default)]
-            flash_tags: Vec<String>,
-        }
-        let mut flashed = Vec::new();
-        for node in nodes {
-            let bmc: Bmc = self
-                .get(&format!("{}/v1/bmc/{node}", self.hypervisor), "")
-                .await?
-                .ok_or_else(|| anyhow!("no BMC {node}"))?;
-            flashed.extend(bmc.flash_tags.into_iter().map(|tag| (node.clone(), tag)));
-        }
+        let flashed = self.bmc_flash_tags(nodes).await?;
         if flashed.is_empty() {
             return Ok(Vec::new());
         }
@@ -313,17 +396,27 @@ impl Reader {
     /// tagged `faultline-planted-N`: nothing in the service owns them. Retries a call the
     /// simulator's faults cut until its tag is there.
     pub async fn plant_orphans(&self, vms: u32, flash_node: &str) -> anyhow::Result<()> {
-        let hv = &self.hypervisor;
+        let (Vms::Simulator(hv), Some(bmcs)) = (&self.vms, &self.bmcs) else {
+            anyhow::bail!("--plant-orphans plants on the simulator, which this run does not use");
+        };
         for n in 0..=vms {
             let tag = format!("{PLANTED_PREFIX}{n}");
+            let bmc = &bmcs.url;
             let (send, check) = if n < vms {
                 let body = serde_json::json!({"image": "planted", "cpu": 1, "memory_gb": 1, "tag": tag});
-                (self.http.post(format!("{hv}/v1/vms")).json(&body), format!("{hv}/v1/vms?tag={tag}"))
+                (self.http.post(format!("{hv}/v1/vms")).json(&body), Some(format!("{hv}/v1/vms?tag={tag}")))
+            } else if bmcs.redfish {
+                let body = serde_json::json!({
+                    "ImageURI": format!("http://firmware.invalid/images/planted?tag={tag}"),
+                    "Targets": [format!("/redfish/v1/Systems/{flash_node}")],
+                });
+                let url = format!("{bmc}/redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate");
+                (self.http.post(url).json(&body), None)
             } else {
                 let body = serde_json::json!({"version": "planted", "tag": tag});
                 (
-                    self.http.post(format!("{hv}/v1/bmc/{flash_node}/flash")).json(&body),
-                    format!("{hv}/v1/bmc?tag={tag}"),
+                    self.http.post(format!("{bmc}/v1/bmc/{flash_node}/flash")).json(&body),
+                    Some(format!("{bmc}/v1/bmc?tag={tag}")),
                 )
             };
             let mut planted = false;
@@ -333,9 +426,14 @@ impl Reader {
                     planted = true;
                     break;
                 }
-                let listed: Option<serde_json::Value> = self.get(&check, "").await?;
-                if listed.is_some_and(|v| v["vms"].as_array().or(v["nodes"].as_array()).is_some_and(|a| !a.is_empty()))
-                {
+                let listed = match &check {
+                    Some(check) => self
+                        .get::<serde_json::Value>(check, "")
+                        .await?
+                        .is_some_and(|v| v["vms"].as_array().or(v["nodes"].as_array()).is_some_and(|a| !a.is_empty())),
+                    None => self.bmc_flash_tags(&[flash_node.to_owned()]).await?.iter().any(|(_, t)| *t == tag),
+                };
+                if listed {
                     planted = true;
                     break;
                 }
@@ -442,6 +540,23 @@ pub async fn drop_records(database: &str, keys: &[String]) -> anyhow::Result<u64
         pool.close().await;
     }
     Ok(dropped)
+}
+
+/// The node and the tag of a Redfish task's flash: the last segment of its request's first
+/// `Targets` entry and the `tag` query parameter of its `ImageURI` (`None` when the task kept no
+/// request, or it names neither).
+pub fn redfish_task_flash(task: &serde_json::Value) -> Option<(String, String)> {
+    // A string of JSON, as Redfish has it (some BMCs put the object itself).
+    let body = &task["Payload"]["JsonBody"];
+    let body: serde_json::Value = match body.as_str() {
+        Some(text) => serde_json::from_str(text).ok()?,
+        None => body.clone(),
+    };
+    let node = body["Targets"].as_array()?.first()?.as_str()?.rsplit('/').next()?.to_owned();
+    let uri = body["ImageURI"].as_str()?;
+    let query = uri.split_once('?')?.1;
+    let tag = query.split('&').find_map(|p| p.strip_prefix("tag="))?;
+    Some((node, tag.to_owned()))
 }
 
 /// The tag prefix of what `--plant-orphans` plants.
@@ -625,6 +740,7 @@ pub fn check(
     reboots_ok: u64,
     failed_ops: u64,
     late_boots: u64,
+    on_libvirt: bool,
 ) -> (Damage, Vec<Invariant>) {
     let fleet = &truth.fleet;
     let sim = &truth.sim;
@@ -742,7 +858,20 @@ pub fn check(
     // A boot held past the settle window may land beside the one a retry made after the window
     // (a second VM of its tag, which the service destroys) or after its create was rolled back
     // (an orphan): at most one more boot and one more boot of a tag each.
-    if late_boots == 0 {
+    if on_libvirt {
+        // A domain shows its boot by its `Started` event, which libvirt sends once the start has
+        // completed. A create a retry adopted after a SIGKILL answers as soon as libvirt lists the
+        // domain active, which it does from QEMU's launch on; a delete of that worker before the
+        // start completed destroys it mid-start (libvirt logs `reason=failed`) and no `Started`
+        // event ever comes. So fewer boots than workers created may be seen, never fewer than the
+        // workers still held (their domains run), never more than one per create.
+        within(
+            "libvirt boots (Started) <= workers created (+ at most one per abandoned create), >= workers held",
+            known_active,
+            known_created + abandoned_creates,
+            sim.boots_total,
+        );
+    } else if late_boots == 0 {
         within(
             "hypervisor boots == workers created (+ at most one per abandoned create)",
             known_created + abandoned_creates_finished,
@@ -758,12 +887,24 @@ pub fn check(
             sim.boots_total,
         );
     }
-    within(
-        "hypervisor reboots == successful reboot ops (+ at most one per abandoned reboot)",
-        reboots_ok,
-        reboots_ok + abandoned_reboots,
-        sim.reboots_total,
-    );
+    if on_libvirt {
+        // A reset leaves no trace but its event: a server killed after it recorded the reboot's
+        // tag on the domain and before the reset reads the reboot as done on the retry (the
+        // libvirt backend's documented "at most once"), so fewer resets than reboots may be.
+        within(
+            "libvirt resets <= successful reboot ops (+ at most one per abandoned reboot)",
+            0,
+            reboots_ok + abandoned_reboots,
+            sim.reboots_total,
+        );
+    } else {
+        within(
+            "hypervisor reboots == successful reboot ops (+ at most one per abandoned reboot)",
+            reboots_ok,
+            reboots_ok + abandoned_reboots,
+            sim.reboots_total,
+        );
+    }
     within(
         "fleet reboots_total == successful reboot ops (+ at most one per abandoned reboot)",
         reboots_ok,
@@ -861,6 +1002,19 @@ mod tests {
             )
             .is_empty()
         );
+    }
+
+    #[test]
+    fn reads_the_node_and_tag_of_a_redfish_tasks_flash() {
+        let body = r#"{"ImageURI":"http://firmware.invalid/images/fw-1?tag=sk-abc","Targets":["/redfish/v1/Systems/node-0003"]}"#;
+        let task = serde_json::json!({"Id": "1", "Payload": {"JsonBody": body}});
+        assert_eq!(redfish_task_flash(&task), Some(("node-0003".to_owned(), "sk-abc".to_owned())));
+        let object =
+            serde_json::json!({"Payload": {"JsonBody": serde_json::from_str::<serde_json::Value>(body).unwrap()}});
+        assert_eq!(redfish_task_flash(&object), Some(("node-0003".to_owned(), "sk-abc".to_owned())));
+        assert_eq!(redfish_task_flash(&serde_json::json!({"Id": "2"})), None, "a task without its request");
+        let untagged = serde_json::json!({"Payload": {"JsonBody": r#"{"ImageURI":"http://x/fw","Targets":["/redfish/v1/Systems/1"]}"#}});
+        assert_eq!(redfish_task_flash(&untagged), None);
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl Binaries {
         Ok(Binaries { leasebroker, lbctl, serve_help })
     }
 
-    fn serve_has(&self, flag: &str) -> bool {
+    pub(super) fn serve_has(&self, flag: &str) -> bool {
         self.serve_help.contains(flag)
     }
 }

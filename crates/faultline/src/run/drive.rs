@@ -16,13 +16,15 @@ use super::binaries::{Binaries, serve_extra};
 use super::chaos::{kill_replicas, pause_replicas, restart_database};
 use super::failover::{fail_over_postgres, fail_over_redis};
 use super::progress::{progress_bar, status};
+use crate::cli::BmcMode;
 use crate::cli::Scenario;
 use crate::cluster::{self, Hypervisor, Replica, ServeConfig, SimFaults};
 use crate::late::LateProxy;
+use crate::libvirt::Libvirt;
 use crate::pg::LocalCluster;
 use crate::proxy::{FaultPlan, Proxy, ProxyCounts};
 use crate::report::{Faults, Outcomes, RunReport, Setup};
-use crate::verify::{self, Reader};
+use crate::verify::{self, Bmcs, Reader, Vms};
 use crate::workload::{ClientKind, Workload, WorkloadConfig};
 use idempotency_sqlx::testing::ha::HaPostgres;
 
@@ -37,6 +39,8 @@ pub(super) struct OwnServers {
     pub(super) restarted: Option<Arc<Mutex<LocalCluster>>>,
     /// The HA cluster it fails over (`--postgres-ha`).
     pub(super) ha: Option<Arc<std::sync::Mutex<HaPostgres>>>,
+    /// The libvirt host the VMs run on (`--libvirt`).
+    pub(super) libvirt: Option<Arc<Libvirt>>,
 }
 
 /// One run in `dir` against `database`: everything it starts is stopped when it returns.
@@ -64,16 +68,32 @@ pub(super) async fn run_in(
         slow: sc.hv_slow,
         slow_ms: sc.hv_slow_ms,
         refuse: sc.hv_refuse,
+        redfish: sc.bmc == BmcMode::Redfish,
     };
-    let hypervisor = Hypervisor::start(&bin.leasebroker, dir, faults).await?;
-    let (mut extra, settle, abandon_after) = serve_extra(sc, bin)?;
-    // Late landings: the servers call the simulator through a proxy that holds a share of first
-    // boots until the settle window has passed, and `--late-by` more.
-    let late = if sc.late_landings > 0.0 {
-        let window = settle.unwrap_or(sc.hypervisor_timeout + Duration::from_secs(2));
-        Some(LateProxy::start(&hypervisor.url, sc.late_landings, window + sc.late_by).await?)
+    // On libvirt the simulator serves the BMCs only, and only as Redfish (the servers' --bmc-url);
+    // with the native BMC API the servers' BMCs are their in-process ones, which no one else can
+    // read: no flashes then.
+    let hypervisor = if own.libvirt.is_none() || sc.bmc == BmcMode::Redfish {
+        Some(Hypervisor::start(&bin.leasebroker, dir, faults).await?)
     } else {
         None
+    };
+    let flash_share = if hypervisor.is_some() { sc.flashes } else { 0.0 };
+    let (mut extra, settle, abandon_after) = serve_extra(sc, bin)?;
+    if let Some(libvirt) = &own.libvirt {
+        extra.extend(["--libvirt-images".to_owned(), libvirt.dir.to_string_lossy().into_owned()]);
+    }
+    if let (BmcMode::Redfish, Some(sim)) = (sc.bmc, &hypervisor) {
+        extra.extend(["--bmc-url".to_owned(), format!("redfish+{}", sim.url)]);
+    }
+    // Late landings: the servers call the simulator through a proxy that holds a share of first
+    // boots until the settle window has passed, and `--late-by` more.
+    let late = match &hypervisor {
+        Some(sim) if sc.late_landings > 0.0 && own.libvirt.is_none() => {
+            let window = settle.unwrap_or(sc.hypervisor_timeout + Duration::from_secs(2));
+            Some(LateProxy::start(&sim.url, sc.late_landings, window + sc.late_by).await?)
+        }
+        _ => None,
     };
     // Stopped and removed when the run ends (its processes are killed on drop).
     let redis = if sc.redis_cluster {
@@ -99,7 +119,12 @@ pub(super) async fn run_in(
         database: database.to_owned(),
         principals: principals.clone(),
         pool_nodes,
-        hypervisor_url: late.as_ref().map_or_else(|| hypervisor.url.clone(), |l| l.url.clone()),
+        hypervisor_url: match (&own.libvirt, &late, &hypervisor) {
+            (Some(libvirt), _, _) => format!("libvirt+{}", libvirt.uri()),
+            (None, Some(late), _) => late.url.clone(),
+            (None, None, Some(sim)) => sim.url.clone(),
+            (None, None, None) => bail!("no hypervisor"),
+        },
         hypervisor_timeout: sc.hypervisor_timeout,
         in_flight_ttl: sc.in_flight_ttl,
         extra,
@@ -117,7 +142,13 @@ pub(super) async fn run_in(
         proxies.push(Proxy::start(r.addr, plan).await?);
     }
     let direct: Vec<String> = replicas.iter().map(Replica::url).collect();
-    let reader = Reader::new(direct, hypervisor.url.clone(), principals.clone())?;
+    let vms = match (&own.libvirt, &hypervisor) {
+        (Some(libvirt), _) => Vms::Libvirt(libvirt.clone()),
+        (None, Some(sim)) => Vms::Simulator(sim.url.clone()),
+        (None, None) => bail!("no hypervisor"),
+    };
+    let bmcs = hypervisor.as_ref().map(|sim| Bmcs { url: sim.url.clone(), redfish: sc.bmc == BmcMode::Redfish });
+    let reader = Reader::new(direct, vms, bmcs, principals.clone())?;
 
     let workload = Arc::new(Workload::new(WorkloadConfig {
         kind,
@@ -132,7 +163,7 @@ pub(super) async fn run_in(
         run_tag: format!("{}-{rate}", kind.name()),
         abandon_rate: sc.abandon,
         abandon_ops: sc.abandon_ops.clone(),
-        flash_share: sc.flashes,
+        flash_share,
         pool_nodes: pool_nodes.min(FLASH_NODES),
     })?);
     let proxies = Arc::new(proxies);
@@ -321,7 +352,7 @@ pub(super) async fn run_in(
         let reboots_ok = c.reboots_ok.load(Ordering::Relaxed);
         let failed = c.failed.load(Ordering::Relaxed);
         let (mut damage, mut invariants) =
-            verify::check(&ledger, &truth, &gets, reboots_ok, failed, late_counts.delivered);
+            verify::check(&ledger, &truth, &gets, reboots_ok, failed, late_counts.delivered, own.libvirt.is_some());
         verify::check_flashes(&ledger, &truth, &operations, &mut damage, &mut invariants);
         verify::check_owners(&vms_unowned, &flashes_unowned, &mut damage, &mut invariants);
         verify::check_acknowledged(records_lost.len() as u64, flash_ops_lost, &mut damage, &mut invariants);
@@ -346,7 +377,12 @@ pub(super) async fn run_in(
                 concurrency: sc.concurrency,
                 client_fault_rate: rate,
                 lbctl_share: sc.lbctl_share,
-                flash_share: sc.flashes,
+                flash_share,
+                hypervisor: own
+                    .libvirt
+                    .as_ref()
+                    .map_or_else(|| "simulator".to_owned(), |l| format!("libvirt {}", l.uri())),
+                bmc: sc.bmc,
                 server_kills: sc.server_kills,
                 hv_fail_before: sc.hv_fail_before,
                 hv_fail_after: sc.hv_fail_after,

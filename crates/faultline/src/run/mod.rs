@@ -48,7 +48,14 @@ pub async fn main(cli: Cli) -> anyhow::Result<bool> {
             args.rates.iter().map(|&r| (r, vec![ClientKind::Protected, ClientKind::Naive])).collect(),
         ),
     };
+    scenario.check_modes().map_err(|e| anyhow!(e))?;
     let binaries = Binaries::locate(&scenario)?;
+    if scenario.libvirt.is_some() && !binaries.serve_has("--libvirt-images") {
+        anyhow::bail!(
+            "--libvirt: {} has no libvirt backend (build it with its libvirt feature: cargo build -p leasebroker --features libvirt)",
+            binaries.leasebroker.display()
+        );
+    }
     std::fs::create_dir_all(&scenario.out).with_context(|| format!("creating {}", scenario.out.display()))?;
     let mut runs = Vec::new();
     for (rate, kinds) in plan {
@@ -82,6 +89,11 @@ pub async fn main(cli: Cli) -> anyhow::Result<bool> {
 /// database dropped, also on error or Ctrl-C.
 async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: ClientKind) -> anyhow::Result<RunReport> {
     let temp = tempfile::Builder::new().prefix("faultline-").tempdir().context("temporary directory")?;
+    // The libvirt host's domains of this run, watched from before anything else starts (nothing to undo if it fails).
+    let libvirt = match &scenario.libvirt {
+        Some(uri) => Some(Arc::new(crate::libvirt::Libvirt::start(uri, &scenario.libvirt_dir).await?)),
+        None => None,
+    };
     // A run that restarts the database gets a cluster of its own: never restart a shared server.
     let own = if scenario.postgres_restarts > 0 {
         Some(LocalCluster::start().await.context("starting a PostgreSQL cluster of faultline's own")?)
@@ -117,11 +129,19 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
     // Dropping the run's future (Ctrl-C, time limit) kills its processes (kill_on_drop) and aborts
     // its tasks; the database is dropped below either way.
     let result = tokio::select! {
-        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, OwnServers { restarted: own.clone(), ha: ha.clone() })) => {
+        r = tokio::time::timeout(scenario.max_duration, run_in(scenario, binaries, rate, kind, temp.path(), &url, OwnServers { restarted: own.clone(), ha: ha.clone(), libvirt: libvirt.clone() })) => {
             r.unwrap_or_else(|_| Err(anyhow!("the run took longer than --max-duration {:?}", scenario.max_duration)))
         }
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
     };
+    // Every domain the run made goes, whatever the run's outcome (the servers are stopped: the
+    // run's future is done).
+    if let Some(libvirt) = &libvirt {
+        match libvirt.clean_up().await {
+            Ok(n) => eprintln!("faultline: destroyed and undefined the run's {n} libvirt domain(s)"),
+            Err(e) => eprintln!("faultline: warning: cleaning up the libvirt domains: {e:#}"),
+        }
+    }
     if let Some(db) = database
         && let Err(e) = db.drop_now().await
     {

@@ -1,7 +1,9 @@
 //! faultline's integration tests: the real `faultline` binary against real `leasebroker` and
 //! `lbctl` processes.
 
+mod libvirt;
 mod lost;
 mod owners;
+mod redfish;
 mod smoke;
 mod support;
