@@ -195,7 +195,7 @@ impl Application {
         }
 
         let probe = crate::outage::StoreProbe::new(db.clone());
-        let state = AppState {
+        let state = AppState::new(api::AppStateInner {
             firmware: Firmware {
                 domain: domain.clone(),
                 hypervisor: hypervisor.clone(),
@@ -221,7 +221,7 @@ impl Application {
                 .key_sources
                 .contains(&KeySource::RequestId)
                 .then_some(idempotency_tower::AIP_155_REQUEST_ID),
-        };
+        });
         let console = crate::console::Console::default();
         background.push(console.history.spawn_sampler(state.metrics.clone()));
         let router = crate::routes::router(state, layer, console)

@@ -29,9 +29,29 @@ pub use handlers::*;
 pub use problems::{ApiError, MAX_DETAIL, json_error_detail};
 pub use records::*;
 
-/// Shared state of the handlers.
+/// Shared state of the handlers, behind one `Arc`: axum clones the state for every middleware
+/// and handler of every request, and the services inside hold several clients (a clone of each
+/// would be allocations and contended reference counts on every request).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppStateInner>);
+
+impl AppState {
+    /// The state of `inner`.
+    pub fn new(inner: AppStateInner) -> Self {
+        Self(Arc::new(inner))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = AppStateInner;
+
+    fn deref(&self) -> &AppStateInner {
+        &self.0
+    }
+}
+
+/// What [`AppState`] holds.
+pub struct AppStateInner {
     /// The workers service.
     pub workers: Workers,
     /// The firmware service.
@@ -71,6 +91,12 @@ pub fn rate_limiter(per_second: u32, burst: Option<u32>) -> Option<Arc<Principal
 }
 
 impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for AppStateInner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AppState").field("principals", &self.tokens.len()).finish_non_exhaustive()
     }
