@@ -315,7 +315,7 @@ async fn no_token_configured_generates_and_prints_one() {
     let mut proc = Launch::new(&["serve", "--listen", "127.0.0.1:0", "--database", &db]).start();
     let printed = proc.stdout();
     let token = printed.lines().find_map(|l| l.trim().strip_prefix("token: ")).expect("a generated token is printed");
-    let ok = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), &token, None, None).await;
+    let ok = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), token, None, None).await;
     assert_eq!(ok.status, StatusCode::OK);
     let no = send(reqwest::Method::GET, &format!("{}/v1/workers", proc.url), "guess", None, None).await;
     assert_eq!(no.status, StatusCode::UNAUTHORIZED);
