@@ -611,14 +611,16 @@ async fn server_completion_and_failure_are_announced_to_another_process() {
     until_subscribed(&cleanup.url, &idempotency_redis::changes_channel(store.prefix())).await;
 
     let (done, failed, untouched) = (scope(), scope(), scope());
-    let quiet = changes.subscribe(&untouched);
-    let mut not_heard = std::pin::pin!(quiet.notify().notified());
-    not_heard.as_mut().enable();
     announced_within(&changes, &done, async {
         let ClaimOutcome::Owned(c) = store.claim(request(&done)).await.expect("claim") else { panic!("owned") };
         store.complete(&c, &response(), request(&done).expires_at).await.expect("complete");
     })
     .await;
+    // Armed once an announcement came through: the wake-up every new subscription gives all
+    // waiters is behind us, so only an announcement could wake this one.
+    let quiet = changes.subscribe(&untouched);
+    let mut not_heard = std::pin::pin!(quiet.notify().notified());
+    not_heard.as_mut().enable();
     announced_within(&changes, &failed, async {
         let ClaimOutcome::Owned(c) = store.claim(request(&failed)).await.expect("claim") else { panic!("owned") };
         store.fail(&c).await.expect("fail");
