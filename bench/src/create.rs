@@ -21,26 +21,29 @@ use crate::pg::{claim_request, complete, insert_or_read, response};
 
 /// The domain's writes before the call, with `{op}`, `{alloc}`, `{lease}`, `{intent}`,
 /// `{now}`, `{stamp}` and `{free}` (the free-node sub-select) to fill in. The statements are
-/// leasebroker's (crates/leasebroker/src/domain/create.rs, nodes.rs); the attempt's row is the
-/// rollback fence and what the reaper finds an abandoned create by.
+/// leasebroker's and the effect ledger's (crates/leasebroker/src/domain/create.rs, nodes.rs;
+/// crates/idempotency-effects/src/sql.rs); the attempt's row is the rollback fence and what the
+/// reaper finds an abandoned create by.
 const BEFORE: [&str; 4] = [
-    "INSERT INTO lb_operations (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at) \
-     VALUES ({op}, 'create', 'bench', 'POST /v1/workers', {op}, {op}, {now}) \
-     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at WHERE lb_operations.rolled_back = 0",
+    "INSERT INTO fx_operations (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, \
+     next_check_at) VALUES ({op}, 'create', 'bench', 'POST /v1/workers', {op}, {op}, 0, {now}, {now}) \
+     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = excluded.last_attempt_at, \
+     next_check_at = excluded.next_check_at WHERE fx_operations.mark = 0",
     "UPDATE lb_nodes SET alloc_id = {alloc}, principal = 'bench', allocated_at = {now} \
      WHERE node_id = ({free}) RETURNING node_id",
     "INSERT INTO lb_leases (lease_id, node_id, principal, created_at) VALUES ({lease}, {node}, 'bench', {now})",
-    "INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
-     VALUES ({intent}, 'boot', 'pending', {now}, {stamp}, {op})",
+    "INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
+     VALUES ({intent}, {op}, 'boot', 1, 'pending', {now}, {stamp})",
 ];
 
-/// The domain's writes after the call: the worker (with the VM), the operation finished.
+/// The domain's writes after the call: the worker (with the VM), the operation finished (its
+/// mark; its intents go).
 const AFTER: [&str; 3] = [
     "INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, vm_id, state, \
      reboot_count, created_at) VALUES ({worker}, 'bench', 'worker-base', 1, 1, '{{}}', {node}, {lease}, {vm}, \
      'running', 0, {now})",
-    "DELETE FROM lb_intents WHERE op_id = {op}",
-    "DELETE FROM lb_operations WHERE op_id = {op}",
+    "DELETE FROM fx_intents WHERE op_id = {op}",
+    "UPDATE fx_operations SET mark = 3, marked_at = {now} WHERE op_id = {op} AND mark = 0",
 ];
 
 const FREE_PG: &str =

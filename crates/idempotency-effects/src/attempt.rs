@@ -54,6 +54,16 @@ impl Effects {
         self.settle
     }
 
+    /// Errs with [`EffectError::Settling`] while the last call of the pending `intent` may
+    /// still land (the settle window since its send stamp has not passed): for a service that
+    /// reconciles a long-running effect itself before deciding anything more.
+    pub fn settling(&self, intent: &Intent) -> Result<(), EffectError> {
+        if intent.state != IntentState::Pending {
+            return Ok(());
+        }
+        settled_since(&intent.intent_id, intent.sent_at, self.settle)
+    }
+
     /// An attempt of `op`: one run of a handler.
     pub fn attempt(&self, op: &Operation) -> Attempt {
         Attempt { effects: self.clone(), op: op.clone() }
@@ -226,9 +236,16 @@ impl Attempt {
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<Sent, CallError>>,
     {
-        let (row, new) = self.first_step(effect);
-        let decided = self.effects.ledger.decide(&row, &new, self.effects.send_ahead).await?;
+        let decided = self.decide(effect).await?;
         self.run_decided(effect, decided, send).await
+    }
+
+    /// The first step of [`Attempt::run`] alone ([`Ledger::decide`]): records the attempt and
+    /// reads the effect's intent, or records it with its send stamp. Go on with
+    /// [`Attempt::run_decided`] (a service does its own steps in between).
+    pub async fn decide(&self, effect: &dyn Effect) -> Result<Decided, EffectError> {
+        let (row, new) = self.first_step(effect);
+        Ok(self.effects.ledger.decide(&row, &new, self.effects.send_ahead).await?)
     }
 
     #[cfg(feature = "sqlite")]
@@ -284,7 +301,9 @@ impl Attempt {
                 if let Some(outcome) = self.adopt(effect, &intent).await? {
                     return Ok(outcome);
                 }
-                settled_since(&tag, intent.sent_at, self.effects.settle)?;
+                if !effect.idempotent() {
+                    settled_since(&tag, intent.sent_at, self.effects.settle)?;
+                }
             }
             IntentState::Failed => {} // that call definitely did not happen
         }
@@ -310,6 +329,21 @@ impl Attempt {
     /// (but accepted ones, which their watcher ends). Call it before answering.
     pub async fn finish(&self) -> Result<(), EffectError> {
         Ok(self.effects.ledger.finish(self.op.id(), now_micros()).await?)
+    }
+
+    #[cfg(feature = "sqlite")]
+    /// [`Attempt::finish`] inside the caller's own SQLite transaction, so the service's result
+    /// (a worker row) and the operation's end are one commit. Run it first in the transaction:
+    /// its write is the fence. Errs with [`EffectError::Finished`] / [`EffectError::RolledBack`]
+    /// when the operation is not live (roll the transaction back then).
+    pub async fn finish_in_sqlite(&self, conn: &mut sqlx::SqliteConnection) -> Result<(), EffectError> {
+        Ok(crate::sql::finish_in_sqlite(conn, self.op.id(), now_micros()).await?)
+    }
+
+    #[cfg(feature = "postgres")]
+    /// As [`Attempt::finish_in_sqlite`], in the caller's own PostgreSQL transaction.
+    pub async fn finish_in_postgres(&self, conn: &mut sqlx::PgConnection) -> Result<(), EffectError> {
+        Ok(crate::sql::finish_in_postgres(conn, self.op.id(), now_micros()).await?)
     }
 
     /// A pending intent: what its earlier call made, adopted, if anything exists.
@@ -362,14 +396,19 @@ pub(crate) async fn undo_duplicate(effect: &dyn Effect, tag: &str, keep: &str, e
         return;
     }
     match effect.undo(extra).await {
-        Ok(existed) => tracing::warn!(
-            tag,
-            kept = keep,
-            extra,
-            existed,
-            "a second resource for one effect (a call landed after the settle window): undone; \
-             the settle window is shorter than the downstream takes"
-        ),
+        Ok(existed) => {
+            tracing::warn!(
+                tag,
+                kept = keep,
+                extra,
+                existed,
+                "a second resource for one effect (a call landed after the settle window): undone; \
+                 the settle window is shorter than the downstream takes"
+            );
+            if existed {
+                effect.undone(tag, extra, &crate::Undone::Duplicate { kept: keep.to_owned() });
+            }
+        }
         Err(e) => tracing::warn!(tag, extra, error = %e, "undoing a duplicate failed; the inventory sweep retries"),
     }
 }

@@ -79,6 +79,21 @@ impl fmt::Display for CallError {
 
 impl std::error::Error for CallError {}
 
+/// Why a resource was undone, as [`Effect::undone`] is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Undone {
+    /// A second resource with one tag (a call that landed after the settle window); `kept` is
+    /// the one the operation adopted.
+    Duplicate {
+        /// The resource kept.
+        kept: String,
+    },
+    /// Nothing owned it (the inventory sweep): a call that landed after its operation ended.
+    Orphan,
+    /// Its operation was abandoned and rolled back.
+    RolledBack,
+}
+
 /// What a successful send returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Sent {
@@ -129,6 +144,19 @@ pub trait Effect: Send + Sync + fmt::Debug {
     async fn list(&self, prefix: &str) -> Result<Vec<Tagged>, CallError> {
         let _ = prefix;
         Ok(Vec::new())
+    }
+
+    /// Whether the call is idempotent downstream by itself (a delete by id, a "set to" call):
+    /// sending it twice does no harm. Then a retry that finds the call pending and nothing by
+    /// tag sends again at once instead of waiting out the settle window. Default: false.
+    fn idempotent(&self) -> bool {
+        false
+    }
+
+    /// Told after the library undid `id` (tagged `tag`) and found it there, so a service can
+    /// count and log it (a metric, an audit line). Does nothing by default.
+    fn undone(&self, tag: &str, id: &str, why: &Undone) {
+        let _ = (tag, id, why);
     }
 
     /// Whether the resource outlives its operation (a create: yes; a reboot: no). A finished

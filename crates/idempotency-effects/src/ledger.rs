@@ -229,6 +229,9 @@ pub trait Ledger: Send + Sync + fmt::Debug + 'static {
     /// The operation, if its row exists.
     async fn operation(&self, op_id: &str) -> Result<Option<OperationRow>, LedgerError>;
 
+    /// The intent `intent_id` (a tag), if it exists.
+    async fn intent(&self, intent_id: &str) -> Result<Option<Intent>, LedgerError>;
+
     /// The operation's intents.
     async fn intents(&self, op_id: &str) -> Result<Vec<Intent>, LedgerError>;
 
@@ -243,6 +246,12 @@ pub trait Ledger: Send + Sync + fmt::Debug + 'static {
     /// Takes a live operation for a rollback by compare-and-set on the `last_attempt_at` the
     /// reaper decided from: false when an attempt ran a step since, or it is not live.
     async fn take_for_rollback(&self, op_id: &str, seen_last_attempt: i64) -> Result<bool, LedgerError>;
+
+    /// Takes for a rollback an operation that never began in the ledger (the service recorded
+    /// its own row first, and the request that would have begun it was abandoned before): inserts
+    /// `op` marked rolling back, so no late attempt can begin it. False when the operation exists
+    /// (an attempt began it meanwhile: look at it as it is).
+    async fn take_unbegun(&self, op: &OperationRow) -> Result<bool, LedgerError>;
 
     /// Ends a rollback, one transaction: deletes the intents, marks the row rolled back (kept
     /// until the retention). False when it was not rolling back.

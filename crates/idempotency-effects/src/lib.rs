@@ -24,13 +24,13 @@ mod watch;
 pub mod conformance;
 
 pub use attempt::{Attempt, DEFAULT_SEND_AHEAD, DEFAULT_SETTLE, EffectError, Effects, Operation, Outcome};
-pub use effect::{CallError, Effect, Progress, Sent, Tagged};
+pub use effect::{CallError, Effect, Progress, Sent, Tagged, Undone};
 pub use ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow};
 pub use memory::MemoryLedger;
 pub use reaper::{Compensate, Pass, Reaper, ReaperConfig};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use sql::{MIGRATIONS_TABLE, SqlLedger, migrator};
-pub use sweep::{InventorySweep, SweepError, Swept, TAG_PREFIX};
+pub use sweep::{InventorySweep, Owner, SweepError, Swept, TAG_PREFIX};
 pub use watch::{Watched, Watcher};
 
 /// Microseconds since the epoch, now, at the precision the ledgers keep.

@@ -164,6 +164,10 @@ impl Ledger for MemoryLedger {
         Ok(self.lock().ops.get(op_id).map(|(o, _)| o.clone()))
     }
 
+    async fn intent(&self, intent_id: &str) -> Result<Option<Intent>, LedgerError> {
+        Ok(self.lock().intents.get(intent_id).cloned())
+    }
+
     async fn intents(&self, op_id: &str) -> Result<Vec<Intent>, LedgerError> {
         Ok(self.lock().intents.values().filter(|i| i.op_id == op_id).cloned().collect())
     }
@@ -201,6 +205,15 @@ impl Ledger for MemoryLedger {
             }
             _ => false,
         })
+    }
+
+    async fn take_unbegun(&self, op: &OperationRow) -> Result<bool, LedgerError> {
+        let mut s = self.lock();
+        if s.ops.contains_key(&op.op_id) {
+            return Ok(false);
+        }
+        s.ops.insert(op.op_id.clone(), (OperationRow { mark: Mark::RollingBack, ..op.clone() }, 0));
+        Ok(true)
     }
 
     async fn rolled_back(&self, op_id: &str, now: i64) -> Result<bool, LedgerError> {

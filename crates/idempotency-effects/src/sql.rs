@@ -191,6 +191,45 @@ macro_rules! decide_in {
     }};
 }
 
+/// Finishes the live operation `$op_id` on `$conn`, a connection inside a transaction the
+/// caller commits (see [`Ledger::finish`]): the mark is written first, so it is the fence (it
+/// takes the operation row's lock). Returns early with the mark's error when it is not live.
+macro_rules! finish_in {
+    ($conn:ident, $op_id:expr, $now:expr) => {{
+        let (op_id, now): (&str, i64) = ($op_id, $now);
+        let marked = sqlx::query(
+            "UPDATE fx_operations SET mark = 3, marked_at = $2, next_check_at = $2 \
+                                  WHERE op_id = $1 AND mark = 0",
+        )
+        .bind(op_id)
+        .bind(now)
+        .execute(&mut *$conn)
+        .await?
+        .rows_affected();
+        if marked == 0 {
+            let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
+                .bind(op_id)
+                .fetch_optional(&mut *$conn)
+                .await?;
+            return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
+        }
+        sqlx::query(
+            "INSERT INTO fx_owned (tag, resource_id, op_id, owned_at) \
+                     SELECT intent_id, resource_id, op_id, $2 FROM fx_intents \
+                     WHERE op_id = $1 AND keeps = 1 AND state = 'done' AND resource_id IS NOT NULL \
+                     ON CONFLICT (tag) DO NOTHING",
+        )
+        .bind(op_id)
+        .bind(now)
+        .execute(&mut *$conn)
+        .await?;
+        sqlx::query("DELETE FROM fx_intents WHERE op_id = $1 AND state <> 'accepted'")
+            .bind(op_id)
+            .execute(&mut *$conn)
+            .await?;
+    }};
+}
+
 const BEGIN_ATTEMPT: &str = "INSERT INTO fx_operations \
      (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
      VALUES ($1, $2, $3, $4, $5, $6, 0, $7, $8) \
@@ -264,6 +303,31 @@ pub(crate) async fn decide_in_postgres(
     ahead: Duration,
 ) -> Result<Decided, LedgerError> {
     Ok(decide_in!(conn, op, new, ahead))
+}
+
+#[cfg(feature = "sqlite")]
+/// [`Ledger::finish`] inside the caller's own SQLite transaction (committed by the caller), so
+/// a service can write its result (a worker row) and the operation's end in one commit. Use it
+/// through [`crate::Attempt::finish_in_sqlite`].
+pub(crate) async fn finish_in_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    op_id: &str,
+    now: i64,
+) -> Result<(), LedgerError> {
+    finish_in!(conn, op_id, now);
+    Ok(())
+}
+
+#[cfg(feature = "postgres")]
+/// [`Ledger::finish`] inside the caller's own PostgreSQL transaction. Use it through
+/// [`crate::Attempt::finish_in_postgres`].
+pub(crate) async fn finish_in_postgres(
+    conn: &mut sqlx::PgConnection,
+    op_id: &str,
+    now: i64,
+) -> Result<(), LedgerError> {
+    finish_in!(conn, op_id, now);
+    Ok(())
 }
 
 /// The ledger's migrations for SQLite (`true`) or PostgreSQL.
@@ -352,21 +416,7 @@ impl Ledger for SqlLedger {
 
     async fn finish(&self, op_id: &str, now: i64) -> Result<(), LedgerError> {
         in_tx!(self, tx, _guard => {
-            let marked = sqlx::query("UPDATE fx_operations SET mark = 3, marked_at = $2, next_check_at = $2 \
-                                      WHERE op_id = $1 AND mark = 0")
-                .bind(op_id).bind(now).execute(&mut *tx).await?.rows_affected();
-            if marked == 0 {
-                let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
-                    .bind(op_id).fetch_optional(&mut *tx).await?;
-                return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
-            }
-            sqlx::query("INSERT INTO fx_owned (tag, resource_id, op_id, owned_at) \
-                         SELECT intent_id, resource_id, op_id, $2 FROM fx_intents \
-                         WHERE op_id = $1 AND keeps = 1 AND state = 'done' AND resource_id IS NOT NULL \
-                         ON CONFLICT (tag) DO NOTHING")
-                .bind(op_id).bind(now).execute(&mut *tx).await?;
-            sqlx::query("DELETE FROM fx_intents WHERE op_id = $1 AND state <> 'accepted'")
-                .bind(op_id).execute(&mut *tx).await?;
+            finish_in!(tx, op_id, now);
             tx.commit().await?;
             Ok(())
         })
@@ -377,6 +427,16 @@ impl Ledger for SqlLedger {
             let sql = format!("SELECT {OP_COLUMNS} FROM fx_operations WHERE op_id = $1");
             match sqlx::query(sqlx::AssertSqlSafe(sql)).bind(op_id).fetch_optional(p).await? {
                 Some(row) => Ok(Some(read_op!(&row))),
+                None => Ok(None),
+            }
+        })
+    }
+
+    async fn intent(&self, intent_id: &str) -> Result<Option<Intent>, LedgerError> {
+        on_pool!(self, p => {
+            let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
+            match sqlx::query(sqlx::AssertSqlSafe(sql)).bind(intent_id).fetch_optional(p).await? {
+                Some(row) => Ok(Some(read_intent!(&row))),
                 None => Ok(None),
             }
         })
@@ -423,6 +483,17 @@ impl Ledger for SqlLedger {
         on_pool!(self, p => {
             Ok(sqlx::query("UPDATE fx_operations SET mark = 1 WHERE op_id = $1 AND mark = 0 AND last_attempt_at = $2")
                 .bind(op_id).bind(seen_last_attempt).execute(p).await?.rows_affected() == 1)
+        })
+    }
+
+    async fn take_unbegun(&self, op: &OperationRow) -> Result<bool, LedgerError> {
+        on_pool!(self, p => {
+            Ok(sqlx::query("INSERT INTO fx_operations \
+                            (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
+                            VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8) ON CONFLICT (op_id) DO NOTHING")
+                .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
+                .bind(&op.record_id).bind(op.last_attempt_at).bind(op.next_check_at)
+                .execute(p).await?.rows_affected() == 1)
         })
     }
 

@@ -12,8 +12,12 @@ use crate::{micros, now_micros};
 /// What one watch step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Watched {
-    /// Accepted effects whose lease this step took and polled.
+    /// Accepted effects this step polled (their lease held by this watcher).
     pub polled: u64,
+    /// Of those, the ones this watcher started following (nobody held the lease, or another
+    /// watcher's ran out): with several watchers, their sums count each effect followed once
+    /// per watcher that followed it.
+    pub taken: u64,
     /// Finished well.
     pub done: u64,
     /// Finished badly.
@@ -42,18 +46,32 @@ impl Watcher {
         &self.id
     }
 
-    /// One step: up to 100 accepted effects whose lease expired (or is ours), the least
-    /// recently watched first; each lease is taken by compare-and-set before its poll.
+    /// The most accepted effects one step looks at (default 100).
+    pub fn batch(mut self, batch: u32) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// One step: up to `batch` accepted effects whose lease expired (or is ours), the least
+    /// recently watched first. Another's (or nobody's) lease is taken by compare-and-set before
+    /// the poll; its own is renewed only once half of it is gone, so a watcher does not write
+    /// every effect's row on every poll (on SQLite, one writer, that would queue every request
+    /// behind it).
     pub async fn step(&self) -> Result<Watched, LedgerError> {
         let now = now_micros();
         let mut out = Watched::default();
         for intent in self.ledger.to_watch(&self.id, now, self.batch).await? {
+            let ours = intent.watcher.as_deref() == Some(self.id.as_str());
+            let renew = !ours || intent.watch_until.saturating_sub(now) <= micros(self.lease) / 2;
             let until = now.saturating_add(micros(self.lease));
-            if !self.ledger.take_watch(&intent.intent_id, &self.id, intent.watch_until, until).await? {
+            if renew && !self.ledger.take_watch(&intent.intent_id, &self.id, intent.watch_until, until).await? {
                 continue; // another watcher took it
             }
             let Some(effect) = self.effects.get(&intent.effect) else { continue };
             out.polled += 1;
+            if !ours {
+                out.taken += 1;
+            }
             let id = intent.resource_id.clone().unwrap_or_default();
             let end = match effect.poll(&intent.intent_id, &id).await {
                 Ok(Progress::Running) => continue,

@@ -157,31 +157,32 @@ impl Application {
             .operation_link(crate::firmware::operation_link)
             .key_sources(key_sources(&args.key_sources))
             .build();
-        let reaper = Reaper {
-            store: store.clone(),
-            domain: domain.clone(),
-            hypervisor: hypervisor.clone(),
-            settle: args.hypervisor_settle,
-            abandon_after: args.abandon_after,
-            retry_grace: crate::reaper::RETRY_GRACE,
-            in_flight_ttl: args.in_flight_ttl,
-            retention: args.retention,
-            orphan_deletes: Default::default(),
-        };
+        let reaper = Reaper::new(
+            store.clone(),
+            domain.clone(),
+            hypervisor.clone(),
+            crate::reaper::ReaperSettings {
+                settle: args.hypervisor_settle,
+                abandon_after: args.abandon_after,
+                retry_grace: crate::reaper::RETRY_GRACE,
+                in_flight_ttl: args.in_flight_ttl,
+                retention: args.retention,
+            },
+        );
         background.push(crate::reaper::spawn_with_sweeper(
             idempotency_tower::sweeper(store.clone(), args.sweep_interval),
             reaper,
             args.sweep_interval,
         ));
 
-        background.push(crate::firmware::spawn(Watcher {
-            domain: domain.clone(),
-            hypervisor: hypervisor.clone(),
-            name: watcher_name(),
-            poll: args.operation_poll,
-            settle: args.hypervisor_settle,
-            abandon_after: args.abandon_after,
-        }));
+        background.push(crate::firmware::spawn(Watcher::new(
+            domain.clone(),
+            hypervisor.clone(),
+            watcher_name(),
+            args.operation_poll,
+            args.hypervisor_settle,
+            args.abandon_after,
+        )));
 
         let mut generated_token = None;
         let mut tokens: Vec<([u8; 32], Principal)> =

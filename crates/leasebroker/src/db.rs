@@ -70,6 +70,7 @@ pub(crate) fn sqlite_migrator() -> Migrator {
         "0005_free_node_index.sql",
         "0006_operation_marks.sql",
         "0030_record_audit.sql",
+        "0031_effect_ledger.sql",
     ))
 }
 
@@ -84,6 +85,7 @@ pub(crate) fn postgres_migrator() -> Migrator {
         "0005_free_node_index.sql",
         "0006_operation_marks.sql",
         "0030_record_audit.sql",
+        "0031_effect_ledger.sql",
     ))
 }
 
@@ -132,10 +134,12 @@ impl Db {
         match self {
             Self::Sqlite(p) => {
                 SqliteStore::from_pool(p.clone()).migrate().await.context("idempotency store migrations")?;
+                idempotency_effects::migrator(true).run(p).await.context("effect ledger migrations")?;
                 sqlite_migrator().run(p).await.context("leasebroker migrations")?;
             }
             Self::Postgres(p) => {
                 PostgresStore::from_pool(p.clone()).migrate().await.context("idempotency store migrations")?;
+                idempotency_effects::migrator(false).run(p).await.context("effect ledger migrations")?;
                 postgres_migrator().run(p).await.context("leasebroker migrations")?;
             }
         }
@@ -147,6 +151,15 @@ impl Db {
         match self {
             Self::Sqlite(p) => Arc::new(SqliteStore::from_pool(p.clone())),
             Self::Postgres(p) => Arc::new(PostgresStore::from_pool(p.clone())),
+        }
+    }
+
+    /// The effect ledger (`idempotency-effects`) on the same database: every side effect's
+    /// intent and every operation's mark.
+    pub fn ledger(&self) -> idempotency_effects::SqlLedger {
+        match self {
+            Self::Sqlite(p) => idempotency_effects::SqlLedger::sqlite(p.clone()),
+            Self::Postgres(p) => idempotency_effects::SqlLedger::postgres(p.clone()),
         }
     }
 

@@ -12,16 +12,19 @@
 //! - **One running operation per node.** A partial UNIQUE index on the rows: a flash with another
 //!   key while one runs on the node answers `409 operation-conflict` naming the running one, and
 //!   never reaches the BMC.
-//! - **The BMC call is an intent,** like a boot: its tag is the derived sub-key `flash`; it is sent
-//!   only by the attempt that moved the send stamp by compare-and-set; a retry that finds it pending
-//!   asks the BMC for nodes holding the tag before anything else, and sends again only when none
-//!   does and the settle window (`--hypervisor-settle`) has passed since the last send.
-//! - **The watcher** runs on every replica. It holds a lease on each operation it follows, taken by
-//!   compare-and-set on the row, so several replicas never watch one operation at once, and a
-//!   replica that dies leaves a lease that expires and is taken over; a restarted replica resumes
-//!   from the rows. It also settles operations whose request was abandoned before acceptance: it
-//!   adopts a flash the BMC holds by tag, and fails one nobody sent or retried within
-//!   `--abandon-after`.
+//! - **The BMC call is an effect of the effect ledger** (`idempotency-effects`, as boots and
+//!   reboots are): its tag is the derived sub-key `flash`; it is sent only by the attempt that
+//!   recorded its intent with its send stamp, or moved that stamp by compare-and-set; a retry that
+//!   finds it pending asks the BMC for nodes holding the tag before anything else, and sends again
+//!   only when none does and the settle window (`--hypervisor-settle`) has passed since the last
+//!   send.
+//! - **The watcher** runs on every replica. An accepted flash is followed by the ledger's
+//!   [`idempotency_effects::Watcher`], which holds a lease on the flash's intent, taken by
+//!   compare-and-set, so several replicas never follow one flash at once, and a replica that dies
+//!   leaves a lease that expires and is taken over. A pass also settles operations whose request
+//!   was abandoned before acceptance: it adopts a flash the BMC holds by tag, and fails one nobody
+//!   sent or retried within `--abandon-after`, after taking its ledger operation for a rollback
+//!   (so no late attempt can send it).
 //! - **On a Redfish BMC** (`--bmc-url redfish+...`, [`crate::hypervisor::redfish`]) the tag rides in
 //!   the image URI, and a flash whose send was stamped is never sent again: a retry (or the
 //!   watcher) finds its task by the tag in the tasks' payloads; where the BMC keeps none, it
@@ -32,15 +35,20 @@
 //!   as done.
 
 use idempotency::ErrorChain;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use async_trait::async_trait;
+use idempotency_effects::{
+    CallError, Decided, Effect, EffectError, Effects, Intent, IntentState, Mark, OperationRow, Progress, Sent,
+};
 use leasebroker_validation::{FlashFirmware, is_path_id};
 use tokio::task::JoinHandle;
 
 use crate::domain::{Domain, DomainError, FlashRow, FlashStart};
 use crate::hypervisor::client::{BmcNode, BmcState, FlashRequest, HvError, HypervisorClient};
 use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
-use crate::service::{Operation, ServiceError, may_send, micros, now_micros, public_id, settled_since};
+use crate::service::{Operation, ServiceError, call_error, effect_failed, micros, now_micros, public_id};
 
 /// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
 /// (`succeeded`, `failed`).
@@ -112,6 +120,11 @@ impl Firmware {
         Ok(self.domain.node_allocated(node_id).await?)
     }
 
+    /// The side-effect runner on the service's database.
+    fn effects(&self) -> Effects {
+        Effects::new(self.domain.ledger()).settle(self.settle)
+    }
+
     /// Starts flashing `node_id` to `req.version` under the request `op`, or resumes what an
     /// earlier attempt of it did. Returns the operation once the BMC accepted the flash (or
     /// refused it: then the operation has failed).
@@ -121,7 +134,9 @@ impl Firmware {
             return Err(ServiceError::NoSuchNode(node_id.to_owned()));
         }
         let (op_id, tag) = keys(op);
-        let row = match self.domain.start_flash(&op_id, node_id, &req.version, &tag, now_micros()).await? {
+        let attempt = self.effects().attempt(&op.effects_op("flash"));
+        let ledger_op = attempt.operation().id().to_owned();
+        let row = match self.domain.start_flash(&op_id, &ledger_op, node_id, &req.version, &tag, now_micros()).await? {
             FlashStart::Operation(row) => row,
             FlashStart::Conflict(running) => {
                 tracing::info!(node_id, running = %running.op_id, "a flash with another key runs on the node; refused");
@@ -132,32 +147,63 @@ impl Firmware {
         if row.is_finished() || row.is_accepted() {
             return Ok(row);
         }
-        if let Some(bmc) = self.hypervisor.redfish() {
-            return self.flash_redfish(bmc, req, row).await;
-        }
-        if row.intent == "pending" {
-            // An earlier attempt sent the flash and does not know what came of it: the BMC says.
-            let holding = self.hypervisor.bmcs_by_tag(&tag).await.map_err(|e| {
-                tracing::warn!(error = %ErrorChain(&e), "cannot list BMCs by tag to reconcile a flash");
-                ServiceError::upstream("cannot ask the BMC what an earlier attempt did; retry with the same key")
-            })?;
-            if holding > 0 {
-                tracing::info!(op_id, "adopted the flash an earlier attempt sent");
-                return Ok(self.domain.accept_flash(&op_id).await?);
+        let effect = FlashCall {
+            hypervisor: self.hypervisor.clone(),
+            domain: self.domain.clone(),
+            node_id: Some(row.node_id.clone()),
+        };
+        let decided = match self.hypervisor.redfish() {
+            Some(bmc) => match self.before_redfish_send(bmc, req, &row, &attempt).await? {
+                Some(decided) => decided,
+                None => return self.operation(&op_id).await,
+            },
+            None => attempt.decide(&effect).await.map_err(|e| effect_failed(e, "BMC"))?,
+        };
+        let hypervisor = &self.hypervisor;
+        let version = req.version.as_str();
+        let target_node = row.node_id.as_str();
+        let sent = attempt
+            .run_decided(&effect, decided, |tag| async move {
+                metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
+                match hypervisor.redfish() {
+                    Some(bmc) => {
+                        let target = bmc.target(target_node).await.map_err(call_error)?;
+                        bmc.flash(&target, version, &tag).await.map_err(call_error)?;
+                    }
+                    None => {
+                        let call = FlashRequest { version: version.to_owned(), tag };
+                        hypervisor.flash(target_node, &call).await.map_err(call_error)?;
+                    }
+                }
+                Ok(Sent::Accepted(target_node.to_owned()))
+            })
+            .await;
+        match sent {
+            Ok(_) => {
+                self.domain.accept_flash(&op_id).await?;
+                finish(&attempt).await?;
             }
-            settled_since(&tag, row.sent_at, self.settle)?;
+            Err(EffectError::Refused(e)) => match e.status() {
+                // The BMC refused: the operation fails, and the `202` says so.
+                Some(status) => {
+                    tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC refused the flash");
+                    let error = format!("the BMC refused the flash (status {status})");
+                    if self.domain.fail_unaccepted_flash(&op_id, &error, now_micros()).await? {
+                        count_end(false);
+                    }
+                    finish(&attempt).await?;
+                }
+                // Never sent: the intent is released, a retry sends it without waiting.
+                None => {
+                    tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
+                    return Err(ServiceError::upstream("the BMC is unreachable"));
+                }
+            },
+            // The flash pass settled the operation meanwhile: it answers as it is now.
+            Err(EffectError::Finished | EffectError::RolledBack) => {}
+            Err(e) => return Err(effect_failed(e, "BMC")),
         }
-        let stamp = may_send(&tag, self.domain.stamp_flash(&op_id, row.sent_at).await?)?;
-        metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
-        let call = FlashRequest { version: req.version.clone(), tag: tag.clone() };
-        match self.hypervisor.flash(node_id, &call).await {
-            Ok(_) => Ok(self.domain.accept_flash(&op_id).await?),
-            Err(e) if e.may_have_happened() => {
-                tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
-                Err(ServiceError::upstream("the BMC call may or may not have taken effect; retry with the same key"))
-            }
-            Err(e) => self.not_sent(&op_id, stamp, e).await,
-        }
+        self.operation(&op_id).await
     }
 
     /// The operation `op_id` as it is now.
@@ -165,34 +211,31 @@ impl Firmware {
         self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
     }
 
-    /// [`Firmware::flash`] on a Redfish BMC, for an operation not accepted yet (module docs).
-    async fn flash_redfish(
+    /// On a Redfish BMC, what comes before the send (module docs): a flash sent by an earlier
+    /// attempt is never sent again, but found by its task or settled by the firmware inventory;
+    /// a node that already runs the version is not flashed. Returns the decided intent when the
+    /// flash is to be sent now, `None` when the operation was settled without sending.
+    async fn before_redfish_send(
         &self,
         bmc: &RedfishBmc,
         req: &FlashFirmware,
-        row: FlashRow,
-    ) -> Result<FlashRow, ServiceError> {
+        row: &FlashRow,
+        attempt: &idempotency_effects::Attempt,
+    ) -> Result<Option<Decided>, ServiceError> {
         let op_id = row.op_id.as_str();
-        if row.intent == "pending" {
-            // An earlier attempt sent the flash and does not know what came of it.
-            let lookup = bmc
-                .find_task(&row.tag)
-                .await
-                .map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?;
-            let TaskLookup::NotFound { busy } = lookup else {
-                tracing::info!(op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
-                return Ok(self.domain.accept_flash(op_id).await?);
-            };
-            settled_since(&row.tag, row.sent_at, self.settle)?;
-            if busy {
-                return Err(ServiceError::upstream(
-                    "the BMC still runs a task, which may be this flash; retry with the same key",
-                ));
+        let ledger = self.domain.ledger();
+        if let Some(intent) = ledger.intent(&row.tag).await.map_err(DomainError::from)? {
+            match intent.state {
+                IntentState::Pending => {
+                    self.settle_redfish_pending(bmc, row, &intent).await?;
+                    return Ok(None);
+                }
+                IntentState::Accepted | IntentState::Done => {
+                    self.domain.accept_flash(op_id).await?;
+                    return Ok(None);
+                }
+                IntentState::Failed => {} // definitely not sent: sent again below
             }
-            let runs =
-                inventory_runs(bmc, &row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
-            conclude_by_inventory(&self.domain, &row, runs).await?;
-            return self.operation(op_id).await;
         }
         let target = bmc.target(&row.node_id).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
         let ended = match &target {
@@ -212,40 +255,204 @@ impl Firmware {
             }
         };
         if let Some((succeeded, error)) = ended {
-            let now = now_micros();
-            if self.domain.end_unaccepted_flash(op_id, row.sent_at, succeeded, error.as_deref(), now).await? {
+            if self.domain.end_unaccepted_flash(op_id, succeeded, error.as_deref(), now_micros()).await? {
                 count_end(succeeded);
             }
-            return self.operation(op_id).await;
+            return Ok(None);
         }
-        let stamp = may_send(&row.tag, self.domain.stamp_flash(op_id, row.sent_at).await?)?;
-        metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
-        match bmc.flash(&target, &req.version, &row.tag).await {
-            Ok(()) => Ok(self.domain.accept_flash(op_id).await?),
-            Err(e) if e.may_have_happened() => {
-                tracing::warn!(error = %ErrorChain(&e), op_id, "the flash may or may not have started");
-                Err(ServiceError::upstream("the BMC call may or may not have taken effect; retry with the same key"))
+        let effect = FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id: None };
+        match attempt.decide(&effect).await {
+            // Another attempt sent it between the read above and this step: never twice.
+            Ok(Decided::Existing(i)) if i.state == IntentState::Pending => {
+                Err(effect_failed(EffectError::Contended, "BMC"))
             }
-            Err(e) => self.not_sent(op_id, stamp, e).await,
+            Ok(decided) => Ok(Some(decided)),
+            Err(EffectError::Finished | EffectError::RolledBack) => Ok(None),
+            Err(e) => Err(effect_failed(e, "BMC")),
         }
     }
 
-    /// A flash that definitely did not start: refused by the BMC (the operation fails, and the
-    /// `202` says so), or never sent (a retry sends it without waiting).
-    async fn not_sent(&self, op_id: &str, stamp: i64, e: HvError) -> Result<FlashRow, ServiceError> {
-        match e.status() {
-            Some(status) => {
-                tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC refused the flash");
-                let error = format!("the BMC refused the flash (status {})", status.as_u16());
-                if self.domain.fail_unaccepted_flash(op_id, stamp, &error, now_micros()).await? {
-                    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
+    /// A Redfish flash an earlier attempt sent without learning what came of it: adopted when a
+    /// task carries its tag; otherwise, once the settle window passed and the BMC runs no task,
+    /// ended by the firmware inventory.
+    async fn settle_redfish_pending(
+        &self,
+        bmc: &RedfishBmc,
+        row: &FlashRow,
+        intent: &Intent,
+    ) -> Result<(), ServiceError> {
+        let lookup =
+            bmc.find_task(&row.tag).await.map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?;
+        let TaskLookup::NotFound { busy } = lookup else {
+            tracing::info!(op_id = %row.op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
+            adopt(&self.domain, row, intent).await?;
+            return Ok(());
+        };
+        self.effects().settling(intent).map_err(|e| effect_failed(e, "BMC"))?;
+        if busy {
+            return Err(ServiceError::upstream(
+                "the BMC still runs a task, which may be this flash; retry with the same key",
+            ));
+        }
+        let runs = inventory_runs(bmc, row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
+        conclude_by_inventory(&self.domain, row, intent, runs).await?;
+        Ok(())
+    }
+}
+
+/// Marks the flash's ledger operation finished (its accepted intent stays, for the watcher).
+async fn finish(attempt: &idempotency_effects::Attempt) -> Result<(), DomainError> {
+    match attempt.finish().await {
+        Ok(()) | Err(EffectError::Finished | EffectError::RolledBack) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Records that the BMC took the flash an earlier attempt sent (found by its tag): its intent
+/// accepted in the ledger (the watcher follows it from there), the operation accepted.
+async fn adopt(domain: &Domain, row: &FlashRow, intent: &Intent) -> Result<(), DomainError> {
+    let ledger = domain.ledger();
+    match ledger.record(&intent.op_id, &intent.intent_id, &row.node_id, IntentState::Accepted).await {
+        Ok(_) | Err(idempotency_effects::LedgerError::Finished | idempotency_effects::LedgerError::RolledBack) => {}
+        Err(e) => return Err(e.into()),
+    }
+    domain.accept_flash(&row.op_id).await?;
+    match ledger.finish(&intent.op_id, now_micros()).await {
+        Ok(()) | Err(idempotency_effects::LedgerError::Finished | idempotency_effects::LedgerError::RolledBack) => {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A firmware flash as the effect ledger runs it: long-running (accepted with `202`, finished
+/// minutes later), found by the tag the BMC keeps (simulator: the BMCs holding it; Redfish: a
+/// task whose payload carries it), never undone. Polling it reads the BMC and ends the
+/// operation's row when the flash ended.
+#[derive(Debug, Clone)]
+struct FlashCall {
+    hypervisor: HypervisorClient,
+    domain: Domain,
+    /// The node flashed, for a probe (the watcher's instance has none: it polls by tag).
+    node_id: Option<String>,
+}
+
+#[async_trait]
+impl Effect for FlashCall {
+    fn name(&self) -> &str {
+        "flash"
+    }
+
+    async fn probe(&self, tag: &str) -> Result<Vec<String>, CallError> {
+        let found = match self.hypervisor.redfish() {
+            Some(bmc) => !matches!(bmc.find_task(tag).await.map_err(call_error)?, TaskLookup::NotFound { .. }),
+            None => self.hypervisor.bmcs_by_tag(tag).await.map_err(call_error)? > 0,
+        };
+        Ok(found.then(|| self.node_id.clone().unwrap_or_default()).into_iter().collect())
+    }
+
+    fn keeps(&self) -> bool {
+        false
+    }
+
+    fn long_running(&self) -> bool {
+        true
+    }
+
+    async fn poll(&self, tag: &str, _id: &str) -> Result<Progress, CallError> {
+        let unavailable = |e: DomainError| CallError::ambiguous(e);
+        let Some(row) = self.domain.flash_by_tag(tag).await.map_err(unavailable)? else {
+            return Ok(Progress::Failed("no operation carries this flash's tag".into()));
+        };
+        if row.is_finished() {
+            return Ok(if row.state == "succeeded" {
+                Progress::Done
+            } else {
+                Progress::Failed(row.error.unwrap_or_default())
+            });
+        }
+        if !row.is_accepted() {
+            self.domain.accept_flash(&row.op_id).await.map_err(unavailable)?;
+        }
+        let ended = match self.hypervisor.redfish() {
+            Some(bmc) => self.poll_redfish(bmc, &row).await?,
+            None => self.poll_bmc(&row).await?,
+        };
+        Ok(match ended {
+            None => Progress::Running,
+            Some(Ok(())) => Progress::Done,
+            Some(Err(reason)) => Progress::Failed(reason),
+        })
+    }
+}
+
+impl FlashCall {
+    /// Ends the accepted operation `row`; counts and logs it when this call ended it.
+    async fn end(&self, row: &FlashRow, result: Result<(), String>) -> Result<Option<Result<(), String>>, CallError> {
+        let error = result.as_ref().err().map(String::as_str);
+        let ended = self
+            .domain
+            .finish_flash(&row.op_id, result.is_ok(), error, now_micros())
+            .await
+            .map_err(CallError::ambiguous)?;
+        if ended {
+            count_end(result.is_ok());
+            let outcome = if result.is_ok() { "succeeded" } else { "failed" };
+            tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome, error, "operation ended");
+        }
+        Ok(Some(result))
+    }
+
+    /// The simulator's BMC: its state says how the flash went.
+    async fn poll_bmc(&self, row: &FlashRow) -> Result<Option<Result<(), String>>, CallError> {
+        let Some(bmc) = self.hypervisor.bmc(&row.node_id).await.map_err(call_error)? else {
+            return self.end(row, Err("the BMC no longer knows the node".into())).await;
+        };
+        match outcome(row, &bmc) {
+            None => Ok(None),
+            Some(Ok(())) => self.end(row, Ok(())).await,
+            Some(Err(error)) => {
+                if bmc.state == BmcState::Bricked {
+                    self.domain.note_bricked(&row.node_id, now_micros()).await.map_err(CallError::ambiguous)?;
                 }
-                self.operation(op_id).await
+                self.end(row, Err(error)).await
             }
-            None => {
-                tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
-                self.domain.unsend_flash(op_id, stamp).await?;
-                Err(ServiceError::upstream("the BMC is unreachable"))
+        }
+    }
+
+    /// A Redfish BMC: the flash's task, found by its answer or by the tag; without one, the
+    /// firmware inventory once nothing can still change it.
+    async fn poll_redfish(&self, bmc: &RedfishBmc, row: &FlashRow) -> Result<Option<Result<(), String>>, CallError> {
+        let task = match bmc.find_task(&row.tag).await.map_err(call_error)? {
+            TaskLookup::Found(task) => task,
+            TaskLookup::NotFound { busy: true } => return Ok(None),
+            TaskLookup::NotFound { busy: false } => {
+                let runs = inventory_runs(bmc, row).await.map_err(call_error)?;
+                let absent = "the BMC keeps no task for this flash and the node does not run the version";
+                return self.end(row, if runs { Ok(()) } else { Err(absent.into()) }).await;
+            }
+        };
+        match bmc.task_outcome(&task).await.map_err(call_error)? {
+            TaskOutcome::Running => Ok(None),
+            TaskOutcome::Succeeded => {
+                bmc.forget(&row.tag);
+                self.end(row, Ok(())).await
+            }
+            TaskOutcome::Failed(reason) => {
+                // Some BMCs fail the task of an image the machine already runs: that is done.
+                let target = bmc.target(&row.node_id).await.map_err(call_error)?;
+                let runs = bmc.runs_version(&target, &row.node_id, &row.version).await.map_err(call_error)?;
+                bmc.forget(&row.tag);
+                if runs {
+                    tracing::info!(op_id = %row.op_id, reason, "the task failed, but the node runs the version");
+                }
+                self.end(row, if runs { Ok(()) } else { Err(reason) }).await
+            }
+            TaskOutcome::Gone => {
+                // Its monitor is gone: look for the task by tag again next time, or read the
+                // inventory.
+                bmc.forget(&row.tag);
+                Ok(None)
             }
         }
     }
@@ -267,186 +474,164 @@ pub struct Watcher {
     /// `--abandon-after`: an operation never accepted by the BMC, and not sent or retried for
     /// this long, fails.
     pub abandon_after: Duration,
+    /// Where the pass over unaccepted operations goes on from (the last op id it looked at).
+    pub cursor: Arc<Mutex<String>>,
 }
 
-/// Operations one pass reads at most.
+/// Operations one pass reads at most (accepted ones, and unaccepted ones).
 const PAGE: u32 = 500;
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WatchReport {
-    /// Operations this pass followed (leases held).
+    /// Accepted flashes this pass polled (leases held).
     pub watched: u64,
     /// Operations that ended.
     pub ended: u64,
 }
 
-/// Whether a pass takes or renews the lease on `row` before looking at it: always when another
-/// watcher holds it (or nobody), and for this watcher's own lease only once half of `lease` is
-/// gone. A lease renewed on every poll is a write (and on SQLite an fsync) per operation per
-/// poll, which queues the database's one writer behind the watcher.
-fn renews(row: &FlashRow, name: &str, now: i64, lease: Duration) -> bool {
-    row.watcher.as_deref() != Some(name) || row.watch_until.saturating_sub(now) <= micros(lease) / 2
-}
-
 impl Watcher {
+    /// A watcher named `name` (unique per process).
+    pub fn new(
+        domain: Domain,
+        hypervisor: HypervisorClient,
+        name: String,
+        poll: Duration,
+        settle: Duration,
+        abandon_after: Duration,
+    ) -> Self {
+        Self { domain, hypervisor, name, poll, settle, abandon_after, cursor: Arc::default() }
+    }
+
     /// How long a lease holds: several polls, so a live watcher always renews it in time.
     fn lease(&self) -> Duration {
         (self.poll * 5).max(Duration::from_secs(10))
     }
 
-    /// One pass over the running operations this watcher holds or can take.
+    /// One pass: the accepted flashes this watcher holds or can take (the ledger's watcher),
+    /// then a page of the operations whose flash the BMC has not been seen to take.
     pub async fn run_once(&self) -> WatchReport {
         let mut report = WatchReport::default();
-        let now = now_micros();
-        let rows = match self.domain.flashes_to_watch(&self.name, now, PAGE).await {
+        let effect = FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id: None };
+        let watcher =
+            idempotency_effects::Watcher::new(self.domain.ledger(), vec![Arc::new(effect)], &self.name, self.lease())
+                .batch(PAGE);
+        match watcher.step().await {
+            Ok(w) => {
+                metrics::counter!(OPERATION_WATCHES_TOTAL).increment(w.taken);
+                report.watched += w.polled;
+                report.ended += w.done + w.failed;
+            }
+            Err(e) => {
+                tracing::warn!(error = %ErrorChain(&e), "cannot follow the accepted flashes; trying again next tick")
+            }
+        }
+        let after = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let rows = match self.domain.unaccepted_flashes(&after, PAGE).await {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(error = %ErrorChain(&e), "cannot read the running operations; trying again next tick");
                 return report;
             }
         };
+        // Round the page: from the start again once the last one was read.
+        let next = if rows.len() < PAGE as usize {
+            String::new()
+        } else {
+            rows.last().map(|r| r.op_id.clone()).unwrap_or_default()
+        };
+        *self.cursor.lock().unwrap_or_else(PoisonError::into_inner) = next;
         for row in rows {
-            let now = now_micros();
-            if renews(&row, &self.name, now, self.lease()) {
-                let until = now.saturating_add(micros(self.lease()));
-                match self.domain.take_watch(&row.op_id, &self.name, row.watch_until, until).await {
-                    Ok(true) => {}
-                    Ok(false) => continue, // another replica took it, or it ended
-                    Err(e) => {
-                        tracing::warn!(error = %ErrorChain(&e), op_id = %row.op_id, "cannot take the watch lease");
-                        continue;
-                    }
-                }
-            }
-            if row.watcher.as_deref() != Some(self.name.as_str()) {
-                metrics::counter!(OPERATION_WATCHES_TOTAL).increment(1);
-                tracing::info!(op_id = %row.op_id, node_id = %row.node_id, previous = ?row.watcher, "watching the operation");
-            }
-            report.watched += 1;
-            match self.step(&row).await {
+            match self.settle_unaccepted(&row).await {
                 Ok(true) => report.ended += 1,
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(error = %format!("{e:#}"), op_id = %row.op_id, "watching the operation failed; next tick")
+                    tracing::warn!(error = %format!("{e:#}"), op_id = %row.op_id, "settling the operation failed; next tick")
                 }
             }
         }
         report
     }
 
-    /// Looks at one running operation; true when it ended.
-    async fn step(&self, row: &FlashRow) -> anyhow::Result<bool> {
-        if let Some(bmc) = self.hypervisor.redfish() {
-            return self.step_redfish(bmc, row).await;
-        }
-        if !row.is_accepted() {
-            return self.settle_unaccepted(row).await;
-        }
-        let Some(bmc) = self.hypervisor.bmc(&row.node_id).await? else {
-            return self.end(row, false, Some("the BMC no longer knows the node")).await;
-        };
-        match outcome(row, &bmc) {
-            None => Ok(false),
-            Some(Ok(())) => self.end(row, true, None).await,
-            Some(Err(error)) => {
-                if bmc.state == BmcState::Bricked {
-                    self.domain.note_bricked(&row.node_id, now_micros()).await?;
+    /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
+    /// its attempt still runs. Adopts the flash when the BMC holds its tag; on Redfish, ends a
+    /// flash whose task nobody can find by the firmware inventory once no call can still land;
+    /// fails one that nobody sent (or retried) for `--abandon-after` and whose call cannot land,
+    /// after taking its ledger operation for a rollback, so no late attempt can send it.
+    async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
+        let ledger = self.domain.ledger();
+        let intent = ledger.intent(&row.tag).await?;
+        let now = now_micros();
+        if let Some(intent) = &intent {
+            match intent.state {
+                IntentState::Accepted | IntentState::Done => {
+                    self.domain.accept_flash(&row.op_id).await?; // its acceptance was cut short
+                    return Ok(false);
                 }
-                self.end(row, false, Some(&error)).await
+                IntentState::Pending => {
+                    let effect = FlashCall {
+                        hypervisor: self.hypervisor.clone(),
+                        domain: self.domain.clone(),
+                        node_id: Some(row.node_id.clone()),
+                    };
+                    if !effect.probe(&row.tag).await?.is_empty() {
+                        adopt(&self.domain, row, intent).await?;
+                        tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
+                        return Ok(false);
+                    }
+                    if now.saturating_sub(intent.sent_at) < micros(self.settle) {
+                        return Ok(false); // its call may still land
+                    }
+                    if let Some(bmc) = self.hypervisor.redfish() {
+                        // A Redfish flash is never sent twice: the inventory decides.
+                        let TaskLookup::NotFound { busy: false } = bmc.find_task(&row.tag).await? else {
+                            return Ok(false);
+                        };
+                        let runs = inventory_runs(bmc, row).await?;
+                        return Ok(conclude_by_inventory(&self.domain, row, intent, runs).await?);
+                    }
+                }
+                IntentState::Failed => {}
             }
         }
-    }
-
-    /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
-    /// its attempt still runs. Adopts the flash when the BMC holds its tag; fails it when nobody
-    /// sent it for `--abandon-after` and no call can still land.
-    async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
-        if row.intent == "pending" && self.hypervisor.bmcs_by_tag(&row.tag).await? > 0 {
-            self.domain.accept_flash(&row.op_id).await?;
-            tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
+        let Some(ledger_op) = row.ledger_op.as_deref() else { return Ok(false) };
+        let op = ledger.operation(ledger_op).await?;
+        let last = op.as_ref().map_or(row.created_at, |o| o.last_attempt_at.max(row.created_at));
+        if now.saturating_sub(last) < micros(self.abandon_after) {
             return Ok(false);
         }
-        let now = now_micros();
-        let last = row.sent_at.max(row.created_at);
-        let quiet = now.saturating_sub(last);
-        let can_land = row.intent == "pending" && now.saturating_sub(row.sent_at) < micros(self.settle);
-        if can_land || quiet < micros(self.abandon_after) {
-            return Ok(false);
+        // Fence the operation before failing it: a late attempt then sends nothing.
+        let taken = match &op {
+            Some(op) if op.mark == Mark::Live => ledger.take_for_rollback(ledger_op, op.last_attempt_at).await?,
+            Some(op) => op.mark == Mark::RollingBack,
+            None => ledger.take_unbegun(&unbegun(ledger_op, now)).await?,
+        };
+        if !taken {
+            return Ok(false); // an attempt ran a step since: look again later
         }
         let error = "the flash never reached the BMC, and its request was not retried within --abandon-after";
-        if self.domain.fail_unaccepted_flash(&row.op_id, row.sent_at, error, now).await? {
-            metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "failed").increment(1);
+        let ended = self.domain.fail_unaccepted_flash(&row.op_id, error, now).await?;
+        ledger.rolled_back(ledger_op, now_micros()).await?;
+        if ended {
+            count_end(false);
             tracing::info!(op_id = %row.op_id, "failed an operation whose flash was never sent");
-            return Ok(true);
         }
-        Ok(false)
+        Ok(ended)
     }
+}
 
-    async fn end(&self, row: &FlashRow, succeeded: bool, error: Option<&str>) -> anyhow::Result<bool> {
-        if !self.domain.finish_flash(&row.op_id, succeeded, error, now_micros()).await? {
-            return Ok(false);
-        }
-        count_end(succeeded);
-        let outcome = if succeeded { "succeeded" } else { "failed" };
-        tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome, error, "operation ended");
-        Ok(true)
-    }
-
-    /// [`Watcher::step`] on a Redfish BMC: follows the flash's task, found by its answer or by
-    /// the tag; without one, reads the firmware inventory once nothing can still change it.
-    async fn step_redfish(&self, bmc: &RedfishBmc, row: &FlashRow) -> anyhow::Result<bool> {
-        if !row.is_accepted() {
-            if row.intent != "pending" {
-                return self.settle_unaccepted(row).await; // never sent: nothing to ask the BMC
-            }
-            let TaskLookup::NotFound { busy } = bmc.find_task(&row.tag).await? else {
-                self.domain.accept_flash(&row.op_id).await?;
-                tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
-                return Ok(false);
-            };
-            if now_micros().saturating_sub(row.sent_at) < micros(self.settle) {
-                return Ok(false);
-            }
-            return self.end_by_inventory(bmc, row, busy).await;
-        }
-        let task = match bmc.find_task(&row.tag).await? {
-            TaskLookup::Found(task) => task,
-            TaskLookup::NotFound { busy } => return self.end_by_inventory(bmc, row, busy).await,
-        };
-        match bmc.task_outcome(&task).await? {
-            TaskOutcome::Running => Ok(false),
-            TaskOutcome::Succeeded => {
-                bmc.forget(&row.tag);
-                self.end(row, true, None).await
-            }
-            TaskOutcome::Failed(reason) => {
-                // Some BMCs fail the task of an image the machine already runs: that is done.
-                let target = bmc.target(&row.node_id).await?;
-                let runs = bmc.runs_version(&target, &row.node_id, &row.version).await?;
-                bmc.forget(&row.tag);
-                if runs {
-                    tracing::info!(op_id = %row.op_id, reason, "the task failed, but the node runs the version");
-                }
-                self.end(row, runs, (!runs).then_some(reason.as_str())).await
-            }
-            TaskOutcome::Gone => {
-                // Its monitor is gone: look for the task by tag again next time, or read the
-                // inventory.
-                bmc.forget(&row.tag);
-                Ok(false)
-            }
-        }
-    }
-
-    /// An operation whose task nobody can find: ends it by the firmware inventory once no task
-    /// runs on the BMC (`busy`: one does). True when it ended.
-    async fn end_by_inventory(&self, bmc: &RedfishBmc, row: &FlashRow, busy: bool) -> anyhow::Result<bool> {
-        if busy {
-            return Ok(false);
-        }
-        let runs = inventory_runs(bmc, row).await?;
-        Ok(conclude_by_inventory(&self.domain, row, runs).await?)
+/// The ledger row that fences off a flash whose request never reached the ledger's first step.
+fn unbegun(op_id: &str, now: i64) -> OperationRow {
+    OperationRow {
+        op_id: op_id.to_owned(),
+        kind: "flash".into(),
+        principal: String::new(),
+        endpoint: String::new(),
+        idem_key: String::new(),
+        record_id: String::new(),
+        mark: Mark::RollingBack,
+        last_attempt_at: now,
+        next_check_at: i64::MAX,
     }
 }
 
@@ -458,19 +643,27 @@ async fn inventory_runs(bmc: &RedfishBmc, row: &FlashRow) -> Result<bool, HvErro
     bmc.runs_version(&target, &row.node_id, &row.version).await
 }
 
-/// Ends an operation by what the firmware inventory says (`runs`: the node runs the version).
-/// True when this call ended it.
-async fn conclude_by_inventory(domain: &Domain, row: &FlashRow, runs: bool) -> Result<bool, DomainError> {
+/// Ends an operation whose flash was sent (its intent `intent` pending) by what the firmware
+/// inventory says (`runs`: the node runs the version), and finishes its ledger operation: a
+/// Redfish flash is never sent twice, so this is its end. True when this call ended it.
+async fn conclude_by_inventory(
+    domain: &Domain,
+    row: &FlashRow,
+    intent: &Intent,
+    runs: bool,
+) -> Result<bool, DomainError> {
     const ABSENT: &str = "the BMC keeps no task for this flash and the node does not run the version";
     let ended = if runs {
-        if !row.is_accepted() {
-            domain.accept_flash(&row.op_id).await?;
-        }
+        adopt(domain, row, intent).await?;
         domain.finish_flash(&row.op_id, true, None, now_micros()).await?
-    } else if row.is_accepted() {
-        domain.finish_flash(&row.op_id, false, Some(ABSENT), now_micros()).await?
     } else {
-        domain.fail_unaccepted_flash(&row.op_id, row.sent_at, ABSENT, now_micros()).await?
+        let ended = domain.fail_unaccepted_flash(&row.op_id, ABSENT, now_micros()).await?;
+        match domain.ledger().finish(&intent.op_id, now_micros()).await {
+            Ok(()) | Err(idempotency_effects::LedgerError::Finished | idempotency_effects::LedgerError::RolledBack) => {
+            }
+            Err(e) => return Err(e.into()),
+        }
+        ended
     };
     if ended {
         count_end(runs);
@@ -520,40 +713,4 @@ pub fn spawn(watcher: Watcher) -> JoinHandle<()> {
             }
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn row(watcher: Option<&str>, watch_until: i64) -> FlashRow {
-        FlashRow {
-            op_id: "op-1".into(),
-            node_id: "node-0001".into(),
-            version: "1.0".into(),
-            state: "running".into(),
-            error: None,
-            intent: "accepted".into(),
-            tag: "sk-1".into(),
-            sent_at: 0,
-            created_at: 0,
-            finished_at: None,
-            watcher: watcher.map(str::to_owned),
-            watch_until,
-        }
-    }
-
-    #[test]
-    fn a_watcher_renews_its_own_lease_only_once_half_of_it_is_gone() {
-        let lease = Duration::from_secs(10);
-        let now = 1_000_000_000;
-        let s = 1_000_000;
-        assert!(renews(&row(None, 0), "w1", now, lease), "nobody holds it: take it");
-        assert!(renews(&row(Some("w2"), now - s), "w1", now, lease), "another's expired lease: take it");
-        assert!(renews(&row(Some("w2"), now + 9 * s), "w1", now, lease), "another's: try (the take is fenced)");
-        assert!(!renews(&row(Some("w1"), now + 9 * s), "w1", now, lease), "its own, 9 s of 10 left");
-        assert!(!renews(&row(Some("w1"), now + 5 * s + 1), "w1", now, lease), "just over half left");
-        assert!(renews(&row(Some("w1"), now + 5 * s), "w1", now, lease), "half gone");
-        assert!(renews(&row(Some("w1"), now - s), "w1", now, lease), "its own, lapsed");
-    }
 }

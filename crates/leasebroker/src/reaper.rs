@@ -2,8 +2,9 @@
 //! finished ones, and destroys VMs that landed twice for one boot. It runs on the sweeper's tick
 //! (`--sweep-interval`), on every replica; each step is safe to race.
 //!
-//! Every attempt of a create or a reboot writes the operation's row (`lb_operations`: its record's
-//! scope and id, and when the attempt started). On each tick the reaper reads the record of every
+//! The operations, their intents and their marks are the effect ledger's (`idempotency-effects`,
+//! on the same database): every attempt of a create, a reboot or a delete writes the operation's
+//! row there (its record's scope and id, and when the attempt started). On each tick the reaper reads the record of every
 //! operation that is due (its `next_check_at` passed; at most 500 a tick, half the
 //! longest due and half the latest due; a row the reaper waits on is put off to when it may
 //! change), after an inventory sweep that deletes VMs with the service's tag nobody owns:
@@ -31,15 +32,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Endpoint, ErrorChain, IdempotencyKey, Principal, Record, RecordState, Scope, Store, Sweeper};
+use idempotency::{
+    Endpoint, ErrorChain, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, Store, Sweeper,
+};
+use idempotency_effects::{Effect, IntentState, InventorySweep, Ledger, LedgerError, Mark, OperationRow};
 use tokio::task::JoinHandle;
 
-use crate::domain::{Domain, OperationRow};
+use crate::domain::Domain;
 use crate::hypervisor::client::HypervisorClient;
-use crate::service::{CreateKeys, micros, now_micros};
+use crate::service::{Boot, CreateKeys, micros, now_micros};
 
 mod inventory;
-pub use inventory::OrphanDeletes;
 
 /// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
 pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
@@ -132,8 +135,8 @@ pub struct Reaper {
     pub in_flight_ttl: Duration,
     /// `--retention`: how long tombstones are kept (longer than any record that could need them).
     pub retention: Duration,
-    /// Orphans whose delete was sent but not confirmed (a slow hypervisor): counted once.
-    pub orphan_deletes: OrphanDeletes,
+    /// The inventory sweep (it remembers deletes whose answer was lost, to count each once).
+    pub inventory: InventorySweep,
 }
 
 impl std::fmt::Debug for Reaper {
@@ -155,7 +158,44 @@ enum Verdict {
     Wait(i64),
 }
 
+/// The reaper's settings, as `serve` takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct ReaperSettings {
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`.
+    pub abandon_after: Duration,
+    /// How long past its `Retry-After` a retrying client may take to come back.
+    pub retry_grace: Duration,
+    /// `--in-flight-ttl`.
+    pub in_flight_ttl: Duration,
+    /// `--retention`.
+    pub retention: Duration,
+}
+
 impl Reaper {
+    /// A reaper of the service on `domain` and `hypervisor`, finding records in `store`.
+    pub fn new(store: Arc<dyn Store>, domain: Domain, hypervisor: HypervisorClient, s: ReaperSettings) -> Self {
+        let boot: Arc<dyn Effect> = Arc::new(Boot { hypervisor: hypervisor.clone() });
+        let inventory = InventorySweep::new(domain.ledger(), vec![boot], s.settle)
+            .owned_by(Arc::new(inventory::WorkerVms(domain.clone())));
+        Self {
+            store,
+            domain,
+            hypervisor,
+            settle: s.settle,
+            abandon_after: s.abandon_after,
+            retry_grace: s.retry_grace,
+            in_flight_ttl: s.in_flight_ttl,
+            retention: s.retention,
+            inventory,
+        }
+    }
+
+    fn ledger(&self) -> Arc<dyn Ledger> {
+        self.domain.ledger()
+    }
+
     /// How long after an operation's last attempt the reaper waits before it takes the operation
     /// as abandoned: `--abandon-after`, but never less than the longest `Retry-After` that
     /// attempt may have been told while a call of an earlier one could still land (the settle
@@ -174,10 +214,16 @@ impl Reaper {
         self.sweep_inventory(&mut report).await;
         self.reap_operations(&mut report).await;
         self.read_gauges().await;
-        match self.domain.prune(now_micros().saturating_sub(micros(self.retention))).await {
-            Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones and intents deleted"),
+        let before = now_micros().saturating_sub(micros(self.retention));
+        match self.domain.prune(before).await {
+            Ok(n) if n > 0 => tracing::debug!(pruned = n, "old tombstones deleted"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %ErrorChain(&e), "pruning tombstones failed; trying again next tick"),
+        }
+        match self.ledger().prune(before).await {
+            Ok(n) if n > 0 => tracing::debug!(pruned = n, "old operation marks deleted"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %ErrorChain(&e), "pruning operation marks failed; trying again next tick"),
         }
         report
     }
@@ -208,7 +254,7 @@ impl Reaper {
     /// put off to when it may change, so it never delays another.
     async fn reap_operations(&self, report: &mut ReapReport) {
         let now = now_micros();
-        let due = match self.domain.operations_due(now, PER_TICK).await {
+        let due = match self.ledger().due(now, PER_TICK).await {
             Ok(due) => due,
             Err(e) => {
                 tracing::warn!(error = %ErrorChain(&e), "reaper cannot read operations; trying again next tick");
@@ -225,7 +271,7 @@ impl Reaper {
             };
             if let Some(at) = again {
                 report.waiting += 1;
-                if let Err(e) = self.domain.put_off(&op.op_id, at).await {
+                if let Err(e) = self.ledger().put_off(&op.op_id, at).await {
                     tracing::warn!(op = %op.op_id, error = %ErrorChain(&e), "cannot put off an operation");
                 }
             }
@@ -236,6 +282,24 @@ impl Reaper {
     /// reaper must wait on it.
     async fn reap(&self, op: &OperationRow, now: i64, report: &mut ReapReport) -> anyhow::Result<Option<i64>> {
         let settle = micros(self.settle);
+        // A flash is settled by the firmware watcher's pass (it adopts or fails what its request
+        // left): the reaper only marks one whose record completed finished.
+        if op.kind == "flash" {
+            let completed = match scope_of(op) {
+                Ok(scope) => self
+                    .store
+                    .get(&scope)
+                    .await?
+                    .is_some_and(|r| r.record_id.to_hex() == op.record_id && r.state == RecordState::Completed),
+                Err(_) => false, // moved from before the ledger: no scope kept
+            };
+            if !completed {
+                return Ok(Some(now.saturating_add(micros(self.retention))));
+            }
+            self.forget(op).await?;
+            report.forgotten += 1;
+            return Ok(None);
+        }
         if op.last_attempt_at > now.saturating_sub(settle) {
             return Ok(Some(op.last_attempt_at.saturating_add(settle))); // an attempt runs or just ran
         }
@@ -244,6 +308,8 @@ impl Reaper {
         let abandoned_at = op.last_attempt_at.saturating_add(micros(self.patience()));
         let abandoned = abandoned_at <= now;
         let verdict = match &record {
+            // Taken for a rollback by a tick that stopped half-way: the rollback goes on.
+            _ if op.mark == Mark::RollingBack && op.kind == "create" => Verdict::RollBack(record.clone()),
             None if op.kind == "create" => Verdict::RollBack(None),
             None if op.kind == "delete" => Verdict::FinishDelete(None),
             None => Verdict::Forget,
@@ -258,7 +324,7 @@ impl Reaper {
         match verdict {
             Verdict::Wait(at) => Ok(Some(at)),
             Verdict::Forget => {
-                self.domain.forget_operation(&op.op_id).await?;
+                self.forget(op).await?;
                 metrics::counter!(FORGOTTEN_TOTAL).increment(1);
                 report.forgotten += 1;
                 Ok(None)
@@ -285,18 +351,18 @@ impl Reaper {
         scope: Scope,
         report: &mut ReapReport,
     ) -> anyhow::Result<Option<i64>> {
-        let Some(keys) = keys_of(op, record.as_ref(), &scope) else {
+        let Some(keys) = keys_of(op, &scope) else {
             return Ok(Some(now_micros().saturating_add(micros(self.retention)))); // unreadable: set aside
         };
         // A create that made its worker finished: the worker is its result, never rolled back.
         if self.domain.worker(&op.principal, &keys.worker_id()).await?.is_some()
             || self.domain.is_deleted(&keys.worker_id()).await?
         {
-            self.domain.forget_operation(&op.op_id).await?;
+            self.forget(op).await?;
             report.forgotten += 1;
             return Ok(None);
         }
-        if let Some(at) = self.settles_at(keys.boot.as_str()).await? {
+        if let Some(at) = self.settles_at(&op.op_id).await? {
             return Ok(Some(at));
         }
         let t = idempotency::now();
@@ -311,22 +377,26 @@ impl Reaper {
         // Holding the claim, no attempt can start. One that started earlier may still run (its
         // claim went stale while it waited on a restarting database): taking the operation
         // fences it off, since every step of a create checks this mark in its own transaction.
-        if !self.domain.mark_rolling_back(&op.op_id).await? {
-            // The row is gone: an attempt finished the create (its worker exists) just now. The
-            // record is given back, failed, so a retry answers from the worker.
+        // The mark is taken by compare-and-set on the attempt time the reaper decided from: an
+        // attempt that ran a step since (or finished the create) keeps it.
+        if op.mark == Mark::Live && !self.ledger().take_for_rollback(&op.op_id, op.last_attempt_at).await? {
+            // The record is given back, failed: a retry resumes (or answers from the worker).
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
-            return Ok(None);
+            return Ok(Some(now_micros().saturating_add(micros(self.settle))));
         }
         // Check the window once more: a step that committed before the mark may have sent a call.
-        if let Some(at) = self.settles_at(keys.boot.as_str()).await? {
+        if let Some(at) = self.settles_at(&op.op_id).await? {
             if let Some(claim) = &claim {
                 self.store.fail(claim).await?;
             }
             return Ok(Some(at));
         }
-        let vms = match self.hypervisor.list_by_tag(keys.boot.as_str()).await {
+        // What the boot made: found by its tag, and what its intent recorded.
+        let boot = Boot { hypervisor: self.hypervisor.clone() };
+        let recorded = self.ledger().intents(&op.op_id).await?.into_iter().filter_map(|i| i.resource_id);
+        let mut vms = match boot.probe(keys.boot.as_str()).await {
             Ok(vms) => vms,
             Err(e) => {
                 if let Some(claim) = &claim {
@@ -335,15 +405,18 @@ impl Reaper {
                 anyhow::bail!("cannot list the abandoned create's VMs: {e}");
             }
         };
+        vms.extend(recorded);
+        vms.sort();
+        vms.dedup();
         let mut vms_deleted = 0;
-        for vm in &vms {
-            match self.hypervisor.delete(&vm.vm_id).await {
+        for vm_id in &vms {
+            match boot.undo(vm_id).await {
                 Ok(existed) => vms_deleted += u64::from(existed),
                 Err(e) => {
                     if let Some(claim) = &claim {
                         self.store.fail(claim).await?;
                     }
-                    anyhow::bail!("cannot delete the abandoned create's VM {}: {e}", vm.vm_id);
+                    anyhow::bail!("cannot delete the abandoned create's VM {vm_id}: {e}");
                 }
             }
         }
@@ -352,9 +425,9 @@ impl Reaper {
         if let Some(claim) = &claim {
             self.store.remove(claim).await?;
         }
-        let released = self.domain.release_abandoned(&op.op_id, keys.alloc.as_str(), &keys.lease_id()).await?;
+        let released = self.domain.release(keys.alloc.as_str(), &keys.lease_id()).await?;
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "vm").increment(vms_deleted);
-        if released.operations == 0 {
+        if !self.ledger().rolled_back(&op.op_id, now_micros()).await? {
             return Ok(None); // another replica's reaper finished this rollback first
         }
         metrics::counter!(ROLLED_BACK_TOTAL, "resource" => "operation").increment(1);
@@ -396,13 +469,10 @@ impl Reaper {
             },
             None => None,
         };
-        let tombstone = match &record {
-            Some(r) => r.derive("delete"),
-            None => match rebuilt_record(op, &scope) {
-                Some(r) => r.derive("delete"),
-                None => return Ok(Some(now_micros().saturating_add(micros(self.retention)))),
-            },
+        let Some(record_id) = RecordId::from_hex(&op.record_id) else {
+            return Ok(Some(now_micros().saturating_add(micros(self.retention)))); // unreadable: set aside
         };
+        let tombstone = idempotency::derive(&scope, &record_id, "delete");
         // The delete's endpoint is `DELETE /v1/workers/{id}`.
         let worker_id = op.endpoint.rsplit('/').next().unwrap_or_default();
         let mut finished = false;
@@ -414,6 +484,9 @@ impl Reaper {
                 anyhow::bail!("cannot delete the abandoned delete's VM: {e}");
             }
             finished = self.domain.delete_worker(&op.principal, worker_id, tombstone.as_str(), now_micros()).await?;
+            if let Err(e) = self.ledger().disown(&w.vm_id).await {
+                tracing::warn!(error = %ErrorChain(&e), vm_id = %w.vm_id, "cannot disown a deleted worker's VM");
+            }
         }
         let ours = self.domain.tombstone(tombstone.as_str()).await?.is_some_and(|w| w == worker_id);
         if let Some(claim) = &claim {
@@ -429,7 +502,7 @@ impl Reaper {
                 self.store.remove(claim).await?;
             }
         }
-        self.domain.forget_operation(&op.op_id).await?;
+        self.forget(op).await?;
         if finished {
             metrics::counter!(DELETES_FINISHED_TOTAL).increment(1);
             tracing::info!(op = %op.op_id, key = %op.idem_key, principal = %op.principal, worker = %worker_id,
@@ -443,20 +516,29 @@ impl Reaper {
         Ok(None)
     }
 
-    /// When the settle window of the last call for the intent `tag` ends, if it has not passed
+    /// When the settle window of the operation's last call ends, if it has not passed
     /// (`None`: no call may still land: none was made, it was refused, or it is done).
-    async fn settles_at(&self, tag: &str) -> anyhow::Result<Option<i64>> {
-        let Some(intent) = self.domain.intent(tag).await? else { return Ok(None) };
-        if intent.state != "pending" {
+    async fn settles_at(&self, op_id: &str) -> anyhow::Result<Option<i64>> {
+        let intents = self.ledger().intents(op_id).await?;
+        let Some(sent_at) = intents.iter().filter(|i| i.state == IntentState::Pending).map(|i| i.sent_at).max() else {
             return Ok(None);
-        }
-        let at = intent.last_attempt_at.saturating_add(micros(self.settle));
+        };
+        let at = sent_at.saturating_add(micros(self.settle));
         let left = at.saturating_sub(now_micros());
         if left > 0 {
-            tracing::info!(%tag, left_ms = left / 1000, "abandoned create's last call may still land; waiting");
+            tracing::info!(op_id, left_ms = left / 1000, "abandoned create's last call may still land; waiting");
             return Ok(Some(at));
         }
         Ok(None)
+    }
+
+    /// Marks a finished operation so (its intents go, its mark stays until the retention; what
+    /// its done effects made stays owned). An operation marked already is left as it is.
+    async fn forget(&self, op: &OperationRow) -> anyhow::Result<()> {
+        match self.ledger().finish(&op.op_id, now_micros()).await {
+            Ok(()) | Err(LedgerError::Finished | LedgerError::RolledBack) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
@@ -474,29 +556,10 @@ fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
     Ok(Scope::new(Principal::new(op.principal.as_str()), Endpoint::from_stored(op.endpoint.as_str()), key))
 }
 
-/// The sub-keys of the create `op`: from its record, or, when the record is gone, from a record
-/// rebuilt from the row (the derivation needs only the scope and the record id).
-fn keys_of(op: &OperationRow, record: Option<&Record>, scope: &Scope) -> Option<CreateKeys> {
-    match record {
-        Some(r) => Some(CreateKeys::of_record(r)),
-        None => rebuilt_record(op, scope).as_ref().map(CreateKeys::of_record),
-    }
-}
-
-/// The record an operation row names, rebuilt for sub-key derivation (which needs only the scope
-/// and the record id) when the record itself is gone.
-fn rebuilt_record(op: &OperationRow, scope: &Scope) -> Option<Record> {
-    let record_id = idempotency::RecordId::from_hex(&op.record_id)?;
-    let t = idempotency::now();
-    let mut r = idempotency::ClaimRequest {
-        scope: scope.clone(),
-        fingerprint: idempotency::Fingerprint::from_stored("sha256:"),
-        now: t,
-        expires_at: t,
-    }
-    .new_record();
-    r.record_id = record_id;
-    Some(r)
+/// The sub-keys of the create `op` (derived from its scope and record id: the record itself may
+/// be gone).
+fn keys_of(op: &OperationRow, scope: &Scope) -> Option<CreateKeys> {
+    RecordId::from_hex(&op.record_id).map(|id| CreateKeys::of_scope(scope, &id))
 }
 
 /// Runs `sweeper` and then `reaper` on one tick, every `interval`. Abort the handle to stop.

@@ -593,3 +593,94 @@ pub async fn marks_refuse_every_step_until_the_retention(f: Fixture) {
     assert_eq!(ds.sends(), 1);
     let _ = Sent::Done(String::new());
 }
+
+/// An operation the service recorded in its own tables but whose request never reached the
+/// ledger's first step, abandoned: `take_unbegun` fences it off (no late attempt can begin it),
+/// once; and `intent` reads an intent by its tag.
+pub async fn an_operation_that_never_began_is_fenced_off(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (_claim, op) = fresh_op(&*f.store, "create").await;
+    let row = crate::OperationRow {
+        op_id: op.id().to_owned(),
+        kind: "create".into(),
+        principal: String::new(),
+        endpoint: String::new(),
+        idem_key: String::new(),
+        record_id: String::new(),
+        mark: Mark::RollingBack,
+        last_attempt_at: now_micros(),
+        next_check_at: i64::MAX,
+    };
+    assert!(f.ledger.take_unbegun(&row).await.unwrap(), "taken");
+    assert!(!f.peer.take_unbegun(&row).await.unwrap(), "once");
+    let late = effects(&f.peer).attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(late, Err(EffectError::RolledBack)), "{late:?}");
+    assert_eq!(ds.sends(), 0);
+    assert!(f.ledger.rolled_back(op.id(), now_micros()).await.unwrap());
+
+    // An attempt that began first keeps its operation.
+    let (_claim, begun) = fresh_op(&*f.store, "create").await;
+    let done = effects(&f.ledger).attempt(&begun).run(&*ds, |t| ds.send(t, Duration::ZERO)).await.unwrap();
+    assert!(!f.peer.take_unbegun(&crate::OperationRow { op_id: begun.id().to_owned(), ..row }).await.unwrap());
+    let tag = begun.derive("thing").to_string();
+    let intent = f.peer.intent(&tag).await.unwrap().expect("the intent by its tag");
+    assert_eq!(
+        (intent.op_id.as_str(), intent.state, intent.resource_id.as_deref()),
+        (begun.id(), IntentState::Done, Some(done.id()))
+    );
+    assert_eq!(f.peer.intent("sk-no-such-tag").await.unwrap(), None);
+}
+
+/// What the service's own tables own is never undone by the inventory sweep; an undo whose
+/// answer was lost is counted once, when the resource is seen gone.
+pub async fn the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once(f: Fixture) {
+    #[derive(Debug)]
+    struct Owns(String);
+    #[async_trait::async_trait]
+    impl crate::Owner for Owns {
+        async fn owns(&self, _effect: &str, id: &str) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+            Ok(id == self.0)
+        }
+    }
+    let ds = Arc::new(Downstream::new("thing", false));
+    let owned = ds.land("sk-owned-by-a-row");
+    let orphans = [ds.land("sk-orphan-1"), ds.land("sk-orphan-2")];
+    let sweep = InventorySweep::new(f.ledger.clone(), vec![ds.clone() as Arc<dyn Effect>], SETTLE)
+        .owned_by(Arc::new(Owns(owned.clone())));
+    ds.lose_undo_answers(true);
+    let first = sweep.sweep().await.unwrap();
+    assert_eq!((first.listed, first.undone, first.errors), (3, 0, 2), "{first:?}");
+    ds.lose_undo_answers(false);
+    let second = sweep.sweep().await.unwrap();
+    assert_eq!((second.listed, second.undone), (1, 2), "the lost undos, counted once they are seen gone: {second:?}");
+    assert_eq!(sweep.sweep().await.unwrap().undone, 0, "counted once");
+    assert_eq!(ds.with_tag("sk-owned-by-a-row"), vec![owned]);
+    assert!(orphans.iter().all(|id| ds.with_tag(id).is_empty()));
+}
+
+/// A call that is idempotent downstream (a delete by id) whose answer was lost is sent again at
+/// once by the retry, without waiting out the settle window; the operation ends with one effect.
+pub async fn an_idempotent_call_is_sent_again_without_waiting(f: Fixture) {
+    #[derive(Debug)]
+    struct Idempotent(Arc<Downstream>);
+    #[async_trait::async_trait]
+    impl Effect for Idempotent {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        async fn probe(&self, tag: &str) -> Result<Vec<String>, crate::CallError> {
+            self.0.probe(tag).await
+        }
+        fn idempotent(&self) -> bool {
+            true
+        }
+    }
+    let ds = Arc::new(Downstream::new("thing", false));
+    let effect = Idempotent(ds.clone());
+    let (_claim, op) = fresh_op(&*f.store, "delete").await;
+    let lost = effects(&f.ledger).attempt(&op).run(&effect, |t| async { ds.send_dropped(t) }).await;
+    assert!(matches!(lost, Err(EffectError::Ambiguous(_))), "{lost:?}");
+    let retry = effects(&f.peer).attempt(&op).run(&effect, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(retry, Ok(Outcome::Done(_))), "sent again at once, not told to wait: {retry:?}");
+    assert_eq!((ds.sends(), ds.count()), (2, 1));
+}

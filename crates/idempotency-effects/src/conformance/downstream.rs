@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -25,6 +25,7 @@ pub struct Downstream {
     sends: AtomicU64,
     undos: AtomicU64,
     polls: AtomicU64,
+    lose_undo_answers: AtomicBool,
 }
 
 impl Downstream {
@@ -38,6 +39,7 @@ impl Downstream {
             sends: AtomicU64::new(0),
             undos: AtomicU64::new(0),
             polls: AtomicU64::new(0),
+            lose_undo_answers: AtomicBool::new(false),
         }
     }
 
@@ -79,6 +81,11 @@ impl Downstream {
     pub fn send_refused(&self, _tag: String) -> Result<Sent, CallError> {
         self.sends.fetch_add(1, Ordering::SeqCst);
         Err(CallError::definite("no").with_status(409))
+    }
+
+    /// From now on (`true`), an undo removes its resource but its answer is lost (a timeout).
+    pub fn lose_undo_answers(&self, lose: bool) {
+        self.lose_undo_answers.store(lose, Ordering::SeqCst);
     }
 
     /// Calls sent, ever.
@@ -132,6 +139,9 @@ impl Effect for Downstream {
         let existed = self.lock().resources.remove(id).is_some();
         if existed {
             self.undos.fetch_add(1, Ordering::SeqCst);
+        }
+        if self.lose_undo_answers.load(Ordering::SeqCst) {
+            return Err(CallError::ambiguous("timed out (the undo landed)"));
         }
         Ok(existed)
     }

@@ -114,6 +114,12 @@ impl Ledger for Gated {
     async fn take_for_rollback(&self, op_id: &str, seen: i64) -> Result<bool, LedgerError> {
         self.inner.take_for_rollback(op_id, seen).await
     }
+    async fn intent(&self, intent_id: &str) -> Result<Option<Intent>, LedgerError> {
+        self.inner.intent(intent_id).await
+    }
+    async fn take_unbegun(&self, op: &OperationRow) -> Result<bool, LedgerError> {
+        self.inner.take_unbegun(op).await
+    }
     async fn rolled_back(&self, op_id: &str, now: i64) -> Result<bool, LedgerError> {
         self.inner.rolled_back(op_id, now).await
     }

@@ -127,6 +127,9 @@ macro_rules! ledger_conformance_suite {
                 a_dead_watcher_is_taken_over_and_retries_attach,
                 racing_watchers_take_one_lease,
                 marks_refuse_every_step_until_the_retention,
+                an_operation_that_never_began_is_fenced_off,
+                the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once,
+                an_idempotent_call_is_sent_again_without_waiting,
             );
         }
     };

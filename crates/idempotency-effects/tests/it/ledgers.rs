@@ -40,6 +40,8 @@ forward! {
     due(now: i64, limit: u32) -> Result<Vec<OperationRow>, LedgerError>;
     put_off(op_id: &str, at: i64) -> Result<(), LedgerError>;
     take_for_rollback(op_id: &str, seen: i64) -> Result<bool, LedgerError>;
+    take_unbegun(op: &OperationRow) -> Result<bool, LedgerError>;
+    intent(intent_id: &str) -> Result<Option<Intent>, LedgerError>;
     rolled_back(op_id: &str, now: i64) -> Result<bool, LedgerError>;
     prune(before: i64) -> Result<u64, LedgerError>;
     owns(tag: &str, id: &str, settled_before: i64) -> Result<bool, LedgerError>;

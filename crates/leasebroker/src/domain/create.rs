@@ -1,29 +1,54 @@
-//! A create in two commits around its hypervisor call: everything before the call (the
-//! attempt, the allocation, the lease, the intent with its send stamp) in one transaction, and
-//! everything after it (the VM, the worker, the operation finished) in another.
+//! A create in two commits of leasebroker's own around its hypervisor call: everything before
+//! the call (the attempt and the boot intent in the effect ledger, the allocation, the lease) in
+//! one transaction, and everything after it (the worker, the operation finished) in another.
+//! Between them, `idempotency-effects` runs the call and records what it made.
 //!
 //! Each write inside keeps its own sub-key and `ON CONFLICT` rule, so a retry that finds some of
 //! them done by an earlier attempt goes on from there, as with one transaction per step.
 
-use sqlx::Row;
+use idempotency_effects::{Attempt, Decided, Effect, EffectError};
 
 use super::nodes::allocate_in;
 use super::*;
 use crate::db::with_pool;
 
+/// The ledger's steps inside one of leasebroker's own transactions, on either database.
+pub(crate) trait LedgerTx {
+    /// [`Attempt::decide_in_sqlite`] / [`Attempt::decide_in_postgres`].
+    async fn decide(&mut self, attempt: &Attempt, effect: &dyn Effect) -> std::result::Result<Decided, EffectError>;
+    /// [`Attempt::finish_in_sqlite`] / [`Attempt::finish_in_postgres`].
+    async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError>;
+}
+
+impl LedgerTx for sqlx::SqliteConnection {
+    async fn decide(&mut self, attempt: &Attempt, effect: &dyn Effect) -> std::result::Result<Decided, EffectError> {
+        attempt.decide_in_sqlite(self, effect).await
+    }
+    async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError> {
+        attempt.finish_in_sqlite(self).await
+    }
+}
+
+impl LedgerTx for sqlx::PgConnection {
+    async fn decide(&mut self, attempt: &Attempt, effect: &dyn Effect) -> std::result::Result<Decided, EffectError> {
+        attempt.decide_in_postgres(self, effect).await
+    }
+    async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError> {
+        attempt.finish_in_postgres(self).await
+    }
+}
+
 /// What [`Domain::start_create`] committed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CreateStart {
-    /// The node and lease are held, and the boot intent as stored.
+    /// The node and lease are held, and the boot intent decided.
     Held {
         /// The node allocated under the create's `alloc` sub-key (now, or by an earlier attempt).
         node: Node,
-        /// The boot intent.
-        intent: Intent,
-        /// True when this call recorded the intent, with its send stamp: the right to send the
-        /// boot is this attempt's (once the commit came back in time). False: an earlier attempt
-        /// recorded it, and the call must be reconciled first.
-        created: bool,
+        /// The boot intent as the ledger decided it: [`Decided::Fresh`] when this call recorded
+        /// it with its send stamp (the right to send the boot is this attempt's, once the commit
+        /// came back in time); [`Decided::Existing`] when an earlier attempt recorded it.
+        decided: Decided,
     },
     /// No node was allocated: none is free, or the quota is reached. Nothing was written.
     Refused(Allocation),
@@ -35,57 +60,48 @@ pub enum CreateStart {
 /// The sub-keys and values of a create's first commit.
 #[derive(Debug, Clone, Copy)]
 pub struct StartCreate<'a> {
-    /// The operation's row (`begin_attempt`).
-    pub op: &'a OperationRow,
+    /// The attempt (its operation is the create's record).
+    pub attempt: &'a Attempt,
+    /// The boot effect.
+    pub boot: &'a dyn Effect,
+    /// The principal.
+    pub principal: &'a str,
     /// The allocation's sub-key.
     pub alloc_id: &'a str,
     /// The lease's public id.
     pub lease_id: &'a str,
-    /// The boot intent's sub-key (the hypervisor tag).
-    pub intent_id: &'a str,
     /// The worker's public id: when it exists, or its tombstone does, the create finished.
     pub worker_id: &'a str,
     /// The most nodes the principal may hold (0: no limit).
     pub quota: u32,
-    /// When the reaper should first look at the operation (µs since the epoch).
-    pub check_at: i64,
+    /// Now (µs since the epoch).
+    pub now: i64,
 }
 
 impl Domain {
-    /// The first commit of a create: records the attempt, allocates a node under `alloc_id`
-    /// (or finds the one allocated under it), inserts the lease, and records the boot intent,
-    /// with its send stamp (taken in the transaction) if it is new, in one transaction. Errs with
-    /// [`DomainError::RolledBack`] when the reaper took the operation for a rollback; answers
-    /// [`CreateStart::Finished`] when the create finished.
+    /// The first commit of a create: the attempt and the boot intent (the effect ledger's
+    /// decide step: the intent is born with its send stamp when it is new), a node allocated
+    /// under `alloc_id` (or the one allocated under it), and the lease, in one transaction.
+    /// Errs with [`DomainError::RolledBack`] when the reaper took the operation for a rollback;
+    /// answers [`CreateStart::Finished`] when the create finished.
     ///
-    /// The attempt's write comes first: it is the rollback fence (on PostgreSQL it locks the
-    /// operation's row, so a rollback's mark waits for this transaction; on SQLite the
-    /// transaction holds the write lock from its first statement). A new intent is born with
-    /// its send stamp: that is the compare-and-set from "no intent", so no other attempt can
-    /// send between the record and the stamp.
+    /// The ledger's step comes first: it is the fence (it writes the operation's row, so on
+    /// PostgreSQL it locks that row and a rollback's mark waits for this transaction; on SQLite
+    /// the transaction holds the write lock from that statement).
     ///
     /// A unique violation (an overlapping attempt of the same request allocated at the same
     /// moment) is returned as the error it is: the caller goes on step by step, where each step
     /// resolves it.
     pub async fn start_create(&self, s: StartCreate<'_>) -> Result<CreateStart> {
         let postgres = self.db.is_postgres();
-        let op = s.op;
-        let principal = op.principal.as_str();
-        let now = op.last_attempt_at;
+        let (principal, now) = (s.principal, s.now);
         with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
-            let written = sqlx::query(BEGIN_ATTEMPT)
-                .bind(&op.op_id).bind(&op.kind).bind(principal).bind(&op.endpoint).bind(&op.idem_key)
-                .bind(&op.record_id).bind(now).bind(s.check_at)
-                .execute(&mut *tx).await?.rows_affected();
-            if written == 0 {
-                let mark: Option<i64> = sqlx::query_scalar("SELECT CAST(rolled_back AS BIGINT) FROM lb_operations WHERE op_id = $1")
-                    .bind(&op.op_id).fetch_optional(&mut *tx).await?;
-                return match refused_by(mark) {
-                    DomainError::Finished => Ok(CreateStart::Finished),
-                    refused => Err(refused),
-                };
-            }
+            let decided = match LedgerTx::decide(&mut *tx, s.attempt, s.boot).await {
+                Ok(decided) => decided,
+                Err(EffectError::Finished) => return Ok(CreateStart::Finished),
+                Err(e) => return Err(e.into()),
+            };
             // Decided here, under the attempt's lock, not before: a worker that exists or was
             // deleted means the create finished (an attempt that stalled after reading "no
             // worker" must not start it again). Nothing is written then.
@@ -104,7 +120,7 @@ impl Domain {
                     Some(node) => node,
                     None => {
                         // Refused before any side effect: nothing stays, not even the attempt's
-                        // row (the reaper has nothing to look at).
+                        // row or its intent (the reaper has nothing to look at).
                         tx.rollback().await?;
                         return Ok(CreateStart::Refused(self.refusal(principal, s.quota).await?));
                     }
@@ -114,69 +130,85 @@ impl Domain {
                          ON CONFLICT (lease_id) DO NOTHING")
                 .bind(s.lease_id).bind(&node.node_id).bind(principal).bind(now)
                 .execute(&mut *tx).await?;
-            // The send stamp is taken here, holding the lock, not before waiting for it.
-            let stamp = send_stamp(now);
-            let created = sqlx::query("INSERT INTO lb_intents (intent_id, kind, state, created_at, last_attempt_at, op_id) \
-                         VALUES ($1, 'boot', 'pending', $2, $3, $4) ON CONFLICT (intent_id) DO NOTHING")
-                .bind(s.intent_id).bind(now).bind(stamp).bind(&op.op_id)
-                .execute(&mut *tx).await?.rows_affected() == 1;
-            let intent = sqlx::query_as::<_, Intent>(
-                "SELECT intent_id, kind, state, vm_id, created_at, last_attempt_at FROM lb_intents WHERE intent_id = $1")
-                .bind(s.intent_id).fetch_one(&mut *tx).await?;
             tx.commit().await?;
-            Ok(CreateStart::Held { node, intent, created })
+            Ok(CreateStart::Held { node, decided })
         })
     }
 
-    /// The last commit of a create: marks the boot intent done with `vm_id` (the first VM
-    /// recorded wins, and the worker gets that one), inserts the worker (or finds the one an
-    /// earlier attempt inserted under the same id), and finishes the operation (its intents and
-    /// its row deleted), in one transaction fenced like every step of a create (see
-    /// [`DomainError::RolledBack`]).
-    pub async fn finish_create(&self, intent_id: &str, vm_id: &str, w: &WorkerRow, op_id: &str) -> Result<WorkerRow> {
+    /// The last commit of a create: finishes the operation in the ledger (its first statement,
+    /// the fence: see [`DomainError::RolledBack`], [`DomainError::Finished`]; the boot's VM stays
+    /// owned by it), inserts the worker (or finds the one an earlier attempt inserted under the
+    /// same id) and counts the boot, in one transaction.
+    pub async fn finish_create(&self, attempt: &Attempt, w: &WorkerRow) -> Result<WorkerRow> {
         let inserted = with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
-            guard!(self, tx, op_id);
-            let booted = sqlx::query("UPDATE lb_intents SET state = 'done', vm_id = $2 WHERE intent_id = $1 AND state <> 'done'")
-                .bind(intent_id).bind(vm_id).execute(&mut *tx).await?.rows_affected();
-            let recorded: Option<String> = sqlx::query("SELECT vm_id FROM lb_intents WHERE intent_id = $1")
-                .bind(intent_id).fetch_optional(&mut *tx).await?
-                .map(|r| r.try_get::<Option<String>, _>(0)).transpose()?.flatten();
-            let vm_id = recorded.unwrap_or_else(|| vm_id.to_owned());
+            if let Err(e) = LedgerTx::finish(&mut *tx, attempt).await {
+                tx.rollback().await?;
+                return Err(e.into());
+            }
             let inserted = sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
                          vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (worker_id) DO NOTHING")
                 .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
-                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&vm_id).bind(&w.state)
+                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
                 .bind(w.reboot_count).bind(w.created_at)
                 .execute(&mut *tx).await?.rows_affected() == 1;
-            // The operation keeps a compact mark (its intents go), so no late attempt starts it again.
-            sqlx::query("DELETE FROM lb_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
-            sqlx::query(MARK_FINISHED).bind(op_id).bind(crate::service::now_micros()).execute(&mut *tx).await?;
             // Last: the counter's row stays locked until the commit (64 rows, so creates rarely meet).
-            if booted == 1 {
-                sqlx::query(COUNT_BOOT).bind(boot_counter(intent_id)).execute(&mut *tx).await?;
-            }
+            sqlx::query(COUNT_BOOT).bind(boot_counter(attempt.operation().id())).execute(&mut *tx).await?;
             tx.commit().await?;
-            inserted.then(|| WorkerRow { vm_id, ..w.clone() })
+            inserted
         });
-        match inserted {
-            Some(row) => Ok(row),
-            None => self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound)),
+        if inserted {
+            return Ok(w.clone());
         }
+        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
+    }
+
+    /// The last commit of a reboot: finishes the operation in the ledger (the fence) and, when
+    /// this call finished it, counts the reboot on the worker, in one transaction; an operation
+    /// finished already counts nothing again. Returns the worker's reboot count.
+    pub async fn finish_reboot(&self, attempt: &Attempt, worker_id: &str) -> Result<i64> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            match LedgerTx::finish(&mut *tx, attempt).await {
+                Ok(()) => {
+                    sqlx::query("UPDATE lb_workers SET reboot_count = reboot_count + 1 WHERE worker_id = $1")
+                        .bind(worker_id).execute(&mut *tx).await?;
+                    sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'reboots'").execute(&mut *tx).await?;
+                }
+                Err(EffectError::Finished) => {} // an overlapping attempt counted it
+                Err(e) => {
+                    tx.rollback().await?;
+                    return Err(e.into());
+                }
+            }
+            let count: i64 = sqlx::query_scalar("SELECT reboot_count FROM lb_workers WHERE worker_id = $1")
+                .bind(worker_id).fetch_optional(&mut *tx).await?.unwrap_or(0);
+            tx.commit().await?;
+            count
+        }))
+    }
+
+    /// The last commit of a delete: finishes the operation in the ledger (the fence) and deletes
+    /// the worker, its lease and its node's allocation with the tombstone `tombstone_id`, in one
+    /// transaction. False when the worker was gone already (its tombstone says by whom).
+    pub async fn finish_delete(
+        &self,
+        attempt: &Attempt,
+        principal: &str,
+        worker_id: &str,
+        tombstone_id: &str,
+        now: i64,
+    ) -> Result<bool> {
+        Ok(with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            if let Err(e) = LedgerTx::finish(&mut *tx, attempt).await {
+                tx.rollback().await?;
+                return Err(e.into());
+            }
+            let deleted = super::workers::delete_worker_in!(tx, principal, worker_id, tombstone_id, now);
+            tx.commit().await?;
+            deleted
+        }))
     }
 }
-
-/// [`Domain::begin_attempt`]'s statement: inserts the operation or moves its `last_attempt_at`
-/// and the reaper's next look at it, unless it is rolled back, taken for a rollback, or finished
-/// (then no row is written).
-pub(super) const BEGIN_ATTEMPT: &str = "INSERT INTO lb_operations \
-     (op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at, next_check_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
-     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = EXCLUDED.last_attempt_at, next_check_at = EXCLUDED.next_check_at \
-     WHERE lb_operations.rolled_back = 0";
-
-/// Marks the live operation `$1` finished at `$2` (the mark's time, from which the retention
-/// runs): kept, compact, so no attempt can start it again.
-pub(super) const MARK_FINISHED: &str =
-    "UPDATE lb_operations SET rolled_back = 3, last_attempt_at = $2 WHERE op_id = $1 AND rolled_back = 0";

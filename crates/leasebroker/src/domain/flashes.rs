@@ -1,5 +1,5 @@
-//! Firmware-flash operations: the row (with its BMC intent), the one-running-flash-per-node fence,
-//! the send stamp taken by compare-and-set, and the watcher's lease on the row.
+//! Firmware-flash operations as the API shows them, and the one-running-flash-per-node fence.
+//! The BMC call itself (its intent, its send stamp, the watcher's lease) is the effect ledger's.
 
 use super::*;
 use crate::db::with_pool;
@@ -17,37 +17,21 @@ pub struct FlashRow {
     pub state: String,
     /// Why it failed.
     pub error: Option<String>,
-    /// The BMC call: `unsent` (definitely not sent), `pending` (sent at `sent_at`, outcome
-    /// unknown) or `accepted`.
+    /// `accepted` once the BMC took the flash (or was found holding its tag); `unsent` before
+    /// (the call's own state is its intent in the effect ledger).
     pub intent: String,
-    /// The tag sent with the flash: the request's derived sub-key `flash`.
+    /// The tag sent with the flash: the request's derived sub-key `flash` (also the id of its
+    /// intent in the ledger).
     pub tag: String,
-    /// When the flash was last sent (µs since the epoch; 0 before the first send).
-    pub sent_at: i64,
     /// When the operation was created (µs since the epoch).
     pub created_at: i64,
     /// When it ended.
     pub finished_at: Option<i64>,
-    /// The watcher holding the lease on the row, if any.
-    pub watcher: Option<String>,
-    /// Until when that lease holds (µs since the epoch).
-    pub watch_until: i64,
+    /// The operation's id in the effect ledger (the request's derived sub-key `op`).
+    pub ledger_op: Option<String>,
 }
 
-from_row!(FlashRow {
-    op_id,
-    node_id,
-    version,
-    state,
-    error,
-    intent,
-    tag,
-    sent_at,
-    created_at,
-    finished_at,
-    watcher,
-    watch_until
-});
+from_row!(FlashRow { op_id, node_id, version, state, error, intent, tag, created_at, finished_at, ledger_op });
 
 impl FlashRow {
     /// Whether the operation ended.
@@ -76,8 +60,8 @@ pub enum FlashStart {
 macro_rules! select {
     ($rest:literal) => {
         concat!(
-            "SELECT op_id, node_id, version, state, error, intent, tag, sent_at, created_at, finished_at, \
-             watcher, watch_until FROM lb_flash_operations ",
+            "SELECT op_id, node_id, version, state, error, intent, tag, created_at, finished_at, ledger_op \
+             FROM lb_flash_operations ",
             $rest
         )
     };
@@ -88,6 +72,13 @@ impl Domain {
     pub async fn flash_operation(&self, op_id: &str) -> Result<Option<FlashRow>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, FlashRow>(select!("WHERE op_id = $1")).bind(op_id).fetch_optional(p).await?
+        }))
+    }
+
+    /// The flash operation whose BMC call carries `tag`.
+    pub async fn flash_by_tag(&self, tag: &str) -> Result<Option<FlashRow>> {
+        Ok(with_pool!(&self.db, p => {
+            sqlx::query_as::<_, FlashRow>(select!("WHERE tag = $1")).bind(tag).fetch_optional(p).await?
         }))
     }
 
@@ -106,12 +97,14 @@ impl Domain {
         }))
     }
 
-    /// Finds the operation `op_id` or creates it, running, with its flash not sent yet. At most
+    /// Finds the operation `op_id` (its ledger operation `ledger_op`) or creates it, running,
+    /// with its flash not sent yet. At most
     /// one operation runs per node (a partial UNIQUE index): when another one runs there, this
     /// one is not created and the running one is returned as a conflict.
     pub async fn start_flash(
         &self,
         op_id: &str,
+        ledger_op: &str,
         node_id: &str,
         version: &str,
         tag: &str,
@@ -131,9 +124,9 @@ impl Domain {
             }
             let inserted = with_pool!(&self.db, p => {
                 sqlx::query("INSERT INTO lb_flash_operations \
-                             (op_id, node_id, version, state, intent, tag, sent_at, created_at) \
-                             VALUES ($1, $2, $3, 'running', 'unsent', $4, 0, $5) ON CONFLICT (op_id) DO NOTHING")
-                    .bind(op_id).bind(node_id).bind(version).bind(tag).bind(now)
+                             (op_id, node_id, version, state, intent, tag, created_at, ledger_op) \
+                             VALUES ($1, $2, $3, 'running', 'unsent', $4, $5, $6) ON CONFLICT (op_id) DO NOTHING")
+                    .bind(op_id).bind(node_id).bind(version).bind(tag).bind(now).bind(ledger_op)
                     .execute(p).await.map(|r| r.rows_affected())
             });
             match inserted {
@@ -152,37 +145,6 @@ impl Domain {
             Some(running) => Ok(FlashStart::Conflict(running)),
             None => Err(DomainError::Db(sqlx::Error::RowNotFound)),
         }
-    }
-
-    /// Takes the right to send the flash of a running, not accepted operation: moves its send
-    /// stamp from `seen` to a new one by compare-and-set (`stamp_send!`, the same fence as
-    /// boots and reboots, taken once the row is locked). `None` when the stamp moved since it was
-    /// read, or the operation ended.
-    pub async fn stamp_flash(&self, op_id: &str, seen: i64) -> Result<Option<i64>> {
-        let lock = if self.db.is_postgres() {
-            "SELECT 1 FROM lb_flash_operations WHERE op_id = $1 FOR UPDATE"
-        } else {
-            "UPDATE lb_flash_operations SET sent_at = sent_at WHERE op_id = $1"
-        };
-        Ok(with_pool!(&self.db, p => {
-            let mut tx = p.begin().await?;
-            sqlx::query(lock).bind(op_id).execute(&mut *tx).await?;
-            let stamped = stamp_send!(tx, "UPDATE lb_flash_operations SET intent = 'pending', sent_at = $3 \
-                         WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted' AND sent_at = $2", op_id, seen);
-            tx.commit().await?;
-            stamped
-        }))
-    }
-
-    /// Marks the flash sent at `stamp` as definitely not sent (nothing left this process), so the
-    /// next attempt may send it without waiting out the settle window.
-    pub async fn unsend_flash(&self, op_id: &str, stamp: i64) -> Result<()> {
-        with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET intent = 'unsent' \
-                         WHERE op_id = $1 AND intent = 'pending' AND sent_at = $2")
-                .bind(op_id).bind(stamp).execute(p).await?;
-        });
-        Ok(())
     }
 
     /// Records that the BMC took the flash (it answered, or it holds the tag), counting the flash
@@ -206,58 +168,46 @@ impl Domain {
     pub async fn finish_flash(&self, op_id: &str, succeeded: bool, error: Option<&str>, now: i64) -> Result<bool> {
         let state = if succeeded { "succeeded" } else { "failed" };
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, finished_at = $4, watcher = NULL \
+            sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, finished_at = $4 \
                          WHERE op_id = $1 AND state = 'running' AND intent = 'accepted'")
                 .bind(op_id).bind(state).bind(error).bind(now).execute(p).await?.rows_affected() == 1
         }))
     }
 
-    /// Fails a running operation whose flash the BMC never took: refused (sent at `sent_at`), or
-    /// never sent and abandoned. Compare-and-set on the send stamp, so an attempt that sent the
-    /// flash since keeps it. False when the row moved on.
-    pub async fn fail_unaccepted_flash(&self, op_id: &str, sent_at: i64, error: &str, now: i64) -> Result<bool> {
-        self.end_unaccepted_flash(op_id, sent_at, false, Some(error), now).await
+    /// Fails a running operation whose flash the BMC never took (refused, or never sent and
+    /// abandoned). The caller holds the fence: the ledger's intent was refused (released), or
+    /// its operation is taken for a rollback or finished, so no attempt can send it any more.
+    /// False when the row moved on.
+    pub async fn fail_unaccepted_flash(&self, op_id: &str, error: &str, now: i64) -> Result<bool> {
+        self.end_unaccepted_flash(op_id, false, Some(error), now).await
     }
 
-    /// Ends a running operation whose flash the BMC was never seen to take, by compare-and-set
-    /// on the send stamp as [`Domain::fail_unaccepted_flash`] does: `failed` with `error`, or
-    /// `succeeded` when nothing needed flashing (the node already runs the version). False when
-    /// the row moved on.
+    /// Ends a running operation whose flash the BMC was never seen to take, fenced as
+    /// [`Domain::fail_unaccepted_flash`] is: `failed` with `error`, or `succeeded` when nothing
+    /// needed flashing (the node already runs the version). False when the row moved on.
     pub async fn end_unaccepted_flash(
         &self,
         op_id: &str,
-        sent_at: i64,
         succeeded: bool,
         error: Option<&str>,
         now: i64,
     ) -> Result<bool> {
         let state = if succeeded { "succeeded" } else { "failed" };
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET state = $5, error = $3, finished_at = $4, watcher = NULL \
-                         WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted' AND sent_at = $2")
-                .bind(op_id).bind(sent_at).bind(error).bind(now).bind(state).execute(p).await?.rows_affected() == 1
+            sqlx::query("UPDATE lb_flash_operations SET state = $4, error = $2, finished_at = $3 \
+                         WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted'")
+                .bind(op_id).bind(error).bind(now).bind(state).execute(p).await?.rows_affected() == 1
         }))
     }
 
-    /// Up to `limit` running operations whose watch lease has expired (or is held by `watcher`),
-    /// the least recently watched first: each pass takes (and so renews) the lease of what it
-    /// watches, which puts those rows last, so however many operations wait unaccepted, every
-    /// one is watched in turn.
-    pub async fn flashes_to_watch(&self, watcher: &str, now: i64, limit: u32) -> Result<Vec<FlashRow>> {
+    /// Up to `limit` running operations whose flash the BMC has not been seen to take, in id
+    /// order after `after` (a pass goes round them with a cursor, so however many wait, every
+    /// one is looked at in turn).
+    pub async fn unaccepted_flashes(&self, after: &str, limit: u32) -> Result<Vec<FlashRow>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, FlashRow>(select!(
-                "WHERE state = 'running' AND (watch_until < $1 OR watcher = $2) ORDER BY watch_until, op_id LIMIT $3")).bind(now).bind(watcher).bind(i64::from(limit)).fetch_all(p).await?
-        }))
-    }
-
-    /// Takes (or renews) the watch lease on a running operation for `watcher` until `until`, by
-    /// compare-and-set on the lease as it was read (`seen_until`): of several replicas that read
-    /// one expired lease, one takes it. False when another took it first or the operation ended.
-    pub async fn take_watch(&self, op_id: &str, watcher: &str, seen_until: i64, until: i64) -> Result<bool> {
-        Ok(with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET watcher = $2, watch_until = $4 \
-                         WHERE op_id = $1 AND state = 'running' AND watch_until = $3")
-                .bind(op_id).bind(watcher).bind(seen_until).bind(until).execute(p).await?.rows_affected() == 1
+                "WHERE state = 'running' AND intent <> 'accepted' AND op_id > $1 ORDER BY op_id LIMIT $2"))
+                .bind(after).bind(i64::from(limit)).fetch_all(p).await?
         }))
     }
 

@@ -25,6 +25,37 @@ pub enum DomainError {
     /// worker, its tombstone, the reboot count).
     #[error("the operation finished; this attempt stops")]
     Finished,
+    /// The effect ledger failed otherwise (a row it cannot read back).
+    #[error("effect ledger error")]
+    Ledger(#[source] idempotency_effects::LedgerError),
+}
+
+impl From<idempotency_effects::LedgerError> for DomainError {
+    fn from(e: idempotency_effects::LedgerError) -> Self {
+        use idempotency_effects::LedgerError;
+        match e {
+            LedgerError::Finished => Self::Finished,
+            LedgerError::RolledBack => Self::RolledBack,
+            // The ledger is on the same database: its outage is the database's.
+            LedgerError::Unavailable(source) => match source.downcast::<sqlx::Error>() {
+                Ok(e) => Self::Db(*e),
+                Err(source) => Self::Ledger(LedgerError::Unavailable(source)),
+            },
+            e => Self::Ledger(e),
+        }
+    }
+}
+
+impl From<idempotency_effects::EffectError> for DomainError {
+    fn from(e: idempotency_effects::EffectError) -> Self {
+        use idempotency_effects::EffectError;
+        match e {
+            EffectError::Finished => Self::Finished,
+            EffectError::RolledBack => Self::RolledBack,
+            EffectError::Ledger(e) => e.into(),
+            e => Self::Ledger(idempotency_effects::LedgerError::Unavailable(Box::new(e))),
+        }
+    }
 }
 
 type Result<T> = std::result::Result<T, DomainError>;
@@ -64,47 +95,6 @@ pub struct Node {
 
 from_row!(Node { node_id, cpu, memory_gb });
 
-/// An intent to call the hypervisor, recorded before the call.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Intent {
-    /// The derived sub-key; also the tag sent to the hypervisor.
-    pub intent_id: String,
-    /// `boot` or `reboot`.
-    pub kind: String,
-    /// `pending`, `done` or `failed`.
-    pub state: String,
-    /// The VM, once known.
-    pub vm_id: Option<String>,
-    /// When the intent was first recorded (µs since the epoch).
-    pub created_at: i64,
-    /// When the hypervisor was last called for it (µs since the epoch).
-    pub last_attempt_at: i64,
-}
-
-from_row!(Intent { intent_id, kind, state, vm_id, created_at, last_attempt_at });
-
-/// A protected operation and the idempotency record it runs under, written at the start of
-/// every attempt so the reaper can map the operation back to its record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OperationRow {
-    /// The record's derived sub-key `op`.
-    pub op_id: String,
-    /// `create`, `delete` or `reboot`.
-    pub kind: String,
-    /// The record's principal.
-    pub principal: String,
-    /// The record's endpoint (`POST /v1/workers`).
-    pub endpoint: String,
-    /// The client's idempotency key.
-    pub idem_key: String,
-    /// The record's id, hex.
-    pub record_id: String,
-    /// When the last attempt started (µs since the epoch).
-    pub last_attempt_at: i64,
-}
-
-from_row!(OperationRow { op_id, kind, principal, endpoint, idem_key, record_id, last_attempt_at });
-
 /// A live operation, as the console lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveOperation {
@@ -126,15 +116,13 @@ pub struct LiveOperation {
 
 from_row!(LiveOperation { op_id, kind, principal, endpoint, idem_key, last_attempt_at, rolling_back });
 
-/// What the reaper freed when it rolled back a create.
+/// What a create gave back (a refusal, or the reaper's rollback).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Released {
     /// Leases deleted (0 or 1).
     pub leases: u64,
     /// Nodes freed (0 or 1).
     pub nodes: u64,
-    /// Operation rows deleted (0 when another replica's reaper got there first).
-    pub operations: u64,
 }
 
 /// A worker row.
@@ -217,27 +205,22 @@ pub struct Counts {
 #[derive(Debug, Clone)]
 pub struct Domain {
     db: Db,
+    ledger: std::sync::Arc<idempotency_effects::SqlLedger>,
 }
 
-/// The marks of an operation's row (`lb_operations.rolled_back`): 0 live; 1 taken by the reaper
-/// for a rollback; 2 rolled back; 3 finished. A rolled-back or finished row is kept, compact (its
-/// intents deleted), until the retention passes, so no attempt that outlived its claim can start
-/// the operation again: `BEGIN_ATTEMPT` and every step refuse it in their own transaction.
-pub(crate) const LIVE: i64 = 0;
-/// See [`LIVE`].
-pub(crate) const FINISHED: i64 = 3;
-
-/// The fence of an operation's steps: in the step's own transaction, first, the operation row
-/// must still be there and live. On PostgreSQL the row is locked FOR SHARE, so a rollback or a
-/// finish that marks it waits for the step, or the step for the mark (and then sees it); on
-/// SQLite the statement is a write, so the transaction holds the one write lock from its start.
-const GUARD_PG: &str = "SELECT CAST(rolled_back AS BIGINT) FROM lb_operations WHERE op_id = $1 FOR SHARE";
-const GUARD_SQLITE: &str =
-    "UPDATE lb_operations SET rolled_back = rolled_back WHERE op_id = $1 RETURNING CAST(rolled_back AS BIGINT)";
+/// The fence of a step of leasebroker's own tables taken outside the effect ledger (the
+/// allocation and the lease of a create that overlapped another attempt): in the step's own
+/// transaction, first, the operation's row in the ledger (`fx_operations`) must be there and
+/// live (mark 0; 1 rolling back, 2 rolled back, 3 finished). On PostgreSQL the row is locked FOR
+/// SHARE, so a rollback or a finish that marks it waits for the step, or the step for the mark
+/// (and then sees it); on SQLite the statement is a write, so the transaction holds the one
+/// write lock from its start.
+const GUARD_PG: &str = "SELECT CAST(mark AS BIGINT) FROM fx_operations WHERE op_id = $1 FOR SHARE";
+const GUARD_SQLITE: &str = "UPDATE fx_operations SET mark = mark WHERE op_id = $1 RETURNING CAST(mark AS BIGINT)";
 
 /// The error of a step refused by the mark `mark` (`None`: no row).
 pub(crate) fn refused_by(mark: Option<i64>) -> DomainError {
-    if mark == Some(FINISHED) { DomainError::Finished } else { DomainError::RolledBack }
+    idempotency_effects::LedgerError::refused_by(mark.and_then(idempotency_effects::Mark::from_i64)).into()
 }
 
 /// Runs the guard for `$op_id` in the transaction `$tx`: errs with [`DomainError::RolledBack`]
@@ -247,37 +230,9 @@ macro_rules! guard {
     ($self:ident, $tx:ident, $op_id:expr) => {{
         let sql = if $self.db.is_postgres() { GUARD_PG } else { GUARD_SQLITE };
         let mark: Option<i64> = sqlx::query_scalar(sql).bind($op_id).fetch_optional(&mut *$tx).await?;
-        if mark != Some(LIVE) {
+        if mark != Some(0) {
             return Err(refused_by(mark));
         }
-    }};
-}
-
-/// How far ahead of the clock a call's send stamp lies: the longest the stamp's commit may take
-/// for the call still to be sent (`service::stamped_in_time`).
-const SEND_STAMP_AHEAD_MICROS: i64 = 1_000_000;
-/// [`SEND_STAMP_AHEAD_MICROS`] as a duration.
-pub(crate) const SEND_STAMP_AHEAD: std::time::Duration =
-    std::time::Duration::from_micros(SEND_STAMP_AHEAD_MICROS as u64);
-
-/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: a little
-/// ahead of the clock, and always past `seen` (so the compare-and-set moves it). Taken only
-/// inside the transaction that decides to send, once it holds its lock (the SQLite write lock,
-/// the PostgreSQL row lock): a wait for a connection or a lock never eats into the time ahead.
-pub(crate) fn send_stamp(seen: i64) -> i64 {
-    crate::service::now_micros().saturating_add(SEND_STAMP_AHEAD_MICROS).max(seen + 1)
-}
-
-/// The one send-stamp compare-and-set of every fenced call (boot, reboot, flash), run in `$tx`
-/// after it took its lock: `$cas` moves the stamp of row `$id` (`$1`) from `$seen` (`$2`) to a
-/// new stamp (`$3`). Evaluates to the new stamp, or `None` when the stamp moved since it was
-/// read (another attempt acted on the call in between: this one must not send).
-macro_rules! stamp_send {
-    ($tx:ident, $cas:expr, $id:expr, $seen:expr) => {{
-        let seen: i64 = $seen;
-        let stamp = $crate::domain::send_stamp(seen);
-        let moved = sqlx::query($cas).bind($id).bind(seen).bind(stamp).execute(&mut *$tx).await?.rows_affected() == 1;
-        moved.then_some(stamp)
     }};
 }
 
@@ -296,7 +251,6 @@ pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
 
 mod create;
 mod flashes;
-mod intents;
 mod nodes;
 mod operations;
 mod workers;
@@ -304,7 +258,13 @@ mod workers;
 impl Domain {
     /// The domain on `db` (migrated already).
     pub fn new(db: Db) -> Self {
-        Self { db }
+        let ledger = std::sync::Arc::new(db.ledger());
+        Self { db, ledger }
+    }
+
+    /// The effect ledger on the same database.
+    pub fn ledger(&self) -> std::sync::Arc<dyn idempotency_effects::Ledger> {
+        self.ledger.clone()
     }
 
     /// Counts for the fleet endpoint.
@@ -337,21 +297,6 @@ impl Domain {
     pub async fn vm_in_use(&self, vm_id: &str) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $1").bind(vm_id).fetch_optional(p).await?.is_some()
-        }))
-    }
-
-    /// Whether anything owns the VM `vm_id` tagged `tag`, for the inventory sweep: a worker runs
-    /// on it, or the boot intent `tag` exists and its operation is live (or legacy, without an
-    /// operation), or its last send is not older than `settled_before` (a call that may still
-    /// be decided on). One statement, so one snapshot: a create that finishes meanwhile is seen
-    /// either with its intent or with its worker.
-    pub async fn vm_owned(&self, tag: &str, vm_id: &str, settled_before: i64) -> Result<bool> {
-        Ok(with_pool!(&self.db, p => {
-            sqlx::query("SELECT 1 FROM lb_workers WHERE vm_id = $2 \
-                         UNION ALL \
-                         SELECT 1 FROM lb_intents i LEFT JOIN lb_operations o ON o.op_id = i.op_id \
-                         WHERE i.intent_id = $1 AND (i.op_id IS NULL OR o.rolled_back < 2 OR i.last_attempt_at > $3)")
-                .bind(tag).bind(vm_id).bind(settled_before).fetch_optional(p).await?.is_some()
         }))
     }
 

@@ -5,6 +5,47 @@ use sqlx::Row;
 use super::*;
 use crate::db::with_pool;
 
+/// Deletes the worker `$worker_id` of `$principal` in the transaction `$tx`: the worker, its
+/// lease and its node's allocation, leaving the tombstone `$tombstone_id`. Evaluates to false
+/// when the worker was gone already.
+macro_rules! delete_worker_in {
+    ($tx:ident, $principal:expr, $worker_id:expr, $tombstone_id:expr, $now:expr) => {{
+        let row =
+            sqlx::query("DELETE FROM lb_workers WHERE worker_id = $1 AND principal = $2 RETURNING node_id, lease_id")
+                .bind($worker_id)
+                .bind($principal)
+                .fetch_optional(&mut *$tx)
+                .await?;
+        match row {
+            Some(row) => {
+                use sqlx::Row as _;
+                let node_id: String = row.try_get(0)?;
+                let lease_id: String = row.try_get(1)?;
+                sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1").bind(&lease_id).execute(&mut *$tx).await?;
+                sqlx::query(
+                    "UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE node_id = $1",
+                )
+                .bind(&node_id)
+                .execute(&mut *$tx)
+                .await?;
+                sqlx::query(
+                    "INSERT INTO lb_tombstones (tombstone_id, worker_id, principal, deleted_at) \
+                             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                )
+                .bind($tombstone_id)
+                .bind($worker_id)
+                .bind($principal)
+                .bind($now)
+                .execute(&mut *$tx)
+                .await?;
+                true
+            }
+            None => false,
+        }
+    }};
+}
+pub(super) use delete_worker_in;
+
 impl Domain {
     /// A principal's worker.
     pub async fn worker(&self, principal: &str, worker_id: &str) -> Result<Option<WorkerRow>> {
@@ -38,22 +79,7 @@ impl Domain {
     pub async fn delete_worker(&self, principal: &str, worker_id: &str, tombstone_id: &str, now: i64) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
-            let row = sqlx::query("DELETE FROM lb_workers WHERE worker_id = $1 AND principal = $2 RETURNING node_id, lease_id")
-                .bind(worker_id).bind(principal).fetch_optional(&mut *tx).await?;
-            let deleted = match row {
-                Some(row) => {
-                    let node_id: String = row.try_get(0)?;
-                    let lease_id: String = row.try_get(1)?;
-                    sqlx::query("DELETE FROM lb_leases WHERE lease_id = $1").bind(&lease_id).execute(&mut *tx).await?;
-                    sqlx::query("UPDATE lb_nodes SET alloc_id = NULL, principal = NULL, allocated_at = NULL WHERE node_id = $1")
-                        .bind(&node_id).execute(&mut *tx).await?;
-                    sqlx::query("INSERT INTO lb_tombstones (tombstone_id, worker_id, principal, deleted_at) \
-                                 VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING")
-                        .bind(tombstone_id).bind(worker_id).bind(principal).bind(now).execute(&mut *tx).await?;
-                    true
-                }
-                None => false,
-            };
+            let deleted = delete_worker_in!(tx, principal, worker_id, tombstone_id, now);
             tx.commit().await?;
             deleted
         }))

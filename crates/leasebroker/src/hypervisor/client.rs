@@ -350,6 +350,19 @@ impl HypervisorClient {
         Ok(())
     }
 
+    /// [`HypervisorClient::ensure_running`] of the VM `vm_id`, read first (on libvirt only:
+    /// elsewhere there is nothing to do and nothing is called).
+    pub async fn ensure_running_by_id(&self, vm_id: &str) -> Result<(), HvError> {
+        #[cfg(feature = "libvirt")]
+        if self.libvirt.is_some()
+            && let Some(vm) = self.get(vm_id).await?
+        {
+            return self.ensure_running(&vm.summary()).await;
+        }
+        let _ = vm_id;
+        Ok(())
+    }
+
     /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot; any `2xx` is
     /// success. A VM that does not exist is [`HvError::Status`] with `404` (definite).
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {

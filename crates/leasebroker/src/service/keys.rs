@@ -2,8 +2,6 @@
 
 use idempotency::{Record, SubKey};
 
-use crate::domain::OperationRow;
-
 /// The idempotency record an operation runs under: every side effect derives its sub-key from
 /// it, and the reaper finds the record again through it.
 #[derive(Debug, Clone)]
@@ -22,18 +20,10 @@ impl Operation {
         self.record.derive(label)
     }
 
-    /// The operation's row, for an attempt starting at `now`.
-    pub(super) fn row(&self, kind: &str, now: i64) -> OperationRow {
-        let scope = &self.record.scope;
-        OperationRow {
-            op_id: self.derive("op").as_str().to_owned(),
-            kind: kind.to_owned(),
-            principal: scope.principal.as_str().to_owned(),
-            endpoint: scope.endpoint.as_str().to_owned(),
-            idem_key: scope.key.as_str().to_owned(),
-            record_id: self.record.record_id.to_hex(),
-            last_attempt_at: now,
-        }
+    /// The operation in the effect ledger (its id is the sub-key `op`); `kind` names it
+    /// (`create`, `reboot`, `delete`, `flash`).
+    pub fn effects_op(&self, kind: &str) -> idempotency_effects::Operation {
+        idempotency_effects::Operation::of(&self.record, kind)
     }
 }
 
@@ -60,7 +50,13 @@ impl CreateKeys {
 
     /// The sub-keys of the create whose record is `record`.
     pub fn of_record(record: &Record) -> Self {
-        let d = |label| record.derive(label);
+        Self::of_scope(&record.scope, &record.record_id)
+    }
+
+    /// The sub-keys of the create whose record had `scope` and `record_id` (the derivation needs
+    /// nothing else, so the reaper derives them when the record itself is gone).
+    pub fn of_scope(scope: &idempotency::Scope, record_id: &idempotency::RecordId) -> Self {
+        let d = |label| idempotency::derive(scope, record_id, label);
         Self { op: d("op"), alloc: d("alloc"), lease: d("lease"), boot: d("boot"), worker: d("worker") }
     }
 

@@ -141,7 +141,7 @@ async fn a_create_refused_by_the_quota_leaves_no_operation_row() {
     }
     let pool = sqlx::SqlitePool::connect(&db).await.expect("open");
     let rows: (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT COUNT(*) FROM lb_operations), (SELECT COUNT(*) FROM lb_operations WHERE rolled_back = 3)",
+        "SELECT (SELECT COUNT(*) FROM fx_operations), (SELECT COUNT(*) FROM fx_operations WHERE mark = 3)",
     )
     .fetch_one(&pool)
     .await

@@ -591,6 +591,26 @@ async fn sigterm_waits_for_a_handler_whose_client_hung_up_and_a_retry_after_rest
     assert_eq!(f["workers_active"].as_i64(), Some(1), "{f}");
 }
 
+/// The create operation `i` of alice, as the effect ledger knows it, and an attempt of it.
+fn create_attempt(domain: &leasebroker::domain::Domain, i: usize) -> idempotency_effects::Attempt {
+    use idempotency::{ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Principal, Scope};
+    let now = idempotency::now();
+    let key = IdempotencyKey::try_from(format!("k-{i}").as_str()).expect("key");
+    let scope = Scope::new(Principal::new("alice"), Endpoint::new("POST", "/v1/workers"), key);
+    let mut record =
+        ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record();
+    record.record_id = idempotency::RecordId::from_hex(&format!("{i:032x}")).expect("record id");
+    idempotency_effects::Effects::new(domain.ledger()).attempt(&idempotency_effects::Operation::of(&record, "create"))
+}
+
+/// The boot effect of a hypervisor nobody calls (the domain steps only record intents).
+fn idle_boot() -> leasebroker::service::Boot {
+    let hypervisor =
+        leasebroker::hypervisor::client::HypervisorClient::new("http://127.0.0.1:9", Duration::from_secs(1))
+            .expect("client");
+    leasebroker::service::Boot { hypervisor }
+}
+
 /// The quota check at the domain level, with no HTTP in between: 64 allocations for one principal
 /// race on one database through two pools (two "replicas").
 async fn concurrent_allocations_case(url: &str) {
@@ -603,18 +623,10 @@ async fn concurrent_allocations_case(url: &str) {
     let tasks: Vec<_> = (0..64)
         .map(|i| {
             let domain = domains[i % 2].clone();
-            let op = leasebroker::domain::OperationRow {
-                op_id: format!("op-{i}"),
-                kind: "create".into(),
-                principal: "alice".into(),
-                endpoint: "POST /v1/workers".into(),
-                idem_key: format!("k-{i}"),
-                record_id: "00".into(),
-                last_attempt_at: 0,
-            };
+            let attempt = create_attempt(&domain, i);
             tokio::spawn(async move {
-                domain.begin_attempt(&op, 0).await?;
-                domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5, &op.op_id).await
+                attempt.decide(&idle_boot()).await.expect("the attempt begins");
+                domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5, attempt.operation().id()).await
             })
         })
         .collect();
@@ -642,36 +654,29 @@ async fn concurrent_allocations_never_overshoot_the_quota_on_sqlite() {
     concurrent_allocations_case(&sqlite_url(&dir)).await;
 }
 
-/// A create's first commit (attempt, node, lease, intent in one transaction) keeps the quota:
+/// A create's first commit (attempt, intent, node, lease in one transaction) keeps the quota:
 /// 64 creates of one principal race through two pools, and exactly 5 hold a node and a lease.
 /// A second start of one of them finds what the first did, intent and send stamp included.
 async fn concurrent_create_starts_case(url: &str) {
+    use idempotency_effects::{Decided, IntentState};
     use leasebroker::db::Db;
-    use leasebroker::domain::{Allocation, CreateStart, Domain, DomainError, OperationRow, StartCreate};
+    use leasebroker::domain::{Allocation, CreateStart, Domain, DomainError, StartCreate};
     let first = Db::connect(url).await.expect("connect");
     first.migrate().await.expect("migrate");
     let domains = [Domain::new(first), Domain::new(Db::connect(url).await.expect("connect"))];
     domains[0].seed_nodes(200, 64, 512).await.expect("seed");
-    let op = |i: usize| OperationRow {
-        op_id: format!("op-{i}"),
-        kind: "create".into(),
-        principal: "alice".into(),
-        endpoint: "POST /v1/workers".into(),
-        idem_key: format!("k-{i}"),
-        record_id: "00".into(),
-        last_attempt_at: 10,
-    };
     let start = |domain: Domain, i: usize| async move {
-        let op = op(i);
-        let (alloc, lease, intent) = (format!("alloc-{i}"), format!("lse-{i}"), format!("sk-boot-{i}"));
+        let attempt = create_attempt(&domain, i);
+        let (alloc, lease) = (format!("alloc-{i}"), format!("lse-{i}"));
         let s = StartCreate {
-            op: &op,
+            attempt: &attempt,
+            boot: &idle_boot(),
+            principal: "alice",
             alloc_id: &alloc,
             lease_id: &lease,
-            intent_id: &intent,
             worker_id: "wkr-none",
             quota: 5,
-            check_at: 10,
+            now: 10,
         };
         domain.start_create(s).await
     };
@@ -680,12 +685,12 @@ async fn concurrent_create_starts_case(url: &str) {
     let mut held = Vec::new();
     for (i, task) in tasks.into_iter().enumerate() {
         match task.await.expect("task").expect("start") {
-            CreateStart::Held { node, intent, created } => {
-                assert!(created, "the first start records the intent");
-                assert_eq!((intent.state.as_str(), intent.created_at), ("pending", 10));
-                assert!(intent.last_attempt_at > before, "the send stamp is taken ahead of the clock");
-                held.push((i, node, intent.last_attempt_at));
+            CreateStart::Held { node, decided: Decided::Fresh(intent) } => {
+                assert_eq!(intent.state, IntentState::Pending);
+                assert!(intent.sent_at > before, "the send stamp is taken ahead of the clock");
+                held.push((i, node, intent.sent_at));
             }
+            CreateStart::Held { decided, .. } => panic!("the first start records the intent: {decided:?}"),
             CreateStart::Refused(Allocation::QuotaExceeded) => {}
             CreateStart::Refused(other) => panic!("200 nodes cannot run out: {other:?}"),
             CreateStart::Finished => panic!("nothing finished"),
@@ -698,15 +703,17 @@ async fn concurrent_create_starts_case(url: &str) {
     // A retry of one that holds a node: the same node, the intent as recorded (not stamped again).
     let (i, node, stamp) = held[0].clone();
     match start(domains[1].clone(), i).await.expect("again") {
-        CreateStart::Held { node: again, intent, created } => {
+        CreateStart::Held { node: again, decided: Decided::Existing(intent) } => {
             assert_eq!(again, node);
-            assert!(!created);
-            assert_eq!(intent.last_attempt_at, stamp);
+            assert_eq!(intent.sent_at, stamp);
         }
         other => panic!("{other:?}"),
     }
     // Taken for a rollback: a start commits nothing more.
-    assert!(domains[0].mark_rolling_back(&op(i).op_id).await.expect("mark"));
+    let ledger = domains[0].ledger();
+    let op_id = create_attempt(&domains[0], i).operation().id().to_owned();
+    let row = ledger.operation(&op_id).await.expect("read").expect("the operation's row");
+    assert!(ledger.take_for_rollback(&op_id, row.last_attempt_at).await.expect("mark"));
     assert!(matches!(start(domains[0].clone(), i).await, Err(DomainError::RolledBack)));
     assert_eq!(domains[0].counts().await.expect("counts").leases_active, 5);
 }
