@@ -52,6 +52,8 @@
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod admin;
+#[cfg(feature = "postgres")]
+mod changes;
 mod migrate;
 #[cfg(feature = "postgres")]
 mod multihost;
@@ -68,6 +70,8 @@ mod sqlite;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+#[cfg(feature = "postgres")]
+pub use changes::CHANGES_CHANNEL;
 #[doc(hidden)]
 pub use migrate::compare_with_directory;
 #[cfg(feature = "postgres")]
@@ -88,6 +92,6 @@ pub use pool::postgres_pool_options;
 #[cfg(feature = "sqlite")]
 pub use pool::sqlite_pool_options;
 #[cfg(feature = "postgres")]
-pub use postgres::{CHANGES_CHANNEL, ClaimStrategy, PostgresStore};
+pub use postgres::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;

@@ -1,15 +1,17 @@
 //! The PostgreSQL store.
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp, change_tag, stored_component,
+    StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
-use sqlx::postgres::{PgListener, PgPool, PgRow};
+use sqlx::postgres::{PgPool, PgRow};
+
+use crate::changes::Announcements;
 
 use crate::row::{
     ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, SpaceWatch, db_error, fenced, stale_cutoff, state_columns,
@@ -41,22 +43,19 @@ pub enum ClaimStrategy {
 /// between `claim` and `complete`. A claim is one round trip and returns the whole record, so
 /// a replay costs one round trip and a first execution two (claim, complete).
 ///
-/// Completing or failing a record announces it (`NOTIFY idempotency_record_changes`, in the
-/// same statement, so only a committed change is announced), and [`Store::changes`] listens on
-/// one connection per store, so a request of another replica waiting for the record
-/// (`Prefer: wait`) is woken at once. A connection pooler in transaction mode (PgBouncer) does
-/// not carry LISTEN; the waiters then find the change by polling, as with any store.
+/// Completing or failing a record announces it (`NOTIFY idempotency_record_changes`, once the
+/// change committed, sent with others' by a background task off the request's path), and
+/// [`Store::changes`] listens on one connection per store, so a request of another replica
+/// waiting for the record (`Prefer: wait`) is woken at once. A connection pooler in transaction
+/// mode (PgBouncer) does not carry LISTEN; the waiters then find the change by polling, as with
+/// any store.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
     strategy: ClaimStrategy,
-    changes: Arc<OnceLock<Option<Arc<RecordChanges>>>>,
+    announcements: Announcements,
     space: SpaceWatch,
 }
-
-/// The channel of the announcements that a record left `in_flight`; the payload is the
-/// record's [`change_tag`].
-pub const CHANGES_CHANNEL: &str = "idempotency_record_changes";
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://user@host:5432/db`) with a pool of up to 10 connections
@@ -70,7 +69,12 @@ impl PostgresStore {
 
     /// Wraps an existing pool, with the default [`ClaimStrategy`].
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, strategy: ClaimStrategy::default(), changes: Arc::default(), space: SpaceWatch::default() }
+        Self {
+            pool,
+            strategy: ClaimStrategy::default(),
+            announcements: Announcements::default(),
+            space: SpaceWatch::default(),
+        }
     }
 
     /// Uses `strategy` to claim keys.
@@ -150,17 +154,17 @@ const RECLAIM: &str = concat!(
     state_columns!()
 );
 
-// Both announce the change (one row per record changed; NOTIFY is sent at commit).
-const COMPLETE: &str = "WITH done AS (UPDATE idempotency_records SET state = 'completed', response_status = $6, \
+// Neither notifies: a NOTIFY in the statement would hold PostgreSQL's notification queue lock
+// through the commit, one completion at a time; the store announces after the commit
+// (crate::changes).
+const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = $6, \
        response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight' RETURNING 1) \
-     SELECT pg_notify('idempotency_record_changes', $11) FROM done";
+       AND state = 'in_flight'";
 
-const FAIL: &str = "WITH done AS (UPDATE idempotency_records SET state = 'failed' \
+const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight' RETURNING 1) \
-     SELECT pg_notify('idempotency_record_changes', $6) FROM done";
+       AND state = 'in_flight'";
 
 // Renews a live claim; started_at never moves backwards (replicas' clocks differ a little).
 const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6) \
@@ -298,12 +302,13 @@ impl Store for PostgresStore {
             .bind(response.body.stored_bytes().as_ref())
             .bind(response.body.encoding().as_str())
             .bind(expires_at)
-            .bind(change_tag(&r.scope))
-            .fetch_all(&self.pool)
+            .execute(&self.pool)
             .await
             .map_err(|e| self.space.db_error(e))?;
         self.space.wrote();
-        fenced(done.len() as u64, claim)
+        fenced(done.rows_affected(), claim)?;
+        self.announcements.announce(&self.pool, &r.scope);
+        Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
@@ -314,11 +319,12 @@ impl Store for PostgresStore {
             .bind(stored_component(r.scope.key.as_str()))
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
-            .bind(change_tag(&r.scope))
-            .fetch_all(&self.pool)
+            .execute(&self.pool)
             .await
             .map_err(|e| self.space.db_error(e))?;
-        fenced(done.len() as u64, claim)
+        fenced(done.rows_affected(), claim)?;
+        self.announcements.announce(&self.pool, &r.scope);
+        Ok(())
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
@@ -407,56 +413,11 @@ impl Store for PostgresStore {
         self.admin_forget(id).await
     }
 
-    /// Listens for the announcements of [`CHANGES_CHANNEL`] on one connection of the pool's, from
-    /// the first call on (it needs a tokio runtime; without one: none, and waiters poll).
+    /// Listens for the announcements of [`crate::CHANGES_CHANNEL`] on one connection of the
+    /// pool's, from the first call on (it needs a tokio runtime; without one: none, and waiters
+    /// poll).
     fn changes(&self) -> Option<Arc<RecordChanges>> {
-        self.changes
-            .get_or_init(|| {
-                let runtime = tokio::runtime::Handle::try_current().ok()?;
-                let changes = Arc::new(RecordChanges::new());
-                runtime.spawn(listen(self.pool.clone(), Arc::downgrade(&changes)));
-                Some(changes)
-            })
-            .clone()
-    }
-}
-
-/// Wakes the waiters of each announced record until the store is dropped. A broken connection
-/// wakes every waiter (announcements may have been missed; each reads its record again) and is
-/// reopened, re-listening, by the next receive.
-pub(crate) async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
-    let mut listener = loop {
-        if changes.strong_count() == 0 {
-            return;
-        }
-        match PgListener::connect_with(&pool).await {
-            Ok(mut l) => match l.listen(CHANGES_CHANNEL).await {
-                Ok(()) => {
-                    // Waiters that subscribed before this listened may have missed theirs.
-                    if let Some(c) = changes.upgrade() {
-                        c.wake_all();
-                    }
-                    break l;
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot LISTEN for record changes; waiters poll meanwhile"),
-            },
-            Err(e) => tracing::warn!(error = %e, "cannot open the connection that listens for record changes"),
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
-    loop {
-        let received = listener.try_recv().await;
-        let Some(changes) = changes.upgrade() else { return };
-        match received {
-            Ok(Some(n)) => changes.wake(n.payload()),
-            Ok(None) => changes.wake_all(),
-            Err(e) => {
-                tracing::warn!(error = %e, "listening for record changes failed; waiters poll until it is back");
-                changes.wake_all();
-                drop(changes);
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
+        self.announcements.changes(&self.pool)
     }
 }
 

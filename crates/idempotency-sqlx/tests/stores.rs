@@ -819,3 +819,104 @@ mod postgres_partitioned_layout {
         }
     }
 }
+
+/// Across processes on PostgreSQL: records completed and failed at once by one store are each
+/// announced to the waiters of another store on the same database (two pools, two processes),
+/// however the announcements are batched, and a waiter of a record nobody touched is not woken.
+mod announcements {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idempotency::{RecordState, Scope, Store, now};
+    use idempotency_sqlx::testing::TestDatabase;
+    use idempotency_sqlx::{PartitionedPostgresStore, PostgresStore};
+
+    use crate::common::{own, request, response, unique_scope};
+    use crate::support::{partitioned_store, pg_pool};
+
+    const RECORDS: usize = 200;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_records_completed_at_once_each_announce_to_their_waiter() {
+        let Some(db) = TestDatabase::create().await else { return };
+        let one = PostgresStore::from_pool(pg_pool(db.url()).await);
+        one.migrate().await.expect("migrate");
+        let two = PostgresStore::from_pool(pg_pool(db.url()).await);
+        each_announced(Arc::new(one), Arc::new(two), &db).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_partitioned_records_completed_at_once_each_announce_to_their_waiter() {
+        let Some((one, db)) = partitioned_store().await else { return };
+        let two = PartitionedPostgresStore::from_pool(pg_pool(db.url()).await);
+        each_announced(Arc::new(one), Arc::new(two), &db).await;
+    }
+
+    /// `one` completes three records in four and fails the fourth, all at once, from a task
+    /// each; every record has a waiter in `two`, armed before the first completion.
+    async fn each_announced(one: Arc<dyn Store>, two: Arc<dyn Store>, db: &TestDatabase) {
+        let changes = two.changes().expect("a PostgreSQL store announces changes");
+        // On once its LISTEN is in: the wake-up every waiter gets when the listener starts is
+        // behind us, so only an announcement can wake a waiter armed from here on.
+        let watch = pg_pool(db.url()).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                       AND query LIKE 'LISTEN%' AND state = 'idle'";
+            if sqlx::query_scalar::<_, i64>(sql).fetch_one(&watch).await.expect("pg_stat_activity") >= 1 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the second store never listened");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        let scopes: Vec<Scope> = (0..RECORDS).map(|_| unique_scope()).collect();
+        let mut claims = Vec::with_capacity(RECORDS);
+        for s in &scopes {
+            claims.push(own(&*one, request(s, now())).await);
+        }
+        let subscriptions: Vec<_> = scopes.iter().map(|s| changes.subscribe(s)).collect();
+        let mut heard: Vec<_> = subscriptions.iter().map(|s| Box::pin(s.notify().notified())).collect();
+        for h in &mut heard {
+            h.as_mut().enable();
+        }
+        let quiet = changes.subscribe(&unique_scope());
+        let mut not_heard = std::pin::pin!(quiet.notify().notified());
+        not_heard.as_mut().enable();
+
+        let writers: Vec<_> = claims
+            .into_iter()
+            .enumerate()
+            .map(|(i, claim)| {
+                let one = one.clone();
+                tokio::spawn(async move {
+                    if i % 4 == 3 {
+                        one.fail(&claim).await
+                    } else {
+                        one.complete(&claim, &response(), now() + chrono::Duration::hours(1)).await
+                    }
+                })
+            })
+            .collect();
+        for w in futures::future::join_all(writers).await {
+            w.expect("writer").expect("complete or fail");
+        }
+
+        // A deadline for the condition, not a measure of speed: nothing but an announcement
+        // wakes these waiters (they do not poll).
+        let answers = futures::future::join_all(heard.into_iter().zip(&scopes).map(|(h, s)| {
+            let two = two.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(30), h).await.ok()?;
+                Some(two.get(s).await.expect("get").expect("the record").state)
+            }
+        }))
+        .await;
+        let woken = answers.iter().filter(|a| a.is_some()).count();
+        let completed = answers.iter().filter(|a| matches!(a, Some(RecordState::Completed))).count();
+        let failed = answers.iter().filter(|a| matches!(a, Some(RecordState::Failed))).count();
+        assert_eq!(woken, RECORDS, "waiters not woken by their record's announcement");
+        assert_eq!((completed, failed), (RECORDS / 4 * 3, RECORDS / 4), "a woken waiter read the record's answer");
+        assert!(futures::poll!(not_heard.as_mut()).is_pending(), "a record nobody touched was announced");
+    }
+}

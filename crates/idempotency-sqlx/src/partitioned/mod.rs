@@ -50,7 +50,7 @@ use async_trait::async_trait;
 use chrono::NaiveDate;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp, change_tag, stored_component,
+    StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -111,7 +111,7 @@ pub struct PartitionedPostgresStore {
     pool: PgPool,
     days_ahead: u32,
     space: SpaceWatch,
-    changes: std::sync::Arc<std::sync::OnceLock<Option<std::sync::Arc<RecordChanges>>>>,
+    announcements: crate::changes::Announcements,
 }
 
 impl PartitionedPostgresStore {
@@ -124,7 +124,12 @@ impl PartitionedPostgresStore {
 
     /// Wraps an existing pool; creates partitions [`DEFAULT_DAYS_AHEAD`] days ahead.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, days_ahead: DEFAULT_DAYS_AHEAD, space: SpaceWatch::default(), changes: Default::default() }
+        Self {
+            pool,
+            days_ahead: DEFAULT_DAYS_AHEAD,
+            space: SpaceWatch::default(),
+            announcements: crate::changes::Announcements::default(),
+        }
     }
 
     /// Creates the partitions of the next `days` days ahead of today on every sweep (and
@@ -353,13 +358,13 @@ impl Store for PartitionedPostgresStore {
             .await?;
         self.space.wrote();
         fenced(done.rows_affected(), claim)?;
-        self.announce(claim).await;
+        self.announcements.announce(&self.pool, &r.scope);
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         self.fenced_write(FAIL, claim, None).await?;
-        self.announce(claim).await;
+        self.announcements.announce(&self.pool, &claim.record().scope);
         Ok(())
     }
 
@@ -427,14 +432,7 @@ impl Store for PartitionedPostgresStore {
     /// Listens for the announcements of [`crate::CHANGES_CHANNEL`] on one connection of the
     /// pool's, as [`crate::PostgresStore`] does.
     fn changes(&self) -> Option<std::sync::Arc<RecordChanges>> {
-        self.changes
-            .get_or_init(|| {
-                let runtime = tokio::runtime::Handle::try_current().ok()?;
-                let changes = std::sync::Arc::new(RecordChanges::new());
-                runtime.spawn(crate::postgres::listen(self.pool.clone(), std::sync::Arc::downgrade(&changes)));
-                Some(changes)
-            })
-            .clone()
+        self.announcements.changes(&self.pool)
     }
 
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
@@ -451,20 +449,6 @@ crate::admin::admin_methods!(
 );
 
 impl PartitionedPostgresStore {
-    /// Announces that `claim`'s record left `in_flight`, after the change committed (a
-    /// statement of its own: the update may have been retried across a partition's detach).
-    /// A lost announcement costs a waiter its next poll, nothing more.
-    async fn announce(&self, claim: &Claim) {
-        let sent = sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(crate::CHANGES_CHANNEL)
-            .bind(change_tag(&claim.record().scope))
-            .execute(&self.pool)
-            .await;
-        if let Err(e) = sent {
-            tracing::debug!(error = %e, "could not announce a record change; waiters find it by polling");
-        }
-    }
-
     /// `fail`, `heartbeat` and `remove`: fenced by the claim's generation; none moves a row.
     async fn fenced_write(&self, sql: &'static str, claim: &Claim, now: Option<Timestamp>) -> Result<(), StoreError> {
         let (pool, r) = (&self.pool, claim.record());
