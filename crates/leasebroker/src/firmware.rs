@@ -134,7 +134,7 @@ impl Firmware {
             return Err(ServiceError::NoSuchNode(node_id.to_owned()));
         }
         let (op_id, tag) = keys(op);
-        let attempt = self.effects().attempt(&op.effects_op("flash"));
+        let attempt = self.effects().attempt(&op.effects_op(crate::service::OpKind::Flash));
         let ledger_op = attempt.operation().id().to_owned();
         let row = match self.domain.start_flash(&op_id, &ledger_op, node_id, &req.version, &tag, now_micros()).await? {
             FlashStart::Operation(row) => row,

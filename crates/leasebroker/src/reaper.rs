@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 
 use crate::domain::Domain;
 use crate::hypervisor::client::HypervisorClient;
-use crate::service::{Boot, CreateKeys, micros, now_micros};
+use crate::service::{Boot, CreateKeys, OpKind, micros, now_micros};
 
 mod inventory;
 
@@ -282,9 +282,13 @@ impl Reaper {
     /// reaper must wait on it.
     async fn reap(&self, op: &OperationRow, now: i64, report: &mut ReapReport) -> anyhow::Result<Option<i64>> {
         let settle = micros(self.settle);
+        let Some(kind) = OpKind::parse(&op.kind) else {
+            tracing::warn!(op = %op.op_id, kind = %op.kind, "an operation of a kind this version does not know; left alone");
+            return Ok(Some(now.saturating_add(micros(self.retention))));
+        };
         // A flash is settled by the firmware watcher's pass (it adopts or fails what its request
         // left): the reaper only marks one whose record completed finished.
-        if op.kind == "flash" {
+        if kind == OpKind::Flash {
             let completed = match scope_of(op) {
                 Ok(scope) => self
                     .store
@@ -309,16 +313,16 @@ impl Reaper {
         let abandoned = abandoned_at <= now;
         let verdict = match &record {
             // Taken for a rollback by a tick that stopped half-way: the rollback goes on.
-            _ if op.mark == Mark::RollingBack && op.kind == "create" => Verdict::RollBack(record.clone()),
-            None if op.kind == "create" => Verdict::RollBack(None),
-            None if op.kind == "delete" => Verdict::FinishDelete(None),
+            _ if op.mark == Mark::RollingBack && kind == OpKind::Create => Verdict::RollBack(record.clone()),
+            None if kind == OpKind::Create => Verdict::RollBack(None),
+            None if kind == OpKind::Delete => Verdict::FinishDelete(None),
             None => Verdict::Forget,
             Some(r) if r.state == RecordState::Completed => Verdict::Forget,
             // Reboots hold nothing and are never undone: wait for the record to expire.
-            Some(r) if op.kind != "create" && op.kind != "delete" => Verdict::Wait(r.expires_at.timestamp_micros()),
+            Some(r) if kind == OpKind::Reboot => Verdict::Wait(r.expires_at.timestamp_micros()),
             Some(r) if !abandoned => Verdict::Wait(abandoned_at.max(now + 1)),
             Some(r) if !self.claimable(r) => Verdict::Wait(now.saturating_add(micros(self.in_flight_ttl))),
-            Some(r) if op.kind == "create" => Verdict::RollBack(Some(r.clone())),
+            Some(r) if kind == OpKind::Create => Verdict::RollBack(Some(r.clone())),
             Some(r) => Verdict::FinishDelete(Some(r.clone())),
         };
         match verdict {

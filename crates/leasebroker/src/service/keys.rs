@@ -20,10 +20,9 @@ impl Operation {
         self.record.derive(label)
     }
 
-    /// The operation in the effect ledger (its id is the sub-key `op`); `kind` names it
-    /// (`create`, `reboot`, `delete`, `flash`).
-    pub fn effects_op(&self, kind: &str) -> idempotency_effects::Operation {
-        idempotency_effects::Operation::of(&self.record, kind)
+    /// The operation in the effect ledger (its id is the sub-key `op`), of `kind`.
+    pub fn effects_op(&self, kind: OpKind) -> idempotency_effects::Operation {
+        idempotency_effects::Operation::of(&self.record, kind.as_str())
     }
 }
 
@@ -75,4 +74,40 @@ impl CreateKeys {
 pub fn public_id(prefix: &str, sub: &SubKey) -> String {
     let hex = sub.as_str().trim_start_matches("sk-");
     format!("{prefix}-{}", &hex[..16.min(hex.len())])
+}
+
+/// The kinds of leasebroker's operations, as the effect ledger stores them (`fx_operations.kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// `POST /v1/workers`.
+    Create,
+    /// `POST /v1/workers/{id}/reboot`.
+    Reboot,
+    /// `DELETE /v1/workers/{id}`.
+    Delete,
+    /// `POST /admin/v1/nodes/{id}/firmware`.
+    Flash,
+}
+
+impl OpKind {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Reboot => "reboot",
+            Self::Delete => "delete",
+            Self::Flash => "flash",
+        }
+    }
+
+    /// Parses the stored name; `None` for a kind this version does not know.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "create" => Self::Create,
+            "reboot" => Self::Reboot,
+            "delete" => Self::Delete,
+            "flash" => Self::Flash,
+            _ => return None,
+        })
+    }
 }

@@ -58,7 +58,7 @@ pub use effects::{Boot, DeleteVm, Reboot, TAG_PREFIX};
 pub(crate) use effects::{call_error, effect_failed};
 pub use error::ServiceError;
 pub use hook::{Hook, Step};
-pub use keys::{CreateKeys, Operation, public_id};
+pub use keys::{CreateKeys, OpKind, Operation, public_id};
 
 /// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
 /// (a call that landed after the settle window; the window is set too short).
@@ -102,7 +102,7 @@ impl Workers {
         let keys = CreateKeys::of(op);
         let worker_id = keys.worker_id();
         let lease_id = keys.lease_id();
-        let attempt = self.effects().attempt(&op.effects_op("create"));
+        let attempt = self.effects().attempt(&op.effects_op(OpKind::Create));
         let boot = self.boot_effect();
         self.hook.at(Step::CreateDecide).await;
         // One commit for everything before the call: the attempt and the boot intent (born with
@@ -267,7 +267,7 @@ impl Workers {
             }
         };
         let Some(w) = self.domain.worker(principal, worker_id).await? else { return gone().await };
-        let attempt = self.effects().attempt(&op.effects_op("delete"));
+        let attempt = self.effects().attempt(&op.effects_op(OpKind::Delete));
         let effect = DeleteVm { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
         let hypervisor = &self.hypervisor;
         let vm_id = w.vm_id.as_str();
@@ -300,7 +300,7 @@ impl Workers {
     pub async fn reboot(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<i64, ServiceError> {
         let w =
             self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
-        let attempt = self.effects().attempt(&op.effects_op("reboot"));
+        let attempt = self.effects().attempt(&op.effects_op(OpKind::Reboot));
         self.hook.at(Step::RebootDecide).await;
         let effect = Reboot { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
         let hypervisor = &self.hypervisor;
