@@ -19,7 +19,11 @@
 //!   holds the SQLite file's lock), the request is answered `503 store-unavailable` with
 //!   `Retry-After`, at most 4 s after it came;
 //! - when the probe succeeds, the request is slow for another reason (a slow hypervisor) and
-//!   keeps running, probed again every [`RECHECK`].
+//!   keeps running, probed again every [`RECHECK`]; once a probe has succeeded for a request,
+//!   it takes two failed probes in a row to give it up (one may meet a commit of the service's
+//!   own that holds the SQLite write lock a little longer than the probe waits, on a loaded
+//!   disk), so a database that stops answering mid-request is answered within 2 s of a
+//!   [`RECHECK`].
 //!
 //! Dropping the request's future cuts nothing that must finish: a claimed request runs in the
 //! idempotency layer's own detachable future, which finishes in a task of its own when dropped
@@ -84,6 +88,11 @@ impl StoreProbe {
         {
             return ok;
         }
+        self.probe_now().await
+    }
+
+    /// Probes now, whatever an earlier probe found, and records the result for [`Self::answers`].
+    async fn probe_now(&self) -> bool {
         let ok = match tokio::time::timeout(PROBE_TIMEOUT, self.probe()).await {
             Ok(Ok(())) => true,
             Ok(Err(e)) => {
@@ -136,15 +145,22 @@ pub async fn store_deadline(State(probe): State<StoreProbe>, req: Request, next:
     let work = next.run(req);
     tokio::pin!(work);
     let mut wait = STORE_DEADLINE;
+    // Whether the store answered a probe during this request: then one failed probe may be a
+    // commit of the service's own holding the SQLite write lock a little longer than the probe
+    // waits (a loaded disk), and the store is probed once more, afresh, before the request is
+    // given up. The first probe is not repeated: that keeps SPEC 3.1's 5 s.
+    let mut answered = false;
     loop {
-        match tokio::time::timeout(wait, &mut work).await {
-            Ok(response) => return response,
-            Err(_) if !probe.answers().await => {
-                tracing::warn!("a request waited on a store that does not answer; it is answered 503");
-                return store_unavailable();
-            }
-            Err(_) => wait = RECHECK,
+        if let Ok(response) = tokio::time::timeout(wait, &mut work).await {
+            return response;
         }
+        if probe.answers().await || (answered && probe.probe_now().await) {
+            answered = true;
+            wait = RECHECK;
+            continue;
+        }
+        tracing::warn!("a request waited on a store that does not answer; it is answered 503");
+        return store_unavailable();
     }
 }
 
@@ -178,6 +194,39 @@ mod tests {
         // The pool's one connection is busy (here: held), as under a queue of requests.
         let _held = pool.acquire().await.expect("the pool's connection");
         assert!(StoreProbe::new(db.clone()).answers().await, "a busy pool answered 503 while the file takes writes");
+    }
+
+    /// Seen in CI under load: a request slow for another reason (a slow hypervisor) was answered
+    /// 503 when one probe, late in the request, met the write lock held for longer than the
+    /// probe's busy timeout by a commit on a loaded disk. A store that answered this request's
+    /// earlier probe is probed once more before the request is given up.
+    #[tokio::test]
+    async fn one_failed_probe_after_a_good_one_is_not_an_outage() {
+        use tower::ServiceExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sqlite(&dir).await;
+        let Db::Sqlite(pool) = &db else { unreachable!() };
+        use sqlx::ConnectOptions;
+        let mut other = (*pool.connect_options()).clone().connect().await.expect("another connection");
+        let started = Instant::now();
+        let app = axum::Router::new()
+            .route(
+                "/",
+                axum::routing::get(|| async {
+                    tokio::time::sleep(Duration::from_millis(5500)).await;
+                    "done"
+                }),
+            )
+            .layer(axum::middleware::from_fn_with_state(StoreProbe::new(db.clone()), store_deadline));
+        let request = tokio::spawn(app.oneshot(Request::new(axum::body::Body::empty())));
+        // The probe at 3 s passes; the lock is held from 3.5 s to 5 s, so the probe at 4 s fails
+        // (at 4.75 s) and the one after it takes the lock when it is given back.
+        tokio::time::sleep_until((started + Duration::from_millis(3500)).into()).await;
+        sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
+        tokio::time::sleep_until((started + Duration::from_millis(5000)).into()).await;
+        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
+        let response = request.await.expect("request").expect("infallible");
+        assert_eq!(response.status(), StatusCode::OK, "one late failed probe gave up a healthy request");
     }
 
     #[tokio::test]
