@@ -55,13 +55,25 @@ impl Workload {
             };
             add(&self.counters.lbctl_runs, 1);
             let stdout = drain(child.stdout.take());
-            let stderr = drain(child.stderr.take());
-            let kill_after = (kills < LBCTL_MAX_KILLS && rand::rng().random::<f64>() < self.config.kill_rate)
-                .then(|| Duration::from_millis(rand::rng().random_range(LBCTL_KILL_WINDOW_MS)));
+            let (keyed, named_key) = tokio::sync::oneshot::channel();
+            let stderr = drain_watching_for_key(child.stderr.take(), keyed);
+            let kill_after =
+                (kills < LBCTL_MAX_KILLS && rand::rng().random::<f64>() < self.config.kill_rate).then(KillAt::plan);
             let limit = remaining + Duration::from_secs(30);
+            let kill_time = async {
+                match kill_after {
+                    None => tokio::time::sleep(limit).await,
+                    Some(KillAt::FromStart(after)) => tokio::time::sleep(after).await,
+                    Some(KillAt::FromKey(after)) => match named_key.await {
+                        Ok(()) => tokio::time::sleep(after).await,
+                        // lbctl ended without naming a key: it exits on its own.
+                        Err(_) => std::future::pending().await,
+                    },
+                }
+            };
             let status = tokio::select! {
                 status = child.wait() => status,
-                () = tokio::time::sleep(kill_after.unwrap_or(limit)) => match child.try_wait() {
+                () = kill_time => match child.try_wait() {
                     Ok(Some(status)) => Ok(status),
                     _ => {
                         let _ = child.start_kill();
@@ -102,6 +114,54 @@ impl Workload {
     }
 }
 
+/// When a planned SIGKILL lands.
+#[derive(Debug, Clone, Copy)]
+enum KillAt {
+    /// This long after the process started.
+    FromStart(Duration),
+    /// This long after lbctl named the operation's key.
+    FromKey(Duration),
+}
+
+impl KillAt {
+    fn plan() -> Self {
+        let mut rng = rand::rng();
+        if rng.random::<f64>() < LBCTL_EARLY_KILL_SHARE {
+            Self::FromStart(Duration::from_millis(rng.random_range(LBCTL_KILL_WINDOW_MS)))
+        } else {
+            Self::FromKey(Duration::from_millis(rng.random_range(LBCTL_KEYED_KILL_WINDOW_MS)))
+        }
+    }
+}
+
+/// Reads lbctl's stderr to the end, like [`drain`], and says on `keyed` when the line naming the
+/// operation's key (see [`key_of`]) has come.
+fn drain_watching_for_key<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
+    pipe: Option<R>,
+    keyed: tokio::sync::oneshot::Sender<()>,
+) -> tokio::task::JoinHandle<Vec<u8>> {
+    use tokio::io::AsyncBufReadExt;
+    tokio::spawn(async move {
+        let mut buf = Vec::new();
+        let mut keyed = Some(keyed);
+        if let Some(pipe) = pipe {
+            let mut pipe = tokio::io::BufReader::new(pipe);
+            loop {
+                let start = buf.len();
+                match pipe.read_until(b'\n', &mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        if keyed.is_some() && key_of(&String::from_utf8_lossy(&buf[start..])).is_some() {
+                            let _ = keyed.take().map(|k| k.send(()));
+                        }
+                    }
+                }
+            }
+        }
+        buf
+    })
+}
+
 pub(super) fn drain<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
     pipe: Option<R>,
 ) -> tokio::task::JoinHandle<Vec<u8>> {
@@ -126,4 +186,26 @@ pub(super) fn key_of(stderr: &str) -> Option<&str> {
 /// lbctl `-v` prints one `lbctl: attempt N (...)` line per attempt.
 pub(super) fn count_attempts(stderr: &[u8]) -> u64 {
     String::from_utf8_lossy(stderr).lines().filter(|l| l.starts_with("lbctl: attempt ")).count() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_key_line_is_signalled_and_every_byte_kept() {
+        let stderr: &[u8] = b"lbctl: op \"run-op-1\" key 0193a3c2-7b7e-7000-8000-000000000001 (journal j.db)\nlbctl: attempt 1 (0.02s): 201\n";
+        let (keyed, named) = tokio::sync::oneshot::channel();
+        let all = drain_watching_for_key(Some(stderr), keyed).await.expect("drain");
+        assert_eq!(all, stderr);
+        named.await.expect("the key line was signalled");
+    }
+
+    #[tokio::test]
+    async fn no_key_line_no_signal() {
+        let stderr: &[u8] = b"lbctl: cannot open the journal: permission denied\n";
+        let (keyed, named) = tokio::sync::oneshot::channel();
+        drain_watching_for_key(Some(stderr), keyed).await.expect("drain");
+        assert!(named.await.is_err(), "a line without a key was taken for the key line");
+    }
 }

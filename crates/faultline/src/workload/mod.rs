@@ -27,9 +27,15 @@ const DELETE_SHARE: f64 = 0.1;
 /// An lbctl operation is rerun at most this often, and killed at most this often.
 const LBCTL_MAX_RUNS: u32 = 16;
 const LBCTL_MAX_KILLS: u32 = 6;
-/// Kills land this long after an lbctl process starts: an unfaulted run takes about 30 ms (start-up,
-/// journal, request), so a kill lands before, during or just after the request.
+/// A planned kill lands this long after the lbctl process starts, for this share of kills: before
+/// or while it opens its journal, or (an unfaulted run takes about 30 ms) after its request.
 const LBCTL_KILL_WINDOW_MS: std::ops::Range<u64> = 1..60;
+const LBCTL_EARLY_KILL_SHARE: f64 = 0.25;
+/// The other planned kills land this long after lbctl names the operation's key (`-v`), which it
+/// does once the key is durable in its journal and before its first attempt: before, while or
+/// just after the request is sent. They land whatever the machine's speed (a kill timed from
+/// the process's start alone once missed every run of a CI machine's protected clients).
+const LBCTL_KEYED_KILL_WINDOW_MS: std::ops::Range<u64> = 0..25;
 /// Failure reasons kept for the report.
 const KEPT_FAILURES: usize = 20;
 /// An abandoning client hangs up this long after sending, at the latest (sooner when its attempt
