@@ -14,7 +14,9 @@
 //!   on PostgreSQL one `SELECT 1` through the service's own pool; on SQLite, whose one pooled
 //!   connection is also the writer queue (and may be busy for longer than that under load
 //!   without anything being wrong), whether a connection of the probe's own can take the write
-//!   lock (`BEGIN IMMEDIATE`, then `ROLLBACK`). When it cannot in time (every connection waits
+//!   lock (`BEGIN IMMEDIATE`, then `ROLLBACK`) or, when it cannot, whether other connections
+//!   committed meanwhile (`PRAGMA data_version`): writers that keep committing on a disk slowed
+//!   by other work are busy, not stuck. When it cannot in time (every connection waits
 //!   on a database that does not answer; another process, or a writer stuck in a stalled disk,
 //!   holds the SQLite file's lock), the request is answered `503 store-unavailable` with
 //!   `Retry-After`, at most 4 s after it came;
@@ -115,7 +117,9 @@ impl StoreProbe {
     /// PostgreSQL: `SELECT 1` through the service's pool, what every handler's statement waits
     /// for. SQLite: the write lock, taken and given back on the probe's own connection (a
     /// write-locked file still reads, so a read would pass; and the pool's one connection may be
-    /// busy with other requests' work for a while under load, which is no outage).
+    /// busy with other requests' work for a while under load, which is no outage); a lock not
+    /// given in time while commits still land (a disk slowed by other writers makes each commit's
+    /// fsync slow) is no outage either.
     async fn probe(&self) -> Result<(), sqlx::Error> {
         match &self.db {
             Db::Postgres(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
@@ -129,12 +133,23 @@ impl StoreProbe {
                     *writer = Some(options.connect().await?);
                 }
                 let conn = writer.as_mut().expect("opened above");
+                // Whether other connections committed meanwhile (`PRAGMA data_version`, per
+                // connection): a writer that keeps committing on a slow disk holds the lock for
+                // longer than the probe waits, and is no outage.
+                const VERSION: &str = "PRAGMA data_version";
+                let before = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut *conn).await;
                 let locked = sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK").execute(&mut *conn).await;
-                if locked.is_err() {
-                    // Whatever state it is left in, the next probe starts on a fresh connection.
-                    *writer = None;
-                }
-                locked.map(drop)
+                let Err(e) = locked else { return Ok(()) };
+                let committed = match before {
+                    Ok(before) => {
+                        let after = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut *conn).await;
+                        after.is_ok_and(|after| after != before)
+                    }
+                    Err(_) => false,
+                };
+                // Whatever state it is left in, the next probe starts on a fresh connection.
+                *writer = None;
+                if committed { Ok(()) } else { Err(e) }
             }
         }
     }
@@ -227,6 +242,39 @@ mod tests {
         sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
         let response = request.await.expect("request").expect("infallible");
         assert_eq!(response.status(), StatusCode::OK, "one late failed probe gave up a healthy request");
+    }
+
+    /// Seen on a loaded machine (a build writing beside the tests): each commit's fsync was slow,
+    /// the service's own writers held the SQLite write lock one after the other for longer than
+    /// the probe waits, and a healthy slow create was answered 503.
+    #[tokio::test]
+    async fn writers_that_keep_committing_are_no_outage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sqlite(&dir).await;
+        let Db::Sqlite(pool) = &db else { unreachable!() };
+        use sqlx::ConnectOptions;
+        let mut other = (*pool.connect_options()).clone().connect().await.expect("another connection");
+        sqlx::raw_sql("CREATE TABLE probe_busy (n INTEGER)").execute(&mut other).await.expect("table");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                // Each transaction holds the lock 200 ms, the next takes it at once.
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    sqlx::raw_sql("BEGIN IMMEDIATE; INSERT INTO probe_busy VALUES (1)")
+                        .execute(&mut other)
+                        .await
+                        .expect("write");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    sqlx::raw_sql("COMMIT").execute(&mut other).await.expect("commit");
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let answered = StoreProbe::new(db.clone()).answers().await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.await.expect("writer");
+        assert!(answered, "writers committing one after the other were taken for an outage");
     }
 
     #[tokio::test]

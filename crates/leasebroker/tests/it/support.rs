@@ -39,7 +39,8 @@ impl Drop for Proc {
 }
 
 /// How a test starts the real binary: its arguments and environment (`RUST_LOG=warn` unless
-/// set). The one place that spawns it and waits for its "listening on http://ADDR" line.
+/// set by the test, or by `LEASEBROKER_TEST_LOG` for every server a test run starts). The one
+/// place that spawns it and waits for its "listening on http://ADDR" line.
 pub(crate) struct Launch {
     command: Command,
 }
@@ -48,7 +49,8 @@ impl Launch {
     /// `leasebroker ARGS`.
     pub(crate) fn new(args: &[&str]) -> Self {
         let mut command = Command::new(bin());
-        command.args(args).env("RUST_LOG", "warn");
+        let log = std::env::var("LEASEBROKER_TEST_LOG").unwrap_or_else(|_| "warn".into());
+        command.args(args).env("RUST_LOG", log);
         Self { command }
     }
 
