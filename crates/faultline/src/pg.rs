@@ -65,6 +65,8 @@ pub struct LocalCluster {
     pub url: String,
     /// Times it was stopped and started again.
     pub restarts: u32,
+    /// While it is stopped, its port is held here, so that no other listener takes it.
+    held_port: Option<idempotency::conformance::HeldPort>,
 }
 
 impl LocalCluster {
@@ -87,6 +89,7 @@ impl LocalCluster {
             as_postgres,
             running: false,
             restarts: 0,
+            held_port: None,
         };
         let data = cluster.data();
         cluster
@@ -133,6 +136,7 @@ impl LocalCluster {
         let log = self.dir.path().join("postgres.log").display().to_string();
         let options =
             format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", self.port);
+        self.held_port = None;
         self.run("pg_ctl", &["start", "-w", "-t", "60", "-D", &data, "-l", &log, "-o", &options])
             .await
             .context("pg_ctl start")?;
@@ -146,6 +150,7 @@ impl LocalCluster {
         let data = self.data();
         self.run("pg_ctl", &["stop", "-w", "-m", "immediate", "-D", &data]).await.context("pg_ctl stop")?;
         self.running = false;
+        self.held_port = idempotency::conformance::HeldPort::hold(self.port);
         Ok(())
     }
 }

@@ -48,6 +48,9 @@ pub struct Node {
     pub port: u16,
     child: std::sync::Mutex<Option<Child>>,
     args: Vec<String>,
+    /// While it is killed, its ports (client and cluster bus) are held here, so that no other
+    /// test's listener takes them before it restarts.
+    held: std::sync::Mutex<Vec<idempotency::conformance::HeldPort>>,
 }
 
 impl Node {
@@ -62,6 +65,8 @@ impl Node {
         if let Some(mut child) = child {
             let _ = child.kill();
             let _ = child.wait();
+            let held = [self.port, self.port + 10_000].into_iter().filter_map(idempotency::conformance::HeldPort::hold);
+            *self.held.lock().unwrap_or_else(|e| e.into_inner()) = held.collect();
         }
     }
 
@@ -85,6 +90,7 @@ impl Node {
     /// When it is alive, or does not answer within 10 s.
     pub fn restart(&self) {
         assert!(!self.is_alive(), "restart of a node that runs");
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
         let child = spawn(&self.args);
         *self.child.lock().expect("node lock") = Some(child);
         assert!(self.wait_until_answering(), "redis-server did not restart on port {}", self.port);
@@ -171,7 +177,7 @@ pub fn start_server(dir: &Path, extra: &[&str]) -> Node {
         args.extend(["--logfile".into(), dir.join(format!("redis-{port}.log")).display().to_string()]);
         args.extend(extra.iter().map(|a| a.replace("{port}", &port.to_string())));
         let child = spawn(&args);
-        let node = Node { port, child: std::sync::Mutex::new(Some(child)), args };
+        let node = Node { port, child: std::sync::Mutex::new(Some(child)), args, held: Default::default() };
         if node.wait_until_answering() {
             return node;
         }

@@ -920,3 +920,21 @@ mod announcements {
         assert!(futures::poll!(not_heard.as_mut()).is_pending(), "a record nobody touched was announced");
     }
 }
+
+mod local_server {
+    use idempotency_sqlx::testing::LocalServer;
+
+    /// A stopped server's port stays its own until it starts again: no other listener can take
+    /// it meanwhile (seen: another test's HTTP server did, and the restart failed).
+    #[test]
+    fn a_stopped_server_keeps_its_port_until_it_starts_again() {
+        let Some(mut pg) = LocalServer::start() else { return };
+        pg.stop();
+        assert!(pg.holds_its_port());
+        let taken = std::net::TcpListener::bind(("127.0.0.1", pg.port()));
+        assert!(taken.is_err(), "another listener took the stopped server's port");
+        pg.start_again();
+        assert!(!pg.holds_its_port());
+        assert!(pg.is_running());
+    }
+}

@@ -19,6 +19,9 @@ pub struct LocalServer {
     port: u16,
     as_postgres: bool,
     running: bool,
+    /// While the server is stopped, its port is held here, so that no other test's listener
+    /// (they take free ports from the same range) takes it before the server starts again.
+    held_port: Option<idempotency::conformance::HeldPort>,
 }
 
 impl LocalServer {
@@ -97,7 +100,7 @@ impl LocalServer {
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .expect("a free port");
-        Some(Self { bin, dir, port, as_postgres, running: false })
+        Some(Self { bin, dir, port, as_postgres, running: false, held_port: None })
     }
 
     /// The server's port.
@@ -113,6 +116,11 @@ impl LocalServer {
     /// Whether the server was left running.
     pub fn is_running(&self) -> bool {
         self.running
+    }
+
+    /// Whether the stopped server's port is held for it (see [`LocalServer::stop`]).
+    pub fn holds_its_port(&self) -> bool {
+        self.held_port.is_some()
     }
 
     fn data(&self) -> String {
@@ -148,6 +156,7 @@ impl LocalServer {
         let log = self.dir.path().join("postgres.log").display().to_string();
         let options =
             format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100", self.port);
+        self.held_port = None;
         self.run("pg_ctl", &["start", "-w", "-t", "120", "-D", &data, "-l", &log, "-o", &options]);
         self.running = true;
     }
@@ -158,6 +167,7 @@ impl LocalServer {
         let data = self.data();
         self.run("pg_ctl", &["stop", "-w", "-t", "120", "-m", "immediate", "-D", &data]);
         self.running = false;
+        self.held_port = idempotency::conformance::HeldPort::hold(self.port);
     }
 
     /// Promotes a standby to primary and waits until it is one.

@@ -35,11 +35,13 @@ pub use claims::*;
 pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
+pub use port::HeldPort;
 
 mod claims;
 mod holding;
 mod lifecycle;
 mod operating;
+mod port;
 
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.

@@ -282,13 +282,15 @@ struct DurableRedis {
     dir: tempfile::TempDir,
     port: u16,
     child: Option<std::process::Child>,
+    /// Its port while it is killed, so that no other test's listener takes it meanwhile.
+    held: Option<idempotency::conformance::HeldPort>,
 }
 
 impl DurableRedis {
     fn start() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-        let mut redis = DurableRedis { dir, port, child: None };
+        let mut redis = DurableRedis { dir, port, child: None, held: None };
         redis.start_again();
         redis
     }
@@ -298,6 +300,7 @@ impl DurableRedis {
     }
 
     fn start_again(&mut self) {
+        self.held = None;
         let child = std::process::Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
             .args(["--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction"])
@@ -325,6 +328,7 @@ impl DurableRedis {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            self.held = idempotency::conformance::HeldPort::hold(self.port);
         }
     }
 
