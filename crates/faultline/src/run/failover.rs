@@ -46,9 +46,9 @@ pub(super) async fn fail_over_postgres(
                 pg.restart(killed).map_err(|e| anyhow!(e))?;
                 eprintln!("faultline: PostgreSQL failover {k}: member {killed} killed, member {promoted} promoted");
             } else {
-                let old = pg.primary();
+                let old = pg.primary().map_or_else(|| "none (no primary)".to_owned(), |m| format!("member {m}"));
                 let new = pg.switchover().map_err(|e| anyhow!(e))?;
-                eprintln!("faultline: PostgreSQL failover {k}: switchover from member {old:?} to member {new}");
+                eprintln!("faultline: PostgreSQL failover {k}: switchover from {old} to member {new}");
             }
             anyhow::Ok(())
         })
