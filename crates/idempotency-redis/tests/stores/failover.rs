@@ -191,3 +191,63 @@ async fn a_failover_keeps_what_the_replicas_acknowledged() {
     let s = key_on(&cluster, &after, cluster.nodes[0].port);
     assert!(matches!(after.claim(request(&s)).await, Ok(ClaimOutcome::Owned(_))));
 }
+
+/// One store (one cluster client, `replicas(1)`, as a service runs it) claiming from eight tasks
+/// without pause while primaries fail over one after another, four times (each: killed, its
+/// replica promoted, the killed node restarted as a replica). After each failover, a claim on a
+/// key of every primary answers within a few seconds through the same client, every call bounded
+/// and dropped after 3 s as the layer does. Written after a long faultline run in which, after the
+/// third failover, one replica's cluster client answered no claim for six minutes
+/// (docs/faultline/failover-redis-long-2026-12-03.md); this test does not reproduce that yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_client_keeps_claiming_through_four_failovers() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server or redis-cli is not installed");
+        return;
+    }
+    let mut cluster = tokio::task::spawn_blocking(|| Cluster::start_with_replicas(1)).await.expect("cluster");
+    let prefix = support::unique_prefix();
+    let store = std::sync::Arc::new(store_with(&cluster.url(), &prefix, 1).await);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Bounded as the layer bounds every store call: the call is dropped after 3 s.
+                    let s = scope();
+                    let claimed = tokio::time::timeout(Duration::from_secs(3), store.claim(request(&s))).await;
+                    if let Ok(Ok(ClaimOutcome::Owned(c))) = claimed {
+                        let answer = response();
+                        let done = store.complete(&c, &answer, request(&s).expires_at);
+                        let _ = tokio::time::timeout(Duration::from_secs(3), done).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for (round, i) in [0, 1, 2, 0].into_iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::task::block_in_place(|| cluster.fail_over(i));
+        for node in 0..3 {
+            let port = cluster.nodes[node].port;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let s = key_on(&cluster, &store, port);
+                match tokio::time::timeout(Duration::from_secs(3), store.claim(request(&s))).await {
+                    Ok(Ok(ClaimOutcome::Owned(_))) => break,
+                    other => assert!(
+                        Instant::now() < deadline,
+                        "failover {} (primary {i}): no claim on primary {node} (port {port}) answered for 20 s: {other:?}",
+                        round + 1
+                    ),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in load {
+        task.await.expect("load task");
+    }
+}
