@@ -5,18 +5,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, RedisError, Value};
 
+use crate::cluster::Cluster;
 use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions, UnverifiedPolicy};
 
 /// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
-/// client, which follows slot moves). Both multiplex their callers over their connections.
+/// client, which follows slot moves, replaced when it stops answering). Both multiplex their
+/// callers over their connections.
 #[derive(Clone)]
 pub(crate) enum Conn {
     Server(Arc<Managers>),
-    Cluster(ClusterConnection),
+    Cluster(Arc<Cluster>),
 }
 
 /// A single server's connections, never empty, and the turn.
@@ -48,7 +49,8 @@ impl Conn {
                 .max_retry_wait(500)
                 .build()
                 .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
-            Conn::Cluster(client.get_async_connection().await.map_err(ConnectError::Unreachable)?)
+            let cluster = Cluster::connect(client, options.cluster_reconnect_after, options.connect_timeout).await;
+            Conn::Cluster(cluster.map_err(ConnectError::Unreachable)?)
         } else {
             let client = match &options.root_certificates {
                 Some(pem) => redis::Client::build_with_tls(url, tls_certificates(pem)),
@@ -90,14 +92,16 @@ impl Conn {
     pub(crate) fn pin(&self, key: &str) -> Pinned {
         match self {
             Conn::Server(c) => Pinned::Server(c.pick()),
-            Conn::Cluster(c) => Pinned::Cluster(c.clone(), Route::with_key(key.as_bytes(), SlotAddr::Master)),
+            Conn::Cluster(c) => {
+                Pinned::Cluster(c.clone(), c.connection(), Route::with_key(key.as_bytes(), SlotAddr::Master))
+            }
         }
     }
 
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         match self {
             Conn::Server(c) => cmd.query_async(&mut c.pick()).await,
-            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => c.query(cmd).await,
         }
     }
 
@@ -118,12 +122,12 @@ impl Conn {
             },
             Conn::Cluster(c) => {
                 let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
                 let mut replies = vec![];
                 for (host, port) in primaries(slots)? {
                     let node = format!("{host}:{port}");
                     let by_address = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-                    replies.push((node, c.clone().route_command(cmd.clone(), by_address).await));
+                    replies.push((node, c.route(cmd, by_address).await));
                 }
                 Ok(replies)
             }
@@ -146,7 +150,7 @@ impl Conn {
             Conn::Server(_) => Ok(vec![Node::Server]),
             Conn::Cluster(c) => {
                 let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.clone().route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
                 let mut all = primaries(slots)?;
                 all.sort();
                 Ok(all.into_iter().map(|(h, p)| Node::Primary(h, p)).collect())
@@ -160,7 +164,7 @@ impl Conn {
             (Conn::Cluster(c), Node::Primary(host, port)) => {
                 let by_address =
                     RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port });
-                c.clone().route_command(cmd.clone(), by_address).await
+                c.route(cmd, by_address).await
             }
             _ => self.query(cmd).await,
         }
@@ -170,7 +174,7 @@ impl Conn {
 /// One connection to one key's primary (see [`Conn::pin`]).
 pub(crate) enum Pinned {
     Server(ConnectionManager),
-    Cluster(ClusterConnection, Route),
+    Cluster(Arc<Cluster>, redis::cluster_async::ClusterConnection, Route),
 }
 
 impl Pinned {
@@ -178,10 +182,13 @@ impl Pinned {
     pub(crate) async fn query(&mut self, cmd: &Cmd) -> Result<Value, RedisError> {
         match self {
             Pinned::Server(c) => cmd.query_async(c).await,
-            Pinned::Cluster(c, route) => {
+            Pinned::Cluster(cluster, c, route) => {
                 let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*route));
+                let watch = cluster.watch();
+                let reply = c.route_command(cmd.clone(), to).await;
+                watch.ended(&reply);
                 // A routed command's error reply comes back as a value.
-                c.route_command(cmd.clone(), to).await.and_then(Value::extract_error)
+                reply.and_then(Value::extract_error)
             }
         }
     }

@@ -143,6 +143,15 @@
 //! (`CLUSTERDOWN`) once the dead primary is marked failed. [`Store::ping`](idempotency::Store::ping)
 //! asks every primary, so a readiness probe reports a cluster with a dead primary as not ready.
 //!
+//! After a failover the cluster client reconnects to the lost node and refreshes its slot map by
+//! itself, within seconds. Once, in a long fault run, one process's client did not: after a
+//! slot refresh began it answered no call for six minutes while a fresh client served the same
+//! cluster (docs/faultline/failover-redis-long-2026-12-03.md). So when every call on the cluster
+//! connection goes unanswered (timed out, dropped by its caller, its node connection lost) for
+//! [`RedisStoreOptions::cluster_reconnect_after`] (default [`DEFAULT_CLUSTER_RECONNECT_AFTER`]),
+//! the store opens a new one from the URL's nodes and the calls that follow use it; an answer of
+//! any kind, an error reply included, starts the period again.
+//!
 //! # TLS, readiness and the per-principal count
 //!
 //! `rediss://` connects with TLS (rustls), trusting the system's roots, or only a private CA
@@ -180,6 +189,7 @@
 
 mod admin;
 mod changes;
+mod cluster;
 mod codec;
 mod conn;
 mod options;
@@ -190,7 +200,7 @@ pub mod testing;
 
 pub use changes::channel as changes_channel;
 pub use options::{
-    CLUSTER_SCHEME, ConnectError, DEFAULT_CONNECTIONS, DEFAULT_PREFIX, DEFAULT_REPLICA_TIMEOUT, RedisStoreOptions,
-    UnverifiedPolicy,
+    CLUSTER_SCHEME, ConnectError, DEFAULT_CLUSTER_RECONNECT_AFTER, DEFAULT_CONNECTIONS, DEFAULT_PREFIX,
+    DEFAULT_REPLICA_TIMEOUT, RedisStoreOptions, UnverifiedPolicy,
 };
 pub use store::RedisStore;

@@ -15,6 +15,10 @@ pub const CLUSTER_SCHEME: &str = "redis+cluster://";
 /// says otherwise.
 pub const DEFAULT_REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long a cluster connection may answer nothing while it is called before it is replaced,
+/// unless [`RedisStoreOptions::cluster_reconnect_after`] says otherwise.
+pub const DEFAULT_CLUSTER_RECONNECT_AFTER: Duration = Duration::from_secs(15);
+
 /// The multiplexed connections to a single server unless [`RedisStoreOptions::connections`]
 /// says otherwise. With one, a replay's reply (the whole record) is parsed in the connection's
 /// one task, which capped replays at about half of what `redis-benchmark` gets from the same
@@ -42,6 +46,7 @@ pub struct RedisStoreOptions {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
     pub(crate) cluster_retries: u32,
+    pub(crate) cluster_reconnect_after: Duration,
     pub(crate) connections: usize,
     pub(crate) unverified_policy: UnverifiedPolicy,
     pub(crate) replicas: u32,
@@ -56,6 +61,7 @@ impl Default for RedisStoreOptions {
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(5),
             cluster_retries: 3,
+            cluster_reconnect_after: DEFAULT_CLUSTER_RECONNECT_AFTER,
             connections: DEFAULT_CONNECTIONS,
             unverified_policy: UnverifiedPolicy::Refuse,
             replicas: 0,
@@ -97,6 +103,16 @@ impl RedisStoreOptions {
     /// redirection (default 3; `MOVED` and `ASK` during a resharding need a few).
     pub fn cluster_retries(mut self, retries: u32) -> Self {
         self.cluster_retries = retries;
+        self
+    }
+
+    /// On a cluster: how long the cluster connection may leave every call unanswered (timed
+    /// out, dropped by the caller, or its node connection lost) before the store drops it and
+    /// opens a new one from the URL's nodes, as a restart would (default
+    /// [`DEFAULT_CLUSTER_RECONNECT_AFTER`]). The client repairs itself after a failover within
+    /// seconds; this is for the client that does not (see the crate docs, Failover).
+    pub fn cluster_reconnect_after(mut self, after: Duration) -> Self {
+        self.cluster_reconnect_after = after;
         self
     }
 

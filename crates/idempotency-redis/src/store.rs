@@ -94,6 +94,15 @@ impl RedisStore {
         self.ack.as_ref().map(|a| (a.replicas, a.aof))
     }
 
+    /// How many times the cluster connection was replaced for answering nothing
+    /// ([`RedisStoreOptions::cluster_reconnect_after`]); 0 on a single server.
+    pub fn cluster_reconnects(&self) -> u64 {
+        match &self.conn {
+            Conn::Server(_) => 0,
+            Conn::Cluster(c) => c.reconnects(),
+        }
+    }
+
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix

@@ -251,3 +251,47 @@ async fn one_client_keeps_claiming_through_four_failovers() {
         task.await.expect("load task");
     }
 }
+
+/// A cluster connection that answers nothing for `cluster_reconnect_after` while it is called is
+/// replaced: every node paused (`SIGSTOP`) while claims keep being made and dropped after 500 ms,
+/// as the layer drops a call it stops waiting for. The new connection, opened while the nodes
+/// are paused, is ready when they resume, and serves the claims after it; exactly one is opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_connection_that_answers_nothing_is_replaced() {
+    if !support::have_redis_binaries() {
+        support::skip::<()>("redis-server or redis-cli is not installed");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.expect("cluster");
+    let options = RedisStoreOptions::default()
+        .prefix(support::unique_prefix())
+        .cluster_reconnect_after(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(20))
+        .response_timeout(Duration::from_secs(20));
+    let store = RedisStore::connect_with(&cluster.url(), options).await.expect("connect");
+    assert!(matches!(store.claim(request(&scope())).await, Ok(ClaimOutcome::Owned(_))));
+    assert_eq!(store.cluster_reconnects(), 0);
+
+    for node in &cluster.nodes {
+        node.pause();
+    }
+    let paused = Instant::now();
+    while paused.elapsed() < Duration::from_secs(4) {
+        let dropped = tokio::time::timeout(Duration::from_millis(500), store.claim(request(&scope()))).await;
+        assert!(dropped.is_err(), "a paused cluster answered: {dropped:?}");
+    }
+    assert_eq!(store.cluster_reconnects(), 0, "the new connection cannot be ready while every node is paused");
+    for node in &cluster.nodes {
+        node.resume();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while store.cluster_reconnects() == 0 {
+        assert!(Instant::now() < deadline, "no new connection 20 s after the nodes resumed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..20 {
+        let claimed = tokio::time::timeout(Duration::from_secs(5), store.claim(request(&scope()))).await;
+        assert!(matches!(claimed, Ok(Ok(ClaimOutcome::Owned(_)))), "{claimed:?}");
+    }
+    assert_eq!(store.cluster_reconnects(), 1);
+}
