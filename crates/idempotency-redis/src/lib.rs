@@ -144,9 +144,10 @@
 //! asks every primary, so a readiness probe reports a cluster with a dead primary as not ready.
 //!
 //! After a failover the cluster client reconnects to the lost node and refreshes its slot map by
-//! itself, within seconds. Once, in a long fault run, one process's client did not: after a
-//! slot refresh began it answered no call for six minutes while a fresh client served the same
-//! cluster (docs/faultline/failover-redis-long-2026-12-03.md). So when every call on the cluster
+//! itself, within seconds. In two long fault runs one process's client did not: a slot refresh
+//! began and never ended, and the client answered no call (for six minutes, until the run
+//! ended) while a fresh client served the same cluster
+//! (docs/faultline/failover-redis-long-2026-12-03.md). So when every call on the cluster
 //! connection goes unanswered (timed out, dropped by its caller, its node connection lost) for
 //! [`RedisStoreOptions::cluster_reconnect_after`] (default [`DEFAULT_CLUSTER_RECONNECT_AFTER`]),
 //! the store opens a new one from the URL's nodes and the calls that follow use it; an answer of
