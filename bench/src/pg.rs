@@ -138,6 +138,10 @@ pub(crate) struct StoreArgs {
     /// round trip per statement), instead of the stores' pool.
     #[arg(long)]
     ping_on_checkout: bool,
+    /// Complete without announcing the change (`PostgresStore::without_announcements`), to
+    /// measure what the announcements for `Prefer: wait` cost a first execution.
+    #[arg(long)]
+    no_announcements: bool,
     /// Connect through a libpq multi-host URL (`--database`'s host listed twice, with
     /// `target_session_attrs=read-write`): the pool that follows the primary, whose checkouts
     /// also drop connections opened before a switch (issue 34).
@@ -186,6 +190,7 @@ pub(crate) async fn drive_store(a: StoreArgs) -> anyhow::Result<()> {
         Strategy::InsertOrRead => ClaimStrategy::InsertOrRead,
         Strategy::SeedUpsert => ClaimStrategy::SeedUpsert,
     });
+    let store = if a.no_announcements { store.without_announcements() } else { store };
     // Warm every pooled connection's statement cache before measuring.
     for _ in 0..a.concurrency.max(16) {
         let _ = store.claim(claim_request("r-0")?).await?;

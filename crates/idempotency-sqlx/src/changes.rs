@@ -51,6 +51,14 @@ pub(crate) struct Announcements {
 }
 
 impl Announcements {
+    /// Announcements that are never sent (the store still listens for others'): for a database
+    /// no process waits on, and to measure what sending them costs.
+    pub(crate) fn never() -> Self {
+        let sender = OnceLock::new();
+        let _ = sender.set(None);
+        Self { sender: Arc::new(sender), listener: Arc::default() }
+    }
+
     /// Queues the announcement that `scope`'s record left `in_flight`; call it once the change
     /// committed. Never waits and never fails: a lost announcement costs a waiter its next poll.
     pub(crate) fn announce(&self, pool: &PgPool, scope: &Scope) {

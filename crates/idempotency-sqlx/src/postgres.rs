@@ -88,6 +88,15 @@ impl PostgresStore {
         self.strategy
     }
 
+    /// Sends no announcement when a record leaves `in_flight` (it still listens for other
+    /// processes' announcements). Waiters in other processes then find this store's changes
+    /// by polling, with backoff. For a database where no request waits (`Prefer: wait`) and
+    /// for measuring what the announcements cost; by default they are sent.
+    pub fn without_announcements(mut self) -> Self {
+        self.announcements = crate::changes::Announcements::never();
+        self
+    }
+
     /// The pool.
     pub fn pool(&self) -> &PgPool {
         &self.pool

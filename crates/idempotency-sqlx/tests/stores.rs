@@ -852,23 +852,55 @@ mod announcements {
         each_announced(Arc::new(one), Arc::new(two), &db).await;
     }
 
-    /// `one` completes three records in four and fails the fourth, all at once, from a task
-    /// each; every record has a waiter in `two`, armed before the first completion.
-    async fn each_announced(one: Arc<dyn Store>, two: Arc<dyn Store>, db: &TestDatabase) {
-        let changes = two.changes().expect("a PostgreSQL store announces changes");
-        // On once its LISTEN is in: the wake-up every waiter gets when the listener starts is
-        // behind us, so only an announcement can wake a waiter armed from here on.
+    /// Returns once a store's LISTEN is in: the wake-up every waiter gets when the listener
+    /// starts is behind us, so only an announcement can wake a waiter armed from then on.
+    async fn listening(db: &TestDatabase) {
         let watch = pg_pool(db.url()).await;
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
             let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
                        AND query LIKE 'LISTEN%' AND state = 'idle'";
             if sqlx::query_scalar::<_, i64>(sql).fetch_one(&watch).await.expect("pg_stat_activity") >= 1 {
-                break;
+                return;
             }
-            assert!(std::time::Instant::now() < deadline, "the second store never listened");
+            assert!(std::time::Instant::now() < deadline, "the store never listened");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// A store built `without_announcements` completes without announcing; one built by
+    /// default, completing after it, is heard. The record completed first is still unheard two
+    /// seconds after the second was (an announcement arrives in milliseconds).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_without_announcements_sends_none() {
+        let Some(db) = TestDatabase::create().await else { return };
+        let loud = PostgresStore::from_pool(pg_pool(db.url()).await);
+        loud.migrate().await.expect("migrate");
+        let quiet = PostgresStore::from_pool(pg_pool(db.url()).await).without_announcements();
+        let waiter = PostgresStore::from_pool(pg_pool(db.url()).await);
+        let changes = waiter.changes().expect("a PostgreSQL store listens");
+        listening(&db).await;
+
+        let (a, b) = (unique_scope(), unique_scope());
+        let (claim_a, claim_b) = (own(&quiet, request(&a, now())).await, own(&loud, request(&b, now())).await);
+        let (sub_a, sub_b) = (changes.subscribe(&a), changes.subscribe(&b));
+        let mut heard_a = std::pin::pin!(sub_a.notify().notified());
+        heard_a.as_mut().enable();
+        let mut heard_b = std::pin::pin!(sub_b.notify().notified());
+        heard_b.as_mut().enable();
+        quiet.complete(&claim_a, &response(), now() + chrono::Duration::hours(1)).await.expect("complete a");
+        loud.complete(&claim_b, &response(), now() + chrono::Duration::hours(1)).await.expect("complete b");
+        tokio::time::timeout(Duration::from_secs(30), heard_b.as_mut()).await.expect("the default store announces");
+        let unheard = tokio::time::timeout(Duration::from_secs(2), heard_a.as_mut()).await;
+        assert!(unheard.is_err(), "a store without announcements announced a completion");
+        assert_eq!(waiter.get(&a).await.expect("get").expect("a").state, RecordState::Completed);
+    }
+
+    /// `one` completes three records in four and fails the fourth, all at once, from a task
+    /// each; every record has a waiter in `two`, armed before the first completion.
+    async fn each_announced(one: Arc<dyn Store>, two: Arc<dyn Store>, db: &TestDatabase) {
+        let changes = two.changes().expect("a PostgreSQL store announces changes");
+        listening(db).await;
 
         let scopes: Vec<Scope> = (0..RECORDS).map(|_| unique_scope()).collect();
         let mut claims = Vec::with_capacity(RECORDS);

@@ -132,6 +132,15 @@ impl PartitionedPostgresStore {
         }
     }
 
+    /// Sends no announcement when a record leaves `in_flight` (it still listens for other
+    /// processes' announcements). Waiters in other processes then find this store's changes
+    /// by polling, with backoff. For a database where no request waits (`Prefer: wait`) and
+    /// for measuring what the announcements cost; by default they are sent.
+    pub fn without_announcements(mut self) -> Self {
+        self.announcements = crate::changes::Announcements::never();
+        self
+    }
+
     /// Creates the partitions of the next `days` days ahead of today on every sweep (and
     /// migration). Make it at least the retention in days plus one, so that claims and
     /// completions find their partition ready; a missing one is created on demand, at the cost
