@@ -1,0 +1,89 @@
+//! Firmware flashes: an idempotent long-running operation (SPEC 3.4).
+//!
+//! A second flash of a BMC while the first still writes bricks the machine, and a flash takes
+//! minutes, so a flash runs as an operation: the request creates it and answers `202` as soon as
+//! the BMC accepted the flash, and the [`Watcher`] follows it to its end.
+//!
+//! - **One operation per key.** The operation's row is keyed by the request record's derived
+//!   sub-key `flash-op`; a retry of the same key finds it. The idempotency record completes with
+//!   the `202` at acceptance, so a retry while the flash runs, or after, replays that `202` at
+//!   once (the body shows the operation as it was then; `GET /admin/v1/operations/{id}` shows it
+//!   now).
+//! - **One running operation per node.** A partial UNIQUE index on the rows: a flash with another
+//!   key while one runs on the node answers `409 operation-conflict` naming the running one, and
+//!   never reaches the BMC.
+//! - **The BMC call is an effect of the effect ledger** (`idempotency-effects`, as boots and
+//!   reboots are): its tag is the derived sub-key `flash`; it is sent only by the attempt that
+//!   recorded its intent with its send stamp, or moved that stamp by compare-and-set; a retry that
+//!   finds it pending asks the BMC for nodes holding the tag before anything else, and sends again
+//!   only when none does and the settle window (`--hypervisor-settle`) has passed since the last
+//!   send.
+//! - **The watcher** runs on every replica. An accepted flash is followed by the ledger's
+//!   [`idempotency_effects::Watcher`], which holds a lease on the flash's intent, taken by
+//!   compare-and-set, so several replicas never follow one flash at once, and a replica that dies
+//!   leaves a lease that expires and is taken over. A pass also settles operations whose request
+//!   was abandoned before acceptance: it adopts a flash the BMC holds by tag, and fails one nobody
+//!   sent or retried within `--abandon-after`, after taking its ledger operation for a rollback
+//!   (so no late attempt can send it).
+//! - **On a Redfish BMC** (`--bmc-url redfish+...`, [`crate::hypervisor::redfish`]) the tag rides in
+//!   the image URI, and a flash whose send was stamped is never sent again: a retry (or the
+//!   watcher) finds its task by the tag in the tasks' payloads; where the BMC keeps none, it
+//!   waits out the settle window and for the BMC to run no task, then reads the node's firmware
+//!   inventory (the version there: succeeded; absent: failed). The watcher follows the task
+//!   (`TaskState`, `TaskStatus`). A node that already runs the version is not flashed: its
+//!   operation succeeds at once, and a task that failed on a node that runs the version counts
+//!   as done.
+
+use crate::service::{Operation, public_id};
+
+mod call;
+mod request;
+mod settle;
+mod watcher;
+
+pub use request::Firmware;
+pub use watcher::{WatchReport, Watcher, spawn};
+
+/// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
+/// (`succeeded`, `failed`).
+pub const OPERATIONS_TOTAL: &str = "leasebroker_operations_total";
+/// Counter: operations a watcher started following (a lease taken that another watcher did not
+/// hold). With several replicas, their sum is the number of operations followed, once each.
+pub const OPERATION_WATCHES_TOTAL: &str = "leasebroker_operation_watches_total";
+/// Counter: flashes sent to a BMC.
+pub const FLASHES_SENT_TOTAL: &str = "leasebroker_flashes_sent_total";
+
+/// Registers the help texts of the operation metrics.
+pub fn describe_metrics() {
+    metrics::describe_counter!(OPERATIONS_TOTAL, "Long-running operations that ended, by kind and outcome");
+    metrics::describe_counter!(OPERATION_WATCHES_TOTAL, "Operations this replica's watcher started following");
+    metrics::describe_counter!(FLASHES_SENT_TOTAL, "Firmware flashes sent to a BMC (every attempt)");
+}
+
+/// The sub-keys of one flash request: the operation's id and the BMC call's tag.
+fn keys(op: &Operation) -> (String, String) {
+    (operation_id(|label| op.derive(label)), op.derive("flash").as_str().to_owned())
+}
+
+fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
+    public_id("op", &derive("flash-op"))
+}
+
+/// Where the operation a flash request's record starts can be followed: what the idempotency
+/// layer puts in the `Link` of a retry's `409 request-in-progress` (the first attempt is still
+/// accepting). `None` for records of other routes.
+pub fn operation_link(record: &idempotency::Record) -> Option<String> {
+    let endpoint = record.scope.endpoint.as_str();
+    (endpoint.starts_with("POST /admin/v1/nodes/") && endpoint.ends_with("/firmware"))
+        .then(|| operation_location(&operation_id(|label| record.derive(label))))
+}
+
+/// Where the operation `op_id` is read: its `Location`.
+pub fn operation_location(op_id: &str) -> String {
+    format!("/admin/v1/operations/{op_id}")
+}
+
+fn count_end(succeeded: bool) {
+    let outcome = if succeeded { "succeeded" } else { "failed" };
+    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
+}

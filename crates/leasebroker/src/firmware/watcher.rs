@@ -1,0 +1,209 @@
+//! The [`Watcher`], on every replica: follows the accepted flashes to their end (under the
+//! ledger's leases), and settles the operations whose request was abandoned before acceptance.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use idempotency::ErrorChain;
+use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
+use tokio::task::JoinHandle;
+
+use super::call::FlashCall;
+use super::settle::{adopt, conclude_by_inventory, inventory_runs};
+use super::{OPERATION_WATCHES_TOTAL, count_end};
+use crate::domain::{Domain, FlashRow};
+use crate::hypervisor::client::HypervisorClient;
+use crate::hypervisor::redfish::TaskLookup;
+use crate::service::{micros, now_micros};
+
+/// The watcher's settings and handles.
+#[derive(Debug, Clone)]
+pub struct Watcher {
+    /// The tables.
+    pub domain: Domain,
+    /// The hypervisor, whose API serves the BMCs too.
+    pub hypervisor: HypervisorClient,
+    /// This replica's name on the leases it holds (unique per process).
+    pub name: String,
+    /// How often each operation's BMC is polled (`--operation-poll`).
+    pub poll: Duration,
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`: an operation never accepted by the BMC, and not sent or retried for
+    /// this long, fails.
+    pub abandon_after: Duration,
+    /// Where the pass over unaccepted operations goes on from (the last op id it looked at).
+    pub cursor: Arc<Mutex<String>>,
+}
+
+/// Operations one pass reads at most (accepted ones, and unaccepted ones).
+const PAGE: u32 = 500;
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WatchReport {
+    /// Accepted flashes this pass polled (leases held).
+    pub watched: u64,
+    /// Operations that ended.
+    pub ended: u64,
+}
+
+impl Watcher {
+    /// A watcher named `name` (unique per process).
+    pub fn new(
+        domain: Domain,
+        hypervisor: HypervisorClient,
+        name: String,
+        poll: Duration,
+        settle: Duration,
+        abandon_after: Duration,
+    ) -> Self {
+        Self { domain, hypervisor, name, poll, settle, abandon_after, cursor: Arc::default() }
+    }
+
+    /// How long a lease holds: several polls, so a live watcher always renews it in time.
+    fn lease(&self) -> Duration {
+        (self.poll * 5).max(Duration::from_secs(10))
+    }
+
+    /// One pass: the accepted flashes this watcher holds or can take (the ledger's watcher),
+    /// then a page of the operations whose flash the BMC has not been seen to take.
+    pub async fn run_once(&self) -> WatchReport {
+        let mut report = WatchReport::default();
+        let effect = FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id: None };
+        let watcher =
+            idempotency_effects::Watcher::new(self.domain.ledger(), vec![Arc::new(effect)], &self.name, self.lease())
+                .batch(PAGE);
+        match watcher.step().await {
+            Ok(w) => {
+                metrics::counter!(OPERATION_WATCHES_TOTAL).increment(w.taken);
+                report.watched += w.polled;
+                report.ended += w.done + w.failed;
+            }
+            Err(e) => {
+                tracing::warn!(error = %ErrorChain(&e), "cannot follow the accepted flashes; trying again next tick")
+            }
+        }
+        let after = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let rows = match self.domain.unaccepted_flashes(&after, PAGE).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = %ErrorChain(&e), "cannot read the running operations; trying again next tick");
+                return report;
+            }
+        };
+        // Round the page: from the start again once the last one was read.
+        let next = if rows.len() < PAGE as usize {
+            String::new()
+        } else {
+            rows.last().map(|r| r.op_id.clone()).unwrap_or_default()
+        };
+        *self.cursor.lock().unwrap_or_else(PoisonError::into_inner) = next;
+        for row in rows {
+            match self.settle_unaccepted(&row).await {
+                Ok(true) => report.ended += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), op_id = %row.op_id, "settling the operation failed; next tick")
+                }
+            }
+        }
+        report
+    }
+
+    /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
+    /// its attempt still runs. Adopts the flash when the BMC holds its tag; on Redfish, ends a
+    /// flash whose task nobody can find by the firmware inventory once no call can still land;
+    /// fails one that nobody sent (or retried) for `--abandon-after` and whose call cannot land,
+    /// after taking its ledger operation for a rollback, so no late attempt can send it.
+    async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
+        let ledger = self.domain.ledger();
+        let intent = ledger.intent(&row.tag).await?;
+        let now = now_micros();
+        if let Some(intent) = &intent {
+            match intent.state {
+                IntentState::Accepted | IntentState::Done => {
+                    self.domain.accept_flash(&row.op_id).await?; // its acceptance was cut short
+                    return Ok(false);
+                }
+                IntentState::Pending => {
+                    let effect = FlashCall {
+                        hypervisor: self.hypervisor.clone(),
+                        domain: self.domain.clone(),
+                        node_id: Some(row.node_id.clone()),
+                    };
+                    if !effect.probe(&row.tag).await?.is_empty() {
+                        adopt(&self.domain, row, intent).await?;
+                        tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
+                        return Ok(false);
+                    }
+                    if now.saturating_sub(intent.sent_at) < micros(self.settle) {
+                        return Ok(false); // its call may still land
+                    }
+                    if let Some(bmc) = self.hypervisor.redfish() {
+                        // A Redfish flash is never sent twice: the inventory decides.
+                        let TaskLookup::NotFound { busy: false } = bmc.find_task(&row.tag).await? else {
+                            return Ok(false);
+                        };
+                        let runs = inventory_runs(bmc, row).await?;
+                        return Ok(conclude_by_inventory(&self.domain, row, intent, runs).await?);
+                    }
+                }
+                IntentState::Failed => {}
+            }
+        }
+        let Some(ledger_op) = row.ledger_op.as_deref() else { return Ok(false) };
+        let op = ledger.operation(ledger_op).await?;
+        let last = op.as_ref().map_or(row.created_at, |o| o.last_attempt_at.max(row.created_at));
+        if now.saturating_sub(last) < micros(self.abandon_after) {
+            return Ok(false);
+        }
+        // Fence the operation before failing it: a late attempt then sends nothing.
+        let taken = match &op {
+            Some(op) if op.mark == Mark::Live => ledger.take_for_rollback(ledger_op, op.last_attempt_at).await?,
+            Some(op) => op.mark == Mark::RollingBack,
+            None => ledger.take_unbegun(&unbegun(ledger_op, now)).await?,
+        };
+        if !taken {
+            return Ok(false); // an attempt ran a step since: look again later
+        }
+        let error = "the flash never reached the BMC, and its request was not retried within --abandon-after";
+        let ended = self.domain.fail_unaccepted_flash(&row.op_id, error, now).await?;
+        ledger.rolled_back(ledger_op, now_micros()).await?;
+        if ended {
+            count_end(false);
+            tracing::info!(op_id = %row.op_id, "failed an operation whose flash was never sent");
+        }
+        Ok(ended)
+    }
+}
+
+/// The ledger row that fences off a flash whose request never reached the ledger's first step.
+fn unbegun(op_id: &str, now: i64) -> OperationRow {
+    OperationRow {
+        op_id: op_id.to_owned(),
+        kind: "flash".into(),
+        principal: String::new(),
+        endpoint: String::new(),
+        idem_key: String::new(),
+        record_id: String::new(),
+        mark: Mark::RollingBack,
+        last_attempt_at: now,
+        next_check_at: i64::MAX,
+    }
+}
+
+/// Runs the watcher every `--operation-poll`, forever.
+pub fn spawn(watcher: Watcher) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(watcher.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let report = watcher.run_once().await;
+            if report.ended > 0 {
+                tracing::debug!(watched = report.watched, ended = report.ended, "watcher pass");
+            }
+        }
+    })
+}

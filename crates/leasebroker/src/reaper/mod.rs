@@ -1,0 +1,216 @@
+//! The reaper (SPEC 1.5): rolls back what operations nobody finished still hold, cleans up after
+//! finished ones, and destroys VMs that landed twice for one boot. It runs on the sweeper's tick
+//! (`--sweep-interval`), on every replica; each step is safe to race.
+//!
+//! The operations, their intents and their marks are the effect ledger's (`idempotency-effects`,
+//! on the same database): every attempt of a create, a reboot or a delete writes the operation's
+//! row there (its record's scope and id, and when the attempt started). On each tick the reaper reads the record of every
+//! operation that is due (its `next_check_at` passed; at most 500 a tick, half the
+//! longest due and half the latest due; a row the reaper waits on is put off to when it may
+//! change), after an inventory sweep that deletes VMs with the service's tag nobody owns:
+//! - the record completed: the operation finished; its intents are deleted and its row keeps a
+//!   compact finished mark until the retention;
+//! - an attempt holds the record (in flight, not stale): nothing to do yet;
+//! - a create whose record failed or whose claim went stale, with no attempt for
+//!   `--abandon-after` (and never sooner than the longest `Retry-After` the service may have told
+//!   its last attempt, plus [`RETRY_GRACE`]: see [`Reaper::patience`]): it is rolled back. The reaper takes the record's claim by compare-and-set
+//!   (so it never races a retry, on any replica), marks the operation as rolling back (every
+//!   step of a create checks that mark in its own transaction, so an attempt still running after
+//!   its claim went stale can take, call or show nothing more), waits out the settle window of
+//!   the last call (if it has not passed, it looks again next tick), deletes the VM by tag if one exists,
+//!   removes the record (so a later retry with that key runs as a new operation), then frees the
+//!   lease and the node and forgets the operation;
+//! - the record is gone (expired, or removed by a rollback that stopped half-way): a create that
+//!   made no worker is rolled back the same way (nothing can resume it: a new record derives new
+//!   sub-keys); anything else is forgotten.
+//!
+//! A delete cannot be rolled back (its VM may be gone already), so an abandoned delete is
+//! finished instead: VM, worker, lease and node, with its tombstone, and the `204` stored under
+//! its record. Reboots hold nothing, and a reboot cannot be undone: an abandoned reboot keeps its
+//! record and intent until the record expires, so a late retry still finds what it did.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::Store;
+use idempotency_effects::{Effect, InventorySweep, Ledger, LedgerError, OperationRow};
+
+use crate::domain::Domain;
+use crate::hypervisor::client::HypervisorClient;
+use crate::service::{Boot, now_micros};
+
+mod abandoned_create;
+mod abandoned_delete;
+mod inventory;
+mod tick;
+
+pub use tick::spawn_with_sweeper;
+
+/// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
+pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
+/// Counter: abandoned deletes the reaper finished (VM, worker, lease, node; 204 stored).
+pub const DELETES_FINISHED_TOTAL: &str = "leasebroker_reaper_deletes_finished_total";
+/// Counter: finished operations whose intents and row the reaper deleted.
+pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
+/// Counter: VMs carrying one of the service's tags that no live operation or worker owned,
+/// deleted by the inventory sweep (a boot that landed after its operation was rolled back).
+pub const ORPHANS_REMOVED_TOTAL: &str = "leasebroker_orphans_removed_total";
+/// Gauge: operations due for the reaper and not looked at yet, after its last tick (counted up
+/// to [`BACKLOG_CAP`]): above zero for long, the reaper falls behind.
+pub const REAPER_BACKLOG: &str = "leasebroker_reaper_backlog_operations";
+/// Gauge: records in flight whose attempt has not been renewed for [`STUCK_AFTER`] (counted up
+/// to one page of the records listing), read at each reaper tick.
+pub const RECORDS_STUCK_IN_FLIGHT: &str = "leasebroker_records_stuck_in_flight";
+/// How long an in-flight record's attempt may go unrenewed before it counts as stuck (the
+/// console's and `lbctl records list --stuck`'s ten minutes).
+pub const STUCK_AFTER: Duration = Duration::from_secs(600);
+/// The most due operations one backlog count reads.
+const BACKLOG_CAP: u32 = 100_000;
+
+/// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
+pub fn describe_metrics() {
+    use crate::service::{DUPLICATE_VMS_DESTROYED_TOTAL, REFUSALS_RELEASED_TOTAL};
+    metrics::describe_counter!(
+        DUPLICATE_VMS_DESTROYED_TOTAL,
+        "Second VMs of one boot deleted: calls that landed after --hypervisor-settle (set it longer)"
+    );
+    metrics::describe_counter!(REFUSALS_RELEASED_TOTAL, "Creates whose node and lease were given back on a refusal");
+    metrics::describe_counter!(
+        ROLLED_BACK_TOTAL,
+        "What the reaper rolled back, by resource (operation, vm, lease, node)"
+    );
+    metrics::describe_counter!(DELETES_FINISHED_TOTAL, "Abandoned deletes the reaper finished");
+    metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
+    metrics::describe_counter!(
+        ORPHANS_REMOVED_TOTAL,
+        "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
+    );
+    metrics::describe_gauge!(
+        REAPER_BACKLOG,
+        "Operations due for the reaper and not looked at yet, after its last tick"
+    );
+    metrics::describe_gauge!(
+        RECORDS_STUCK_IN_FLIGHT,
+        "Records in flight whose attempt has not been renewed for ten minutes, read at each reaper tick"
+    );
+}
+
+/// How long past the `Retry-After` it was given a retrying client may take to come back (the
+/// answer's way to it, its own scheduling), before the reaper may roll its create back.
+pub const RETRY_GRACE: Duration = Duration::from_secs(2);
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReapReport {
+    /// Abandoned creates rolled back.
+    pub rolled_back: u64,
+    /// VMs deleted: those of abandoned creates and second VMs of one boot.
+    pub vms_deleted: u64,
+    /// Finished operations forgotten.
+    pub forgotten: u64,
+    /// Operations left for a later tick (an attempt holds them, or a call may still land).
+    pub waiting: u64,
+    /// VMs with the service's tag that nobody owned, deleted by the inventory sweep.
+    pub orphans_removed: u64,
+}
+
+/// The reaper's settings and handles.
+#[derive(Clone)]
+pub struct Reaper {
+    /// The idempotency store the service runs on.
+    pub store: Arc<dyn Store>,
+    /// The domain tables.
+    pub domain: Domain,
+    /// The hypervisor.
+    pub hypervisor: HypervisorClient,
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`.
+    pub abandon_after: Duration,
+    /// How long past its `Retry-After` a retrying client may take to come back ([`RETRY_GRACE`]
+    /// in the service): see [`Reaper::patience`].
+    pub retry_grace: Duration,
+    /// `--in-flight-ttl`: when a claim is stale.
+    pub in_flight_ttl: Duration,
+    /// `--retention`: how long tombstones are kept (longer than any record that could need them).
+    pub retention: Duration,
+    /// The inventory sweep (it remembers deletes whose answer was lost, to count each once).
+    pub inventory: InventorySweep,
+}
+
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reaper")
+            .field("settle", &self.settle)
+            .field("abandon_after", &self.abandon_after)
+            .field("retry_grace", &self.retry_grace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The reaper's settings, as `serve` takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct ReaperSettings {
+    /// `--hypervisor-settle`.
+    pub settle: Duration,
+    /// `--abandon-after`.
+    pub abandon_after: Duration,
+    /// How long past its `Retry-After` a retrying client may take to come back.
+    pub retry_grace: Duration,
+    /// `--in-flight-ttl`.
+    pub in_flight_ttl: Duration,
+    /// `--retention`.
+    pub retention: Duration,
+}
+
+impl Reaper {
+    /// A reaper of the service on `domain` and `hypervisor`, finding records in `store`.
+    pub fn new(store: Arc<dyn Store>, domain: Domain, hypervisor: HypervisorClient, s: ReaperSettings) -> Self {
+        let boot: Arc<dyn Effect> = Arc::new(Boot { hypervisor: hypervisor.clone() });
+        let inventory = InventorySweep::new(domain.ledger(), vec![boot], s.settle)
+            .owned_by(Arc::new(inventory::WorkerVms(domain.clone())));
+        Self {
+            store,
+            domain,
+            hypervisor,
+            settle: s.settle,
+            abandon_after: s.abandon_after,
+            retry_grace: s.retry_grace,
+            in_flight_ttl: s.in_flight_ttl,
+            retention: s.retention,
+            inventory,
+        }
+    }
+
+    fn ledger(&self) -> Arc<dyn Ledger> {
+        self.domain.ledger()
+    }
+
+    /// How long after an operation's last attempt the reaper waits before it takes the operation
+    /// as abandoned: `--abandon-after`, but never less than the longest `Retry-After` that
+    /// attempt may have been told while a call of an earlier one could still land (the settle
+    /// window from the send stamp, rounded up to whole seconds) plus the retry grace. A shorter
+    /// wait rolls back a create whose client is doing what it was told: its retry then runs as a
+    /// new operation and boots again.
+    pub fn patience(&self) -> Duration {
+        let promised = crate::service::longest_settle_retry_after(self.settle);
+        self.abandon_after.max(promised + self.retry_grace)
+    }
+
+    /// Marks a finished operation so (its intents go, its mark stays until the retention; what
+    /// its done effects made stays owned). An operation marked already is left as it is.
+    async fn forget(&self, op: &OperationRow) -> anyhow::Result<()> {
+        match self.ledger().finish(&op.op_id, now_micros()).await {
+            Ok(()) | Err(LedgerError::Finished | LedgerError::RolledBack) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// `t + d`, saturating.
+fn after(t: idempotency::Timestamp, d: Duration) -> idempotency::Timestamp {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| t.checked_add_signed(d))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
+}
