@@ -169,14 +169,28 @@ pub async fn store_deadline(State(probe): State<StoreProbe>, req: Request, next:
         if let Ok(response) = tokio::time::timeout(wait, &mut work).await {
             return response;
         }
-        if probe.answers().await || (answered && probe.probe_now().await) {
-            answered = true;
+        if still_answers(&mut answered, probe.answers(), || probe.probe_now()).await {
             wait = RECHECK;
             continue;
         }
         tracing::warn!("a request waited on a store that does not answer; it is answered 503");
         return store_unavailable();
     }
+}
+
+/// Whether a request still waiting on its work keeps waiting: the store answered the probe
+/// (`probe`, a result reused for a while), or it failed but had answered one of this request's
+/// earlier probes (`answered`) and answers a fresh one (`again`).
+async fn still_answers<F: Future<Output = bool>>(
+    answered: &mut bool,
+    probe: impl Future<Output = bool>,
+    again: impl FnOnce() -> F,
+) -> bool {
+    if probe.await || (*answered && again().await) {
+        *answered = true;
+        return true;
+    }
+    false
 }
 
 /// `503 store-unavailable` with `Retry-After`, the one answer of SPEC 3.1.
@@ -214,34 +228,30 @@ mod tests {
     /// Seen in CI under load: a request slow for another reason (a slow hypervisor) was answered
     /// 503 when one probe, late in the request, met the write lock held for longer than the
     /// probe's busy timeout by a commit on a loaded disk. A store that answered this request's
-    /// earlier probe is probed once more before the request is given up.
+    /// earlier probe is probed once more before the request is given up; the first probe of a
+    /// request is not repeated (SPEC 3.1's 5 s). (What a probe finds on a locked SQLite file is
+    /// `a_sqlite_file_another_process_has_locked_is_an_outage`.)
     #[tokio::test]
     async fn one_failed_probe_after_a_good_one_is_not_an_outage() {
-        use tower::ServiceExt;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let db = sqlite(&dir).await;
-        let Db::Sqlite(pool) = &db else { unreachable!() };
-        use sqlx::ConnectOptions;
-        let mut other = (*pool.connect_options()).clone().connect().await.expect("another connection");
-        let started = Instant::now();
-        let app = axum::Router::new()
-            .route(
-                "/",
-                axum::routing::get(|| async {
-                    tokio::time::sleep(Duration::from_millis(5500)).await;
-                    "done"
-                }),
-            )
-            .layer(axum::middleware::from_fn_with_state(StoreProbe::new(db.clone()), store_deadline));
-        let request = tokio::spawn(app.oneshot(Request::new(axum::body::Body::empty())));
-        // The probe at 3 s passes; the lock is held from 3.5 s to 5 s, so the probe at 4 s fails
-        // (at 4.75 s) and the one after it takes the lock when it is given back.
-        tokio::time::sleep_until((started + Duration::from_millis(3500)).into()).await;
-        sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
-        tokio::time::sleep_until((started + Duration::from_millis(5000)).into()).await;
-        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
-        let response = request.await.expect("request").expect("infallible");
-        assert_eq!(response.status(), StatusCode::OK, "one late failed probe gave up a healthy request");
+        let fresh_probes = std::cell::Cell::new(0);
+        let again = |ok: bool| {
+            let fresh_probes = &fresh_probes;
+            move || {
+                fresh_probes.set(fresh_probes.get() + 1);
+                std::future::ready(ok)
+            }
+        };
+        let mut answered = false;
+        // The first probe fails: given up at once, no second probe.
+        assert!(!still_answers(&mut answered, std::future::ready(false), again(true)).await);
+        assert_eq!(fresh_probes.get(), 0);
+        // A probe passes; a later one fails and a fresh one passes: keep waiting.
+        assert!(still_answers(&mut answered, std::future::ready(true), again(false)).await);
+        assert!(still_answers(&mut answered, std::future::ready(false), again(true)).await);
+        assert_eq!(fresh_probes.get(), 1);
+        // Two failed in a row after a good one: given up.
+        assert!(!still_answers(&mut answered, std::future::ready(false), again(false)).await);
+        assert_eq!(fresh_probes.get(), 2);
     }
 
     /// Seen on a loaded machine (a build writing beside the tests): each commit's fsync was slow,
