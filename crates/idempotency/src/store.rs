@@ -104,8 +104,29 @@ impl std::fmt::Display for ErrorChain<'_> {
 /// Where idempotency records live. Every method is one atomic statement or transaction; no
 /// transaction is held open between `claim` and `complete`.
 ///
-/// Implementations: [`crate::MemoryStore`] here; SQLite and PostgreSQL in `idempotency-sqlx`.
-/// All of them pass the conformance suite (feature `conformance`).
+/// Implementations: [`crate::MemoryStore`] here; SQLite and PostgreSQL in `idempotency-sqlx`;
+/// Redis and Redis Cluster in `idempotency-redis`. All of them pass the conformance suite
+/// (feature `conformance`: the `store_conformance_suite!` macro, and `conformance::Holding` to
+/// keep a fixture's test database or server alive as long as the store).
+///
+/// # Writing a store
+///
+/// The Redis store is the closest reference for a new backend: each transition is one script on
+/// one key, with no SQL around it, so what a transition must check and write reads directly.
+/// Rules every store keeps, and the suite checks:
+///
+/// - **Time comes from the caller.** A store never reads its own clock (nor the database's):
+///   every `now`, `expires_at` and `started_at` it compares or writes is passed in, so replicas
+///   with skewed clocks agree on what the caller decided, and tests can move time.
+/// - **Timestamps are kept to the microsecond.** Callers pass [`crate::now`]'s values (truncated
+///   to microseconds); a store keeps at least that precision and reads back exactly what it was
+///   given, so a record read back compares equal to the one written.
+/// - **Fenced writes.** `complete`, `fail`, `heartbeat` and `remove` write only while the claim's
+///   record id and generation are the record's current ones and it is in flight; otherwise
+///   [`StoreError::Fenced`] and nothing is written (a fenced call never recreates a removed
+///   record).
+/// - **Errors by kind.** A backend error is [`StoreError::Unavailable`] (never ownership), an
+///   unreadable row [`StoreError::Corrupt`].
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// none -> in_flight, atomically: creates the record and returns [`ClaimOutcome::Owned`], or,
