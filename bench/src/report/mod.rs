@@ -11,6 +11,12 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+mod parts;
+mod ratios;
+
+use parts::{expand_partition, scale_plans};
+use ratios::ratios;
+
 #[derive(Debug, Args)]
 pub(crate) struct ReportArgs {
     /// The raw measurements, one JSON object a line.
@@ -138,241 +144,6 @@ impl Runs {
         })
     }
 }
-
-const CONNS: [u32; 3] = [1, 16, 64];
-
-fn ratios(runs: &Runs) -> Vec<Ratio> {
-    let mut out = Vec::new();
-    let mut push = |r: Option<Ratio>| out.extend(r);
-    for case in ["first", "replay"] {
-        for c in CONNS {
-            let k = |v: &str| key("layer", case, c, v);
-            let at = format!("{case}, {c} conn");
-            push(runs.ratio(
-                "layer",
-                format!("layer+memory / bare ({at})"),
-                "rps",
-                &k("memory"),
-                &k("bare"),
-                Some(Goal::AtLeast(0.85)),
-            ));
-            push(runs.ratio(
-                "layer",
-                format!("layer+memory / axum-idempotent ({at})"),
-                "rps",
-                &k("memory"),
-                &k("peer"),
-                Some(Goal::AtLeast(1.0)),
-            ));
-            for (v, name) in [("sqlite", "layer+SQLite"), ("postgres", "layer+PostgreSQL"), ("peer", "axum-idempotent")]
-            {
-                push(runs.ratio("layer", format!("{name} / bare ({at})"), "rps", &k(v), &k("bare"), None));
-            }
-            push(runs.ratio(
-                "layer",
-                format!("p99: layer+memory / bare ({at})"),
-                "p99_us",
-                &k("memory"),
-                &k("bare"),
-                None,
-            ));
-        }
-    }
-    out.extend(layer_cost(runs));
-    let mut push = |r: Option<Ratio>| out.extend(r);
-    let f = |case: &str, v: &str| key("floor", case, 16, v);
-    push(runs.ratio(
-        "floor",
-        "replay: store direct / pgbench lookup".into(),
-        "rps",
-        &f("replay", "store"),
-        &f("replay", "pgbench"),
-        Some(Goal::AtLeast(0.8)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "replay: store direct, default pool 10 / pgbench lookup".into(),
-        "rps",
-        &f("replay", "store-pool10"),
-        &f("replay", "pgbench"),
-        None,
-    ));
-    push(runs.ratio(
-        "floor",
-        "replay: layer over HTTP (wrk, hot key) / pgbench lookup".into(),
-        "rps",
-        &f("replay", "layer"),
-        &f("replay", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: store direct claim+complete / pgbench script".into(),
-        "rps",
-        &f("first", "store"),
-        &f("first", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: store direct, default pool 10 / pgbench script".into(),
-        "rps",
-        &f("first", "store-pool10"),
-        &f("first", "pgbench"),
-        None,
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: layer over HTTP (wrk) / pgbench script".into(),
-        "rps",
-        &f("first", "layer"),
-        &f("first", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    for case in ["replay", "first"] {
-        push(runs.ratio(
-            "floor",
-            format!("{case}: store, sqlx's default ping on every checkout / the stores' pool (no ping)"),
-            "rps",
-            &f(case, "store-ping"),
-            &f(case, "store"),
-            None,
-        ));
-    }
-    for case in ["replay", "first"] {
-        push(runs.ratio(
-            "floor",
-            format!("{case}: store through a multi-host URL (follows the primary) / one host"),
-            "rps",
-            &f(case, "store-multihost"),
-            &f(case, "store"),
-            None,
-        ));
-    }
-    for (case, at) in [("replay", "10k keys"), ("replay-hot", "one hot key")] {
-        push(runs.ratio(
-            "floor",
-            format!("replay ({at}): SeedUpsert / InsertOrRead"),
-            "rps",
-            &f(case, "seed"),
-            &f(case, "store"),
-            None,
-        ));
-        push(runs.ratio(
-            "floor",
-            format!("replay ({at}) WAL bytes/op: SeedUpsert / InsertOrRead"),
-            "wal_bytes_per_op",
-            &f(case, "seed"),
-            &f(case, "store"),
-            None,
-        ));
-    }
-    let r = |case: &str, v: &str| key("redis", case, 16, v);
-    push(runs.ratio(
-        "redis",
-        "replay: Redis store direct / redis-benchmark (its claim script, one completed key)".into(),
-        "rps",
-        &r("replay", "store"),
-        &r("replay", "redis-benchmark"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    push(runs.ratio(
-        "redis",
-        "first: Redis store direct claim+complete / redis-benchmark (its claim, then complete, scripts)".into(),
-        "rps",
-        &r("first", "store"),
-        &r("first", "redis-benchmark"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    for case in ["replay", "first"] {
-        push(runs.ratio(
-            "redis",
-            format!("{case}: Redis store direct / PostgreSQL store direct"),
-            "rps",
-            &r(case, "store"),
-            &r(case, "postgres-store"),
-            None,
-        ));
-    }
-    // Part `replication` (issue 28): the price of waiting for a replica, as a ratio of
-    // throughputs (below 1: slower with the wait).
-    let rep = |case: &str, v: &str| key("replication", case, 16, v);
-    for case in ["first", "replay"] {
-        push(runs.ratio(
-            "replication",
-            format!("{case}: PostgreSQL store, synchronous / asynchronous replication (Patroni)"),
-            "rps",
-            &rep(case, "pg-sync"),
-            &rep(case, "pg-async"),
-            None,
-        ));
-        push(runs.ratio(
-            "replication",
-            format!("{case}: Redis Cluster store, WAIT 1 replica / no wait"),
-            "rps",
-            &rep(case, "redis-wait1"),
-            &rep(case, "redis-nowait"),
-            None,
-        ));
-    }
-    push(runs.ratio(
-        "sweeper",
-        "claim p99: sweeping / idle".into(),
-        "p99_us",
-        &key("sweeper", "claim", 0, "sweeping"),
-        &key("sweeper", "claim", 0, "idle"),
-        Some(Goal::AtMost(2.0)),
-    ));
-    push(runs.ratio(
-        "size",
-        "bytes per record (1 KiB JSON): compressed / raw".into(),
-        "total_bytes_per_record",
-        &key("size", "", 0, "compressed"),
-        &key("size", "", 0, "raw"),
-        None,
-    ));
-    partition_ratios(runs).into_iter().for_each(|r| push(Some(r)));
-    for db in ["sqlite", "postgres"] {
-        let e = |case: &str| key("e2e", case, 16, db);
-        push(runs.ratio(
-            "e2e",
-            format!("leasebroker on {db}: replays/s / creates/s"),
-            "rps",
-            &e("replay"),
-            &e("create"),
-            None,
-        ));
-    }
-    // The scale part (issue 16, goal 4): the largest table against the smallest, and the pool
-    // at 50% and 99% allocated against empty.
-    for (case, what) in [
-        ("replay", "replay"),
-        ("first", "first execution"),
-        ("create", "leasebroker create"),
-        ("create-sqlite", "leasebroker on SQLite create"),
-    ] {
-        let sizes: Vec<(u64, &Key)> = runs
-            .0
-            .keys()
-            .filter(|k| k.0 == "scale" && k.1 == case)
-            .filter_map(|k| Some((k.3.parse::<u64>().ok()?, k)))
-            .collect();
-        let Some(&(low, base)) = sizes.iter().min_by_key(|s| s.0) else { continue };
-        let unit = if case.starts_with("create") { "% allocated" } else { " records" };
-        for &(n, k) in sizes.iter().filter(|s| s.0 != low) {
-            for (metric, goal) in [("p50_us", Some(Goal::AtMost(1.5))), ("p99_us", None)] {
-                let name = if metric == "p50_us" { "p50" } else { "p99" };
-                push(runs.ratio("scale", format!("{what} {name}: {n}{unit} / {low}{unit}"), metric, k, base, goal));
-            }
-        }
-    }
-    push_create_rows(runs, &mut out);
-    out
-}
-
-mod parts;
-
-use parts::{expand_partition, layer_cost, partition_ratios, push_create_rows, scale_plans};
 
 /// Splits the sweeper's and the size run's one line into the keyed runs the ratios read.
 fn expand(raw: Raw) -> Vec<Raw> {
@@ -505,6 +276,7 @@ pub(crate) fn report(a: ReportArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::parts::partition_ratios;
     use super::*;
 
     #[test]
@@ -553,56 +325,5 @@ mod tests {
         let p99 = |what: &str| rows.iter().find(|r| r.what == what).expect(what).ratio;
         assert_eq!(p99("partitioned: claim p99 sweeping / idle"), 1.0);
         assert_eq!(p99("delete: claim p99 sweeping / idle"), 1.5);
-    }
-
-    #[test]
-    fn scale_rows_compare_each_size_with_the_smallest() {
-        let mut runs = Runs(BTreeMap::new());
-        for (n, p50) in [("10000000", 900.0), ("10000", 600.0), ("1000000", 700.0)] {
-            runs.0.entry(key("scale", "replay", 8, n)).or_default().insert(1, json!({ "p50_us": p50, "p99_us": 1.0 }));
-        }
-        runs.0
-            .entry(key("scale", "create", 4, "0"))
-            .or_default()
-            .insert(1, json!({ "p50_us": 10.0, "plan": "Seq Scan" }));
-        runs.0
-            .entry(key("scale", "create", 4, "99"))
-            .or_default()
-            .insert(1, json!({ "p50_us": 20.0, "plan": "Index" }));
-        let rows = ratios(&runs);
-        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
-        let r = find("replay p50: 10000000 records / 10000 records");
-        assert_eq!((r.ratio, r.met), (1.5, Some(true)));
-        assert_eq!(find("leasebroker create p50: 99% allocated / 0% allocated").met, Some(false));
-        assert!(!rows.iter().any(|r| r.what.contains("/ 1000000")), "only the smallest size is the base");
-        let plans = scale_plans(&runs);
-        assert!(
-            plans.contains("- PostgreSQL, 0% allocated: `Seq Scan`")
-                && plans.contains("- PostgreSQL, 99% allocated: `Index`"),
-            "{plans}"
-        );
-    }
-
-    #[test]
-    fn the_layer_is_compared_with_the_json_handler_and_by_instructions() {
-        let mut runs = Runs(BTreeMap::new());
-        for (variant, rps) in [("memory", 80.0), ("json", 100.0)] {
-            runs.0.entry(key("layer", "replay", 64, variant)).or_default().insert(1, json!({ "rps": rps }));
-        }
-        for (variant, n, without) in
-            [("memory", 40_000.0, 30_000.0), ("json", 25_000.0, 25_000.0), ("bare", 20_000.0, 20_000.0)]
-        {
-            let m = json!({ "instructions_per_request": n, "instructions_per_request_without_sha256": without });
-            runs.0.entry(key("instr", "first", 4, variant)).or_default().insert(1, m);
-        }
-        let rows = layer_cost(&runs);
-        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
-        let json = find("layer+memory / Json handler (replay, 64 conn)");
-        assert_eq!((json.ratio, json.met), (0.8, Some(false)));
-        assert_eq!(find("instructions/request: layer+memory / Json handler (first)").ratio, 1.6);
-        assert_eq!(find("instructions/request: layer+memory / bare (first)").ratio, 2.0);
-        assert_eq!(find("instructions/request without SHA-256 blocks: layer+memory / Json handler (first)").ratio, 1.2);
-        // Rounds that measured nothing make no row.
-        assert!(rows.iter().all(|r| !r.what.contains("(first, 16 conn)")));
     }
 }

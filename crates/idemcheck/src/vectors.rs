@@ -16,7 +16,7 @@ pub(crate) struct Vector {
     pub(crate) rule: String,
     /// Where the rule comes from: a draft section, Stripe's documentation, SPEC section.
     pub(crate) source: String,
-    /// The check that tests it (see `checks.rs`).
+    /// The check that tests it (see `checks/`).
     pub(crate) check: String,
     /// The check's parameters.
     #[serde(default)]
