@@ -1,0 +1,171 @@
+//! The two steps that also run in a transaction the caller opens and commits: deciding an
+//! effect (begin the attempt, then read or record the intent) and finishing its operation. The
+//! ledger runs them in its own transactions ([`Ledger::decide`](crate::Ledger::decide),
+//! [`Ledger::finish`](crate::Ledger::finish)); a service runs them in its own through
+//! [`Attempt`](crate::Attempt).
+
+use std::time::Duration;
+
+use sqlx::Row;
+
+use super::rows::{INTENT_COLUMNS, read_intent};
+use crate::ledger::{Decided, Intent, IntentState, LedgerError, Mark, NewIntent, OperationRow};
+use crate::{micros, now_micros};
+
+/// The send stamp of a call about to be sent, for an intent whose stamp was `seen`: `ahead` of
+/// the clock, and always past `seen` (so the compare-and-set moves it). Taken only inside the
+/// transaction that decides to send, once it holds its lock.
+pub(super) fn send_stamp(seen: i64, ahead: Duration) -> i64 {
+    now_micros().saturating_add(micros(ahead)).max(seen + 1)
+}
+
+/// The first step of an effect on `$conn`, a connection inside a transaction that the caller
+/// commits (see [`Ledger::decide`](crate::Ledger::decide)): begins the attempt on the
+/// operation's row (the upsert is the fence, and takes the lock), then reads the intent or
+/// records it with its send stamp, taken after the lock. Returns early with the mark's error
+/// when the operation is not live.
+macro_rules! decide_in {
+    ($conn:ident, $op:expr, $new:expr, $ahead:expr) => {{
+        let (op, new): (&OperationRow, &NewIntent) = ($op, $new);
+        let begun = sqlx::query(BEGIN_ATTEMPT)
+            .bind(&op.op_id)
+            .bind(&op.kind)
+            .bind(&op.principal)
+            .bind(&op.endpoint)
+            .bind(&op.idem_key)
+            .bind(&op.record_id)
+            .bind(op.last_attempt_at)
+            .bind(op.next_check_at)
+            .execute(&mut *$conn)
+            .await?
+            .rows_affected();
+        if begun == 0 {
+            let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
+                .bind(&op.op_id)
+                .fetch_optional(&mut *$conn)
+                .await?;
+            return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
+        }
+        let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
+        match sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(&new.intent_id).fetch_optional(&mut *$conn).await? {
+            Some(row) => Decided::Existing(read_intent!(&row)),
+            None => {
+                // The lock is held (the upsert wrote the operation's row): the stamp starts now.
+                let stamp = send_stamp(0, $ahead);
+                sqlx::query(
+                    "INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
+                             VALUES ($1, $2, $3, $4, 'pending', $5, $6)",
+                )
+                .bind(&new.intent_id)
+                .bind(&op.op_id)
+                .bind(&new.effect)
+                .bind(i64::from(new.keeps))
+                .bind(op.last_attempt_at)
+                .bind(stamp)
+                .execute(&mut *$conn)
+                .await?;
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&new.intent_id).fetch_one(&mut *$conn).await?;
+                Decided::Fresh(read_intent!(&row))
+            }
+        }
+    }};
+}
+
+/// Finishes the live operation `$op_id` on `$conn`, a connection inside a transaction the
+/// caller commits (see [`Ledger::finish`](crate::Ledger::finish)): the mark is written first, so
+/// it is the fence (it takes the operation row's lock). Returns early with the mark's error
+/// when it is not live.
+macro_rules! finish_in {
+    ($conn:ident, $op_id:expr, $now:expr) => {{
+        let (op_id, now): (&str, i64) = ($op_id, $now);
+        let marked = sqlx::query(
+            "UPDATE fx_operations SET mark = 3, marked_at = $2, next_check_at = $2 \
+                                  WHERE op_id = $1 AND mark = 0",
+        )
+        .bind(op_id)
+        .bind(now)
+        .execute(&mut *$conn)
+        .await?
+        .rows_affected();
+        if marked == 0 {
+            let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
+                .bind(op_id)
+                .fetch_optional(&mut *$conn)
+                .await?;
+            return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
+        }
+        sqlx::query(
+            "INSERT INTO fx_owned (tag, resource_id, op_id, owned_at) \
+                     SELECT intent_id, resource_id, op_id, $2 FROM fx_intents \
+                     WHERE op_id = $1 AND keeps = 1 AND state = 'done' AND resource_id IS NOT NULL \
+                     ON CONFLICT (tag) DO NOTHING",
+        )
+        .bind(op_id)
+        .bind(now)
+        .execute(&mut *$conn)
+        .await?;
+        sqlx::query("DELETE FROM fx_intents WHERE op_id = $1 AND state <> 'accepted'")
+            .bind(op_id)
+            .execute(&mut *$conn)
+            .await?;
+    }};
+}
+
+pub(super) const BEGIN_ATTEMPT: &str = "INSERT INTO fx_operations \
+     (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, 0, $7, $8) \
+     ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = excluded.last_attempt_at, \
+     next_check_at = excluded.next_check_at WHERE fx_operations.mark = 0";
+
+#[cfg(feature = "sqlite")]
+/// [`Ledger::decide`](crate::Ledger::decide) inside the caller's own SQLite transaction (begun
+/// with `BEGIN IMMEDIATE`, committed by the caller), so a service can record its own rows (a
+/// node, a lease) and the effect's intent in one commit. Use it through
+/// [`crate::Attempt::decide_in_sqlite`].
+pub(crate) async fn decide_in_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    op: &OperationRow,
+    new: &NewIntent,
+    ahead: Duration,
+) -> Result<Decided, LedgerError> {
+    Ok(decide_in!(conn, op, new, ahead))
+}
+
+#[cfg(feature = "postgres")]
+/// [`Ledger::decide`](crate::Ledger::decide) inside the caller's own PostgreSQL transaction
+/// (committed by the caller). Use it through [`crate::Attempt::decide_in_postgres`].
+pub(crate) async fn decide_in_postgres(
+    conn: &mut sqlx::PgConnection,
+    op: &OperationRow,
+    new: &NewIntent,
+    ahead: Duration,
+) -> Result<Decided, LedgerError> {
+    Ok(decide_in!(conn, op, new, ahead))
+}
+
+#[cfg(feature = "sqlite")]
+/// [`Ledger::finish`](crate::Ledger::finish) inside the caller's own SQLite transaction
+/// (committed by the caller), so a service can write its result (a worker row) and the
+/// operation's end in one commit. Use it through [`crate::Attempt::finish_in_sqlite`].
+pub(crate) async fn finish_in_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    op_id: &str,
+    now: i64,
+) -> Result<(), LedgerError> {
+    finish_in!(conn, op_id, now);
+    Ok(())
+}
+
+#[cfg(feature = "postgres")]
+/// [`Ledger::finish`](crate::Ledger::finish) inside the caller's own PostgreSQL transaction.
+/// Use it through [`crate::Attempt::finish_in_postgres`].
+pub(crate) async fn finish_in_postgres(
+    conn: &mut sqlx::PgConnection,
+    op_id: &str,
+    now: i64,
+) -> Result<(), LedgerError> {
+    finish_in!(conn, op_id, now);
+    Ok(())
+}
+
+pub(super) use {decide_in, finish_in};
