@@ -77,6 +77,7 @@ pub struct Operation {
     record_id: RecordId,
     kind: String,
     op_id: SubKey,
+    subject: Option<String>,
 }
 
 impl Operation {
@@ -89,7 +90,15 @@ impl Operation {
     /// The operation of the record with `scope` and `record_id`.
     pub fn new(scope: Scope, record_id: RecordId, kind: &str) -> Self {
         let op_id = idempotency::derive(&scope, &record_id, "op");
-        Self { scope, record_id, kind: kind.to_owned(), op_id }
+        Self { scope, record_id, kind: kind.to_owned(), op_id, subject: None }
+    }
+
+    /// Names what the operation acts on (a worker id, a record name), kept on its row
+    /// ([`OperationRow::subject`]) for the reaper and the service: read back, not parsed out of
+    /// the endpoint.
+    pub fn with_subject(mut self, subject: impl Into<String>) -> Self {
+        self.subject = Some(subject.into());
+        self
     }
 
     /// The operation's id: the record's sub-key `op`.
@@ -115,6 +124,7 @@ impl Operation {
             endpoint: self.scope.endpoint.as_str().to_owned(),
             idem_key: self.scope.key.as_str().to_owned(),
             record_id: self.record_id.to_hex(),
+            subject: self.subject.clone(),
             mark: Mark::Live,
             last_attempt_at: now,
             next_check_at,

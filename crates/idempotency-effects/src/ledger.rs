@@ -93,6 +93,10 @@ pub struct OperationRow {
     pub idem_key: String,
     /// The record's id, hex.
     pub record_id: String,
+    /// What the operation acts on, as the service names it ([`crate::Operation::with_subject`]):
+    /// leasebroker's deletes name their worker. `None` when it names none, and for rows begun
+    /// before the column existed.
+    pub subject: Option<String>,
     /// The mark.
     pub mark: Mark,
     /// When the last attempt started a step (µs since the epoch).

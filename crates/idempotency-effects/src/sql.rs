@@ -98,9 +98,17 @@ impl SqlLedger {
 /// The ledger's migrations for SQLite (`true`) or PostgreSQL.
 pub fn migrator(sqlite: bool) -> Migrator {
     let files: &[(&'static str, &'static str)] = if sqlite {
-        idempotency_sqlx::embedded_migrations!("migrations/sqlite", "20261202200001_effect_ledger.sql")
+        idempotency_sqlx::embedded_migrations!(
+            "migrations/sqlite",
+            "20261202200001_effect_ledger.sql",
+            "20261203100001_operation_subject.sql"
+        )
     } else {
-        idempotency_sqlx::embedded_migrations!("migrations/postgres", "20261202200001_effect_ledger.sql")
+        idempotency_sqlx::embedded_migrations!(
+            "migrations/postgres",
+            "20261202200001_effect_ledger.sql",
+            "20261203100001_operation_subject.sql"
+        )
     };
     let mut m = idempotency_sqlx::embedded_migrator(files).expect("the file names are checked by a test");
     m.dangerous_set_table_name(MIGRATIONS_TABLE);

@@ -486,6 +486,7 @@ pub async fn the_reaper_is_fair_behind_100_000_waiting_rows(f: Fixture) {
             endpoint: "POST /v1/things".into(),
             idem_key: format!("w-{i}"),
             record_id: idempotency::RecordId::random().to_hex(),
+            subject: None,
             mark: Mark::Live,
             last_attempt_at: abandoned.last_attempt_at + 3_600_000_000,
             next_check_at: abandoned.next_check_at - 1 - i as i64,
@@ -607,6 +608,7 @@ pub async fn an_operation_that_never_began_is_fenced_off(f: Fixture) {
         endpoint: String::new(),
         idem_key: String::new(),
         record_id: String::new(),
+        subject: None,
         mark: Mark::RollingBack,
         last_attempt_at: now_micros(),
         next_check_at: i64::MAX,
@@ -683,4 +685,18 @@ pub async fn an_idempotent_call_is_sent_again_without_waiting(f: Fixture) {
     let retry = effects(&f.peer).attempt(&op).run(&effect, |t| ds.send(t, Duration::ZERO)).await;
     assert!(matches!(retry, Ok(Outcome::Done(_))), "sent again at once, not told to wait: {retry:?}");
     assert_eq!((ds.sends(), ds.count()), (2, 1));
+}
+
+/// What an operation names as its subject is read back from its row, on every handle; an
+/// operation that names none reads back `None`.
+pub async fn an_operation_keeps_its_subject(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (_claim, op) = fresh_op(&*f.store, "delete").await;
+    let op = op.with_subject("w-0042");
+    effects(&f.ledger).attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await.expect("run");
+    let row = f.peer.operation(op.id()).await.expect("read").expect("the row");
+    assert_eq!(row.subject.as_deref(), Some("w-0042"));
+    let (_claim, plain) = fresh_op(&*f.store, "create").await;
+    effects(&f.ledger).attempt(&plain).run(&*ds, |t| ds.send(t, Duration::ZERO)).await.expect("run");
+    assert_eq!(f.peer.operation(plain.id()).await.expect("read").expect("the row").subject, None);
 }

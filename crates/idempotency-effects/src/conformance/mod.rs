@@ -130,6 +130,7 @@ macro_rules! ledger_conformance_suite {
                 an_operation_that_never_began_is_fenced_off,
                 the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once,
                 an_idempotent_call_is_sent_again_without_waiting,
+                an_operation_keeps_its_subject,
             );
         }
     };

@@ -201,10 +201,10 @@ impl Ledger for SqlLedger {
     async fn take_unbegun(&self, op: &OperationRow) -> Result<bool, LedgerError> {
         on_pool!(self, p => {
             Ok(sqlx::query("INSERT INTO fx_operations \
-                            (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
-                            VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8) ON CONFLICT (op_id) DO NOTHING")
+                            (op_id, kind, principal, endpoint, idem_key, record_id, subject, mark, last_attempt_at, next_check_at) \
+                            VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $9) ON CONFLICT (op_id) DO NOTHING")
                 .bind(&op.op_id).bind(&op.kind).bind(&op.principal).bind(&op.endpoint).bind(&op.idem_key)
-                .bind(&op.record_id).bind(op.last_attempt_at).bind(op.next_check_at)
+                .bind(&op.record_id).bind(&op.subject).bind(op.last_attempt_at).bind(op.next_check_at)
                 .execute(p).await?.rows_affected() == 1)
         })
     }
@@ -291,12 +291,12 @@ impl Ledger for SqlLedger {
             let mut tx = p.begin().await?;
             for chunk in rows.chunks(1000) {
                 let mut q = sqlx::QueryBuilder::new(
-                    "INSERT INTO fx_operations (op_id, kind, principal, endpoint, idem_key, record_id, mark, \
+                    "INSERT INTO fx_operations (op_id, kind, principal, endpoint, idem_key, record_id, subject, mark, \
                      last_attempt_at, next_check_at) ");
                 q.push_values(chunk, |mut b, r| {
                     b.push_bind(r.op_id.clone()).push_bind(r.kind.clone()).push_bind(r.principal.clone())
                         .push_bind(r.endpoint.clone()).push_bind(r.idem_key.clone()).push_bind(r.record_id.clone())
-                        .push_bind(r.mark.as_i64()).push_bind(r.last_attempt_at).push_bind(r.next_check_at);
+                        .push_bind(r.subject.clone()).push_bind(r.mark.as_i64()).push_bind(r.last_attempt_at).push_bind(r.next_check_at);
                 });
                 q.build().execute(&mut *tx).await?;
             }

@@ -6,7 +6,7 @@
 pub(super) const INTENT_COLUMNS: &str =
     "intent_id, op_id, effect, keeps, state, resource_id, created_at, sent_at, watcher, watch_until";
 pub(super) const OP_COLUMNS: &str =
-    "op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at";
+    "op_id, kind, principal, endpoint, idem_key, record_id, subject, mark, last_attempt_at, next_check_at";
 
 macro_rules! read_intent {
     ($row:expr) => {{
@@ -39,6 +39,7 @@ macro_rules! read_op {
             endpoint: row.try_get("endpoint")?,
             idem_key: row.try_get("idem_key")?,
             record_id: row.try_get("record_id")?,
+            subject: row.try_get("subject")?,
             mark: Mark::from_i64(mark).ok_or_else(|| LedgerError::Corrupt(format!("operation mark {mark}")))?,
             last_attempt_at: row.try_get("last_attempt_at")?,
             next_check_at: row.try_get("next_check_at")?,

@@ -34,6 +34,7 @@ macro_rules! decide_in {
             .bind(&op.endpoint)
             .bind(&op.idem_key)
             .bind(&op.record_id)
+            .bind(&op.subject)
             .bind(op.last_attempt_at)
             .bind(op.next_check_at)
             .execute(&mut *$conn)
@@ -112,8 +113,8 @@ macro_rules! finish_in {
 }
 
 pub(super) const BEGIN_ATTEMPT: &str = "INSERT INTO fx_operations \
-     (op_id, kind, principal, endpoint, idem_key, record_id, mark, last_attempt_at, next_check_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, 0, $7, $8) \
+     (op_id, kind, principal, endpoint, idem_key, record_id, subject, mark, last_attempt_at, next_check_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, 0, $8, $9) \
      ON CONFLICT (op_id) DO UPDATE SET last_attempt_at = excluded.last_attempt_at, \
      next_check_at = excluded.next_check_at WHERE fx_operations.mark = 0";
 

@@ -187,6 +187,7 @@ fn unbegun(op_id: &str, now: i64) -> OperationRow {
         endpoint: String::new(),
         idem_key: String::new(),
         record_id: String::new(),
+        subject: None,
         mark: Mark::RollingBack,
         last_attempt_at: now,
         next_check_at: i64::MAX,

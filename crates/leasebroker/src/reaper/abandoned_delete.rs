@@ -31,8 +31,12 @@ impl Reaper {
             return Ok(Some(now_micros().saturating_add(micros(self.retention)))); // unreadable: set aside
         };
         let tombstone = idempotency::derive(&scope, &record_id, "delete");
-        // The delete's endpoint is `DELETE /v1/workers/{id}`.
-        let worker_id = op.endpoint.rsplit('/').next().unwrap_or_default();
+        // The worker, as the delete named it on its row. A row begun before the ledger kept it
+        // (a rolling upgrade) has none; its endpoint is `DELETE /v1/workers/{id}`.
+        let worker_id = match &op.subject {
+            Some(worker) => worker.as_str(),
+            None => op.endpoint.rsplit('/').next().unwrap_or_default(),
+        };
         let mut finished = false;
         if let Some(w) = self.domain.worker(&op.principal, worker_id).await? {
             if let Err(e) = self.hypervisor.delete(&w.vm_id).await {

@@ -267,7 +267,7 @@ impl Workers {
             }
         };
         let Some(w) = self.domain.worker(principal, worker_id).await? else { return gone().await };
-        let attempt = self.effects().attempt(&op.effects_op(OpKind::Delete));
+        let attempt = self.effects().attempt(&op.effects_op(OpKind::Delete).with_subject(worker_id));
         let effect = DeleteVm { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
         let hypervisor = &self.hypervisor;
         let vm_id = w.vm_id.as_str();
