@@ -272,12 +272,22 @@ impl Record {
     }
 }
 
-/// `started_at + ttl`, saturating.
+/// `t + d`, saturating at the latest time chrono represents: a retention or TTL of "forever"
+/// (`Duration::MAX`) never overflows. The one way the crates add a duration to a timestamp.
+///
+/// ```
+/// use std::time::Duration;
+/// let t = idempotency::now();
+/// assert_eq!(idempotency::later(t, Duration::from_secs(1)), t + chrono::Duration::seconds(1));
+/// assert_eq!(idempotency::later(t, Duration::MAX), chrono::DateTime::<chrono::Utc>::MAX_UTC);
+/// ```
+pub fn later(t: Timestamp, d: Duration) -> Timestamp {
+    chrono::Duration::from_std(d).ok().and_then(|d| t.checked_add_signed(d)).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// `started_at + ttl`, saturating: when an in-flight record's claim goes stale.
 pub fn stale_after(started_at: Timestamp, ttl: Duration) -> Timestamp {
-    chrono::Duration::from_std(ttl)
-        .ok()
-        .and_then(|d| started_at.checked_add_signed(d))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    later(started_at, ttl)
 }
 
 /// Proof that the caller owns a record's current attempt. `complete`, `fail`, `heartbeat` and

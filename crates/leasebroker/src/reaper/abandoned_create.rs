@@ -4,7 +4,7 @@
 use idempotency::{Record, RecordId, Scope};
 use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
 
-use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper, after};
+use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper};
 use crate::service::{Boot, CreateKeys, micros, now_micros};
 
 impl Reaper {
@@ -32,7 +32,8 @@ impl Reaper {
         }
         let t = idempotency::now();
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
+            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, idempotency::later(t, self.retention)).await?
+            {
                 Some(claim) => Some(claim),
                 // A retry (or another replica's reaper) took it first: look again later.
                 None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),

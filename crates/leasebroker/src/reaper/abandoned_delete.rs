@@ -4,7 +4,7 @@
 use idempotency::{ErrorChain, Record, RecordId, Scope};
 use idempotency_effects::OperationRow;
 
-use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper, after};
+use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper};
 use crate::service::{micros, now_micros};
 
 impl Reaper {
@@ -21,7 +21,8 @@ impl Reaper {
     ) -> anyhow::Result<Option<i64>> {
         let t = idempotency::now();
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, after(t, self.retention)).await? {
+            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, idempotency::later(t, self.retention)).await?
+            {
                 Some(claim) => Some(claim),
                 None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
             },
@@ -58,7 +59,7 @@ impl Reaper {
                     headers: Vec::new(),
                     body: idempotency::StoredBody::encode(Default::default(), usize::MAX),
                 };
-                self.store.complete(claim, &no_content, after(idempotency::now(), self.retention)).await?;
+                self.store.complete(claim, &no_content, idempotency::later(idempotency::now(), self.retention)).await?;
             } else {
                 // It never found the worker: nothing was done, so the key runs afresh.
                 self.store.remove(claim).await?;

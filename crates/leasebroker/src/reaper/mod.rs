@@ -206,11 +206,3 @@ impl Reaper {
         }
     }
 }
-
-/// `t + d`, saturating.
-fn after(t: idempotency::Timestamp, d: Duration) -> idempotency::Timestamp {
-    chrono::Duration::from_std(d)
-        .ok()
-        .and_then(|d| t.checked_add_signed(d))
-        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
-}
