@@ -103,6 +103,8 @@ pub(crate) struct Config {
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
     /// Claims whose `fail` waits for the store to answer again.
     pub(crate) releases: crate::release::Releases,
+    /// The layer's work that runs on after its client stopped waiting, for a shutdown to wait for.
+    pub(crate) detached: crate::detached::DetachedHandlers,
     pub(crate) record_limit: Option<crate::quota::RecordLimit>,
 }
 

@@ -15,6 +15,7 @@ use crate::config::{
     CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy,
     default_policy, default_principal,
 };
+use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
 use crate::sources::KeySources;
@@ -95,6 +96,14 @@ impl IdempotencyLayer {
     /// A layer over `store` with every default.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self::builder(store).build()
+    }
+
+    /// The handlers of this layer (and of its clones) still running after their client stopped
+    /// waiting, with the completions and releases it retries in the background. A server that
+    /// shuts down [`close`](DetachedHandlers::close)s them and [`wait`](DetachedHandlers::wait)s
+    /// for them, bounded by its own timeout, so their responses are stored before it exits.
+    pub fn detached(&self) -> DetachedHandlers {
+        self.config.detached.clone()
     }
 }
 
@@ -405,6 +414,7 @@ impl IdempotencyLayerBuilder {
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
                 releases: Default::default(),
+                detached: DetachedHandlers::new(),
                 record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
             }),
         }

@@ -46,6 +46,7 @@
 mod config;
 mod context;
 mod deadline;
+mod detached;
 mod expires;
 mod future;
 mod headers;
@@ -65,7 +66,8 @@ mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
 pub use context::{IdempotencyContext, MissingContext};
-pub use future::{ResponseFuture, detached_handlers};
+pub use detached::DetachedHandlers;
+pub use future::ResponseFuture;
 pub use headers::{
     IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED,
     REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,

@@ -23,10 +23,10 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use idempotency::{Claim, ErrorChain, RecordState, Scope, StoreError, Timestamp};
 use tokio::time::Instant;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::config::Config;
 use crate::deadline::bounded;
-use crate::future::DetachedGuard;
 
 /// The most claims kept for release; past it the oldest one is left to go stale instead.
 const MAX_PENDING: usize = 10_000;
@@ -68,9 +68,10 @@ struct Pending {
     /// For a claim whose call timed out: until when it is looked for again while it is not in
     /// the store (set when the store first answers without it).
     look_until: Option<Instant>,
-    /// Counted as detached work, so a shutdown drain gives the store a chance to come back; no
-    /// longer once the store answered and a claim whose call timed out is only looked for again.
-    _guard: Option<DetachedGuard>,
+    /// Counted as the layer's detached work, so a shutdown drain gives the store a chance to come
+    /// back; no longer once the store answered and a claim whose call timed out is only looked
+    /// for again.
+    _guard: Option<TaskTrackerToken>,
 }
 
 impl Releases {
@@ -87,7 +88,7 @@ impl Releases {
 
     fn push_pending(cfg: &Arc<Config>, what: Release, why: &'static str) {
         let until = Instant::now() + cfg.in_flight_ttl;
-        let pending = Pending { what, why, until, look_until: None, _guard: Some(DetachedGuard::new()) };
+        let pending = Pending { what, why, until, look_until: None, _guard: Some(cfg.detached.token()) };
         let start = {
             let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
             if state.queue.len() >= MAX_PENDING

@@ -17,7 +17,8 @@ use tracing::Instrument;
 
 use crate::BoxError;
 use crate::config::{Config, RoutePolicy, is_mutating};
-use crate::future::{Detach, ResponseFuture};
+use crate::detached::Detach;
+use crate::future::ResponseFuture;
 use crate::problem::{Rejection, rejection_response};
 use crate::protect::{Protected, run};
 use crate::sources::{HeaderKey, agree, body_key, header_key, with_result};
@@ -173,8 +174,10 @@ where
             // From the claim on, the work must run to its end: a client that goes away drops
             // this future, but must not cut the handler between two side effects, nor leave a
             // claim that nobody completes. `Detach` runs it here while the client waits and in a
-            // task of its own if this future is dropped first.
-            let work = Detach::new(run(Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint }));
+            // task of its own, counted in the layer's detached handlers, if this future is dropped
+            // first.
+            let protected = Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint };
+            let work = Detach::new(run(protected), &cfg.detached);
             match work.await {
                 Ok(result) => result.map(answer),
                 Err(_panic) => {

@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use idempotency::{Principal, ResponsePolicy, Store};
-use idempotency_tower::{IdempotencyLayer, KeySources};
+use idempotency_tower::{DetachedHandlers, IdempotencyLayer, KeySources};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use rand::RngCore;
 use subtle::ConstantTimeEq;
@@ -35,6 +35,8 @@ pub struct Application {
     listener: TcpListener,
     router: axum::Router,
     background: Vec<JoinHandle<()>>,
+    /// The idempotency layer's handlers whose clients hung up: waited for on shutdown.
+    detached: DetachedHandlers,
     timeouts: Timeouts,
     db: Db,
     /// The token generated at start when none was configured.
@@ -225,6 +227,7 @@ impl Application {
         });
         let console = crate::console::Console::default();
         background.push(console.history.spawn_sampler(state.metrics.clone()));
+        let detached = layer.detached();
         let router = crate::routes::router(state, layer, console)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
@@ -238,7 +241,7 @@ impl Application {
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         let bmc_shown = args.bmc_url.as_deref().map_or_else(|| "the hypervisor's".to_owned(), redact);
         tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, bmc = %bmc_shown, "leasebroker ready");
-        Ok(Self { listener, router, background, generated_token, timeouts, db })
+        Ok(Self { listener, router, background, detached, generated_token, timeouts, db })
     }
 
     /// The bound address.
@@ -259,7 +262,7 @@ impl Application {
     /// Serves until `shutdown` resolves, then drains: requests in flight, and handlers whose
     /// client already hung up, within `--shutdown-timeout`.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        let drained = serve::serve(self.listener, self.router, self.timeouts, shutdown).await;
+        let drained = serve::serve(self.listener, self.router, self.timeouts, Some(self.detached), shutdown).await;
         for h in self.background {
             h.abort();
         }
@@ -325,7 +328,8 @@ async fn spawn_private_simulator(
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move {
-        serve::serve(listener, router, timeouts, std::future::pending()).await;
+        // The simulator has no idempotency layer: nothing is detached.
+        serve::serve(listener, router, timeouts, None, std::future::pending()).await;
     });
     let mut headers = HeaderMap::new();
     headers.insert(SIM_SECRET_HEADER, HeaderValue::from_str(&secret).context("simulator secret")?);

@@ -20,9 +20,8 @@
 //!   bodies unread), so the request bodies the idempotency layer buffers (up to 1 MiB each) are
 //!   bounded in all;
 //! - on shutdown: stop accepting, let every connection finish its current request, then wait for
-//!   the handlers whose clients hung up (the idempotency layer moved them to tasks of their own;
-//!   [`idempotency_tower::detached_handlers`] counts them) so their results are stored, all within
-//!   `--shutdown-timeout`.
+//!   the handlers whose clients hung up (the idempotency layer moved them to tasks of their own,
+//!   its [`DetachedHandlers`]) so their results are stored, all within `--shutdown-timeout`.
 
 use std::future::Future;
 use std::io;
@@ -35,6 +34,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use idempotency_tower::DetachedHandlers;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
@@ -65,11 +65,14 @@ pub struct Timeouts {
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then drains (bounded by
-/// `timeouts.shutdown`). Returns whether everything finished within that bound.
+/// `timeouts.shutdown`): its connections, then `detached`, the handlers of the router's
+/// idempotency layer whose clients hung up. Returns whether everything finished within that
+/// bound.
 pub async fn serve(
     listener: TcpListener,
     router: axum::Router,
     timeouts: Timeouts,
+    detached: Option<DetachedHandlers>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> bool {
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -105,8 +108,9 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     let drain = async {
         while connections.join_next().await.is_some() {}
-        while idempotency_tower::detached_handlers() > 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        if let Some(detached) = &detached {
+            detached.close();
+            detached.wait().await;
         }
     };
     match tokio::time::timeout(timeouts.shutdown, drain).await {
@@ -114,7 +118,7 @@ pub async fn serve(
         Err(_) => {
             tracing::warn!(
                 connections = connections.len(),
-                detached_handlers = idempotency_tower::detached_handlers(),
+                detached_handlers = detached.as_ref().map_or(0, DetachedHandlers::len),
                 "shutdown timeout reached; exiting with work unfinished"
             );
             false

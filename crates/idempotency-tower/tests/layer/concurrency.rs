@@ -217,6 +217,57 @@ mod disconnect {
     }
 }
 
+/// What a server's shutdown waits for: the layer's detached handlers (`IdempotencyLayer::detached`).
+mod shutdown {
+    use super::*;
+
+    /// A handler whose client hung up is counted until its response is stored, and closing and
+    /// waiting ends only then: a retry after a restart replays instead of finding the key in
+    /// flight.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wait_ends_once_a_hung_up_clients_response_is_stored() {
+        let store = Arc::new(MemoryStore::new());
+        let layer = builder_for_p(store.clone()).build();
+        let detached = layer.detached();
+        let (app, calls) = counting_route("/v1/slow", Duration::from_secs(1), layer);
+        let a2 = app.clone();
+        let client = tokio::spawn(async move { send(&a2, post_key("/v1/slow", "k1")).await });
+        wait_until("the handler started", Duration::from_secs(60), async || calls.load(Ordering::SeqCst) == 1).await;
+        assert!(detached.is_empty(), "nothing is detached while the client waits");
+        // The client hangs up: its response future is dropped mid-handler.
+        client.abort();
+        wait_until("the handler is detached", Duration::from_secs(60), async || detached.len() == 1).await;
+        detached.close();
+        tokio::time::timeout(Duration::from_secs(60), detached.wait()).await.expect("the detached handler ends");
+        let record = store.get(&scope("/v1/slow", "k1")).await.expect("get").expect("record");
+        assert_eq!(record.state, RecordState::Completed, "the wait ended before the response was stored");
+        assert!(detached.is_empty());
+        let retry = send(&app, post_key("/v1/slow", "k1")).await;
+        assert_eq!((retry.status, retry.replayed(), retry.text()), (StatusCode::CREATED, true, "call 0"));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    /// A completion the store refused is retried in the background, counted by the layer that
+    /// made it (and no other) until it is stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wait_ends_once_a_retried_completion_is_stored() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        store.fail_next(Op::Complete, 3);
+        let layer = builder_for_p(store.clone()).build();
+        let detached = layer.detached();
+        let other = builder_for_p(store.clone()).build().detached();
+        let (app, _) = counting_route("/v1/things", Duration::ZERO, layer);
+        assert_eq!(send(&app, post_key("/v1/things", "k1")).await.status, StatusCode::CREATED);
+        assert_eq!(detached.len(), 1, "the completion is retried in the background");
+        assert!(other.is_empty(), "another layer counts only its own work");
+        detached.close();
+        tokio::time::timeout(Duration::from_secs(60), detached.wait()).await.expect("the retry ends");
+        let record = store.inner().get(&scope("/v1/things", "k1")).await.expect("get").expect("record");
+        assert_eq!(record.state, RecordState::Completed, "the wait ended before the response was stored");
+        assert_eq!(store.calls(Op::Complete), 4, "three failures, then stored");
+    }
+}
+
 /// Issue 12 item 10: a handler that runs longer than the in-flight TTL keeps its claim.
 mod slow_handlers {
     use super::*;

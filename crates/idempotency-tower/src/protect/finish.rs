@@ -1,0 +1,121 @@
+//! Recording the end of an attempt in the store: `complete` with its response (retried in the
+//! background when the store fails) or `fail` (released later when the store does not take it).
+
+use std::sync::Arc;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use idempotency::{Claim, ErrorChain, StoreError, StoredResponse, Timestamp};
+use tracing::Instrument;
+
+use super::heartbeat::with_heartbeat;
+use crate::config::Config;
+use crate::deadline::bounded;
+use crate::release::Releases;
+
+/// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
+/// with backoff in a task of its own, so the client is answered at once; the claim is renewed
+/// while it retries. If every retry fails, the record is released (failed) as soon as the store
+/// answers again ([`Releases`]), and the next retry runs the handler again, which resumes
+/// through its sub-keys.
+///
+/// Returns the error when the store wrote the completion but its replicas did not acknowledge
+/// it ([`StoreError::is_not_acknowledged`]): nothing is retried (the write is in the store
+/// already), and the caller must not answer the response as final.
+pub(super) async fn complete(
+    cfg: &Arc<Config>,
+    claim: &Arc<Claim>,
+    stored: StoredResponse,
+    expires_at: Timestamp,
+) -> Option<StoreError> {
+    let first = bounded(cfg, "complete", cfg.store.complete(claim, &stored, expires_at)).await;
+    let error = match first {
+        Ok(()) => {
+            cfg.waiters.wake(claim.scope());
+            return None;
+        }
+        Err(StoreError::Fenced { generation }) => {
+            tracing::warn!(
+                generation,
+                "a newer attempt owns this key; its response is the one replayed, this client gets its own"
+            );
+            return None;
+        }
+        Err(e) if e.is_not_acknowledged() => return Some(e),
+        Err(e) => e,
+    };
+    let retry = cfg.completion_retry;
+    tracing::warn!(
+        error = %ErrorChain(&error),
+        retries = retry.times,
+        "storing the response failed; retrying in the background"
+    );
+    let detached = &cfg.detached;
+    let (cfg, claim) = (cfg.clone(), claim.clone());
+    let task = async move {
+        let delays = ExponentialBuilder::default()
+            .with_min_delay(retry.first_delay)
+            .with_max_delay(retry.max_delay)
+            .with_max_times(retry.times)
+            .with_jitter()
+            .build();
+        let retried = async {
+            let mut last = error;
+            for delay in delays {
+                tokio::time::sleep(delay).await;
+                match bounded(&cfg, "complete", cfg.store.complete(&claim, &stored, expires_at)).await {
+                    Ok(()) => return Ok(()),
+                    Err(e @ StoreError::Fenced { .. }) => return Err(e),
+                    Err(e) => {
+                        tracing::debug!(error = %ErrorChain(&e), "storing the response failed again");
+                        last = e;
+                    }
+                }
+            }
+            Err(last)
+        };
+        match with_heartbeat(&cfg, &claim, retried).await {
+            Ok(()) => {
+                cfg.waiters.wake(claim.scope());
+                tracing::info!("the response was stored on a retry")
+            }
+            Err(StoreError::Fenced { generation }) => {
+                tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = %ErrorChain(&e),
+                    "storing the response failed on every retry; the record is released when the store answers, \
+                     and the next retry runs the handler again"
+                );
+                Releases::push(&cfg, claim, "the response could not be stored");
+            }
+        }
+    };
+    // Counted like a detached handler, so a shutdown drain waits for the response to be stored.
+    detached.spawn(task.instrument(tracing::Span::current()));
+    None
+}
+
+/// Marks the attempt failed so the next retry runs the handler at once. When the store does not
+/// take it, the claim is queued for release as soon as the store answers again
+/// ([`Releases`]).
+pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
+    match bounded(cfg, "fail", cfg.store.fail(claim)).await {
+        Ok(()) => {
+            // A waiter takes the record over and runs the handler itself.
+            cfg.waiters.wake(claim.scope());
+            tracing::info!(why, "attempt failed; a retry runs the handler again")
+        }
+        Err(StoreError::Fenced { generation }) => {
+            tracing::warn!(generation, why, "attempt failed after a newer attempt took the key over")
+        }
+        Err(e) => {
+            tracing::error!(
+                error = %ErrorChain(&e),
+                why,
+                "marking the attempt failed did not work; it is released when the store answers again"
+            );
+            Releases::push(cfg, claim.clone(), why);
+        }
+    }
+}

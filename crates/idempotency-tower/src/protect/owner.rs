@@ -1,0 +1,219 @@
+//! Running the handler as the owner of a claim: what it produced becomes this client's response
+//! and the record's outcome.
+
+use std::panic::AssertUnwindSafe;
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use futures::{FutureExt, StreamExt};
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use idempotency::{Claim, ErrorChain, StoreError, StoredBody, StoredResponse, now};
+use tower::{Service, ServiceExt};
+
+use super::Protected;
+use super::finish::{complete, fail};
+use super::heartbeat::with_heartbeat;
+use crate::BoxError;
+use crate::config::Config;
+use crate::context::IdempotencyContext;
+use crate::expires::with_expiry;
+use crate::metrics::count;
+use crate::problem::{Rejection, rejection_response};
+use crate::replay::replayable_headers;
+
+/// Why the owner runs the handler: counted as the request's outcome.
+#[derive(Clone, Copy)]
+pub(super) enum Run {
+    /// A new record, or a failed one taken over.
+    Executed,
+    /// A stale in-flight claim taken over.
+    StaleReclaimed,
+}
+
+fn outcome(how: Run) -> &'static str {
+    match how {
+        Run::Executed => "executed",
+        Run::StaleReclaimed => "stale_reclaimed",
+    }
+}
+
+/// What the handler produced, caught whole so that every way it ends is recorded in the store.
+enum Handled<E> {
+    /// A terminal response, read whole (at most `max_stored_response` bytes).
+    Terminal(http::response::Parts, Bytes),
+    /// A terminal response whose body outgrew `max_stored_response`: what was read, and the
+    /// unread rest.
+    TooLarge(http::response::Parts, Bytes, Body),
+    /// A response that is not stored (5xx, 401, ...), body unread.
+    NotTerminal(http::response::Parts, Body),
+    ServiceError(E),
+    BodyError(BoxError),
+}
+
+/// Runs the handler as the owner of `claim`, then completes or fails the record.
+pub(super) async fn own<S, ResBody>(p: Protected<S>, claim: Claim, how: Run) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Protected { cfg, inner, mut parts, body, .. } = p;
+    // The handler's context and this function share one claim rather than copying the record.
+    let ctx = IdempotencyContext::new(claim);
+    let claim = ctx.claim_arc();
+    parts.extensions.insert(ctx.clone());
+    let req = Request::from_parts(parts, Body::from(body));
+    let limit = cfg.max_stored_response;
+    let policy = cfg.response_policy.clone();
+    let handled = AssertUnwindSafe(async move {
+        // The handler runs with its context current, for the calls it makes through the
+        // propagating client middleware.
+        match ctx.scope(inner.oneshot(req)).await {
+            Err(e) => Handled::ServiceError(e),
+            Ok(res) => {
+                let (parts, body) = res.into_parts();
+                let body = Body::new(body);
+                if !policy.is_terminal(parts.status.as_u16()) {
+                    return Handled::NotTerminal(parts, body);
+                }
+                // A terminal response is stored as one value before anyone sees it, so it is
+                // read whole, but never more than can be stored.
+                match collect_bounded(body, limit).await {
+                    Collected::Whole(bytes) => Handled::Terminal(parts, bytes),
+                    Collected::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
+                    Collected::Failed(e) => Handled::BodyError(e),
+                }
+            }
+        }
+    })
+    .catch_unwind();
+    // The claim is renewed while the handler runs, so a handler slower than the in-flight TTL
+    // is not taken for a dead one and run a second time.
+    let handled = with_heartbeat(&cfg, &claim, handled).await;
+
+    // The expiry the stored response gets, said on this response too.
+    let expires_at = idempotency::later(now(), cfg.retention);
+    let mut stored_until = None;
+    let (parts, body) = match handled {
+        Ok(Handled::Terminal(parts, bytes)) => {
+            let stored = StoredResponse {
+                status: parts.status.as_u16(),
+                headers: replayable_headers(&cfg, &parts.headers),
+                body: StoredBody::encode(bytes.clone(), cfg.compression_threshold),
+            };
+            if let Some(e) = complete(&cfg, &claim, stored, expires_at).await {
+                return Ok(not_acknowledged(&cfg, e));
+            }
+            stored_until = Some(expires_at);
+            (parts, Body::from(bytes))
+        }
+        Ok(Handled::TooLarge(parts, read, rest)) => {
+            // The side effects happened, so the record must not run again: it completes with a
+            // short problem that says so, and this client gets the whole response, streamed.
+            tracing::warn!(
+                limit = cfg.max_stored_response,
+                status = parts.status.as_u16(),
+                "the response is larger than a stored response may be; a retry gets 410 response-too-large"
+            );
+            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg), expires_at).await {
+                return Ok(not_acknowledged(&cfg, e));
+            }
+            stored_until = Some(expires_at);
+            let stream =
+                futures::stream::once(async move { Ok::<_, axum::Error>(read) }).chain(rest.into_data_stream());
+            (parts, Body::from_stream(stream))
+        }
+        Ok(Handled::NotTerminal(parts, body)) => {
+            fail(&cfg, &claim, "the response is not terminal").await;
+            (parts, body)
+        }
+        Ok(Handled::ServiceError(e)) => {
+            fail(&cfg, &claim, "the inner service returned an error").await;
+            count(outcome(how));
+            return Err(e);
+        }
+        Ok(Handled::BodyError(e)) => {
+            tracing::warn!(error = %e, "the handler's response body failed");
+            fail(&cfg, &claim, "the response body failed").await;
+            return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed));
+        }
+        Err(_panic) => {
+            fail(&cfg, &claim, "the handler panicked").await;
+            return Ok(rejection_response(&cfg, Rejection::HandlerPanicked));
+        }
+    };
+
+    let status = parts.status;
+    let outcome = outcome(how);
+    count(outcome);
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    span.record("status", status.as_u16());
+    tracing::debug!(outcome, status = status.as_u16(), "handler ran");
+    let mut response = Response::from_parts(parts, body);
+    response.extensions_mut().insert(crate::metrics::Outcome(outcome));
+    if let Some(expires_at) = stored_until {
+        response = with_expiry(response, expires_at);
+    }
+    Ok(response)
+}
+
+/// A response body read up to a limit.
+enum Collected {
+    Whole(Bytes),
+    /// More than the limit: what was read (at most the limit) and the rest, unread.
+    TooLarge(Bytes, Body),
+    Failed(BoxError),
+}
+
+/// Reads `body` whole if it is at most `limit` bytes; never holds more than `limit` bytes of it
+/// (besides the one frame that crossed the limit, which the handler had already made).
+async fn collect_bounded(mut body: Body, limit: usize) -> Collected {
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Collected::TooLarge(Bytes::new(), body);
+    }
+    let mut read = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Collected::Failed(e.into()),
+        };
+        // Trailers are not stored or replayed.
+        let Ok(data) = frame.into_data() else { continue };
+        if read.len() + data.len() > limit {
+            let rest = Body::from_stream(
+                futures::stream::once(async move { Ok::<_, axum::Error>(data) }).chain(body.into_data_stream()),
+            );
+            return Collected::TooLarge(read.freeze(), rest);
+        }
+        read.extend_from_slice(&data);
+    }
+    Collected::Whole(read.freeze())
+}
+
+/// What a retry of a request whose response was too large to store gets: a short problem,
+/// stored in the response's place.
+fn too_large_response(cfg: &Config) -> StoredResponse {
+    let problem = Rejection::ResponseTooLarge { limit: cfg.max_stored_response }.into_problem(cfg);
+    StoredResponse {
+        status: problem.status().as_u16(),
+        headers: vec![(http::header::CONTENT_TYPE.as_str().to_owned(), crate::problem::PROBLEM_JSON.to_owned())],
+        body: StoredBody::encode(Bytes::from(problem.to_json()), cfg.compression_threshold),
+    }
+}
+
+/// What the client of an attempt whose completion the store wrote but could not get
+/// acknowledged by its replicas gets instead of the response: `503 store-unavailable`. The
+/// response is not answered as final, since a failover may lose it; a retry replays it once the
+/// store has it.
+fn not_acknowledged(cfg: &Config, e: StoreError) -> Response<Body> {
+    tracing::warn!(
+        error = %ErrorChain(&e),
+        "the response was stored but not acknowledged by the store's replicas; the client gets 503 and its retry \
+         replays it"
+    );
+    rejection_response(cfg, Rejection::StoreUnavailable(e))
+}
