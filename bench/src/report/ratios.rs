@@ -113,6 +113,14 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    push(runs.ratio(
+        "floor",
+        "first: store sending the `Prefer: wait` announcements / without them".to_owned(),
+        "rps",
+        &f("first", "store"),
+        &f("first", "store-quiet"),
+        None,
+    ));
     for (case, at) in [("replay", "10k keys"), ("replay-hot", "one hot key")] {
         push(runs.ratio(
             "floor",
