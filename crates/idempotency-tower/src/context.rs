@@ -106,7 +106,7 @@ impl axum::response::IntoResponse for MissingContext {
         tracing::error!("{self}");
         crate::Problem::new(
             http::StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            idempotency::problems::INTERNAL,
             "Internal error",
             "the idempotency layer is missing",
         )

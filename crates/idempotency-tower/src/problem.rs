@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, StatusCode};
-use idempotency::{ErrorChain, KeyError, StoreError};
+use idempotency::{ErrorChain, KeyError, StoreError, problems};
 
 use crate::config::Config;
 use crate::metrics::count;
@@ -206,23 +206,23 @@ impl Rejection {
         let p = match self {
             Self::MissingKey => Problem::new(
                 StatusCode::BAD_REQUEST,
-                "idempotency-key-missing",
+                problems::KEY_MISSING,
                 "Idempotency-Key required",
                 "this endpoint requires an Idempotency-Key header; send one key per logical operation and \
                  reuse it on every retry",
             ),
             Self::InvalidKey(e) => Problem::new(
                 StatusCode::BAD_REQUEST,
-                "idempotency-key-invalid",
+                problems::KEY_INVALID,
                 "Invalid Idempotency-Key",
                 format!("{e}; a key is 1 to 128 visible ASCII characters, sent once"),
             ),
             Self::InvalidKeySource(detail) => {
-                Problem::new(StatusCode::BAD_REQUEST, "idempotency-key-invalid", "Invalid Idempotency-Key", detail)
+                Problem::new(StatusCode::BAD_REQUEST, problems::KEY_INVALID, "Invalid Idempotency-Key", detail)
             }
             Self::RepeatabilityExpired { age, retention } => Problem::new(
                 StatusCode::PRECONDITION_FAILED,
-                "repeatability-expired",
+                problems::REPEATABILITY_EXPIRED,
                 "Repeatability window passed",
                 format!(
                     "Repeatability-First-Sent is {} s ago, longer than the {} s a request is remembered; it may \
@@ -234,26 +234,26 @@ impl Rejection {
             ),
             Self::BodyTooLarge { limit } => Problem::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
+                problems::BODY_TOO_LARGE,
                 "Request body too large",
                 format!("the request body exceeds {limit} bytes"),
             ),
             // The reader's error (a hyper or I/O message) goes to the log, never to the client.
             Self::BodyUnreadable => Problem::new(
                 StatusCode::BAD_REQUEST,
-                "body-unreadable",
+                problems::BODY_UNREADABLE,
                 "Request body could not be read",
                 "the request body broke off before its end; nothing was stored, retry with the same key",
             ),
             Self::BodyTimeout => Problem::new(
                 StatusCode::REQUEST_TIMEOUT,
-                "body-timeout",
+                problems::BODY_TIMEOUT,
                 "Request body too slow",
                 "the request body did not arrive in time; nothing was stored, retry with the same key",
             ),
             Self::TooManyRecords { retry_after } => Problem::new(
                 StatusCode::TOO_MANY_REQUESTS,
-                "too-many-requests",
+                problems::TOO_MANY_REQUESTS,
                 "Too many requests",
                 "this principal holds as many idempotency records as it may; nothing was stored, retry \
                  after Retry-After seconds, when older records have expired",
@@ -261,20 +261,20 @@ impl Rejection {
             .with_retry_after(ceil_secs(retry_after)),
             Self::PrincipalMissing => Problem::new(
                 StatusCode::UNAUTHORIZED,
-                "principal-missing",
+                problems::PRINCIPAL_MISSING,
                 "Principal missing",
                 "the request carries no identity to scope its idempotency key to; authenticate and retry",
             ),
             Self::Mismatch => Problem::new(
                 cfg.mismatch_status.status(),
-                "idempotency-key-reused",
+                problems::KEY_REUSED,
                 "Idempotency-Key reused",
                 "this key was already used for a different request (method, path, query, content type or \
                  body differ); use a new key for a new operation",
             ),
             Self::InProgress { retry_after } => Problem::new(
                 StatusCode::CONFLICT,
-                "request-in-progress",
+                problems::IN_PROGRESS,
                 "Request in progress",
                 "a request with this key is still being processed; retry later with the same key",
             )
@@ -284,7 +284,7 @@ impl Rejection {
                 tracing::warn!(error = %ErrorChain(&e), "idempotency store unavailable");
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
+                    problems::STORE_UNAVAILABLE,
                     "Idempotency store unavailable",
                     "the request was not processed; retry with the same key",
                 )
@@ -292,25 +292,25 @@ impl Rejection {
             }
             Self::HandlerPanicked => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "handler-panicked",
+                problems::HANDLER_PANICKED,
                 "Internal error",
                 "the handler failed unexpectedly; nothing was stored, a retry with the same key runs it again",
             ),
             Self::ResponseBodyFailed => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "response-body-failed",
+                problems::RESPONSE_BODY_FAILED,
                 "Internal error",
                 "the handler's response body failed; a retry with the same key runs it again",
             ),
             Self::StoredResponseCorrupt => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "stored-response-corrupt",
+                problems::STORED_RESPONSE_CORRUPT,
                 "Stored response unreadable",
                 "the response stored under this key cannot be replayed",
             ),
             Self::ResponseTooLarge { limit } => Problem::new(
                 StatusCode::GONE,
-                "response-too-large",
+                problems::RESPONSE_TOO_LARGE,
                 "Response not stored",
                 format!(
                     "the request with this key was executed, but its response was larger than the {limit} bytes \

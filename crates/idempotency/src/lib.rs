@@ -6,8 +6,9 @@
 //! request [`Fingerprint`] made by a [`Fingerprinter`]; the [`Record`], its [`RecordState`] and
 //! the [`Decision`] a retry gets; the [`ResponsePolicy`]; the [`Store`] trait and the
 //! [`MemoryStore`]; [`derive`](fn@derive)d sub-keys for each side effect; the background
-//! [`Sweeper`]. With feature `conformance`, the store conformance suite (`conformance`) and a
-//! store that fails on demand (`faulty`).
+//! [`Sweeper`]; the names of the RFC 9457 [`problems`] the layer answers with. With feature
+//! `conformance`, the store conformance suite (`conformance`) and a store that fails on demand
+//! (`faulty`).
 
 mod admin;
 mod canonical_json;
@@ -17,6 +18,7 @@ mod fingerprint;
 mod key;
 mod memory;
 mod policy;
+pub mod problems;
 mod record;
 mod record_id;
 mod scope;

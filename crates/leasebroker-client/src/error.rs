@@ -72,14 +72,16 @@ impl fmt::Display for Problem {
     }
 }
 
-/// The problem name a server uses when a key comes back with a different request.
-pub const KEY_REUSED: &str = "idempotency-key-reused";
-/// The problem name a server uses while the first request with a key is still running.
-pub const IN_PROGRESS: &str = "request-in-progress";
+/// The problem name a server uses while the first request with a key is still running
+/// ([`Error::InProgress`]).
+pub use idempotency::problems::IN_PROGRESS;
+/// The problem name a server uses when a key comes back with a different request
+/// ([`Error::KeyReused`]).
+pub use idempotency::problems::KEY_REUSED;
 /// The problem name a server uses when another operation already runs on the resource (a node
-/// that is being flashed under a different key); [`Problem::operation_id`] names it. A 409 that
-/// is never retried: the caller decides whether to follow that operation or try again later.
-pub const OPERATION_CONFLICT: &str = "operation-conflict";
+/// that is being flashed under a different key); [`Problem::operation_id`] names it. The caller
+/// decides whether to follow that operation or try again later.
+pub use leasebroker_validation::problems::OPERATION_CONFLICT;
 
 /// Why a request did not succeed.
 ///

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod parse;
+pub mod problems;
 
 use std::collections::BTreeMap;
 

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use idempotency_tower::Problem;
+use leasebroker_validation::problems;
 use tokio::time::{Instant, Sleep};
 
 /// The longest request path accepted, in bytes (`414` beyond). A record's scope holds the path,
@@ -27,7 +28,7 @@ pub async fn path_length(req: Request, next: Next) -> Response {
     if req.uri().path().len() > MAX_PATH {
         return Problem::new(
             StatusCode::URI_TOO_LONG,
-            "uri-too-long",
+            problems::URI_TOO_LONG,
             "Path too long",
             format!("the request path exceeds {MAX_PATH} bytes; nothing was processed"),
         )

@@ -197,7 +197,7 @@ async fn still_answers<F: Future<Output = bool>>(
 pub(crate) fn store_unavailable() -> Response {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
-        "store-unavailable",
+        idempotency::problems::STORE_UNAVAILABLE,
         "Store unavailable",
         "the store does not answer; a retry with the same key replays or resumes the request",
     )

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use idempotency_tower::{IdempotencyLayer, Problem};
+use leasebroker_validation::problems;
 
 use crate::api::{
     AppState, authenticate, authenticate_admin, create_worker, delete_worker, flash_firmware, fleet, get_operation,
@@ -21,7 +22,7 @@ pub async fn openapi() -> Response {
 }
 
 async fn not_found() -> Response {
-    Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found", "no such route").into_response()
+    Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "Not found", "no such route").into_response()
 }
 
 /// Counter of responses by status code, labelled `code` (`429` alerts read it; see `deploy/`).
@@ -39,7 +40,7 @@ async fn method_not_allowed(req: Request, next: Next) -> Response {
     if r.status() == StatusCode::METHOD_NOT_ALLOWED {
         return Problem::new(
             StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
+            problems::METHOD_NOT_ALLOWED,
             "Method not allowed",
             "see /openapi.json",
         )

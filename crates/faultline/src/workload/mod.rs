@@ -10,7 +10,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use leasebroker_client::retry::{Retrier, RetryPolicy};
-use leasebroker_client::{Operation, OperationId, RebootResult, Worker, WorkerId};
+use leasebroker_client::{OPERATION_CONFLICT, Operation, OperationId, RebootResult, Worker, WorkerId};
 use rand::Rng;
 use serde::Serialize;
 
@@ -396,7 +396,7 @@ impl Workload {
                 ledger.flash_ops.push(operation.id);
             }
             (Op::Flash { .. }, Outcome::Abandoned) => ledger.abandoned_flashes += 1,
-            (Op::Flash { .. }, Outcome::Refused(reason)) if reason.contains("operation-conflict") => {
+            (Op::Flash { .. }, Outcome::Refused(reason)) if reason.contains(OPERATION_CONFLICT) => {
                 ledger.flash_conflicts += 1;
             }
             (Op::Create { index, .. }, Outcome::Abandoned) => {

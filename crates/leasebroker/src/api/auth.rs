@@ -6,14 +6,19 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use idempotency::Principal;
 use idempotency_tower::Problem;
+use leasebroker_validation::problems;
 use subtle::ConstantTimeEq;
 
 use super::*;
 
 pub(super) fn unauthorized() -> Response {
-    let mut r =
-        Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized", "a valid bearer token is required")
-            .into_response();
+    let mut r = Problem::new(
+        StatusCode::UNAUTHORIZED,
+        problems::UNAUTHORIZED,
+        "Unauthorized",
+        "a valid bearer token is required",
+    )
+    .into_response();
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     r
 }
@@ -72,7 +77,7 @@ pub(crate) async fn rate_limit(State(state): State<AppState>, req: Request, next
             let secs = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
             Problem::new(
                 StatusCode::TOO_MANY_REQUESTS,
-                "too-many-requests",
+                idempotency::problems::TOO_MANY_REQUESTS,
                 "Too many requests",
                 "this principal is over its rate of mutating requests; nothing was stored, retry after \
                  Retry-After seconds",

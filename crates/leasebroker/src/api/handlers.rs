@@ -8,6 +8,7 @@ use axum::{Extension, Json};
 use idempotency::ErrorChain;
 use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
+use leasebroker_validation::problems;
 
 use crate::service::{CreateWorker, FlashFirmware, Operation, ServiceError};
 
@@ -82,7 +83,8 @@ pub async fn list_workers(
     Extension(principal): Extension<Principal>,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let invalid = |detail: String| Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", detail);
+    let invalid =
+        |detail: String| Problem::new(StatusCode::BAD_REQUEST, problems::INVALID_QUERY, "Invalid query", detail);
     let Ok(Query(q)) = query else { return Err(invalid("limit must be a number".into()).into()) };
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
@@ -165,7 +167,7 @@ pub async fn flash_firmware(
     if state.firmware.refuses_in_use(&node_id, &req, &op).await? {
         return Err(Problem::new(
             StatusCode::CONFLICT,
-            "node-in-use",
+            problems::NODE_IN_USE,
             "Node in use",
             "a worker holds this node and a flash would disrupt it; delete the worker first, or send \
              \"force\": true to flash anyway",
@@ -250,9 +252,14 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         // Unauthenticated: the error (a driver message, maybe a host name) goes to the log only.
         Err(e) => {
             tracing::warn!(error = %ErrorChain(&e), "not ready: the store does not answer");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Not ready", "the store does not answer")
-                .with_retry_after(1)
-                .into_response()
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                idempotency::problems::STORE_UNAVAILABLE,
+                "Not ready",
+                "the store does not answer",
+            )
+            .with_retry_after(1)
+            .into_response()
         }
     }
 }

@@ -7,6 +7,7 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use idempotency_tower::Problem;
+use leasebroker_validation::problems;
 use regex::Regex;
 
 use crate::db::redact;
@@ -70,16 +71,24 @@ impl IntoResponse for ApiError {
 impl IntoResponse for ServiceError {
     fn into_response(self) -> Response {
         match self {
-            Self::Invalid(detail) => {
-                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", bounded(detail))
+            Self::Invalid(detail) => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                problems::VALIDATION_FAILED,
+                "Invalid request",
+                bounded(detail),
+            ),
+            Self::NotFound(_) => {
+                Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such worker", "no such worker")
             }
-            Self::NotFound(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such worker", "no such worker"),
-            Self::CapacityExhausted => {
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "capacity-exhausted", "No free node", self.to_string())
-                    .with_retry_after(5)
-            }
+            Self::CapacityExhausted => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                problems::CAPACITY_EXHAUSTED,
+                "No free node",
+                self.to_string(),
+            )
+            .with_retry_after(5),
             Self::QuotaExceeded(_) => {
-                Problem::new(StatusCode::FORBIDDEN, "quota-exceeded", "Worker quota exceeded", self.to_string())
+                Problem::new(StatusCode::FORBIDDEN, problems::QUOTA_EXCEEDED, "Worker quota exceeded", self.to_string())
             }
             // The reason names the hypervisor's address and quotes its answer: the log gets it,
             // the tenant a fixed text.
@@ -87,7 +96,7 @@ impl IntoResponse for ServiceError {
                 tracing::warn!(reason = %redact(reason), "hypervisor unavailable");
                 Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "upstream-unavailable",
+                    problems::UPSTREAM_UNAVAILABLE,
                     "Hypervisor unavailable",
                     "the hypervisor could not complete the call; retry with the same key",
                 )
@@ -97,17 +106,21 @@ impl IntoResponse for ServiceError {
                 tracing::warn!(reason = %redact(reason), "hypervisor refused a call");
                 Problem::new(
                     StatusCode::BAD_GATEWAY,
-                    "upstream-unavailable",
+                    problems::UPSTREAM_UNAVAILABLE,
                     "Hypervisor refused the call",
                     "the hypervisor refused the call",
                 )
             }
-            Self::NoSuchNode(_) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such node", "no such node"),
+            Self::NoSuchNode(_) => {
+                Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such node", "no such node")
+            }
             Self::NoSuchOperation(_) => {
-                Problem::new(StatusCode::NOT_FOUND, "not-found", "No such operation", "no such operation")
+                Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such operation", "no such operation")
             }
             Self::OperationConflict(running) => return operation_conflict(&running),
-            Self::Gone(_) => Problem::new(StatusCode::GONE, "worker-deleted", "Worker deleted", self.to_string()),
+            Self::Gone(_) => {
+                Problem::new(StatusCode::GONE, problems::WORKER_DELETED, "Worker deleted", self.to_string())
+            }
             Self::Database(e) => database_problem(&e),
         }
         .into_response()
@@ -128,7 +141,7 @@ fn database_problem(e: &DomainError) -> Problem {
         tracing::warn!(error = %ErrorChain(e), "this attempt was overtaken; the client retries");
         return Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "request-in-progress",
+            idempotency::problems::IN_PROGRESS,
             "Request in progress",
             "another attempt or the reaper took this operation over while this attempt ran; retry with the same key",
         )
@@ -138,14 +151,14 @@ fn database_problem(e: &DomainError) -> Problem {
     match e {
         DomainError::Db(e) if store_outage(e) => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
+            idempotency::problems::STORE_UNAVAILABLE,
             "Store unavailable",
             "the database does not answer; retry with the same key",
         )
         .with_retry_after(STORE_RETRY_AFTER_SECS),
         _ => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            idempotency::problems::INTERNAL,
             "Internal error",
             "the request failed; nothing was stored, a retry with the same key runs it again",
         ),
@@ -199,7 +212,7 @@ fn sqlite_outage(code: &str) -> bool {
 fn operation_conflict(running: &str) -> Response {
     let problem = Problem::new(
         StatusCode::CONFLICT,
-        "operation-conflict",
+        problems::OPERATION_CONFLICT,
         "Another operation runs on this node",
         format!(
             "operation {running} is running on this node; follow it, or try again with a new key when it has ended"
@@ -229,7 +242,7 @@ pub(super) fn parse_json<T: serde::de::DeserializeOwned>(
     if !json_ct {
         return Err(Problem::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-media-type",
+            problems::UNSUPPORTED_MEDIA_TYPE,
             "Unsupported media type",
             "send Content-Type: application/json",
         ));
@@ -249,7 +262,7 @@ pub(super) fn parse_json<T: serde::de::DeserializeOwned>(
         if key_field.is_none() && e.to_string().starts_with("unknown field `request_id`") {
             return Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "validation-failed",
+                problems::VALIDATION_FAILED,
                 "Invalid request",
                 "request_id: this service reads a key from the body only when started with \
                  --key-sources request-id; send the key in Idempotency-Key",
@@ -258,9 +271,9 @@ pub(super) fn parse_json<T: serde::de::DeserializeOwned>(
         let detail = json_error_detail(&e);
         match e.classify() {
             Category::Data => {
-                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "validation-failed", "Invalid request", detail)
+                Problem::new(StatusCode::UNPROCESSABLE_ENTITY, problems::VALIDATION_FAILED, "Invalid request", detail)
             }
-            _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", detail),
+            _ => Problem::new(StatusCode::BAD_REQUEST, problems::MALFORMED_JSON, "Malformed JSON", detail),
         }
     })
 }

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use idempotency::{ErrorChain, Forget, Principal, Record, RecordId, RecordQuery, RecordState, StoreError};
 use idempotency_tower::{IdempotencyContext, Problem};
+use leasebroker_validation::problems;
 use serde::{Deserialize, Serialize};
 
 use super::*;
@@ -115,11 +116,11 @@ pub struct RecordQueryParams {
 }
 
 fn invalid_query(detail: &str) -> Response {
-    Problem::new(StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", detail.to_owned()).into_response()
+    Problem::new(StatusCode::BAD_REQUEST, problems::INVALID_QUERY, "Invalid query", detail.to_owned()).into_response()
 }
 
 fn no_such_record() -> Response {
-    Problem::new(StatusCode::NOT_FOUND, "not-found", "No such record", "no such record").into_response()
+    Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such record", "no such record").into_response()
 }
 
 fn store_error(e: StoreError) -> Response {
@@ -129,7 +130,7 @@ fn store_error(e: StoreError) -> Response {
     tracing::warn!(error = %ErrorChain(&e), "idempotency store unavailable (admin records)");
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
-        "store-unavailable",
+        idempotency::problems::STORE_UNAVAILABLE,
         "Idempotency store unavailable",
         "the record store did not answer; retry",
     )
@@ -246,7 +247,7 @@ pub async fn forget_record(
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(ForgetError::InFlight) => Problem::new(
             StatusCode::CONFLICT,
-            "record-in-flight",
+            problems::RECORD_IN_FLIGHT,
             "Record in flight",
             "the record's request is still running; wait for it to complete or fail (or for --in-flight-ttl)",
         )
