@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency::{Endpoint, IdempotencyKey, Principal, RecordId, RecordState, Scope, Store, Timestamp};
+use idempotency::{
+    Endpoint, IdempotencyKey, Principal, ReclaimRequest, RecordId, RecordState, Scope, Store, Timestamp,
+};
 
 use crate::effect::Effect;
 use crate::ledger::{IntentState, Ledger, LedgerError, Mark, OperationRow};
@@ -169,7 +171,16 @@ impl Reaper {
             return Ok(Step::Waiting(until));
         }
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, ts, c.in_flight_ttl, ts + c.retention).await? {
+            Some(r) => match self
+                .store
+                .reclaim(ReclaimRequest {
+                    record: r,
+                    now: ts,
+                    in_flight_ttl: c.in_flight_ttl,
+                    expires_at: ts + c.retention,
+                })
+                .await?
+            {
                 Some(claim) => Some(claim),
                 // A retry took the record first: look again once its attempt may be over.
                 None => return Ok(Step::Waiting(now.saturating_add(micros(c.in_flight_ttl)))),

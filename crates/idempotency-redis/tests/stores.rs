@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{ClaimOutcome, Store, StoreError};
+use idempotency::{ClaimOutcome, ReclaimRequest, Store, StoreError};
 use idempotency_redis::{ConnectError, RedisStore, RedisStoreOptions, UnverifiedPolicy};
 
 mod support {
@@ -453,12 +453,20 @@ async fn key_expiry_follows_the_record() {
     let failed = store.get(&s).await.expect("get").expect("record");
     let ttl = Duration::from_secs(300);
     let later = req.expires_at + chrono::Duration::hours(1);
-    let second = store.reclaim(&failed, req.now, ttl, later).await.expect("reclaim").expect("failed is reclaimable");
+    let second = store
+        .reclaim(ReclaimRequest { record: &failed, now: req.now, in_flight_ttl: ttl, expires_at: later })
+        .await
+        .expect("reclaim")
+        .expect("failed is reclaimable");
     assert_eq!(expiry(), millis(later), "a reclaim extends the key's expiry");
 
     // A stale reclaim with an earlier expiry leaves the key's expiry alone.
     let stale = req.now + chrono::Duration::seconds(301);
-    let third = store.reclaim(second.record(), stale, ttl, req.now).await.expect("reclaim").expect("stale");
+    let third = store
+        .reclaim(ReclaimRequest { record: second.record(), now: stale, in_flight_ttl: ttl, expires_at: req.now })
+        .await
+        .expect("reclaim")
+        .expect("stale");
     assert_eq!(expiry(), millis(later), "an earlier expiry never shortens the key's");
 
     let done = req.now + chrono::Duration::minutes(10);

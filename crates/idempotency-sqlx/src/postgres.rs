@@ -1,12 +1,11 @@
 //! The PostgreSQL store.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp, stored_component,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
+    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -270,13 +269,8 @@ impl Store for PostgresStore {
         Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
         let row = sqlx::query(RECLAIM)
             .bind(stored_component(record.scope.principal.as_str()))
             .bind(stored_component(record.scope.endpoint.as_str()))

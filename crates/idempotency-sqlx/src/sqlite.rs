@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
+    StoreError, StoredResponse, Timestamp,
 };
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous};
@@ -213,13 +213,8 @@ impl Store for SqliteStore {
         Ok(outcome)
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
         let row = sqlx::query(RECLAIM)
             .bind(record.scope.principal.as_str())
             .bind(record.scope.endpoint.as_str())

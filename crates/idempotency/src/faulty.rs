@@ -17,13 +17,12 @@
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use async_trait::async_trait;
 
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
+    StoreError, StoredResponse, Timestamp,
 };
 
 /// One method of the [`Store`] trait.
@@ -182,15 +181,9 @@ impl<S: Store> Store for FaultyStore<S> {
         self.inner.claim(req).await
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         self.enter(Op::Reclaim)?;
-        self.inner.reclaim(record, now, in_flight_ttl, expires_at).await
+        self.inner.reclaim(req).await
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {

@@ -3,15 +3,14 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use foldhash::quality::RandomState;
 
 use crate::record::stale_after;
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, RecordState, Scope, Store,
-    StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, RecordState,
+    Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -84,13 +83,8 @@ impl Store for MemoryStore {
         Ok(ClaimOutcome::Owned(Claim::new(record)))
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
         let mut shard = self.shard(&record.scope);
         let Some(current) = shard.get_mut(&record.scope) else { return Ok(None) };
         let reclaimable = current.record_id == record.record_id

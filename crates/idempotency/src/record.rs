@@ -355,6 +355,22 @@ impl ClaimRequest {
     }
 }
 
+/// A request to reclaim a failed or stale record; see [`crate::Store::reclaim`].
+#[derive(Debug, Clone, Copy)]
+pub struct ReclaimRequest<'a> {
+    /// The record as the caller read it; the reclaim succeeds only while the record still has
+    /// its `generation`.
+    pub record: &'a Record,
+    /// The time of the reclaim; it becomes the record's `started_at`.
+    pub now: Timestamp,
+    /// An in-flight record is stale, and may be reclaimed, once `started_at + in_flight_ttl <=
+    /// now`.
+    pub in_flight_ttl: Duration,
+    /// The new attempt's `now + retention`: the record's `expires_at` becomes the later of its
+    /// own and this.
+    pub expires_at: Timestamp,
+}
+
 /// The result of [`crate::Store::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Principal, Record, RecordId, RecordPage, RecordQuery, Scope,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, Principal, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery,
+    Scope, StoredResponse, Timestamp,
 };
 
 /// Why a store operation failed.
@@ -136,20 +136,14 @@ pub trait Store: Send + Sync + 'static {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
     /// failed -> in_flight, or a stale in_flight -> in_flight: a compare-and-set on the record's
-    /// generation. Succeeds (with generation + 1 and `started_at = now`) only if the record still
-    /// has `record.generation` and is failed, or in flight with
-    /// `started_at + in_flight_ttl <= now`. Of concurrent callers exactly one gets `Some`.
+    /// generation. Succeeds (with generation + 1 and `started_at = req.now`) only if the record
+    /// still has `req.record.generation` and is failed, or in flight with
+    /// `started_at + req.in_flight_ttl <= req.now`. Of concurrent callers exactly one gets `Some`.
     ///
-    /// The record's `expires_at` becomes the later of its own and `expires_at` (the new attempt's
-    /// `now + retention`), so the sweeper never removes a record while an attempt runs, and a
-    /// claim near the end of the retention window is not replaced by a new record.
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError>;
+    /// The record's `expires_at` becomes the later of its own and `req.expires_at` (the new
+    /// attempt's `now + retention`), so the sweeper never removes a record while an attempt runs,
+    /// and a claim near the end of the retention window is not replaced by a new record.
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError>;
 
     /// Renews a live claim: sets the in-flight record's `started_at` to `now` (never earlier than
     /// it was), so the claim does not go stale while its handler still runs. Fenced like
@@ -226,14 +220,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(req).await
     }
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
-        (**self).reclaim(record, now, ttl, expires_at).await
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        (**self).reclaim(req).await
     }
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
         (**self).heartbeat(claim, now).await

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
+use idempotency::ReclaimRequest;
 
 use super::{Downstream, Fixture, Gated, SETTLE, Step, effects, fresh_op, wait_out_settle};
 use crate::{
@@ -270,8 +271,15 @@ pub async fn the_reaper_and_retries_on_two_replicas_never_both_act(f: Fixture) {
         tokio::spawn(async move {
             let record = store.get(op.scope()).await.unwrap()?;
             let now = idempotency::now();
-            let claim =
-                store.reclaim(&record, now, Duration::from_secs(1), now + chrono::Duration::hours(1)).await.unwrap()?;
+            let claim = store
+                .reclaim(ReclaimRequest {
+                    record: &record,
+                    now,
+                    in_flight_ttl: Duration::from_secs(1),
+                    expires_at: now + chrono::Duration::hours(1),
+                })
+                .await
+                .unwrap()?;
             let attempt = Effects::new(peer).settle(SETTLE).attempt(&op);
             let ran = attempt.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
             let ran = match ran {
@@ -329,8 +337,15 @@ pub async fn a_retry_held_at_adoption_while_the_reaper_rolls_back_adopts_nothing
     // The retry takes the record, then stalls at the adoption until its claim is stale.
     let record = f.store_peer.get(op.scope()).await.unwrap().expect("record");
     let now = idempotency::now();
-    let retry_claim =
-        f.store_peer.reclaim(&record, now, Duration::from_secs(1), now + chrono::Duration::hours(1)).await;
+    let retry_claim = f
+        .store_peer
+        .reclaim(ReclaimRequest {
+            record: &record,
+            now,
+            in_flight_ttl: Duration::from_secs(1),
+            expires_at: now + chrono::Duration::hours(1),
+        })
+        .await;
     assert!(retry_claim.unwrap().is_some(), "the retry holds the record");
     let gated = Gated::new(f.peer.clone(), Step::Adopt);
     let retry = {

@@ -1,12 +1,11 @@
 //! The [`Store`] transitions: each one script on the record's key, then the replicas' wait.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordId, RecordPage, RecordQuery, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
+    StoreError, StoredResponse, Timestamp,
 };
 use redis::Value;
 
@@ -83,13 +82,8 @@ impl Store for RedisStore {
         self.claim_as(&req, fresh).await
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
         let next = record
             .generation
             .checked_add(1)

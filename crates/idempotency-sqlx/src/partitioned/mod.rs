@@ -44,13 +44,12 @@
 //! refuses a table that has one.
 
 use std::future::Future;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::NaiveDate;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp, stored_component,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
+    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -313,13 +312,8 @@ impl Store for PartitionedPostgresStore {
         Err(StoreError::unavailable(ClaimDidNotSettle(MAX_CLAIM_ATTEMPTS)))
     }
 
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        in_flight_ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
         let pool = &self.pool;
         // NULL when no claim can be that old: `started_at <= NULL` is never true.
         let cutoff = stale_cutoff(now, in_flight_ttl);

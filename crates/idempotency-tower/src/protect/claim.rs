@@ -6,7 +6,9 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use idempotency::{ClaimOutcome, ClaimRequest, Decision, ErrorChain, Record, RecordState, Scope, StoreError, now};
+use idempotency::{
+    ClaimOutcome, ClaimRequest, Decision, ErrorChain, ReclaimRequest, Record, RecordState, Scope, StoreError, now,
+};
 use tower::Service;
 
 use super::Protected;
@@ -154,7 +156,12 @@ where
                 match bounded(
                     &cfg,
                     "reclaim",
-                    store.reclaim(&record, t, cfg.in_flight_ttl, idempotency::later(t, cfg.retention)),
+                    store.reclaim(ReclaimRequest {
+                        record: &record,
+                        now: t,
+                        in_flight_ttl: cfg.in_flight_ttl,
+                        expires_at: idempotency::later(t, cfg.retention),
+                    }),
                 )
                 .await
                 {

@@ -552,12 +552,9 @@ mod outage {
         }
         async fn reclaim(
             &self,
-            r: &idempotency::Record,
-            now: idempotency::Timestamp,
-            ttl: Duration,
-            exp: idempotency::Timestamp,
+            req: idempotency::ReclaimRequest<'_>,
         ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
-            let out = self.inner.reclaim(r, now, ttl, exp).await;
+            let out = self.inner.reclaim(req).await;
             self.heard(out).await
         }
         async fn heartbeat(

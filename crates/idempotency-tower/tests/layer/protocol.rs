@@ -297,8 +297,8 @@ mod announced {
 
     use async_trait::async_trait;
     use idempotency::{
-        Claim, ClaimOutcome, ClaimRequest, Forget, Record, RecordChanges, RecordId, RecordPage, RecordQuery, Scope,
-        StoreError, StoredResponse, Timestamp,
+        Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
+        RecordQuery, Scope, StoreError, StoredResponse, Timestamp,
     };
 
     use super::*;
@@ -317,14 +317,8 @@ mod announced {
             self.claims.fetch_add(1, Ordering::SeqCst);
             out
         }
-        async fn reclaim(
-            &self,
-            record: &Record,
-            now: Timestamp,
-            ttl: Duration,
-            expires_at: Timestamp,
-        ) -> Result<Option<Claim>, StoreError> {
-            self.inner.reclaim(record, now, ttl, expires_at).await
+        async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+            self.inner.reclaim(req).await
         }
         async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
             self.inner.heartbeat(claim, now).await

@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -193,10 +192,7 @@ mod outcomes {
         }
         async fn reclaim(
             &self,
-            _: &idempotency::Record,
-            _: idempotency::Timestamp,
-            _: Duration,
-            _: idempotency::Timestamp,
+            _: idempotency::ReclaimRequest<'_>,
         ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
             Err(down())
         }
@@ -260,12 +256,9 @@ mod outcomes {
         }
         async fn reclaim(
             &self,
-            r: &idempotency::Record,
-            t: idempotency::Timestamp,
-            d: Duration,
-            e: idempotency::Timestamp,
+            req: idempotency::ReclaimRequest<'_>,
         ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
-            DownStore.reclaim(r, t, d, e).await
+            DownStore.reclaim(req).await
         }
         async fn heartbeat(
             &self,

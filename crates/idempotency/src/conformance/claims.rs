@@ -74,8 +74,17 @@ pub async fn failed_record_is_reclaimed(fx: Fixture) {
     let r = existing(&*fx.store, request(&scope, &fp("a"), t + Span::seconds(1))).await;
     assert_eq!(r.state, RecordState::Failed);
     assert_eq!(r.decide(&fp("a"), t, TTL), Decision::Reclaim);
-    let again =
-        fx.store.reclaim(&r, t + Span::seconds(1), TTL, t + Span::hours(1)).await.expect("reclaim").expect("reclaimed");
+    let again = fx
+        .store
+        .reclaim(ReclaimRequest {
+            record: &r,
+            now: t + Span::seconds(1),
+            in_flight_ttl: TTL,
+            expires_at: t + Span::hours(1),
+        })
+        .await
+        .expect("reclaim")
+        .expect("reclaimed");
     assert_eq!(again.generation(), 2);
     assert_eq!(again.record().record_id, first.record().record_id);
     assert_eq!(again.record().started_at, t + Span::seconds(1));
@@ -121,13 +130,22 @@ pub async fn stale_reclaim_has_exactly_one_winner(fx: Fixture) {
     let first = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let record = first.record().clone();
     let early = t + Span::seconds(299);
-    assert!(fx.store.reclaim(&record, early, TTL, early).await.expect("reclaim").is_none(), "not stale yet");
+    assert!(
+        fx.store
+            .reclaim(ReclaimRequest { record: &record, now: early, in_flight_ttl: TTL, expires_at: early })
+            .await
+            .expect("reclaim")
+            .is_none(),
+        "not stale yet"
+    );
     let late = t + Span::seconds(300);
     let tasks: Vec<_> = (0..32)
         .map(|i| {
             let store = if i % 2 == 0 { fx.store.clone() } else { fx.peer.clone() };
             let record = record.clone();
-            tokio::spawn(async move { store.reclaim(&record, late, TTL, late).await })
+            tokio::spawn(async move {
+                store.reclaim(ReclaimRequest { record: &record, now: late, in_flight_ttl: TTL, expires_at: late }).await
+            })
         })
         .collect();
     let winners: Vec<_> =
@@ -144,7 +162,12 @@ pub async fn superseded_claim_is_fenced(fx: Fixture) {
     let slow = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let newer = fx
         .peer
-        .reclaim(slow.record(), t + Span::seconds(301), TTL, t + Span::hours(1))
+        .reclaim(ReclaimRequest {
+            record: slow.record(),
+            now: t + Span::seconds(301),
+            in_flight_ttl: TTL,
+            expires_at: t + Span::hours(1),
+        })
         .await
         .expect("reclaim")
         .expect("stale claim is reclaimable");
@@ -162,7 +185,12 @@ pub async fn superseded_claim_is_fenced(fx: Fixture) {
     assert!(matches!(fx.store.complete(&newer, &response(200, b"x"), t).await, Err(StoreError::Fenced { .. })));
     assert!(
         fx.store
-            .reclaim(&fx.store.get(&scope).await.expect("get").expect("row"), t + Span::days(1), TTL, t + Span::days(2))
+            .reclaim(ReclaimRequest {
+                record: &fx.store.get(&scope).await.expect("get").expect("row"),
+                now: t + Span::days(1),
+                in_flight_ttl: TTL,
+                expires_at: t + Span::days(2)
+            })
             .await
             .expect("reclaim")
             .is_none()
@@ -221,8 +249,12 @@ pub async fn long_scopes_are_stored_apart(fx: Fixture) {
     fx.store.fail(&cb).await.expect("fail");
     let rb = existing(&*fx.peer, request(&b, &fp("b"), t)).await;
     assert_eq!(rb.state, RecordState::Failed);
-    let cb =
-        fx.peer.reclaim(&rb, t, TTL, t + Span::hours(1)).await.expect("reclaim").expect("a failed record is reclaimed");
+    let cb = fx
+        .peer
+        .reclaim(ReclaimRequest { record: &rb, now: t, in_flight_ttl: TTL, expires_at: t + Span::hours(1) })
+        .await
+        .expect("reclaim")
+        .expect("a failed record is reclaimed");
     fx.peer.complete(&cb, &response(201, b"b"), t + Span::hours(1)).await.expect("complete");
     for (s, body) in [(&a, b"a"), (&b, b"b")] {
         let r = fx.store.get(s).await.expect("get").expect("the record");

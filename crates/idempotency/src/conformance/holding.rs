@@ -1,13 +1,12 @@
 //! [`Holding`]: a store that keeps what it lives in alive as long as it is.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, Principal, Record, RecordChanges, RecordId, RecordPage, RecordQuery,
-    Scope, Store, StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, Principal, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
+    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 /// A store that keeps a guard (a temp dir, a test database, a cluster, a key prefix to clean up)
@@ -56,14 +55,8 @@ impl<S: Store, G: Send + Sync + 'static> Store for Holding<S, G> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.store.claim(req).await
     }
-    async fn reclaim(
-        &self,
-        record: &Record,
-        now: Timestamp,
-        ttl: Duration,
-        expires_at: Timestamp,
-    ) -> Result<Option<Claim>, StoreError> {
-        self.store.reclaim(record, now, ttl, expires_at).await
+    async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        self.store.reclaim(req).await
     }
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
         self.store.heartbeat(claim, now).await

@@ -210,8 +210,12 @@ pub async fn reclaim_extends_expiry(fx: Fixture) {
     // A retry a minute before the record expires takes it over...
     let at = old_expiry - Span::minutes(1);
     let failed = fx.store.get(&scope).await.expect("get").expect("row");
-    let retry =
-        fx.peer.reclaim(&failed, at, TTL, at + retention).await.expect("reclaim").expect("failed is reclaimable");
+    let retry = fx
+        .peer
+        .reclaim(ReclaimRequest { record: &failed, now: at, in_flight_ttl: TTL, expires_at: at + retention })
+        .await
+        .expect("reclaim")
+        .expect("failed is reclaimable");
     assert_eq!(retry.record().expires_at, at + retention, "the claim must carry the new expiry");
     let stored = fx.store.get(&scope).await.expect("get").expect("row");
     assert_eq!(stored.expires_at, at + retention);
@@ -227,10 +231,25 @@ pub async fn reclaim_extends_expiry(fx: Fixture) {
 
     // A stale claim taken over extends it the same way; an earlier expiry never shortens it.
     let stale_at = at + Span::seconds(300);
-    let again = fx.store.reclaim(&seen, stale_at, TTL, t).await.expect("reclaim").expect("stale is reclaimable");
+    let again = fx
+        .store
+        .reclaim(ReclaimRequest { record: &seen, now: stale_at, in_flight_ttl: TTL, expires_at: t })
+        .await
+        .expect("reclaim")
+        .expect("stale is reclaimable");
     assert_eq!(again.record().expires_at, at + retention, "an earlier expiry must not shorten the record's");
     let later = stale_at + Span::seconds(300);
-    let third = fx.peer.reclaim(again.record(), later, TTL, later + retention).await.expect("reclaim").expect("stale");
+    let third = fx
+        .peer
+        .reclaim(ReclaimRequest {
+            record: again.record(),
+            now: later,
+            in_flight_ttl: TTL,
+            expires_at: later + retention,
+        })
+        .await
+        .expect("reclaim")
+        .expect("stale");
     assert_eq!(third.record().expires_at, later + retention);
     assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").expires_at, later + retention);
 }
@@ -251,10 +270,32 @@ pub async fn heartbeat_keeps_a_claim_live(fx: Fixture) {
     let old_stale = t + Span::seconds(300);
     assert_eq!(r.decide(&fp("a"), old_stale, TTL), Decision::InProgress { retry_after: Duration::from_secs(200) });
     // The reclaim compares against the stored started_at, not the caller's copy.
-    assert!(fx.peer.reclaim(claim.record(), old_stale, TTL, old_stale).await.expect("reclaim").is_none());
-    assert!(fx.peer.reclaim(&r, old_stale, TTL, old_stale).await.expect("reclaim").is_none(), "renewed: not stale");
+    assert!(
+        fx.peer
+            .reclaim(ReclaimRequest {
+                record: claim.record(),
+                now: old_stale,
+                in_flight_ttl: TTL,
+                expires_at: old_stale
+            })
+            .await
+            .expect("reclaim")
+            .is_none()
+    );
+    assert!(
+        fx.peer
+            .reclaim(ReclaimRequest { record: &r, now: old_stale, in_flight_ttl: TTL, expires_at: old_stale })
+            .await
+            .expect("reclaim")
+            .is_none(),
+        "renewed: not stale"
+    );
     // The renewed claim still completes; it goes stale only a TTL after its last heartbeat.
-    let next = fx.peer.reclaim(&r, beat + Span::seconds(300), TTL, beat).await.expect("reclaim");
+    let next = fx
+        .peer
+        .reclaim(ReclaimRequest { record: &r, now: beat + Span::seconds(300), in_flight_ttl: TTL, expires_at: beat })
+        .await
+        .expect("reclaim");
     assert!(next.is_some(), "a TTL after the last heartbeat the claim is stale");
 }
 
@@ -265,7 +306,12 @@ pub async fn heartbeat_is_fenced(fx: Fixture) {
     let scope = fresh_scope();
     let slow = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let stale = t + Span::seconds(301);
-    let newer = fx.peer.reclaim(slow.record(), stale, TTL, stale).await.expect("reclaim").expect("stale");
+    let newer = fx
+        .peer
+        .reclaim(ReclaimRequest { record: slow.record(), now: stale, in_flight_ttl: TTL, expires_at: stale })
+        .await
+        .expect("reclaim")
+        .expect("stale");
     let late = fx.store.heartbeat(&slow, stale + Span::seconds(1)).await;
     assert!(matches!(late, Err(StoreError::Fenced { generation: 1 })), "{late:?}");
     assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").started_at, stale, "nothing written");
@@ -294,7 +340,16 @@ pub async fn remove_frees_the_key(fx: Fixture) {
     fx.store.fail(&first).await.expect("fail");
     // A reaper takes the claim first, then removes the record.
     let failed = fx.store.get(&scope).await.expect("get").expect("row");
-    let reaper = fx.peer.reclaim(&failed, t + Span::seconds(1), TTL, t + Span::hours(1)).await.expect("reclaim");
+    let reaper = fx
+        .peer
+        .reclaim(ReclaimRequest {
+            record: &failed,
+            now: t + Span::seconds(1),
+            in_flight_ttl: TTL,
+            expires_at: t + Span::hours(1),
+        })
+        .await
+        .expect("reclaim");
     let reaper = reaper.expect("failed is reclaimable");
     assert!(matches!(fx.store.remove(&first).await, Err(StoreError::Fenced { generation: 1 })), "superseded");
     assert!(fx.store.get(&scope).await.expect("get").is_some(), "a fenced remove deletes nothing");

@@ -26,8 +26,8 @@ use bytes::Bytes;
 use chrono::Duration as Span;
 
 use crate::{
-    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Principal, RecordState, Scope, Store,
-    StoreError, StoredBody, StoredResponse, Timestamp, now,
+    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Principal, ReclaimRequest,
+    RecordState, Scope, Store, StoreError, StoredBody, StoredResponse, Timestamp, now,
 };
 
 pub use crate::faulty::{FaultyStore, InjectedFault, Op};

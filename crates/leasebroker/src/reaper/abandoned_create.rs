@@ -1,7 +1,7 @@
 //! An abandoned create, rolled back: its VMs by tag, its record, its lease and node, its
 //! intents, once no call of it can still land.
 
-use idempotency::{Record, RecordId, Scope};
+use idempotency::{ReclaimRequest, Record, RecordId, Scope};
 use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
 
 use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper};
@@ -32,7 +32,15 @@ impl Reaper {
         }
         let t = idempotency::now();
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, idempotency::later(t, self.retention)).await?
+            Some(r) => match self
+                .store
+                .reclaim(ReclaimRequest {
+                    record: r,
+                    now: t,
+                    in_flight_ttl: self.in_flight_ttl,
+                    expires_at: idempotency::later(t, self.retention),
+                })
+                .await?
             {
                 Some(claim) => Some(claim),
                 // A retry (or another replica's reaper) took it first: look again later.

@@ -1,7 +1,7 @@
 //! An abandoned delete, finished (a delete cannot be rolled back): its VM, worker, lease and
 //! node, with its tombstone, and the `204` stored under its record.
 
-use idempotency::{ErrorChain, Record, RecordId, Scope};
+use idempotency::{ErrorChain, ReclaimRequest, Record, RecordId, Scope};
 use idempotency_effects::OperationRow;
 
 use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper};
@@ -21,7 +21,15 @@ impl Reaper {
     ) -> anyhow::Result<Option<i64>> {
         let t = idempotency::now();
         let claim = match &record {
-            Some(r) => match self.store.reclaim(r, t, self.in_flight_ttl, idempotency::later(t, self.retention)).await?
+            Some(r) => match self
+                .store
+                .reclaim(ReclaimRequest {
+                    record: r,
+                    now: t,
+                    in_flight_ttl: self.in_flight_ttl,
+                    expires_at: idempotency::later(t, self.retention),
+                })
+                .await?
             {
                 Some(claim) => Some(claim),
                 None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
