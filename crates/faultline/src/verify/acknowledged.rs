@@ -14,7 +14,13 @@ impl Reader {
     /// The state of every record the service holds, by key (`GET /admin/v1/records`, page by
     /// page, every principal's).
     pub async fn record_states(&self) -> anyhow::Result<HashMap<String, String>> {
-        let mut states = HashMap::new();
+        Ok(self.all_records().await?.into_iter().map(|r| (r.key, r.state)).collect())
+    }
+
+    /// Every record the service holds (`GET /admin/v1/records`, page by page, every
+    /// principal's).
+    pub(super) async fn all_records(&self) -> anyhow::Result<Vec<leasebroker_client::Record>> {
+        let mut all = Vec::new();
         let mut cursor: Option<String> = None;
         for _ in 0..100_000 {
             let mut url = format!("{}/admin/v1/records?limit=500", self.replicas[0]);
@@ -24,15 +30,13 @@ impl Reader {
             }
             let page: leasebroker_client::RecordPage =
                 self.get(&url, ADMIN_TOKEN).await?.ok_or_else(|| anyhow!("listing records answered 404"))?;
-            for r in page.records {
-                states.insert(r.key, r.state);
-            }
+            all.extend(page.records);
             match page.next_cursor {
                 Some(next) if cursor.as_ref() != Some(&next) => cursor = Some(next),
                 _ => break,
             }
         }
-        Ok(states)
+        Ok(all)
     }
 }
 

@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use anyhow::anyhow;
 use leasebroker_client::Operation;
 
 use super::{Damage, Invariant, Reader, Vms};
@@ -23,26 +22,7 @@ impl Reader {
             return Ok(Vec::new());
         }
         // Every flash request's tag and operation, from the records.
-        let mut owners: HashMap<String, String> = HashMap::new();
-        let mut cursor: Option<String> = None;
-        for _ in 0..100_000 {
-            let mut url = format!("{}/admin/v1/records?limit=500", self.replicas[0]);
-            if let Some(c) = &cursor {
-                url.push_str("&cursor=");
-                url.push_str(c);
-            }
-            let page: leasebroker_client::RecordPage =
-                self.get(&url, ADMIN_TOKEN).await?.ok_or_else(|| anyhow!("listing records answered 404"))?;
-            for r in &page.records {
-                if let Some((tag, op)) = flash_keys(r) {
-                    owners.insert(tag, op);
-                }
-            }
-            match page.next_cursor {
-                Some(next) if cursor.as_ref() != Some(&next) => cursor = Some(next),
-                _ => break,
-            }
-        }
+        let owners: HashMap<String, String> = self.all_records().await?.iter().filter_map(flash_keys).collect();
         let mut out = Vec::new();
         for (node, tag) in flashed {
             let owned = match owners.get(&tag) {

@@ -1,10 +1,10 @@
 //! An abandoned create, rolled back: its VMs by tag, its record, its lease and node, its
 //! intents, once no call of it can still land.
 
-use idempotency::{ReclaimRequest, Record, RecordId, Scope};
+use idempotency::{Record, RecordId, Scope};
 use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
 
-use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper};
+use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper, Reclaimed};
 use crate::service::{Boot, CreateKeys, micros, now_micros};
 
 impl Reaper {
@@ -30,23 +30,10 @@ impl Reaper {
         if let Some(at) = self.settles_at(&op.op_id).await? {
             return Ok(Some(at));
         }
-        let t = idempotency::now();
-        let claim = match &record {
-            Some(r) => match self
-                .store
-                .reclaim(ReclaimRequest {
-                    record: r,
-                    now: t,
-                    in_flight_ttl: self.in_flight_ttl,
-                    expires_at: idempotency::later(t, self.retention),
-                })
-                .await?
-            {
-                Some(claim) => Some(claim),
-                // A retry (or another replica's reaper) took it first: look again later.
-                None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
-            },
-            None => None,
+        let claim = match self.reclaim_record(record.as_ref()).await? {
+            Reclaimed::Held(claim) => claim,
+            // A retry (or another replica's reaper) took it first: look again later.
+            Reclaimed::TakenFirst => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
         };
         // Holding the claim, no attempt can start. One that started earlier may still run (its
         // claim went stale while it waited on a restarting database): taking the operation

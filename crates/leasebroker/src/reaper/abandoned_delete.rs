@@ -1,10 +1,10 @@
 //! An abandoned delete, finished (a delete cannot be rolled back): its VM, worker, lease and
 //! node, with its tombstone, and the `204` stored under its record.
 
-use idempotency::{ErrorChain, ReclaimRequest, Record, RecordId, Scope};
+use idempotency::{ErrorChain, Record, RecordId, Scope};
 use idempotency_effects::OperationRow;
 
-use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper};
+use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper, Reclaimed};
 use crate::service::{micros, now_micros};
 
 impl Reaper {
@@ -19,22 +19,10 @@ impl Reaper {
         scope: Scope,
         report: &mut ReapReport,
     ) -> anyhow::Result<Option<i64>> {
-        let t = idempotency::now();
-        let claim = match &record {
-            Some(r) => match self
-                .store
-                .reclaim(ReclaimRequest {
-                    record: r,
-                    now: t,
-                    in_flight_ttl: self.in_flight_ttl,
-                    expires_at: idempotency::later(t, self.retention),
-                })
-                .await?
-            {
-                Some(claim) => Some(claim),
-                None => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
-            },
-            None => None,
+        let claim = match self.reclaim_record(record.as_ref()).await? {
+            Reclaimed::Held(claim) => claim,
+            // A retry (or another replica's reaper) took it first: look again later.
+            Reclaimed::TakenFirst => return Ok(Some(now_micros().saturating_add(micros(self.settle)))),
         };
         let Some(record_id) = RecordId::from_hex(&op.record_id) else {
             return Ok(Some(now_micros().saturating_add(micros(self.retention)))); // unreadable: set aside

@@ -197,6 +197,23 @@ impl Reaper {
         self.abandon_after.max(promised + self.retry_grace)
     }
 
+    /// Takes an abandoned operation's record, when it has one, for the reaper's own attempt: a
+    /// reclaim as a retry's (its TTL, a new attempt's retention).
+    async fn reclaim_record(&self, record: Option<&idempotency::Record>) -> Result<Reclaimed, idempotency::StoreError> {
+        let Some(record) = record else { return Ok(Reclaimed::Held(None)) };
+        let now = idempotency::now();
+        let req = idempotency::ReclaimRequest {
+            record,
+            now,
+            in_flight_ttl: self.in_flight_ttl,
+            expires_at: idempotency::later(now, self.retention),
+        };
+        Ok(match self.store.reclaim(req).await? {
+            Some(claim) => Reclaimed::Held(Some(claim)),
+            None => Reclaimed::TakenFirst,
+        })
+    }
+
     /// Marks a finished operation so (its intents go, its mark stays until the retention; what
     /// its done effects made stays owned). An operation marked already is left as it is.
     async fn forget(&self, op: &OperationRow) -> anyhow::Result<()> {
@@ -205,4 +222,12 @@ impl Reaper {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// What [`Reaper::reclaim_record`] came to.
+enum Reclaimed {
+    /// The reaper holds the record's claim (`None`: the operation has no record left).
+    Held(Option<idempotency::Claim>),
+    /// A retry, or another replica's reaper, reclaimed it first.
+    TakenFirst,
 }
