@@ -8,6 +8,7 @@
 //! while it is being called is therefore dropped and a new one built from the cluster URL's
 //! nodes, as a restart would; calls already on the old connection end with it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,9 @@ pub(crate) struct Cluster {
     client: ClusterClient,
     current: RwLock<ClusterConnection>,
     health: Mutex<Health>,
+    /// Whether a call went unanswered since the last answer: an answer (every call, when all is
+    /// well) then takes no lock.
+    unanswered: AtomicBool,
     connect_timeout: Duration,
 }
 
@@ -38,6 +42,7 @@ impl Cluster {
             client,
             current: RwLock::new(connection),
             health: Mutex::new(Health::new(reconnect_after)),
+            unanswered: AtomicBool::new(false),
             connect_timeout,
         }))
     }
@@ -77,7 +82,12 @@ impl Cluster {
 
     fn unanswered(self: &Arc<Self>, started: Instant) {
         let now = Instant::now();
-        let rebuild = self.health.lock().unwrap_or_else(PoisonError::into_inner).unanswered(started, now);
+        let rebuild = {
+            let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+            // Set while the lock is held: an answer that reads it takes the lock after this.
+            self.unanswered.store(true, Ordering::Relaxed);
+            health.unanswered(started, now)
+        };
         if !rebuild {
             return;
         }
@@ -109,7 +119,9 @@ impl Cluster {
     }
 
     fn answered(&self) {
-        self.health.lock().unwrap_or_else(PoisonError::into_inner).answered();
+        if self.unanswered.swap(false, Ordering::Relaxed) {
+            self.health.lock().unwrap_or_else(PoisonError::into_inner).answered();
+        }
     }
 }
 
