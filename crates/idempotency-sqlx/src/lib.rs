@@ -54,6 +54,8 @@
 mod admin;
 #[cfg(feature = "postgres")]
 mod changes;
+#[cfg(feature = "postgres")]
+mod fenced;
 mod migrate;
 #[cfg(feature = "postgres")]
 mod multihost;

@@ -11,6 +11,7 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
 use crate::changes::Announcements;
+use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
 
 use crate::row::{
     ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, SpaceWatch, db_error, fenced, stale_cutoff, state_columns,
@@ -147,41 +148,8 @@ const REPLACE_EXPIRED: &str = concat!(
     state_columns!()
 );
 
-const SELECT: &str = concat!(
-    "SELECT ",
-    state_columns!(),
-    " FROM idempotency_records WHERE principal = $1 AND endpoint = $2 AND key = $3"
-);
-
-const RECLAIM: &str = concat!(
-    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = $6, \
-       expires_at = GREATEST(expires_at, $8) \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
-     RETURNING ",
-    state_columns!()
-);
-
-// Neither notifies: a NOTIFY in the statement would hold PostgreSQL's notification queue lock
-// through the commit, one completion at a time; the store announces after the commit
-// (crate::changes).
-const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', response_status = $6, \
-       response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-// Renews a live claim; started_at never moves backwards (replicas' clocks differ a little).
-const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6) \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-const REMOVE: &str = "DELETE FROM idempotency_records \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
+/// The read and the fenced transitions, shared with the partitioned table.
+const SQL: FencedSql = fenced_sql!("idempotency_records", state_columns);
 
 // Rows locked by a concurrent claim or sweeper are skipped, not waited for; the ctid list
 // becomes a TID scan. The outer condition re-checks expiry on the row actually deleted.
@@ -221,10 +189,7 @@ impl Store for PostgresStore {
             ClaimStrategy::SeedUpsert => SEED_UPSERT,
         };
         for _ in 0..MAX_CLAIM_ATTEMPTS {
-            let row = sqlx::query(sql)
-                .bind(stored_component(req.scope.principal.as_str()))
-                .bind(stored_component(req.scope.endpoint.as_str()))
-                .bind(stored_component(req.scope.key.as_str()))
+            let row = bind_scope(sql, &req.scope)
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
@@ -247,10 +212,7 @@ impl Store for PostgresStore {
             if !record.is_expired(req.now) {
                 return Ok(ClaimOutcome::Existing(record));
             }
-            let replaced = sqlx::query(REPLACE_EXPIRED)
-                .bind(stored_component(req.scope.principal.as_str()))
-                .bind(stored_component(req.scope.endpoint.as_str()))
-                .bind(stored_component(req.scope.key.as_str()))
+            let replaced = bind_scope(REPLACE_EXPIRED, &req.scope)
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
@@ -271,12 +233,7 @@ impl Store for PostgresStore {
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
-        let row = sqlx::query(RECLAIM)
-            .bind(stored_component(record.scope.principal.as_str()))
-            .bind(stored_component(record.scope.endpoint.as_str()))
-            .bind(stored_component(record.scope.key.as_str()))
-            .bind(record.record_id.as_bytes().as_slice())
-            .bind(record.generation)
+        let row = bind_fence(SQL.reclaim, record)
             .bind(now)
             // NULL when no claim can be that old: `started_at <= NULL` is never true.
             .bind(stale_cutoff(now, in_flight_ttl))
@@ -294,12 +251,7 @@ impl Store for PostgresStore {
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(COMPLETE)
-            .bind(stored_component(r.scope.principal.as_str()))
-            .bind(stored_component(r.scope.endpoint.as_str()))
-            .bind(stored_component(r.scope.key.as_str()))
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
+        let done = bind_fence(SQL.complete, r)
             .bind(i32::from(response.status))
             .bind(response.headers_json())
             .bind(response.body.stored_bytes().as_ref())
@@ -316,15 +268,7 @@ impl Store for PostgresStore {
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(FAIL)
-            .bind(stored_component(r.scope.principal.as_str()))
-            .bind(stored_component(r.scope.endpoint.as_str()))
-            .bind(stored_component(r.scope.key.as_str()))
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let done = bind_fence(SQL.fail, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)?;
         self.announcements.announce(&self.pool, &r.scope);
         Ok(())
@@ -332,41 +276,19 @@ impl Store for PostgresStore {
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(HEARTBEAT)
-            .bind(stored_component(r.scope.principal.as_str()))
-            .bind(stored_component(r.scope.endpoint.as_str()))
-            .bind(stored_component(r.scope.key.as_str()))
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
-            .bind(now)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let done =
+            bind_fence(SQL.heartbeat, r).bind(now).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(REMOVE)
-            .bind(stored_component(r.scope.principal.as_str()))
-            .bind(stored_component(r.scope.endpoint.as_str()))
-            .bind(stored_component(r.scope.key.as_str()))
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let done = bind_fence(SQL.remove, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-        let row = sqlx::query(SELECT)
-            .bind(stored_component(scope.principal.as_str()))
-            .bind(stored_component(scope.endpoint.as_str()))
-            .bind(stored_component(scope.key.as_str()))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let row = bind_scope(SQL.select, scope).fetch_optional(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         row.map(|r| decode(&r, scope)).transpose()
     }
 

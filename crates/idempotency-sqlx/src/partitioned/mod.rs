@@ -56,9 +56,8 @@ use sqlx::postgres::{PgPool, PgRow};
 
 mod days;
 
-use crate::row::{
-    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff,
-};
+use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
+use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, stale_cutoff};
 use days::{attached, day_of};
 
 /// The partitioned table.
@@ -221,37 +220,8 @@ fn sqlstate(e: &sqlx::Error) -> Option<&str> {
 
 const CLAIM: &str = "SELECT * FROM idempotency_claim_by_day($1, $2, $3, $4, $5, $6, $7)";
 
-const SELECT: &str = concat!(
-    "SELECT ",
-    record_columns!(),
-    " FROM idempotency_records_by_day WHERE principal = $1 AND endpoint = $2 AND key = $3"
-);
-
-const RECLAIM: &str = concat!(
-    "UPDATE idempotency_records_by_day SET state = 'in_flight', generation = generation + 1, started_at = $6, \
-       expires_at = GREATEST(expires_at, $8) \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND (state = 'failed' OR (state = 'in_flight' AND started_at <= $7)) \
-     RETURNING ",
-    record_columns!()
-);
-
-const COMPLETE: &str = "UPDATE idempotency_records_by_day SET state = 'completed', response_status = $6, \
-       response_headers = $7, response_body = $8, response_encoding = $9, expires_at = $10 \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-const FAIL: &str = "UPDATE idempotency_records_by_day SET state = 'failed' \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-const HEARTBEAT: &str = "UPDATE idempotency_records_by_day SET started_at = GREATEST(started_at, $6) \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
-
-const REMOVE: &str = "DELETE FROM idempotency_records_by_day \
-     WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
-       AND state = 'in_flight'";
+/// The read and the fenced transitions, shared with the plain table.
+const SQL: FencedSql = fenced_sql!("idempotency_records_by_day", record_columns);
 
 /// A record from a row of every column ([`record_columns!`]).
 pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
@@ -292,10 +262,7 @@ impl Store for PartitionedPostgresStore {
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let row = self
                 .settle(Some(req.expires_at), move || {
-                    sqlx::query(CLAIM)
-                        .bind(stored_component(req_ref.scope.principal.as_str()))
-                        .bind(stored_component(req_ref.scope.endpoint.as_str()))
-                        .bind(stored_component(req_ref.scope.key.as_str()))
+                    bind_scope(CLAIM, &req_ref.scope)
                         .bind(id)
                         .bind(req_ref.fingerprint.as_str())
                         .bind(req_ref.now)
@@ -319,16 +286,7 @@ impl Store for PartitionedPostgresStore {
         let cutoff = stale_cutoff(now, in_flight_ttl);
         let row = self
             .settle(Some(expires_at), move || {
-                sqlx::query(RECLAIM)
-                    .bind(stored_component(record.scope.principal.as_str()))
-                    .bind(stored_component(record.scope.endpoint.as_str()))
-                    .bind(stored_component(record.scope.key.as_str()))
-                    .bind(record.record_id.as_bytes().as_slice())
-                    .bind(record.generation)
-                    .bind(now)
-                    .bind(cutoff)
-                    .bind(expires_at)
-                    .fetch_optional(pool)
+                bind_fence(SQL.reclaim, record).bind(now).bind(cutoff).bind(expires_at).fetch_optional(pool)
             })
             .await?;
         row.map(|r| decode_for(&r, &record.scope).map(Claim::new)).transpose()
@@ -345,12 +303,7 @@ impl Store for PartitionedPostgresStore {
         let headers = headers.as_str();
         let done = self
             .settle(Some(expires_at), move || {
-                sqlx::query(COMPLETE)
-                    .bind(stored_component(r.scope.principal.as_str()))
-                    .bind(stored_component(r.scope.endpoint.as_str()))
-                    .bind(stored_component(r.scope.key.as_str()))
-                    .bind(r.record_id.as_bytes().as_slice())
-                    .bind(r.generation)
+                bind_fence(SQL.complete, r)
                     .bind(i32::from(response.status))
                     .bind(headers)
                     .bind(response.body.stored_bytes().as_ref())
@@ -366,27 +319,21 @@ impl Store for PartitionedPostgresStore {
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced_write(FAIL, claim, None).await?;
+        self.fenced_write(SQL.fail, claim, None).await?;
         self.announcements.announce(&self.pool, &claim.record().scope);
         Ok(())
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced_write(HEARTBEAT, claim, Some(now)).await
+        self.fenced_write(SQL.heartbeat, claim, Some(now)).await
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced_write(REMOVE, claim, None).await
+        self.fenced_write(SQL.remove, claim, None).await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-        let row = sqlx::query(SELECT)
-            .bind(stored_component(scope.principal.as_str()))
-            .bind(stored_component(scope.endpoint.as_str()))
-            .bind(stored_component(scope.key.as_str()))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let row = bind_scope(SQL.select, scope).fetch_optional(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         row.map(|r| decode_for(&r, scope)).transpose()
     }
 
@@ -457,12 +404,7 @@ impl PartitionedPostgresStore {
         let (pool, r) = (&self.pool, claim.record());
         let done = self
             .settle(None, move || {
-                let q = sqlx::query(sql)
-                    .bind(stored_component(r.scope.principal.as_str()))
-                    .bind(stored_component(r.scope.endpoint.as_str()))
-                    .bind(stored_component(r.scope.key.as_str()))
-                    .bind(r.record_id.as_bytes().as_slice())
-                    .bind(r.generation);
+                let q = bind_fence(sql, r);
                 match now {
                     Some(now) => q.bind(now),
                     None => q,
