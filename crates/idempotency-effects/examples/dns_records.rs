@@ -19,7 +19,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use clap::Parser;
 use idempotency::Principal;
 use idempotency_effects::{
@@ -132,11 +132,7 @@ struct App {
     dns: Arc<DnsRecord>,
 }
 
-async fn create(
-    State(app): State<App>,
-    Extension(ctx): Extension<IdempotencyContext>,
-    body: axum::body::Bytes,
-) -> Response {
+async fn create(State(app): State<App>, ctx: IdempotencyContext, body: axum::body::Bytes) -> Response {
     let Ok(rec) = serde_json::from_slice::<NewRecord>(&body) else {
         return Problem::new(
             StatusCode::BAD_REQUEST,

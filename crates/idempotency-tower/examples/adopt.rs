@@ -12,17 +12,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
-use axum::{Extension, Router};
 use idempotency::{MemoryStore, Principal};
 use idempotency_tower::{IdempotencyContext, IdempotencyLayer, spawn_sweeper};
 
 /// The side effect: how many VMs this process booted.
 static BOOTS: AtomicU64 = AtomicU64::new(0);
 
-async fn boot(State(name): State<&'static str>, Extension(ctx): Extension<IdempotencyContext>) -> (StatusCode, String) {
+async fn boot(State(name): State<&'static str>, ctx: IdempotencyContext) -> (StatusCode, String) {
     // A real handler passes this sub-key to the downstream so a retry finds the same boot.
     let boot_id = ctx.derive("boot");
     let n = BOOTS.fetch_add(1, Ordering::SeqCst) + 1;

@@ -32,7 +32,7 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use idempotency::{MemoryStore, Principal};
 use idempotency_tower::{IdempotencyContext, IdempotencyLayer};
 use serde_json::{Value, json};
@@ -40,11 +40,7 @@ use serde_json::{Value, json};
 /// The operations, by id: their state as the API shows it.
 type Operations = Arc<Mutex<HashMap<String, Value>>>;
 
-async fn start_flash(
-    State(ops): State<Operations>,
-    Extension(ctx): Extension<IdempotencyContext>,
-    Json(body): Json<Value>,
-) -> Response {
+async fn start_flash(State(ops): State<Operations>, ctx: IdempotencyContext, Json(body): Json<Value>) -> Response {
     let id = format!("op-{}", ctx.derive("op"));
     let created = {
         let mut ops = ops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Router};
 use http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
 use idempotency::{MemoryStore, Principal};
@@ -42,7 +42,7 @@ impl Default for App {
     }
 }
 
-async fn start(State(app): State<App>, Extension(ctx): Extension<IdempotencyContext>) -> Response {
+async fn start(State(app): State<App>, ctx: IdempotencyContext) -> Response {
     let id = format!("op-{}", ctx.derive("op"));
     let created = app.ops.lock().expect("ops").insert(id.clone(), false).is_none();
     if created {

@@ -46,7 +46,7 @@ async fn a_handlers_named_call_carries_the_records_sub_key_the_same_on_every_ret
     let app = Router::new()
         .route(
             "/v1/provision",
-            post(move |axum::Extension(ctx): axum::Extension<IdempotencyContext>| {
+            post(move |ctx: IdempotencyContext| {
                 let (d, u, attempts) = (d.clone(), u.clone(), attempts.clone());
                 async move {
                     d.lock().unwrap().push(ctx.derive("boot").as_str().to_owned());

@@ -15,7 +15,6 @@ use crate::fixture::*;
 
 mod context {
     use super::*;
-    use axum::Extension;
     use idempotency_tower::IdempotencyContext;
 
     #[tokio::test]
@@ -25,17 +24,14 @@ mod context {
         let app = Router::new()
             .route(
                 "/v1/op",
-                post(move |Extension(ctx): Extension<IdempotencyContext>| async move {
+                post(move |ctx: IdempotencyContext| async move {
                     let n = c.fetch_add(1, Ordering::SeqCst);
                     let status = if n == 0 { StatusCode::BAD_GATEWAY } else { StatusCode::CREATED };
                     let body = format!("{} {} {} {}", ctx.derive("alloc"), ctx.key(), ctx.principal(), ctx.attempt());
                     (status, body)
                 }),
             )
-            .route(
-                "/v1/read",
-                get(|ctx: Option<Extension<IdempotencyContext>>| async move { ctx.is_some().to_string() }),
-            )
+            .route("/v1/read", get(|ctx: Option<IdempotencyContext>| async move { ctx.is_some().to_string() }))
             .layer(builder(&store()).build());
         let a = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
         let b = send(&app, post_req("/v1/op", Some("k1"), "{}")).await;
