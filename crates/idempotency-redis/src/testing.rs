@@ -14,6 +14,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rustix::process::{Pid, Signal, kill_process};
+
 /// True when `redis-server` and `redis-cli` run.
 pub fn have_redis_binaries() -> bool {
     ["redis-server", "redis-cli"].iter().all(|b| {
@@ -102,18 +104,20 @@ impl Node {
     /// # Panics
     /// When the signal cannot be sent.
     pub fn pause(&self) {
-        assert!(self.signal("-STOP"), "SIGSTOP to redis-server on port {} failed", self.port);
+        assert!(self.signal(Signal::STOP), "SIGSTOP to redis-server on port {} failed", self.port);
     }
 
     /// Resumes it after [`Node::pause`] (`SIGCONT`); nothing when it does not run.
     pub fn resume(&self) {
-        self.signal("-CONT");
+        self.signal(Signal::CONT);
     }
 
-    /// Sends a signal with `kill`; true when sent (or when there is no process).
-    fn signal(&self, which: &str) -> bool {
+    /// Sends `which` to the node's process; true when sent (or when there is no process).
+    fn signal(&self, which: Signal) -> bool {
         let pid = self.child.lock().ok().and_then(|c| c.as_ref().map(Child::id));
-        pid.is_none_or(|pid| Command::new("kill").arg(which).arg(pid.to_string()).status().is_ok_and(|s| s.success()))
+        pid.is_none_or(|pid| {
+            i32::try_from(pid).ok().and_then(Pid::from_raw).is_some_and(|pid| kill_process(pid, which).is_ok())
+        })
     }
 
     /// `INFO replication` of the node, or an empty string when it does not answer.
