@@ -459,13 +459,22 @@ mod tests {
 
     #[test]
     fn pgbench_statements_are_the_stores() {
-        let source = squash(&include_str!("../../crates/idempotency-sqlx/src/postgres.rs").replace("\\\n", " "));
+        // The fenced statements are generated for the store's table in fenced.rs.
+        let source = squash(
+            &[
+                include_str!("../../crates/idempotency-sqlx/src/postgres.rs"),
+                include_str!("../../crates/idempotency-sqlx/src/fenced.rs"),
+            ]
+            .concat()
+            .replace("\\\n", " "),
+        );
+        assert!(source.contains("fenced_sql!(\"idempotency_records\", state_columns)"), "the store's table changed");
         for clause in [
             "ON CONFLICT (principal, endpoint, key) DO NOTHING",
             "SELECT * FROM ins UNION ALL SELECT",
             "AND NOT EXISTS (SELECT 1 FROM ins)",
             "(principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at)",
-            "UPDATE idempotency_records SET state = 'completed', response_status = $6,",
+            "SET state = 'completed', response_status = $6,",
             "AND generation = $5 AND state = 'in_flight'",
         ] {
             assert!(source.contains(clause), "the store no longer says {clause:?}");
