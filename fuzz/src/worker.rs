@@ -1,10 +1,10 @@
 //! leasebroker's `POST /v1/workers` body: serde, then `CreateWorker::validate` (from
-//! `leasebroker-validation`, the code the service runs, without the service around it).
+//! `leasebroker-api`, the code the service runs, without the service around it).
 
 use std::collections::BTreeMap;
 
 use arbitrary::Arbitrary;
-use leasebroker_validation::{CreateWorker, Limits};
+use leasebroker_api::{CreateWorker, Limits};
 
 /// The default node size (`--node-cpu 64 --node-memory-gb 512`).
 const LIMITS: Limits = Limits { node_cpu: 64, node_memory_gb: 512 };

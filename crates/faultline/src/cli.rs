@@ -1,6 +1,6 @@
 //! The command line: `faultline run` (one client fault rate) and `faultline sweep` (several).
 
-use leasebroker_validation::parse;
+use leasebroker_api::parse;
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -7,6 +7,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
+use rustix::process::{Pid, Signal, kill_process};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -42,20 +43,10 @@ struct Running {
     child: Child,
 }
 
-/// Sends `which` (`-STOP`, `-CONT`) to process `pid` with the system's `kill`: the workspace
-/// forbids unsafe code (no `libc::kill`), and the nix crate would switch on libc features that
-/// rebuild the whole workspace.
-async fn signal(pid: u32, which: &str) -> anyhow::Result<()> {
-    let status = Command::new("kill")
-        .arg(which)
-        .arg(pid.to_string())
-        .status()
-        .await
-        .with_context(|| format!("running kill {which} {pid}"))?;
-    if !status.success() {
-        bail!("kill {which} {pid} failed: {status}");
-    }
-    Ok(())
+/// Sends `which` (`Signal::STOP`, `Signal::CONT`) to process `pid`.
+fn signal(pid: u32, which: Signal) -> anyhow::Result<()> {
+    let target = i32::try_from(pid).ok().and_then(Pid::from_raw).with_context(|| format!("{pid} is not a pid"))?;
+    kill_process(target, which).with_context(|| format!("sending {which:?} to {pid}"))
 }
 
 /// Starts `command` (stdout piped, stderr appended to `log`), waits for its `listening on` line and
@@ -245,10 +236,10 @@ impl Replica {
     /// whether there was a process to pause.
     pub async fn pause_for(&mut self, pause: Duration) -> anyhow::Result<bool> {
         let Some(pid) = self.pid() else { return Ok(false) };
-        signal(pid, "-STOP").await?;
+        signal(pid, Signal::STOP)?;
         self.pauses += 1;
         tokio::time::sleep(pause).await;
-        signal(pid, "-CONT").await?;
+        signal(pid, Signal::CONT)?;
         Ok(true)
     }
 
@@ -256,7 +247,7 @@ impl Replica {
     /// pause is cut short.
     pub async fn resume(&self) {
         if let Some(pid) = self.pid() {
-            let _ = signal(pid, "-CONT").await;
+            let _ = signal(pid, Signal::CONT);
         }
     }
 

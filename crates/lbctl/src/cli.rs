@@ -26,7 +26,7 @@ pub struct Cli {
     #[arg(long, env = "LBCTL_JOURNAL", global = true)]
     pub journal: Option<PathBuf>,
     /// The retry budget: keep retrying until this much time has passed (e.g. 30s, 10m).
-    #[arg(long, default_value = "10m", value_parser = leasebroker_validation::parse::duration, global = true)]
+    #[arg(long, default_value = "10m", value_parser = leasebroker_api::parse::duration, global = true)]
     pub max_elapsed: Duration,
     /// A PEM file of CA certificates to trust for https URLs, besides the system's roots.
     #[arg(long, env = "LBCTL_CA_CERT", value_name = "PATH", global = true)]

@@ -232,7 +232,10 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
                         return Err(Failure::new(Exit::Usage, format!("label {k:?} given more than once")));
                     }
                 }
-                let request = CreateWorker { image, cpu, memory_gb, labels: (!map.is_empty()).then_some(map) };
+                let request = CreateWorker {
+                    labels: (!map.is_empty()).then_some(map),
+                    ..CreateWorker::new(image, cpu, memory_gb)
+                };
                 (Mutation::CreateWorker(request), op.op_id, false)
             }
             WorkersCommand::Delete { id, op } => (Mutation::DeleteWorker(id), op.op_id, false),

@@ -81,7 +81,7 @@ pub use idempotency::problems::KEY_REUSED;
 /// The problem name a server uses when another operation already runs on the resource (a node
 /// that is being flashed under a different key); [`Problem::operation_id`] names it. The caller
 /// decides whether to follow that operation or try again later.
-pub use leasebroker_validation::problems::OPERATION_CONFLICT;
+pub use leasebroker_api::problems::OPERATION_CONFLICT;
 
 /// Why a request did not succeed.
 ///

@@ -15,6 +15,6 @@ pub use error::{Error, IN_PROGRESS, KEY_REUSED, OPERATION_CONFLICT, Problem, ret
 pub use records::{InvalidRecordId, Record, RecordFilter, RecordId, RecordPage};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{
-    CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, NodeId, Operation,
-    OperationId, OperationKind, OperationState, RebootResult, Worker, WorkerId, WorkerPage, WorkerState,
+    CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, InvalidWorkerState, NodeId,
+    Operation, OperationId, OperationKind, OperationState, RebootResult, Worker, WorkerId, WorkerPage, WorkerState,
 };

@@ -1,20 +1,8 @@
 //! The admin records API's shapes (SPEC 7): idempotency records as an operator sees them.
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
-use crate::types::{is_path_safe_id, path_safe_id};
-
-path_safe_id!(
-    /// An idempotency record's id (32 hex digits from the server): 1 to 128 ASCII letters,
-    /// digits, `-` or `_`, like [`crate::WorkerId`].
-    RecordId,
-    /// A string that is not a valid record id.
-    InvalidRecordId,
-    "a record id"
-);
+pub use crate::types::{InvalidRecordId, RecordId};
 
 /// An idempotency record (`GET /admin/v1/records/{id}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

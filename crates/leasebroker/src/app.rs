@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::api::{self, AppState, BODY_LIMIT, token_digest};
+use crate::background::Background;
 use crate::config::{KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
@@ -34,7 +35,7 @@ use crate::service::{Limits, Workers};
 pub struct Application {
     listener: TcpListener,
     router: axum::Router,
-    background: Vec<JoinHandle<()>>,
+    background: Background,
     /// The idempotency layer's handlers whose clients hung up: waited for on shutdown.
     detached: DetachedHandlers,
     timeouts: Timeouts,
@@ -54,8 +55,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .context("metrics buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    crate::reaper::describe_metrics();
-    crate::firmware::describe_metrics();
+    crate::metric::describe();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
@@ -82,7 +82,7 @@ impl Application {
             .await
             .context("seeding the node pool")?;
 
-        let mut background = Vec::new();
+        let mut background = Background::new();
         let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
         let timeouts = Timeouts {
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
@@ -106,7 +106,7 @@ impl Application {
                 .with_flash_failure(args.sim_flash_fail)
                 .with_missing_images(args.sim_missing_image.clone());
                 let (url, headers, task) = spawn_private_simulator(sim, timeouts).await?;
-                background.push(task);
+                background.adopt("simulator", task);
                 HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers, args.header_timeout / 2)
             }
         }
@@ -171,20 +171,23 @@ impl Application {
                 retention: args.retention,
             },
         );
-        background.push(crate::reaper::spawn_with_sweeper(
-            idempotency_tower::sweeper(store.clone(), args.sweep_interval),
-            reaper,
+        background.every(
+            "reaper",
             args.sweep_interval,
-        ));
-
-        background.push(crate::firmware::spawn(Watcher::new(
+            crate::reaper::SweepAndReap {
+                sweeper: idempotency_tower::sweeper(store.clone(), args.sweep_interval),
+                reaper,
+            },
+        );
+        let watcher = Watcher::new(
             domain.clone(),
             hypervisor.clone(),
             watcher_name(),
             args.operation_poll,
             args.hypervisor_settle,
             args.abandon_after,
-        )));
+        );
+        background.every("watcher", args.operation_poll, watcher);
 
         let mut generated_token = None;
         let mut tokens: Vec<([u8; 32], Principal)> =
@@ -226,7 +229,11 @@ impl Application {
                 .then_some(idempotency_tower::AIP_155_REQUEST_ID),
         });
         let console = crate::console::Console::default();
-        background.push(console.history.spawn_sampler(state.metrics.clone()));
+        background.every(
+            "console-sampler",
+            crate::console::chart::SAMPLE_EVERY,
+            crate::console::chart::Sampler { history: console.history.clone(), metrics: state.metrics.clone() },
+        );
         let detached = layer.detached();
         let router = crate::routes::router(state, layer, console)
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
@@ -263,9 +270,7 @@ impl Application {
     /// client already hung up, within `--shutdown-timeout`.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let drained = serve::serve(self.listener, self.router, self.timeouts, Some(self.detached), shutdown).await;
-        for h in self.background {
-            h.abort();
-        }
+        self.background.stop();
         if !drained {
             tracing::warn!("exiting with requests unfinished: their keys stay in flight until --in-flight-ttl");
         }

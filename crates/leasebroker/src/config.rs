@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use idempotency_tower::MismatchStatus;
-use leasebroker_validation::parse;
+use leasebroker_api::parse;
 
 /// leasebroker: hands out worker nodes from a pool, safe to retry with Idempotency-Key.
 #[derive(Debug, Parser)]

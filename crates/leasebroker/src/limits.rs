@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use idempotency_tower::Problem;
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
 use tokio::time::{Instant, Sleep};
 
 /// The longest request path accepted, in bytes (`414` beyond). A record's scope holds the path,

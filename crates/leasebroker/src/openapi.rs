@@ -1,4 +1,6 @@
-//! The OpenAPI document served at `/openapi.json`.
+//! The OpenAPI document served at `/openapi.json`: what is said once for the whole API (the info,
+//! the `bearer` scheme, the `Problem` schema, the responses common to every route of a kind); each
+//! handler's own part is collected where the router registers it ([`crate::routes`]).
 
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::path::{Operation, ParameterBuilder, ParameterIn};
@@ -8,29 +10,24 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, Required};
 use utoipa::{Modify, OpenApi};
 
+/// What the document says once for the whole API; the router adds each handler's part as it
+/// registers it ([`utoipa_axum::routes!`]), and [`finish`] what needs all of them. The handlers'
+/// request and response schemas come with their paths; `Problem` is only referenced by name (from
+/// `CommonResponses`), so it is listed here.
 #[derive(OpenApi)]
 #[openapi(
     info(title = "leasebroker", description = "Hands out worker nodes from a pool; every mutating route is safe to retry with Idempotency-Key."),
-    paths(
-        crate::api::create_worker,
-        crate::api::list_workers,
-        crate::api::get_worker,
-        crate::api::delete_worker,
-        crate::api::reboot_worker,
-        crate::api::flash_firmware,
-        crate::api::get_operation,
-        crate::api::fleet,
-        crate::api::list_records,
-        crate::api::get_record,
-        crate::api::forget_record,
-        crate::api::healthz,
-        crate::api::readyz,
-        crate::api::metrics,
-    ),
-    components(schemas(crate::service::CreateWorker, crate::api::Worker, crate::api::WorkerPage, crate::api::RebootResult, crate::api::Fleet, crate::service::FlashFirmware, crate::api::Operation, crate::api::AdminRecord, crate::api::RecordList, Problem)),
-    modifiers(&Bearer, &CommonResponses),
+    components(schemas(Problem)),
+    modifiers(&Bearer),
 )]
-struct ApiDoc;
+pub(crate) struct ApiDoc;
+
+/// The document once every route is registered: with `CommonResponses` added, which needs the
+/// operations (as a modifier of [`ApiDoc`] it would run before there are any).
+pub(crate) fn finish(mut collected: utoipa::openapi::OpenApi) -> utoipa::openapi::OpenApi {
+    CommonResponses.modify(&mut collected);
+    collected
+}
 
 /// An RFC 9457 problem: the body of every error response, as `application/problem+json`.
 /// Only its schema is here: `idempotency_tower::Problem` renders the real thing.
@@ -226,9 +223,4 @@ impl Modify for CommonResponses {
             }
         }
     }
-}
-
-/// The document.
-pub fn document() -> utoipa::openapi::OpenApi {
-    ApiDoc::openapi()
 }

@@ -1,37 +1,37 @@
 //! The router: the API's handlers and middleware ([`crate::api`]) and the OpenAPI document that
-//! describes them ([`crate::openapi`]), put together.
+//! describes them ([`crate::openapi`]), put together. Each documented handler is registered once,
+//! with [`utoipa_axum::routes!`], which gives both its route and its part of the document.
+
+use std::sync::Arc;
 
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::get;
 use axum::{Json, Router};
 use idempotency_tower::{IdempotencyLayer, Problem};
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use crate::api::{
-    AppState, authenticate, authenticate_admin, create_worker, delete_worker, flash_firmware, fleet, get_operation,
-    get_worker, healthz, list_workers, metrics, rate_limit, readyz, reboot_worker,
-};
-use crate::api::{forget_record, get_record, list_records};
+use crate::api::{self, AppState, authenticate, authenticate_admin, rate_limit};
+use crate::openapi::ApiDoc;
 
-/// The OpenAPI document.
-pub async fn openapi() -> Response {
-    Json(crate::openapi::document()).into_response()
+/// The OpenAPI document, built once when the router is.
+async fn openapi(document: Arc<utoipa::openapi::OpenApi>) -> Response {
+    Json(&*document).into_response()
 }
 
 async fn not_found() -> Response {
     Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "Not found", "no such route").into_response()
 }
 
-/// Counter of responses by status code, labelled `code` (`429` alerts read it; see `deploy/`).
-pub const HTTP_RESPONSES_TOTAL: &str = "leasebroker_http_responses_total";
-
 /// Counts every response under its status code (a bounded label: HTTP has few codes).
 async fn count_responses(req: Request, next: Next) -> Response {
     let r = next.run(req).await;
-    metrics::counter!(HTTP_RESPONSES_TOTAL, "code" => r.status().as_str().to_owned()).increment(1);
+    metrics::counter!(crate::metric::HTTP_RESPONSES_TOTAL, "code" => r.status().as_str().to_owned()).increment(1);
     r
 }
 
@@ -52,29 +52,33 @@ async fn method_not_allowed(req: Request, next: Next) -> Response {
 /// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, the
 /// operator console (`/console`), and the operational routes.
 pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::console::Console) -> Router {
-    let v1 = Router::new()
-        .route("/v1/workers", post(create_worker).get(list_workers))
-        .route("/v1/workers/{id}", get(get_worker).delete(delete_worker))
-        .route("/v1/workers/{id}/reboot", post(reboot_worker))
+    // Handlers that share a path share a `routes!`.
+    let v1 = OpenApiRouter::default()
+        .routes(routes!(api::create_worker, api::list_workers))
+        .routes(routes!(api::get_worker, api::delete_worker))
+        .routes(routes!(api::reboot_worker))
         .layer(idempotency.clone())
         .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    let admin = Router::new()
-        .route("/admin/v1/fleet", get(fleet))
-        .route("/admin/v1/nodes/{node_id}/firmware", post(flash_firmware))
-        .route("/admin/v1/operations/{op_id}", get(get_operation))
-        .route("/admin/v1/records", get(list_records))
-        .route("/admin/v1/records/{id}", get(get_record).merge(delete(forget_record)))
+    let admin = OpenApiRouter::default()
+        .routes(routes!(api::fleet))
+        .routes(routes!(api::flash_firmware))
+        .routes(routes!(api::get_operation))
+        .routes(routes!(api::list_records))
+        .routes(routes!(api::get_record, api::forget_record))
         .layer(idempotency)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
-    Router::new()
+    let (routes, collected) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(v1)
         .merge(admin)
-        .merge(crate::console::routes(console))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
+        .merge(crate::console::routes(console).into())
+        .routes(routes!(api::healthz))
+        .routes(routes!(api::readyz))
+        .routes(routes!(api::metrics))
+        .split_for_parts();
+    let document = Arc::new(crate::openapi::finish(collected));
+    routes
+        .route("/openapi.json", get(move || openapi(document.clone())))
         .fallback(not_found)
         .layer(middleware::from_fn(method_not_allowed))
         .layer(middleware::from_fn_with_state(state.probe.clone(), crate::outage::store_deadline))

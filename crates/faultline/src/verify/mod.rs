@@ -17,8 +17,9 @@ mod workers;
 
 pub use acknowledged::{ACKNOWLEDGED_RECORDS_LOST, check_acknowledged, drop_records, records_lost};
 pub use flashes::{check_flashes, redfish_task_flash};
+pub use leasebroker_api::SimStats;
 pub use outcome::{Damage, Invariant};
 pub use owners::{PLANTED_PREFIX, check_owners, flash_keys};
 pub use reader::{Bmcs, Reader, Vms};
-pub use truth::{GroundTruth, ServerCounters, SimStats};
+pub use truth::{GroundTruth, ServerCounters};
 pub use workers::{check, workers_without_vm};

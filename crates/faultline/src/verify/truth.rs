@@ -3,32 +3,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+use leasebroker_api::SimStats;
 use leasebroker_client::{Fleet, Worker, WorkerId};
-use serde::{Deserialize, Serialize};
-
-/// The hypervisor simulator's counters (`GET /v1/stats`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SimStats {
-    /// Boots ever.
-    pub boots_total: u64,
-    /// VMs that exist now.
-    pub running: u64,
-    /// Boots of a tag booted before.
-    pub duplicate_boot_tags: u64,
-    /// Reboots ever.
-    pub reboots_total: u64,
-    /// Reboots with a tag the VM had been rebooted with before.
-    pub duplicate_reboot_tags: u64,
-    /// Firmware flashes the BMCs started.
-    #[serde(default)]
-    pub flashes_total: u64,
-    /// Flashes of a tag flashed before.
-    #[serde(default)]
-    pub duplicate_flash_tags: u64,
-    /// Nodes bricked by a flash that started while another wrote.
-    #[serde(default)]
-    pub bricked_nodes: u64,
-}
+use serde::Serialize;
 
 /// What the servers say they did about refusals, late landings and abandoned operations, summed
 /// over the replicas' `/metrics` (a replica killed mid-run forgot what it counted before).

@@ -6,7 +6,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use idempotency::Principal;
 use idempotency_tower::Problem;
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
 use subtle::ConstantTimeEq;
 
 use super::*;

@@ -8,9 +8,9 @@ use axum::{Extension, Json};
 use idempotency::ErrorChain;
 use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
 
-use crate::service::{CreateWorker, FlashFirmware, Operation, ServiceError};
+use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError};
 
 use super::problems::parse_json;
 use super::*;
@@ -43,8 +43,8 @@ pub async fn create_worker(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CreateWorker = parse_json(&headers, &body, state.body_key_field)?;
-    let op = Operation::new(ctx.claim().record().clone());
-    let worker = Worker::from(state.workers.create(principal.as_str(), &req, &op).await?);
+    let op = RequestRecord::new(ctx.claim().record().clone());
+    let worker = Worker::try_from(state.workers.create(principal.as_str(), &req, &op).await?)?;
     let location = format!("/v1/workers/{}", worker.id);
     Ok(located(StatusCode::CREATED, Json(worker), &location))
 }
@@ -69,7 +69,7 @@ pub async fn get_worker(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     match state.workers.domain.worker(principal.as_str(), &id).await? {
-        Some(w) => Ok(Json(Worker::from(w)).into_response()),
+        Some(w) => Ok(Json(Worker::try_from(w)?).into_response()),
         None => Err(ServiceError::NotFound(id).into()),
     }
 }
@@ -92,7 +92,8 @@ pub async fn list_workers(
     }
     let rows = state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await?;
     let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
-    Ok(Json(WorkerPage { workers: rows.into_iter().map(Worker::from).collect(), next_cursor }).into_response())
+    let workers = rows.into_iter().map(Worker::try_from).collect::<Result<_, _>>()?;
+    Ok(Json(WorkerPage { workers, next_cursor }).into_response())
 }
 
 /// Deletes a worker, its lease, node allocation and VM.
@@ -109,7 +110,7 @@ pub async fn delete_worker(
     ctx: IdempotencyContext,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let op = Operation::new(ctx.claim().record().clone());
+    let op = RequestRecord::new(ctx.claim().record().clone());
     state.workers.delete(principal.as_str(), &id, &op).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -129,8 +130,10 @@ pub async fn reboot_worker(
     ctx: IdempotencyContext,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let op = Operation::new(ctx.claim().record().clone());
-    let reboot_count = state.workers.reboot(principal.as_str(), &id, &op).await?;
+    let Ok(id) = id.parse::<WorkerId>() else { return Err(ServiceError::NotFound(id).into()) };
+    let op = RequestRecord::new(ctx.claim().record().clone());
+    let reboot_count = state.workers.reboot(principal.as_str(), id.as_str(), &op).await?;
+    let reboot_count = u64::try_from(reboot_count).unwrap_or(0);
     Ok((StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response())
 }
 
@@ -163,7 +166,7 @@ pub async fn flash_firmware(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: FlashFirmware = parse_json(&headers, &body, state.body_key_field)?;
-    let op = Operation::new(ctx.claim().record().clone());
+    let op = RequestRecord::new(ctx.claim().record().clone());
     if state.firmware.refuses_in_use(&node_id, &req, &op).await? {
         return Err(Problem::new(
             StatusCode::CONFLICT,
@@ -174,8 +177,8 @@ pub async fn flash_firmware(
         )
         .into());
     }
-    let operation = dto::Operation::from(state.firmware.flash(&node_id, &req, &op).await?);
-    let location = crate::firmware::operation_location(&operation.id);
+    let operation = dto::Operation::try_from(state.firmware.flash(&node_id, &req, &op).await?)?;
+    let location = crate::firmware::operation_location(operation.id.as_str());
     Ok(located(StatusCode::ACCEPTED, Json(operation), &location))
 }
 
@@ -186,11 +189,11 @@ pub async fn flash_firmware(
               (status = 404, description = "No such operation")),
     security(("bearer" = [])))]
 pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<String>) -> Result<Response, ApiError> {
-    if !leasebroker_validation::is_path_id(&op_id) {
+    if !leasebroker_api::is_path_id(&op_id) {
         return Err(ServiceError::NoSuchOperation(op_id).into());
     }
     match state.workers.domain.flash_operation(&op_id).await? {
-        Some(row) => Ok(Json(dto::Operation::from(row)).into_response()),
+        Some(row) => Ok(Json(dto::Operation::try_from(row)?).into_response()),
         None => Err(ServiceError::NoSuchOperation(op_id).into()),
     }
 }
@@ -208,22 +211,12 @@ pub async fn fleet(State(state): State<AppState>) -> Result<Json<Fleet>, ApiErro
 pub async fn fleet_snapshot(state: &AppState) -> Result<Fleet, ServiceError> {
     let counts = state.workers.domain.counts().await?;
     let vms_running = match state.hypervisor.list_all().await {
-        Ok(vms) => vms.iter().filter(|v| v.state == "running").count() as i64,
+        Ok(vms) => vms.iter().filter(|v| v.state == "running").count(),
         Err(e) => {
             return Err(ServiceError::upstream(format!("cannot list VMs: {}", ErrorChain(&e))));
         }
     };
-    Ok(Fleet {
-        nodes_total: counts.nodes_total,
-        nodes_allocated: counts.nodes_allocated,
-        leases_active: counts.leases_active,
-        workers_active: counts.workers_active,
-        vms_running,
-        vm_boots_total: counts.boots_done,
-        reboots_total: counts.reboots_done,
-        firmware_flashes_total: counts.flashes_done,
-        nodes_bricked: counts.nodes_bricked,
-    })
+    Ok(dto::fleet_from_counts(counts, vms_running))
 }
 
 /// The process is up.

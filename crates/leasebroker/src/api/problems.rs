@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use idempotency_tower::Problem;
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
 use regex::Regex;
 
 use crate::db::redact;

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use idempotency::{ErrorChain, Forget, Principal, Record, RecordId, RecordQuery, RecordState, StoreError};
 use idempotency_tower::{IdempotencyContext, Problem};
-use leasebroker_validation::problems;
+use leasebroker_api::problems;
 use serde::{Deserialize, Serialize};
 
 use super::*;

@@ -67,18 +67,20 @@ impl OutcomeHistory {
     pub fn samples(&self) -> Vec<Sample> {
         self.ring.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned().collect()
     }
+}
 
-    /// Samples `metrics` now and every [`SAMPLE_EVERY`]. Abort the handle to stop.
-    pub fn spawn_sampler(&self, metrics: PrometheusHandle) -> tokio::task::JoinHandle<()> {
-        let history = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SAMPLE_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                history.push(Sample { at: chrono::Utc::now().timestamp(), totals: totals(&metrics.render()) });
-            }
-        })
+/// Samples the outcome counters into the history, every [`SAMPLE_EVERY`] ([`crate::background`]).
+#[derive(Debug)]
+pub struct Sampler {
+    /// Where the samples go.
+    pub history: OutcomeHistory,
+    /// What is sampled.
+    pub metrics: PrometheusHandle,
+}
+
+impl crate::background::Pass for Sampler {
+    async fn pass(&self) {
+        self.history.push(Sample { at: chrono::Utc::now().timestamp(), totals: totals(&self.metrics.render()) });
     }
 }
 

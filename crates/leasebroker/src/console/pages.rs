@@ -174,7 +174,7 @@ fn record_rows(b: &mut String, records: &[Record], now: i64, csrf: &str) {
 }
 
 fn fleet_table(b: &mut String, fleet: &Fleet) {
-    let rows: [(&str, i64); 9] = [
+    let rows: [(&str, u64); 9] = [
         ("Nodes in the pool", fleet.nodes_total),
         ("Nodes allocated", fleet.nodes_allocated),
         ("Leases held", fleet.leases_active),

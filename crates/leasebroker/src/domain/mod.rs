@@ -28,6 +28,10 @@ pub enum DomainError {
     /// The effect ledger failed otherwise (a row it cannot read back).
     #[error("effect ledger error")]
     Ledger(#[source] idempotency_effects::LedgerError),
+    /// A row holds what the service never writes (an id that is not path-safe, an unknown
+    /// worker state), so it cannot be shown.
+    #[error("a row the service cannot show: {0}")]
+    BadRow(String),
 }
 
 impl From<idempotency_effects::LedgerError> for DomainError {

@@ -34,7 +34,7 @@
 //!   operation succeeds at once, and a task that failed on a node that runs the version counts
 //!   as done.
 
-use crate::service::{Operation, public_id};
+use crate::service::{RequestRecord, public_id};
 
 mod call;
 mod request;
@@ -42,26 +42,10 @@ mod settle;
 mod watcher;
 
 pub use request::Firmware;
-pub use watcher::{WatchReport, Watcher, spawn};
-
-/// Counter: operations that ended, labelled `kind` (`firmware-flash`) and `outcome`
-/// (`succeeded`, `failed`).
-pub const OPERATIONS_TOTAL: &str = "leasebroker_operations_total";
-/// Counter: operations a watcher started following (a lease taken that another watcher did not
-/// hold). With several replicas, their sum is the number of operations followed, once each.
-pub const OPERATION_WATCHES_TOTAL: &str = "leasebroker_operation_watches_total";
-/// Counter: flashes sent to a BMC.
-pub const FLASHES_SENT_TOTAL: &str = "leasebroker_flashes_sent_total";
-
-/// Registers the help texts of the operation metrics.
-pub fn describe_metrics() {
-    metrics::describe_counter!(OPERATIONS_TOTAL, "Long-running operations that ended, by kind and outcome");
-    metrics::describe_counter!(OPERATION_WATCHES_TOTAL, "Operations this replica's watcher started following");
-    metrics::describe_counter!(FLASHES_SENT_TOTAL, "Firmware flashes sent to a BMC (every attempt)");
-}
+pub use watcher::{WatchReport, Watcher};
 
 /// The sub-keys of one flash request: the operation's id and the BMC call's tag.
-fn keys(op: &Operation) -> (String, String) {
+fn keys(op: &RequestRecord) -> (String, String) {
     (operation_id(|label| op.derive(label)), op.derive("flash").as_str().to_owned())
 }
 
@@ -85,5 +69,5 @@ pub fn operation_location(op_id: &str) -> String {
 
 fn count_end(succeeded: bool) {
     let outcome = if succeeded { "succeeded" } else { "failed" };
-    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
+    metrics::counter!(crate::metric::OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
 }

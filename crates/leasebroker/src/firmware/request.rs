@@ -5,15 +5,16 @@ use std::time::Duration;
 
 use idempotency::ErrorChain;
 use idempotency_effects::{Decided, EffectError, Effects, Intent, IntentState, Sent};
-use leasebroker_validation::{FlashFirmware, is_path_id};
+use leasebroker_api::{FlashFirmware, is_path_id};
 
 use super::call::FlashCall;
 use super::settle::{adopt, conclude_by_inventory, inventory_runs};
-use super::{FLASHES_SENT_TOTAL, count_end, keys};
+use super::{count_end, keys};
 use crate::domain::{Domain, DomainError, FlashRow, FlashStart};
 use crate::hypervisor::client::{FlashRequest, HvError, HypervisorClient};
 use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup};
-use crate::service::{Operation, ServiceError, call_error, effect_failed, now_micros};
+use crate::metric::FLASHES_SENT_TOTAL;
+use crate::service::{RequestRecord, ServiceError, call_error, effect_failed, now_micros};
 
 /// The firmware service: starts flashes.
 #[derive(Debug, Clone)]
@@ -34,7 +35,7 @@ impl Firmware {
         &self,
         node_id: &str,
         req: &FlashFirmware,
-        op: &Operation,
+        op: &RequestRecord,
     ) -> Result<bool, ServiceError> {
         if req.force || !is_path_id(node_id) {
             return Ok(false);
@@ -54,7 +55,12 @@ impl Firmware {
     /// Starts flashing `node_id` to `req.version` under the request `op`, or resumes what an
     /// earlier attempt of it did. Returns the operation once the BMC accepted the flash (or
     /// refused it: then the operation has failed).
-    pub async fn flash(&self, node_id: &str, req: &FlashFirmware, op: &Operation) -> Result<FlashRow, ServiceError> {
+    pub async fn flash(
+        &self,
+        node_id: &str,
+        req: &FlashFirmware,
+        op: &RequestRecord,
+    ) -> Result<FlashRow, ServiceError> {
         req.validate()?;
         if !is_path_id(node_id) {
             return Err(ServiceError::NoSuchNode(node_id.to_owned()));

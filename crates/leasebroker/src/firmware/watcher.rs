@@ -6,14 +6,15 @@ use std::time::Duration;
 
 use idempotency::ErrorChain;
 use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
-use tokio::task::JoinHandle;
 
 use super::call::FlashCall;
+use super::count_end;
 use super::settle::{adopt, conclude_by_inventory, inventory_runs};
-use super::{OPERATION_WATCHES_TOTAL, count_end};
+use crate::background::Pass;
 use crate::domain::{Domain, FlashRow};
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::redfish::TaskLookup;
+use crate::metric::OPERATION_WATCHES_TOTAL;
 use crate::service::{micros, now_micros};
 
 /// The watcher's settings and handles.
@@ -194,17 +195,12 @@ fn unbegun(op_id: &str, now: i64) -> OperationRow {
     }
 }
 
-/// Runs the watcher every `--operation-poll`, forever.
-pub fn spawn(watcher: Watcher) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(watcher.poll);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let report = watcher.run_once().await;
-            if report.ended > 0 {
-                tracing::debug!(watched = report.watched, ended = report.ended, "watcher pass");
-            }
+/// One watcher pass, every `--operation-poll` ([`crate::background`]).
+impl Pass for Watcher {
+    async fn pass(&self) {
+        let report = self.run_once().await;
+        if report.ended > 0 {
+            tracing::debug!(watched = report.watched, ended = report.ended, "watcher pass");
         }
-    })
+    }
 }

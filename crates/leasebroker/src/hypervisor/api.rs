@@ -126,34 +126,9 @@ pub struct VmList<T> {
     pub vms: Vec<T>,
 }
 
-/// The simulator's counters, `GET /v1/stats`: the ground truth the fault harness checks.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SimStats {
-    /// Every boot that happened, ever (deleted VMs included).
-    pub boots_total: u64,
-    /// VMs that exist now.
-    pub running: u64,
-    /// Boots whose non-empty tag had been booted before (even if that VM was deleted since).
-    pub duplicate_boot_tags: u64,
-    /// Every reboot that happened, ever.
-    pub reboots_total: u64,
-    /// Reboots whose tag was already in that VM's `reboot_tags`.
-    pub duplicate_reboot_tags: u64,
-    /// Every BMC firmware flash that started, ever (SPEC 3.4).
-    #[serde(default)]
-    pub flashes_total: u64,
-    /// Flashes whose tag had been flashed before, on any node.
-    #[serde(default)]
-    pub duplicate_flash_tags: u64,
-    /// Nodes bricked by a flash that started while another one ran.
-    #[serde(default)]
-    pub bricked_nodes: u64,
-    /// Boots, reboots and flashes that happened whose request carried its tag as its
-    /// `Idempotency-Key`, in the structured field string form (`Idempotency-Key: "<tag>"`): the
-    /// calls a client's key propagation keyed (SPEC 1.3).
-    #[serde(default)]
-    pub tag_keyed_calls: u64,
-}
+/// The simulator's counters, `GET /v1/stats`: defined with the other wire types the fault
+/// harness reads.
+pub use leasebroker_api::SimStats;
 
 /// `POST /v1/bmc/{node_id}/flash`: flash firmware `version`; `tag` is the caller's sub-key,
 /// echoed in the node's `flash_tags`.

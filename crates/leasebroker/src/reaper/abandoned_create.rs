@@ -4,7 +4,8 @@
 use idempotency::{Record, RecordId, Scope};
 use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
 
-use super::{ROLLED_BACK_TOTAL, ReapReport, Reaper, Reclaimed};
+use super::{ReapReport, Reaper, Reclaimed};
+use crate::metric::ROLLED_BACK_TOTAL;
 use crate::service::{Boot, CreateKeys, micros, now_micros};
 
 impl Reaper {

@@ -4,7 +4,8 @@
 use idempotency::{ErrorChain, Record, RecordId, Scope};
 use idempotency_effects::OperationRow;
 
-use super::{DELETES_FINISHED_TOTAL, ReapReport, Reaper, Reclaimed};
+use super::{ReapReport, Reaper, Reclaimed};
+use crate::metric::DELETES_FINISHED_TOTAL;
 use crate::service::{micros, now_micros};
 
 impl Reaper {

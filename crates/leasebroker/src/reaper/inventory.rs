@@ -4,7 +4,7 @@
 //! finished create and no worker owns, once its last send is older than the settle window: a
 //! boot that landed after its operation was rolled back (an orphan), or a second VM of one
 //! boot that landed after the create finished. Each deleted VM is counted once
-//! ([`super::ORPHANS_REMOVED_TOTAL`]), even when the delete's answer was lost and the VM's absence
+//! ([`crate::metric::ORPHANS_REMOVED_TOTAL`]), even when the delete's answer was lost and the VM's absence
 //! is learnt from a later listing.
 
 use async_trait::async_trait;

@@ -44,56 +44,13 @@ mod abandoned_delete;
 mod inventory;
 mod tick;
 
-pub use tick::spawn_with_sweeper;
+pub use tick::SweepAndReap;
 
-/// Counter: what the reaper rolled back, labelled `resource` (`operation`, `vm`, `lease`, `node`).
-pub const ROLLED_BACK_TOTAL: &str = "leasebroker_reaper_rolled_back_total";
-/// Counter: abandoned deletes the reaper finished (VM, worker, lease, node; 204 stored).
-pub const DELETES_FINISHED_TOTAL: &str = "leasebroker_reaper_deletes_finished_total";
-/// Counter: finished operations whose intents and row the reaper deleted.
-pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
-/// Counter: VMs carrying one of the service's tags that no live operation or worker owned,
-/// deleted by the inventory sweep (a boot that landed after its operation was rolled back).
-pub const ORPHANS_REMOVED_TOTAL: &str = "leasebroker_orphans_removed_total";
-/// Gauge: operations due for the reaper and not looked at yet, after its last tick (counted up
-/// to [`BACKLOG_CAP`]): above zero for long, the reaper falls behind.
-pub const REAPER_BACKLOG: &str = "leasebroker_reaper_backlog_operations";
-/// Gauge: records in flight whose attempt has not been renewed for [`STUCK_AFTER`] (counted up
-/// to one page of the records listing), read at each reaper tick.
-pub const RECORDS_STUCK_IN_FLIGHT: &str = "leasebroker_records_stuck_in_flight";
 /// How long an in-flight record's attempt may go unrenewed before it counts as stuck (the
 /// console's and `lbctl records list --stuck`'s ten minutes).
 pub const STUCK_AFTER: Duration = Duration::from_secs(600);
 /// The most due operations one backlog count reads.
 const BACKLOG_CAP: u32 = 100_000;
-
-/// Registers the help text of leasebroker's side-effect metrics with the installed recorder.
-pub fn describe_metrics() {
-    use crate::service::{DUPLICATE_VMS_DESTROYED_TOTAL, REFUSALS_RELEASED_TOTAL};
-    metrics::describe_counter!(
-        DUPLICATE_VMS_DESTROYED_TOTAL,
-        "Second VMs of one boot deleted: calls that landed after --hypervisor-settle (set it longer)"
-    );
-    metrics::describe_counter!(REFUSALS_RELEASED_TOTAL, "Creates whose node and lease were given back on a refusal");
-    metrics::describe_counter!(
-        ROLLED_BACK_TOTAL,
-        "What the reaper rolled back, by resource (operation, vm, lease, node)"
-    );
-    metrics::describe_counter!(DELETES_FINISHED_TOTAL, "Abandoned deletes the reaper finished");
-    metrics::describe_counter!(FORGOTTEN_TOTAL, "Finished operations whose rows and intents the reaper deleted");
-    metrics::describe_counter!(
-        ORPHANS_REMOVED_TOTAL,
-        "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
-    );
-    metrics::describe_gauge!(
-        REAPER_BACKLOG,
-        "Operations due for the reaper and not looked at yet, after its last tick"
-    );
-    metrics::describe_gauge!(
-        RECORDS_STUCK_IN_FLIGHT,
-        "Records in flight whose attempt has not been renewed for ten minutes, read at each reaper tick"
-    );
-}
 
 /// How long past the `Retry-After` it was given a retrying client may take to come back (the
 /// answer's way to it, its own scheduling), before the reaper may roll its create back.

@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use idempotency::{Endpoint, ErrorChain, IdempotencyKey, Principal, Record, RecordState, Scope, Sweeper};
 use idempotency_effects::{Mark, OperationRow};
-use tokio::task::JoinHandle;
 
-use super::{BACKLOG_CAP, FORGOTTEN_TOTAL, REAPER_BACKLOG, RECORDS_STUCK_IN_FLIGHT, ReapReport, Reaper, STUCK_AFTER};
+use super::{BACKLOG_CAP, ReapReport, Reaper, STUCK_AFTER};
+use crate::background::Pass;
+use crate::metric::{FORGOTTEN_TOTAL, REAPER_BACKLOG, RECORDS_STUCK_IN_FLIGHT};
 use crate::service::{OpKind, micros, now_micros};
 
 /// The most operations one tick looks at (half from each end of the due ones).
@@ -170,31 +171,35 @@ fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
     Ok(Scope::new(Principal::new(op.principal.as_str()), Endpoint::from_stored(op.endpoint.as_str()), key))
 }
 
-/// Runs `sweeper` and then `reaper` on one tick, every `interval`. Abort the handle to stop.
-pub fn spawn_with_sweeper(sweeper: Sweeper, reaper: Reaper, interval: Duration) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            match sweeper.run_once().await {
-                Ok(0) => {}
-                Ok(n) => crate::activity::record(crate::activity::ActionKind::RecordsSwept, format!("{n} record(s)")),
-                Err(e) => tracing::warn!(
-                    error = %ErrorChain(&e),
-                    "idempotency sweeper pass failed; retrying next interval"
-                ),
-            }
-            let report = reaper.run_once().await;
-            if report != ReapReport::default() {
-                tracing::debug!(?report, "reaper pass");
-            }
-            if report.forgotten > 0 {
-                crate::activity::record(
-                    crate::activity::ActionKind::OperationsForgotten,
-                    format!("{} operation(s)", report.forgotten),
-                );
-            }
+/// The reaper's background pass ([`crate::background`]): the idempotency records' sweeper, then
+/// one reaper pass.
+#[derive(Debug)]
+pub struct SweepAndReap {
+    /// Deletes expired records.
+    pub sweeper: Sweeper,
+    /// Then this reaper passes.
+    pub reaper: Reaper,
+}
+
+impl Pass for SweepAndReap {
+    async fn pass(&self) {
+        match self.sweeper.run_once().await {
+            Ok(0) => {}
+            Ok(n) => crate::activity::record(crate::activity::ActionKind::RecordsSwept, format!("{n} record(s)")),
+            Err(e) => tracing::warn!(
+                error = %ErrorChain(&e),
+                "idempotency sweeper pass failed; retrying next interval"
+            ),
         }
-    })
+        let report = self.reaper.run_once().await;
+        if report != ReapReport::default() {
+            tracing::debug!(?report, "reaper pass");
+        }
+        if report.forgotten > 0 {
+            crate::activity::record(
+                crate::activity::ActionKind::OperationsForgotten,
+                format!("{} operation(s)", report.forgotten),
+            );
+        }
+    }
 }

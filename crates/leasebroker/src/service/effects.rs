@@ -7,8 +7,9 @@ use async_trait::async_trait;
 use idempotency::ErrorChain;
 use idempotency_effects::{CallError, Effect, EffectError, Tagged, Undone};
 
-use super::{DUPLICATE_VMS_DESTROYED_TOTAL, ServiceError};
+use super::ServiceError;
 use crate::hypervisor::client::{HvError, HypervisorClient};
+use crate::metric::{DUPLICATE_VMS_DESTROYED_TOTAL, ORPHANS_REMOVED_TOTAL};
 
 /// The tag prefix of every sub-key, so of every VM this service boots.
 pub use idempotency_effects::TAG_PREFIX;
@@ -110,7 +111,7 @@ impl Effect for Boot {
                 record(ActionKind::DuplicateDestroyed, format!("VM {id} (tag {tag}; kept {kept})"));
             }
             Undone::Orphan => {
-                metrics::counter!(crate::reaper::ORPHANS_REMOVED_TOTAL).increment(1);
+                metrics::counter!(ORPHANS_REMOVED_TOTAL).increment(1);
                 tracing::warn!(%tag, vm_id = %id, "deleted a VM nobody owns (a call that landed after its operation ended)");
                 record(ActionKind::OrphanRemoved, format!("VM {id} (tag {tag})"));
             }

@@ -1,16 +1,19 @@
-//! The record an operation runs under, and the sub-keys and public ids derived from it.
+//! The idempotency record a request's work runs under, and the sub-keys and public ids derived
+//! from it.
 
 use idempotency::{Record, SubKey};
 
-/// The idempotency record an operation runs under: every side effect derives its sub-key from
-/// it, and the reaper finds the record again through it.
+/// The idempotency record a mutating request's work runs under: every side effect derives its
+/// sub-key from it, and the reaper finds the record again through it. (Not the API's
+/// long-running operation, [`crate::api::Operation`], nor the effect ledger's row,
+/// [`idempotency_effects::Operation`], which is made from it by [`RequestRecord::effects_op`].)
 #[derive(Debug, Clone)]
-pub struct Operation {
+pub struct RequestRecord {
     record: Record,
 }
 
-impl Operation {
-    /// The operation of `record` (the claim's record, in a handler).
+impl RequestRecord {
+    /// The work of `record` (the claim's record, in a handler).
     pub fn new(record: Record) -> Self {
         Self { record }
     }
@@ -43,7 +46,7 @@ pub struct CreateKeys {
 
 impl CreateKeys {
     /// The sub-keys of the create `op` (the same on every retry of its record).
-    pub fn of(op: &Operation) -> Self {
+    pub fn of(op: &RequestRecord) -> Self {
         Self::of_record(&op.record)
     }
 

@@ -38,7 +38,7 @@
 use idempotency::ErrorChain;
 use std::time::Duration;
 
-pub use leasebroker_validation::{
+pub use leasebroker_api::{
     CreateWorker, FlashFirmware, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
@@ -58,14 +58,7 @@ pub use effects::{Boot, DeleteVm, Reboot, TAG_PREFIX};
 pub(crate) use effects::{call_error, effect_failed};
 pub use error::ServiceError;
 pub use hook::{Hook, Step};
-pub use keys::{CreateKeys, OpKind, Operation, public_id};
-
-/// Counter: VMs deleted because a second VM carried a tag whose boot had already been adopted
-/// (a call that landed after the settle window; the window is set too short).
-pub const DUPLICATE_VMS_DESTROYED_TOTAL: &str = "leasebroker_duplicate_vms_destroyed_total";
-/// Counter: creates whose node and lease were given back because the hypervisor definitely
-/// refused the boot.
-pub const REFUSALS_RELEASED_TOTAL: &str = "leasebroker_refusals_released_total";
+pub use keys::{CreateKeys, OpKind, RequestRecord, public_id};
 
 /// The workers service.
 #[derive(Debug, Clone)]
@@ -97,7 +90,12 @@ impl Workers {
     }
 
     /// Creates a worker, resuming whatever an earlier attempt of the same record did.
-    pub async fn create(&self, principal: &str, req: &CreateWorker, op: &Operation) -> Result<WorkerRow, ServiceError> {
+    pub async fn create(
+        &self,
+        principal: &str,
+        req: &CreateWorker,
+        op: &RequestRecord,
+    ) -> Result<WorkerRow, ServiceError> {
         req.validate(self.limits)?;
         let keys = CreateKeys::of(op);
         let worker_id = keys.worker_id();
@@ -242,7 +240,7 @@ impl Workers {
     async fn boot_refused(&self, keys: &CreateKeys, e: idempotency_effects::EffectError) -> ServiceError {
         match self.domain.release(keys.alloc.as_str(), &keys.lease_id()).await {
             Ok(released) => {
-                metrics::counter!(REFUSALS_RELEASED_TOTAL).increment(1);
+                metrics::counter!(crate::metric::REFUSALS_RELEASED_TOTAL).increment(1);
                 tracing::info!(
                     leases = released.leases,
                     nodes = released.nodes,
@@ -258,7 +256,7 @@ impl Workers {
     /// the worker, its lease and its node in one transaction that finishes the operation and
     /// leaves a tombstone keyed by the delete's sub-key. A retry that finds its own tombstone
     /// answers 204, not 404.
-    pub async fn delete(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<(), ServiceError> {
+    pub async fn delete(&self, principal: &str, worker_id: &str, op: &RequestRecord) -> Result<(), ServiceError> {
         let tombstone = op.derive("delete");
         let gone = || async {
             match self.domain.tombstone(tombstone.as_str()).await? {
@@ -297,7 +295,7 @@ impl Workers {
     /// Reboots a worker once per record: the intent keyed by the record's `reboot` sub-key is
     /// reconciled against the VM's `reboot_tags` before any second call, and a second call waits
     /// out the settle window of the first.
-    pub async fn reboot(&self, principal: &str, worker_id: &str, op: &Operation) -> Result<i64, ServiceError> {
+    pub async fn reboot(&self, principal: &str, worker_id: &str, op: &RequestRecord) -> Result<i64, ServiceError> {
         let w =
             self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
         let attempt = self.effects().attempt(&op.effects_op(OpKind::Reboot));

@@ -616,7 +616,7 @@ mod racing_attempts {
     use leasebroker::db::Db;
     use leasebroker::domain::Domain;
     use leasebroker::hypervisor::{BootRequest, HypervisorClient, SimConfig, Simulator};
-    use leasebroker::service::{CreateWorker, Hook, Limits, Operation, Step, Workers};
+    use leasebroker::service::{CreateWorker, Hook, Limits, RequestRecord, Step, Workers};
 
     const ATTEMPTS: usize = 16;
 
@@ -662,14 +662,14 @@ mod racing_attempts {
         Rig { workers, sim, db, _dir: dir }
     }
 
-    fn operation(method: &str, path: &str) -> Operation {
+    fn operation(method: &str, path: &str) -> RequestRecord {
         let now = idempotency::now();
         let scope = Scope::new(
             Principal::new("alice"),
             Endpoint::new(method, path),
             IdempotencyKey::try_from("racing-1").expect("key"),
         );
-        Operation::new(
+        RequestRecord::new(
             ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record(),
         )
     }
@@ -737,7 +737,7 @@ mod racing_attempts {
             .await
             .expect("claim");
         let ClaimOutcome::Owned(claim) = claimed else { panic!("a new key is owned") };
-        let op = Operation::new(claim.record().clone());
+        let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         // The first attempt's boot may or may not have happened; its client never comes back.
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
@@ -878,7 +878,7 @@ mod racing_attempts {
             expires_at: now + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
-        let op = Operation::new(claim.record().clone());
+        let op = RequestRecord::new(claim.record().clone());
         let a1 = {
             let (workers, op, id) = (rig.workers.clone(), op.clone(), w.worker_id.clone());
             tokio::spawn(async move { workers.reboot("alice", &id, &op).await })
@@ -991,7 +991,7 @@ mod racing_attempts {
             expires_at: now + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
-        let op = Operation::new(claim.record().clone());
+        let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
         assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the victim's boot fails");

@@ -4,7 +4,7 @@
 //! `store-unavailable`, ...) are in `idempotency::problems`. The values never change.
 //!
 //! ```
-//! assert_eq!(leasebroker_validation::problems::OPERATION_CONFLICT, "operation-conflict");
+//! assert_eq!(leasebroker_api::problems::OPERATION_CONFLICT, "operation-conflict");
 //! ```
 
 /// `401` with `WWW-Authenticate: Bearer`: no bearer token, or one the service does not know.

@@ -9,7 +9,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use leasebroker_validation::parse::duration;
+/// use leasebroker_api::parse::duration;
 /// assert_eq!(duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
 /// assert_eq!(duration(" 30 "), Ok(Duration::from_secs(30)));
 /// assert!(duration("soon").is_err());
@@ -34,7 +34,7 @@ pub fn positive_duration(s: &str) -> Result<Duration, String> {
 /// else (a negative number, more than 1, `NaN`) is refused.
 ///
 /// ```
-/// use leasebroker_validation::parse::probability;
+/// use leasebroker_api::parse::probability;
 /// assert_eq!(probability("0.05"), Ok(0.05));
 /// assert!(probability("1.5").is_err());
 /// assert!(probability("NaN").is_err());
