@@ -110,6 +110,8 @@ pub struct Libvirt {
     unread_warned: Mutex<usize>,
     /// How many domains that ran without a `Started` event seen were last warned about.
     unstarted_warned: Mutex<usize>,
+    /// How many tagged domains seen defined but never running were last warned about.
+    never_started_warned: Mutex<usize>,
     _events: [Child; 2],
 }
 
@@ -316,6 +318,7 @@ impl Libvirt {
             seen,
             unread_warned: Mutex::new(0),
             unstarted_warned: Mutex::new(0),
+            never_started_warned: Mutex::new(0),
             _events: [lifecycle, resets],
         })
     }
@@ -376,11 +379,18 @@ impl Libvirt {
     pub async fn stats(&self) -> anyhow::Result<SimStats> {
         let running = self.domains().await?.iter().filter(|d| d.running).count() as u64;
         let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        let ours = seen.values().filter_map(|s| s.xml.as_ref().and_then(|x| x.tag.clone()).map(|tag| (tag, s)));
+        let ours = seen.iter().filter_map(|(n, s)| s.xml.as_ref().and_then(|x| x.tag.clone()).map(|tag| (n, tag, s)));
         let mut stats = SimStats { running, ..SimStats::default() };
         let mut per_tag: HashMap<String, u64> = HashMap::new();
         let mut unstarted = Vec::new();
-        for (tag, s) in ours {
+        let mut never_started = Vec::new();
+        for (name, tag, s) in ours {
+            // Defined under a boot's tag, never seen running: a boot cut between its define and
+            // its start. Not a boot; named below, since a create answered for it would be a
+            // worker without a VM that ever ran.
+            if s.started == 0 && !s.ran {
+                never_started.push(format!("{name} ({tag})"));
+            }
             // A domain seen running (or stopping) was booted, also when its `Started` event was
             // not seen.
             if s.started == 0 && s.ran {
@@ -404,6 +414,15 @@ impl Libvirt {
             eprintln!(
                 "faultline: {} domain(s) of the run ran without a Started event seen (each counted as one boot)",
                 unstarted.len()
+            );
+        }
+        let mut never_started_warned = self.never_started_warned.lock().unwrap_or_else(PoisonError::into_inner);
+        if never_started.len() != *never_started_warned {
+            *never_started_warned = never_started.len();
+            never_started.sort();
+            eprintln!(
+                "faultline: {} domain(s) of the run were defined and never seen running (not counted as boots): {never_started:?}",
+                never_started.len()
             );
         }
         let mut warned = self.unread_warned.lock().unwrap_or_else(PoisonError::into_inner);
