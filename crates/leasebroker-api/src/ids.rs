@@ -129,6 +129,19 @@ path_safe_id!(
     "a record id"
 );
 
+impl RecordId {
+    /// The id of the record whose 16 id bytes are `bytes`: their 32 lowercase hex digits, as the
+    /// server writes it (always a valid id).
+    pub fn from_bytes(bytes: &[u8; 16]) -> Self {
+        use std::fmt::Write;
+        let mut hex = String::with_capacity(32);
+        for b in bytes {
+            let _ = write!(hex, "{b:02x}");
+        }
+        RecordId(hex)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +162,9 @@ mod tests {
             assert!(WorkerId::try_from(bad.to_owned()).is_err(), "{bad:?}");
             assert!(bad.parse::<RecordId>().is_err(), "{bad:?}");
         }
+        let id = RecordId::from_bytes(&[0xab; 16]);
+        assert_eq!(id.as_str(), "ab".repeat(16));
+        assert_eq!(id.as_str().parse::<RecordId>(), Ok(id.clone()));
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod ids;
 mod operations;
 pub mod parse;
 pub mod problems;
+mod records;
 mod sim;
 mod time;
 mod workers;
@@ -15,6 +16,7 @@ pub use ids::{
     is_path_id,
 };
 pub use operations::{FlashFirmware, MAX_VERSION, Operation, OperationKind, OperationState};
+pub use records::{Record, RecordPage};
 pub use sim::SimStats;
 pub use workers::{
     CreateWorker, InvalidWorkerState, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, RebootResult,

@@ -1,48 +1,7 @@
-//! The admin records API's shapes (SPEC 7): idempotency records as an operator sees them.
+//! The admin records API (SPEC 7): idempotency records as an operator sees them. The record and
+//! its page are `leasebroker-api`'s; the filter is the SDK's way to ask for a page.
 
-use serde::{Deserialize, Serialize};
-
-pub use crate::types::{InvalidRecordId, RecordId};
-
-/// An idempotency record (`GET /admin/v1/records/{id}`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
-    /// The record id.
-    pub id: RecordId,
-    /// Whose request it was.
-    pub principal: String,
-    /// Method and path, e.g. `POST /v1/workers`.
-    pub endpoint: String,
-    /// The request's `Idempotency-Key`.
-    pub key: String,
-    /// `in_flight`, `completed` or `failed`.
-    pub state: String,
-    /// `sha256:<hex>` of the request.
-    pub fingerprint: String,
-    /// The stored response's status, when completed.
-    pub response_status: Option<u16>,
-    /// RFC 3339.
-    pub created_at: String,
-    /// RFC 3339: when the current attempt started.
-    pub started_at: String,
-    /// RFC 3339: when the key is free again.
-    pub expires_at: String,
-    /// The stored response body, when asked for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_body: Option<String>,
-    /// `utf-8` or `hex`: how `response_body` holds the body.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_body_encoding: Option<String>,
-}
-
-/// A page of records (`GET /admin/v1/records`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecordPage {
-    /// This page.
-    pub records: Vec<Record>,
-    /// Pass as [`RecordFilter::cursor`] for the next page; `None` on the last.
-    pub next_cursor: Option<String>,
-}
+pub use crate::types::{InvalidRecordId, Record, RecordId, RecordPage};
 
 /// Which records to list: each filter as the server takes it (it checks them).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -3,6 +3,6 @@
 
 pub use leasebroker_api::{
     CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidRecordId, InvalidWorkerId,
-    InvalidWorkerState, NodeId, Operation, OperationId, OperationKind, OperationState, RebootResult, RecordId, Worker,
-    WorkerId, WorkerPage, WorkerState,
+    InvalidWorkerState, NodeId, Operation, OperationId, OperationKind, OperationState, RebootResult, Record, RecordId,
+    RecordPage, Worker, WorkerId, WorkerPage, WorkerState,
 };

@@ -187,7 +187,8 @@ mod tests {
             serde_json::from_value(serde_json::json!({
                 "id": "0123456789abcdef0123456789abcdef", "principal": "admin", "endpoint": endpoint,
                 "key": "k-1", "state": "completed", "fingerprint": "sha256:00", "response_status": 202,
-                "created_at": "x", "started_at": "x", "expires_at": "x",
+                "created_at": "2026-11-30T22:14:07.000000Z", "started_at": "2026-11-30T22:14:07.000000Z",
+                "expires_at": "2026-12-01T22:14:07.000000Z",
             }))
             .expect("a record")
         };

@@ -6,90 +6,46 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use idempotency::{ErrorChain, Forget, Principal, Record, RecordId, RecordQuery, RecordState, StoreError};
+use idempotency::{
+    ErrorChain, Forget, Principal, Record as StoredRecord, RecordId, RecordQuery, RecordState, StoreError,
+};
 use idempotency_tower::{IdempotencyContext, Problem};
 use leasebroker_api::problems;
-use serde::{Deserialize, Serialize};
+pub use leasebroker_api::{Record, RecordPage};
+use serde::Deserialize;
 
 use super::*;
 use crate::audit::AuditEntry;
 
-/// A record as the admin API shows it.
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct AdminRecord {
-    /// The record id: 32 hex digits.
-    pub id: String,
-    /// Whose request it was.
-    pub principal: String,
-    /// Method and path, e.g. `POST /v1/workers`.
-    pub endpoint: String,
-    /// The request's `Idempotency-Key`.
-    pub key: String,
-    /// `in_flight`, `completed` or `failed`.
-    pub state: String,
-    /// `sha256:<hex>` of the request.
-    pub fingerprint: String,
-    /// The stored response's status, when completed.
-    pub response_status: Option<u16>,
-    /// RFC 3339.
-    pub created_at: String,
-    /// RFC 3339: when the current attempt started (renewed while it runs).
-    pub started_at: String,
-    /// RFC 3339: when the key is free again.
-    pub expires_at: String,
-    /// The stored response body (only with `?body=true`, and only when completed): the text when
-    /// it is UTF-8, else its bytes in hex (see `response_body_encoding`).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub response_body: Option<String>,
-    /// `utf-8` or `hex`: how `response_body` holds the body (only beside it).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub response_body_encoding: Option<String>,
-}
-
-fn rfc3339(t: idempotency::Timestamp) -> String {
-    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-}
-
-impl AdminRecord {
-    /// The record, with its response body when `body`.
-    pub fn from_record(r: &Record, body: bool) -> Self {
-        let (response_body, response_body_encoding) = match (&r.response, body) {
-            (Some(resp), true) => match resp.body.decode() {
-                Ok(bytes) => match std::str::from_utf8(&bytes) {
-                    Ok(text) => (Some(text.to_owned()), Some("utf-8".to_owned())),
-                    Err(_) => (Some(hex::encode(&bytes)), Some("hex".to_owned())),
-                },
-                Err(e) => {
-                    tracing::warn!(error = %e, record_id = %r.record_id.to_hex(), "a stored body does not decode");
-                    (None, None)
-                }
+/// A stored record as the admin API shows it, with its response body when `body`.
+pub fn admin_record(r: &StoredRecord, body: bool) -> Record {
+    let (response_body, response_body_encoding) = match (&r.response, body) {
+        (Some(resp), true) => match resp.body.decode() {
+            Ok(bytes) => match std::str::from_utf8(&bytes) {
+                Ok(text) => (Some(text.to_owned()), Some("utf-8".to_owned())),
+                Err(_) => (Some(hex::encode(&bytes)), Some("hex".to_owned())),
             },
-            _ => (None, None),
-        };
-        Self {
-            id: r.record_id.to_hex(),
-            principal: r.scope.principal.as_str().to_owned(),
-            endpoint: r.scope.endpoint.as_str().to_owned(),
-            key: r.scope.key.as_str().to_owned(),
-            state: r.state.as_str().to_owned(),
-            fingerprint: r.fingerprint.as_str().to_owned(),
-            response_status: r.response.as_ref().map(|resp| resp.status),
-            created_at: rfc3339(r.created_at),
-            started_at: rfc3339(r.started_at),
-            expires_at: rfc3339(r.expires_at),
-            response_body,
-            response_body_encoding,
-        }
+            Err(e) => {
+                tracing::warn!(error = %e, record_id = %r.record_id.to_hex(), "a stored body does not decode");
+                (None, None)
+            }
+        },
+        _ => (None, None),
+    };
+    Record {
+        id: leasebroker_api::RecordId::from_bytes(r.record_id.as_bytes()),
+        principal: r.scope.principal.as_str().to_owned(),
+        endpoint: r.scope.endpoint.as_str().to_owned(),
+        key: r.scope.key.as_str().to_owned(),
+        state: r.state.as_str().to_owned(),
+        fingerprint: r.fingerprint.as_str().to_owned(),
+        response_status: r.response.as_ref().map(|resp| resp.status),
+        created_at: r.created_at,
+        started_at: r.started_at,
+        expires_at: r.expires_at,
+        response_body,
+        response_body_encoding,
     }
-}
-
-/// `GET /admin/v1/records` response.
-#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct RecordList {
-    /// This page.
-    pub records: Vec<AdminRecord>,
-    /// Pass as `cursor` for the next page; null on the last.
-    pub next_cursor: Option<String>,
 }
 
 /// `GET /admin/v1/records` query.
@@ -178,7 +134,7 @@ pub(crate) fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Resu
 
 /// Lists idempotency records, a page at a time.
 #[utoipa::path(get, path = "/admin/v1/records", tag = "admin", params(RecordsQuery),
-    responses((status = 200, body = RecordList), (status = 400, description = "A bad filter, limit or cursor"),
+    responses((status = 200, body = RecordPage), (status = 400, description = "A bad filter, limit or cursor"),
               (status = 401, description = "Unauthorized (tenants too)"),
               (status = 503, description = "The record store is unavailable")),
     security(("bearer" = [])))]
@@ -192,8 +148,8 @@ pub async fn list_records(
         Err(detail) => return invalid_query(&detail),
     };
     match state.store.list_records(&query).await {
-        Ok(page) => Json(RecordList {
-            records: page.records.iter().map(|r| AdminRecord::from_record(r, false)).collect(),
+        Ok(page) => Json(RecordPage {
+            records: page.records.iter().map(|r| admin_record(r, false)).collect(),
             next_cursor: page.next_cursor,
         })
         .into_response(),
@@ -204,7 +160,7 @@ pub async fn list_records(
 /// Reads one idempotency record; its stored response body with `?body=true`.
 #[utoipa::path(get, path = "/admin/v1/records/{id}", tag = "admin",
     params(("id" = String, Path, description = "Record id (32 hex digits)"), RecordQueryParams),
-    responses((status = 200, body = AdminRecord), (status = 400, description = "body is not true or false"),
+    responses((status = 200, body = Record), (status = 400, description = "body is not true or false"),
               (status = 401, description = "Unauthorized (tenants too)"), (status = 404, description = "No such record"),
               (status = 503, description = "The record store is unavailable")),
     security(("bearer" = [])))]
@@ -221,7 +177,7 @@ pub async fn get_record(
     };
     let Some(id) = record_id(&id) else { return no_such_record() };
     match state.store.get_by_id(&id).await {
-        Ok(Some(r)) if !r.is_expired(idempotency::now()) => Json(AdminRecord::from_record(&r, body)).into_response(),
+        Ok(Some(r)) if !r.is_expired(idempotency::now()) => Json(admin_record(&r, body)).into_response(),
         Ok(_) => no_such_record(),
         Err(e) => store_error(e),
     }
