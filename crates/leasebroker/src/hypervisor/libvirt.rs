@@ -56,16 +56,26 @@ impl LibvirtVms {
             reason: format!("a libvirt URL is {URL_PREFIX}<libvirt URI>, e.g. {URL_PREFIX}qemu:///system"),
         })?;
         let vms = Self { uri: uri.to_owned(), images, timeout };
-        vms.call(|conn| conn.lib_version().map(drop).map_err(|e| classify(&e, false))).await?;
+        vms.call(|conn, _| conn.lib_version().map(drop).map_err(|e| classify(&e, false))).await?;
         Ok(vms)
     }
 
-    /// Runs `f` on a fresh connection, on a blocking thread, within the timeout.
+    /// The same backend with each call bounded by `timeout` instead.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs `f` on a fresh connection, on a blocking thread, within the timeout. The wait ends
+    /// at the timeout but the thread does not: `f` checks its [`Deadline`] before each step that
+    /// changes anything, so a call that outlives its caller's wait sends nothing more (else it
+    /// could land after the settle window its retry waited out: a second domain, a second reset).
     async fn call<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&Connect) -> Result<T, HvError> + Send + 'static,
+        f: impl FnOnce(&Connect, Deadline) -> Result<T, HvError> + Send + 'static,
     ) -> Result<T, HvError> {
         let uri = self.uri.clone();
+        let deadline = Deadline(std::time::Instant::now() + self.timeout);
         let work = tokio::task::spawn_blocking(move || {
             // No connection: nothing was sent.
             let conn = Connect::open(Some(&uri)).map_err(|e| HvError::Libvirt {
@@ -73,7 +83,7 @@ impl LibvirtVms {
                 status: None,
                 definite: true,
             })?;
-            f(&conn)
+            f(&conn, deadline)
         });
         match tokio::time::timeout(self.timeout, work).await {
             Ok(Ok(result)) => result,
@@ -99,15 +109,16 @@ impl LibvirtVms {
         let tag = req.tag.clone();
         let id = vm_id.clone();
         let result = self
-            .call(move |conn| {
+            .call(move |conn, deadline| {
                 let kvm =
                     conn.capabilities().is_ok_and(|caps| caps.contains("type='kvm'") || caps.contains("type=\"kvm\""));
                 let xml = domain_xml(&id, &tag, memory_mib, kvm, disk.as_deref());
+                deadline.check()?;
                 let dom = conn.define_domain_xml(&xml).map_err(|e| classify(&e, true))?;
-                if let Err(e) = dom.create() {
+                if let Err(e) = deadline.check().and_then(|()| dom.create().map(drop).map_err(|e| classify(&e, true))) {
                     // Defined but not running: take it back, so nothing is left under the tag.
                     let _ = dom.undefine();
-                    return Err(classify(&e, true));
+                    return Err(e);
                 }
                 Ok(())
             })
@@ -123,7 +134,7 @@ impl LibvirtVms {
 
     /// Every domain carrying the service's metadata.
     pub async fn list_all(&self) -> Result<Vec<Vm>, HvError> {
-        self.call(|conn| {
+        self.call(|conn, _| {
             let domains = conn.list_all_domains(0).map_err(|e| classify(&e, false))?;
             let mut vms = Vec::new();
             for dom in domains {
@@ -147,7 +158,7 @@ impl LibvirtVms {
     /// One domain in full, or `None` when there is no such domain of ours.
     pub async fn get(&self, vm_id: &str) -> Result<Option<VmDetail>, HvError> {
         let vm_id = vm_id.to_owned();
-        self.call(move |conn| match lookup(conn, &vm_id)? {
+        self.call(move |conn, _| match lookup(conn, &vm_id)? {
             Some(dom) => detail_of(&dom),
             None => Ok(None),
         })
@@ -159,12 +170,13 @@ impl LibvirtVms {
     /// such domain: a definite 404.
     pub async fn start(&self, vm_id: &str) -> Result<(), HvError> {
         let vm_id = vm_id.to_owned();
-        self.call(move |conn| {
+        self.call(move |conn, deadline| {
             let dom = lookup(conn, &vm_id)?.ok_or_else(|| not_found(&vm_id))?;
             read_metadata(&dom)?.ok_or_else(|| not_found(&vm_id))?;
             if dom.is_active().map_err(|e| classify(&e, false))? {
                 return Ok(());
             }
+            deadline.check()?;
             match dom.create() {
                 Ok(_) => Ok(()),
                 Err(e) if code(&e) == Some(ErrorNumber::OperationInvalid) => Ok(()), // started meanwhile
@@ -177,13 +189,16 @@ impl LibvirtVms {
     /// Records `tag` on the domain, then resets it. No such domain: a definite 404.
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {
         let (vm_id, tag) = (vm_id.to_owned(), tag.to_owned());
-        self.call(move |conn| {
+        self.call(move |conn, deadline| {
             let dom = lookup(conn, &vm_id)?.ok_or_else(|| not_found(&vm_id))?;
             let mut meta = read_metadata(&dom)?.ok_or_else(|| not_found(&vm_id))?;
             if !meta.reboot_tags.contains(&tag) {
                 meta.reboot_tags.push(tag);
             }
             let live = dom.is_active().map_err(|e| classify(&e, true))?;
+            // Checked once, before the tag is recorded: a recorded tag is what a retry adopts as
+            // the reset done, so the reset follows it at once.
+            deadline.check()?;
             let mut flags = virt::sys::VIR_DOMAIN_AFFECT_CONFIG;
             if live {
                 flags |= virt::sys::VIR_DOMAIN_AFFECT_LIVE;
@@ -210,11 +225,12 @@ impl LibvirtVms {
     pub async fn delete(&self, vm_id: &str) -> Result<bool, HvError> {
         let id = vm_id.to_owned();
         let existed = self
-            .call(move |conn| {
+            .call(move |conn, deadline| {
                 let Some(dom) = lookup(conn, &id)? else { return Ok(false) };
                 if read_metadata(&dom)?.is_none() {
                     return Ok(false); // not one of ours: never touched
                 }
+                deadline.check()?;
                 if dom.is_active().map_err(|e| classify(&e, false))? {
                     match dom.destroy() {
                         Ok(()) => {}
@@ -233,6 +249,25 @@ impl LibvirtVms {
             let _ = std::fs::remove_file(overlay_path(dir, vm_id));
         }
         Ok(existed)
+    }
+}
+
+/// When a libvirt call's caller stops waiting for it ([`LibvirtVms::call`]).
+#[derive(Debug, Clone, Copy)]
+struct Deadline(std::time::Instant);
+
+impl Deadline {
+    /// Nothing more may be sent once the caller stopped waiting: a definite error (this step
+    /// was not taken), which the caller never sees (it was told the call timed out).
+    fn check(self) -> Result<(), HvError> {
+        if std::time::Instant::now() < self.0 {
+            return Ok(());
+        }
+        Err(HvError::Libvirt {
+            message: "the call's time ran out before this step was sent".into(),
+            status: None,
+            definite: true,
+        })
     }
 }
 

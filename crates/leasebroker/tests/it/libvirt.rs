@@ -307,3 +307,28 @@ async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_on
     assert!(text.lines().any(|l| l == "leasebroker_orphans_removed_total 1"), "counted once:\n{text}");
     assert!(running(&foreign), "a domain without the service's metadata is left alone");
 }
+
+/// A libvirt call runs on a blocking thread; its timeout used to end only the wait for it, and
+/// the call itself went on and could define and start a domain (or reset one) long after the
+/// caller was told it timed out, past the settle window its retry waits out: a second domain
+/// or a second reset. A call whose time is up before it is sent sends nothing, then or later.
+#[tokio::test]
+async fn a_libvirt_call_whose_time_ran_out_sends_nothing_later() {
+    use leasebroker::hypervisor::client::BootRequest;
+    use leasebroker::hypervisor::libvirt::LibvirtVms;
+    if !libvirt_or_skip("a_libvirt_call_whose_time_ran_out_sends_nothing_later") {
+        return;
+    }
+    let tag = format!("sk-late-{}", std::process::id());
+    let _cleanup = Cleanup(vec![tag.clone()]);
+    let vms = LibvirtVms::connect(URL, None, std::time::Duration::from_secs(30)).await.expect("libvirt answers");
+    // Opening the connection alone takes longer than a microsecond.
+    let hasty = vms.clone().with_timeout(std::time::Duration::from_micros(1));
+    let boot = BootRequest { image: "late".into(), cpu: 1, memory_gb: 1, tag: tag.clone() };
+    let err = hasty.boot(&boot).await.expect_err("no call completes in a microsecond");
+    assert!(err.to_string().contains("libvirt"), "{err}");
+    // Long enough for a call that went on to have defined and started its domain.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert_eq!(domains_tagged(&tag), Vec::<String>::new(), "a domain appeared after the call timed out");
+    assert!(vms.list_by_tag(&tag).await.expect("list").is_empty());
+}
