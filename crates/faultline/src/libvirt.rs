@@ -253,9 +253,9 @@ pub fn host_reset(data: &str) -> bool {
 
 impl Libvirt {
     /// Checks that libvirt answers at `uri` (and qemu-img is there), removes every domain an
-    /// earlier run left under `parent`, refuses a host where another leasebroker deployment has
-    /// domains (its inventory sweep and this run's servers' would take each other's for orphans),
-    /// makes the run's directory with its base image and starts watching the events.
+    /// earlier run left under `parent`, makes the run's directory with its base image and starts
+    /// watching the events. Domains of anyone else (another leasebroker deployment's included:
+    /// the inventory sweep leaves tags its ledger never issued alone) are never touched.
     pub async fn start(uri: &str, parent: &Path) -> anyhow::Result<Self> {
         if virsh(uri, &["version"]).await?.is_none() {
             bail!("--libvirt: libvirt does not answer at {uri} (is libvirtd running? scripts/install-libvirt)");
@@ -263,22 +263,6 @@ impl Libvirt {
         let left = Self::remove_left_over(uri, parent).await?;
         if left > 0 {
             eprintln!("faultline: removed {left} domain(s) an earlier run left under {}", parent.display());
-        }
-        let mut foreign = Vec::new();
-        for name in names(uri, true).await? {
-            if let Some(xml) = dumpxml(uri, &name).await?
-                && xml.tag.is_some()
-            {
-                foreign.push(name);
-            }
-        }
-        if !foreign.is_empty() {
-            bail!(
-                "--libvirt: {uri} holds {} domain(s) of another leasebroker ({}): one deployment per hypervisor, \
-                 or its inventory sweep and this run's servers' remove each other's domains",
-                foreign.len(),
-                foreign.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
-            );
         }
         let dir = parent.join(format!(
             "run-{}-{}",

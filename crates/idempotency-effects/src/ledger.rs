@@ -130,6 +130,19 @@ pub struct Intent {
     pub watch_until: i64,
 }
 
+/// Who owns a resource found downstream under a tag, as the ledger knows it
+/// ([`Ledger::ownership`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ownership {
+    /// An operation of this ledger keeps it.
+    Owned,
+    /// This ledger issued its tag and nothing owns it: an orphan, or a duplicate of a kept one.
+    Unowned,
+    /// This ledger never issued its tag (or forgot it after the retention): another service's,
+    /// on a downstream two services share. The sweep leaves it alone.
+    Foreign,
+}
+
 /// What [`Ledger::decide`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decided {
@@ -265,14 +278,16 @@ pub trait Ledger: Send + Sync + fmt::Debug + 'static {
     /// (but one with an accepted intent still being watched). Returns rows deleted.
     async fn prune(&self, before: i64) -> Result<u64, LedgerError>;
 
-    /// Whether anything owns the downstream resource `resource_id` tagged `tag`, for the
-    /// inventory sweep, in one snapshot: a finished operation keeps it, or the intent `tag`
-    /// exists and its operation is live or being rolled back, or it is accepted, or its last
-    /// send is later than `settled_before`.
-    async fn owns(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<bool, LedgerError>;
+    /// Who owns the downstream resource `resource_id` tagged `tag`, for the inventory sweep, in
+    /// one snapshot. [`Ownership::Owned`]: a finished operation keeps it, or the intent `tag`
+    /// exists and its operation is live or being rolled back, or it is accepted, or its last send
+    /// is later than `settled_before`. [`Ownership::Unowned`]: this ledger issued `tag` (its
+    /// intent is there, or its operation finished or was rolled back within the retention) and
+    /// nothing owns the resource. [`Ownership::Foreign`]: this ledger never issued `tag`.
+    async fn ownership(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<Ownership, LedgerError>;
 
-    /// The service deleted the resource `resource_id`: no operation owns it any more. Returns
-    /// rows removed.
+    /// The service deleted the resource `resource_id`: no operation owns it any more (its tag is
+    /// still known as issued here until the retention). Returns rows removed.
     async fn disown(&self, resource_id: &str) -> Result<u64, LedgerError>;
 
     /// Up to `limit` accepted intents whose watch lease expired before `now` or is held by

@@ -25,7 +25,7 @@ pub mod conformance;
 
 pub use attempt::{Attempt, DEFAULT_SEND_AHEAD, DEFAULT_SETTLE, EffectError, Effects, Operation, Outcome};
 pub use effect::{CallError, Effect, Progress, Sent, Tagged, Undone};
-pub use ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow};
+pub use ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 pub use memory::MemoryLedger;
 pub use reaper::{Compensate, Pass, Reaper, ReaperConfig};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]

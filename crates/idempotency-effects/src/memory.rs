@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow};
+use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 use crate::{micros, now_micros};
 
 #[derive(Debug, Default)]
@@ -16,9 +16,21 @@ struct State {
     intents: BTreeMap<String, Intent>,
     /// What finished operations keep: tag -> resource id.
     owned: HashMap<String, String>,
+    /// Tags this ledger issued whose intents are gone: tag -> when.
+    spent: HashMap<String, i64>,
 }
 
 impl State {
+    /// Remembers the tags of `op_id`'s intents that `keep` does not keep, then deletes them.
+    fn spend(&mut self, op_id: &str, now: i64, keep: impl Fn(&Intent) -> bool) {
+        let spent: Vec<String> =
+            self.intents.values().filter(|i| i.op_id == op_id && !keep(i)).map(|i| i.intent_id.clone()).collect();
+        for tag in spent {
+            self.intents.remove(&tag);
+            self.spent.entry(tag).or_insert(now);
+        }
+    }
+
     /// The fence: the operation must be there and live.
     fn guard(&self, op_id: &str) -> Result<(), LedgerError> {
         match self.ops.get(op_id).map(|(op, _)| op.mark) {
@@ -156,7 +168,7 @@ impl Ledger for MemoryLedger {
         for (tag, id) in kept {
             s.owned.entry(tag).or_insert(id);
         }
-        s.intents.retain(|_, i| i.op_id != op_id || i.state == IntentState::Accepted);
+        s.spend(op_id, now, |i| i.state == IntentState::Accepted);
         Ok(())
     }
 
@@ -227,7 +239,7 @@ impl Ledger for MemoryLedger {
             _ => false,
         };
         if done {
-            s.intents.retain(|_, i| i.op_id != op_id);
+            s.spend(op_id, now, |_| false);
         }
         Ok(done)
     }
@@ -249,27 +261,34 @@ impl Ledger for MemoryLedger {
         }
         let before_len = s.intents.len();
         s.intents.retain(|_, i| !gone.contains(&i.op_id));
+        s.spent.retain(|_, at| *at >= before);
         Ok((gone.len() + before_len - s.intents.len()) as u64)
     }
 
-    async fn owns(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<bool, LedgerError> {
+    async fn ownership(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<Ownership, LedgerError> {
         let s = self.lock();
         if s.owned.get(tag).is_some_and(|id| id == resource_id) {
-            return Ok(true);
+            return Ok(Ownership::Owned);
         }
-        Ok(s.intents.get(tag).is_some_and(|i| {
+        if let Some(i) = s.intents.get(tag) {
             let mark = s.ops.get(&i.op_id).map(|(o, _)| o.mark);
-            matches!(mark, Some(Mark::Live | Mark::RollingBack))
+            let owned = matches!(mark, Some(Mark::Live | Mark::RollingBack))
                 || i.state == IntentState::Accepted
-                || i.sent_at > settled_before
-        }))
+                || i.sent_at > settled_before;
+            return Ok(if owned { Ownership::Owned } else { Ownership::Unowned });
+        }
+        Ok(if s.owned.contains_key(tag) || s.spent.contains_key(tag) { Ownership::Unowned } else { Ownership::Foreign })
     }
 
     async fn disown(&self, resource_id: &str) -> Result<u64, LedgerError> {
         let mut s = self.lock();
-        let n = s.owned.len();
-        s.owned.retain(|_, id| id != resource_id);
-        Ok((n - s.owned.len()) as u64)
+        let tags: Vec<String> = s.owned.iter().filter(|(_, id)| *id == resource_id).map(|(t, _)| t.clone()).collect();
+        let now = now_micros();
+        for tag in &tags {
+            s.owned.remove(tag);
+            s.spent.insert(tag.clone(), now);
+        }
+        Ok(tags.len() as u64)
     }
 
     async fn to_watch(&self, watcher: &str, now: i64, limit: u32) -> Result<Vec<Intent>, LedgerError> {

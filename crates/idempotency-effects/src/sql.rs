@@ -101,13 +101,15 @@ pub fn migrator(sqlite: bool) -> Migrator {
         idempotency_sqlx::embedded_migrations!(
             "migrations/sqlite",
             "20261202200001_effect_ledger.sql",
-            "20261203100001_operation_subject.sql"
+            "20261203100001_operation_subject.sql",
+            "20261203200001_spent_tags.sql"
         )
     } else {
         idempotency_sqlx::embedded_migrations!(
             "migrations/postgres",
             "20261202200001_effect_ledger.sql",
-            "20261203100001_operation_subject.sql"
+            "20261203100001_operation_subject.sql",
+            "20261203200001_spent_tags.sql"
         )
     };
     let mut m = idempotency_sqlx::embedded_migrator(files).expect("the file names are checked by a test");

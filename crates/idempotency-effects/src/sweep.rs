@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::effect::{CallError, Effect, Undone};
-use crate::ledger::{Ledger, LedgerError};
+use crate::ledger::{Ledger, LedgerError, Ownership};
 use crate::{micros, now_micros};
 
 /// The prefix of every derived sub-key, so of every tag this library stamps.
@@ -22,6 +22,9 @@ pub struct Swept {
     pub undone: u64,
     /// Effects whose listing or undo failed (tried again next sweep).
     pub errors: u64,
+    /// Resources listed whose tag this ledger never issued (another service's, on a downstream
+    /// two services share): left alone.
+    pub foreign: u64,
 }
 
 /// An error of a sweep step.
@@ -51,8 +54,10 @@ pub trait Owner: Send + Sync + std::fmt::Debug {
 /// Lists what carries this service's tags downstream (each effect that can list) and undoes
 /// whatever no live operation and no finished one owns, once its last send is older than the
 /// settle window: a call that landed after its operation was rolled back, a duplicate that
-/// landed after its operation finished. Every replica may run it; a resource is counted by the
-/// replica whose undo found it there.
+/// landed after its operation finished. Only what carries a tag this ledger issued is ever
+/// undone: a tag it never saw belongs to another service on a shared downstream (two
+/// deployments on one libvirt host) and is counted in [`Swept::foreign`], left alone. Every
+/// replica may run it; a resource is counted by the replica whose undo found it there.
 #[derive(Debug, Clone)]
 pub struct InventorySweep {
     ledger: Arc<dyn Ledger>,
@@ -76,15 +81,16 @@ impl InventorySweep {
         self
     }
 
-    /// Whether anything owns `item` of `effect`: the ledger, or the service's own tables.
-    async fn owned(&self, effect: &str, item: &crate::Tagged) -> Result<bool, SweepError> {
+    /// Who owns `item` of `effect`: the ledger, or the service's own tables.
+    async fn ownership(&self, effect: &str, item: &crate::Tagged) -> Result<Ownership, SweepError> {
         let settled_before = now_micros().saturating_sub(micros(self.settle));
-        if self.ledger.owns(&item.tag, &item.id, settled_before).await? {
-            return Ok(true);
+        let ledger = self.ledger.ownership(&item.tag, &item.id, settled_before).await?;
+        if ledger == Ownership::Owned {
+            return Ok(Ownership::Owned);
         }
         match &self.owner {
-            None => Ok(false),
-            Some(owner) => owner.owns(effect, &item.id).await.map_err(SweepError::Owner),
+            Some(owner) if owner.owns(effect, &item.id).await.map_err(SweepError::Owner)? => Ok(Ownership::Owned),
+            _ => Ok(ledger),
         }
     }
 
@@ -121,11 +127,12 @@ impl InventorySweep {
             let mut kept: HashMap<&str, &str> = HashMap::new();
             for item in &listed {
                 out.listed += 1;
-                match self.owned(effect.name(), item).await {
-                    Ok(true) => {
+                match self.ownership(effect.name(), item).await {
+                    Ok(Ownership::Owned) => {
                         kept.insert(item.tag.as_str(), item.id.as_str());
                     }
-                    Ok(false) => unowned.push(item),
+                    Ok(Ownership::Unowned) => unowned.push(item),
+                    Ok(Ownership::Foreign) => out.foreign += 1,
                     Err(SweepError::Ledger(e)) => return Err(SweepError::Ledger(e)),
                     Err(e) => {
                         out.errors += 1;

@@ -21,6 +21,9 @@ pub const FORGOTTEN_TOTAL: &str = "leasebroker_reaper_forgotten_total";
 /// Counter: VMs carrying one of the service's tags that no live operation or worker owned,
 /// deleted by the inventory sweep (a boot that landed after its operation was rolled back).
 pub const ORPHANS_REMOVED_TOTAL: &str = "leasebroker_orphans_removed_total";
+/// Gauge: VMs the last inventory sweep listed whose tag this service never issued (another
+/// service's, on a hypervisor both use), left alone.
+pub const INVENTORY_FOREIGN: &str = "leasebroker_inventory_foreign_resources";
 /// Gauge: operations due for the reaper and not looked at yet, after its last tick (counted up
 /// to the reaper's cap): above zero for long, the reaper falls behind.
 pub const REAPER_BACKLOG: &str = "leasebroker_reaper_backlog_operations";
@@ -57,6 +60,10 @@ pub fn describe() {
     metrics::describe_counter!(
         ORPHANS_REMOVED_TOTAL,
         "VMs with the service's tag that no live operation or worker owned, deleted by the inventory sweep"
+    );
+    metrics::describe_gauge!(
+        INVENTORY_FOREIGN,
+        "VMs the last inventory sweep listed whose tag this service never issued (another service's), left alone"
     );
     metrics::describe_gauge!(
         REAPER_BACKLOG,

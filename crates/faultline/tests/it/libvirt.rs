@@ -102,8 +102,8 @@ fn real_domains_booted_rebooted_and_deleted_through_sigkills_hold_every_invarian
 }
 
 #[test]
-fn a_host_with_another_leasebrokers_domain_is_refused_and_the_domain_left_alone() {
-    if !libvirt_or_skip("a_host_with_another_leasebrokers_domain_is_refused_and_the_domain_left_alone") {
+fn a_run_on_a_host_with_another_leasebrokers_domain_leaves_that_domain_alone() {
+    if !libvirt_or_skip("a_run_on_a_host_with_another_leasebrokers_domain_leaves_that_domain_alone") {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -137,7 +137,6 @@ fn a_host_with_another_leasebrokers_domain_is_refused_and_the_domain_left_alone(
         .output()
         .expect("run faultline");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "refused: {stderr}");
-    assert!(stderr.contains("domain(s) of another leasebroker") && stderr.contains(&name), "{stderr}");
-    assert!(virsh(&["dominfo", &name]).is_some(), "the foreign domain is left alone");
+    assert!(output.status.success(), "the run failed: {stderr}");
+    assert!(virsh(&["dominfo", &name]).is_some(), "the other deployment's domain is left alone");
 }

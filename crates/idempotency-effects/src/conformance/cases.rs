@@ -461,13 +461,21 @@ pub async fn the_inventory_sweep_undoes_orphans_only(f: Fixture) {
     assert!(rolled, "the abandoned operation is rolled back");
     let late = ds.land(&gone.derive("thing").to_string());
     let duplicate = ds.land(&finished.derive("thing").to_string());
+    // Another service's, on the same downstream: a tag this ledger never issued.
+    let foreign = ds.land("sk-issued-by-another-service");
     let sweep = InventorySweep::new(f.peer.clone(), all, SETTLE);
     let swept = sweep.sweep().await.unwrap();
-    assert_eq!((swept.listed, swept.undone), (4, 2), "{swept:?}");
+    assert_eq!((swept.listed, swept.undone, swept.foreign), (5, 2, 1), "{swept:?}");
     let mut left: Vec<String> = ds.list(crate::TAG_PREFIX).await.unwrap().into_iter().map(|t| t.id).collect();
     left.sort();
     assert!(left.contains(&kept.id().to_owned()) && !left.contains(&late) && !left.contains(&duplicate), "{left:?}");
+    assert!(left.contains(&foreign), "another service's resource was undone: {left:?}");
     assert_eq!(sweep.sweep().await.unwrap().undone, 0, "counted once");
+    // The rolled-back operation's tag is known until the retention, then forgotten.
+    let tag = gone.derive("thing").to_string();
+    assert_eq!(f.peer.ownership(&tag, "x", now_micros()).await.unwrap(), crate::Ownership::Unowned);
+    f.ledger.prune(now_micros() + 1).await.unwrap();
+    assert_eq!(f.peer.ownership(&tag, "x", now_micros()).await.unwrap(), crate::Ownership::Foreign);
 }
 
 /// Ticks `reaper` with only `op_id` due (every other row put off for an hour).
@@ -602,7 +610,11 @@ pub async fn marks_refuse_every_step_until_the_retention(f: Fixture) {
     assert!(l.record(op.id(), &tag, "x", IntentState::Done).await.is_err());
     let other = a.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
     assert!(matches!(other, Err(EffectError::Finished)), "{other:?}");
-    assert!(f.ledger.owns(&tag, done.id(), now_micros()).await.unwrap(), "the finished operation owns its resource");
+    assert_eq!(
+        f.ledger.ownership(&tag, done.id(), now_micros()).await.unwrap(),
+        crate::Ownership::Owned,
+        "the finished operation owns its resource"
+    );
     assert_eq!(f.ledger.prune(now_micros() - 3_600_000_000).await.unwrap(), 0, "kept until the retention");
     assert!(f.ledger.prune(now_micros() + 1).await.unwrap() >= 1, "pruned after it");
     assert_eq!(mark_of(&*f.ledger, op.id()).await, None);
@@ -660,8 +672,18 @@ pub async fn the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once(
         }
     }
     let ds = Arc::new(Downstream::new("thing", false));
-    let owned = ds.land("sk-owned-by-a-row");
-    let orphans = [ds.land("sk-orphan-1"), ds.land("sk-orphan-2")];
+    // Three finished creates whose resources the service deleted from its ledger's keeping
+    // (`disown`): their tags are this ledger's, and only the service's own row owns one.
+    let mut landed = Vec::new();
+    for _ in 0..3 {
+        let (_c, op) = fresh_op(&*f.store, "create").await;
+        let a = effects(&f.ledger).attempt(&op);
+        let done = a.run(&*ds, |t| ds.send(t, Duration::ZERO)).await.unwrap();
+        a.finish().await.unwrap();
+        f.ledger.disown(done.id()).await.unwrap();
+        landed.push((op.derive("thing").to_string(), done.id().to_owned()));
+    }
+    let (owned_tag, owned) = landed[0].clone();
     let sweep = InventorySweep::new(f.ledger.clone(), vec![ds.clone() as Arc<dyn Effect>], SETTLE)
         .owned_by(Arc::new(Owns(owned.clone())));
     ds.lose_undo_answers(true);
@@ -671,8 +693,8 @@ pub async fn the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once(
     let second = sweep.sweep().await.unwrap();
     assert_eq!((second.listed, second.undone), (1, 2), "the lost undos, counted once they are seen gone: {second:?}");
     assert_eq!(sweep.sweep().await.unwrap().undone, 0, "counted once");
-    assert_eq!(ds.with_tag("sk-owned-by-a-row"), vec![owned]);
-    assert!(orphans.iter().all(|id| ds.with_tag(id).is_empty()));
+    assert_eq!(ds.with_tag(&owned_tag), vec![owned]);
+    assert!(landed[1..].iter().all(|(tag, _)| ds.with_tag(tag).is_empty()));
 }
 
 /// A call that is idempotent downstream (a delete by id) whose answer was lost is sent again at

@@ -126,8 +126,8 @@ impl Ledger for Gated {
     async fn prune(&self, before: i64) -> Result<u64, LedgerError> {
         self.inner.prune(before).await
     }
-    async fn owns(&self, tag: &str, id: &str, settled_before: i64) -> Result<bool, LedgerError> {
-        self.inner.owns(tag, id, settled_before).await
+    async fn ownership(&self, tag: &str, id: &str, settled_before: i64) -> Result<crate::Ownership, LedgerError> {
+        self.inner.ownership(tag, id, settled_before).await
     }
     async fn disown(&self, id: &str) -> Result<u64, LedgerError> {
         self.inner.disown(id).await

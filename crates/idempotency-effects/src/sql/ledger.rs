@@ -6,9 +6,10 @@ use async_trait::async_trait;
 use sqlx::Row;
 
 use super::rows::{INTENT_COLUMNS, OP_COLUMNS, read_intent, read_op};
-use super::steps::{BEGIN_ATTEMPT, decide_in, finish_in, send_stamp};
+use super::steps::{BEGIN_ATTEMPT, SPEND_INTENTS, decide_in, finish_in, send_stamp};
 use super::{Pool, SqlLedger};
-use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow};
+use crate::now_micros;
+use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 
 /// Runs `$body` with `$tx` a transaction that holds its fence lock (see the `sql` module docs) and
 /// `$guard` the fence's SQL (`$1`: the op id; answers the mark).
@@ -214,6 +215,7 @@ impl Ledger for SqlLedger {
             let marked = sqlx::query("UPDATE fx_operations SET mark = 2, marked_at = $2 WHERE op_id = $1 AND mark = 1")
                 .bind(op_id).bind(now).execute(&mut *tx).await?.rows_affected() == 1;
             if marked {
+                sqlx::query(SPEND_INTENTS).bind(op_id).bind(now).execute(&mut *tx).await?;
                 sqlx::query("DELETE FROM fx_intents WHERE op_id = $1").bind(op_id).execute(&mut *tx).await?;
             }
             tx.commit().await?;
@@ -230,24 +232,41 @@ impl Ledger for SqlLedger {
             let o = sqlx::query("DELETE FROM fx_operations WHERE mark >= 2 AND marked_at < $1 \
                                  AND NOT EXISTS (SELECT 1 FROM fx_intents i WHERE i.op_id = fx_operations.op_id AND i.state = 'accepted')")
                 .bind(before).execute(&mut *tx).await?.rows_affected();
+            sqlx::query("DELETE FROM fx_spent WHERE spent_at < $1").bind(before).execute(&mut *tx).await?;
             tx.commit().await?;
             Ok(i + o)
         })
     }
 
-    async fn owns(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<bool, LedgerError> {
+    async fn ownership(&self, tag: &str, resource_id: &str, settled_before: i64) -> Result<Ownership, LedgerError> {
         on_pool!(self, p => {
-            Ok(sqlx::query("SELECT 1 FROM fx_owned WHERE tag = $1 AND resource_id = $2 \
-                            UNION ALL \
-                            SELECT 1 FROM fx_intents i JOIN fx_operations o ON o.op_id = i.op_id \
-                            WHERE i.intent_id = $1 AND (o.mark < 2 OR i.state = 'accepted' OR i.sent_at > $3)")
-                .bind(tag).bind(resource_id).bind(settled_before).fetch_optional(p).await?.is_some())
+            let found: i32 = sqlx::query_scalar(
+                "SELECT CASE \
+                 WHEN EXISTS (SELECT 1 FROM fx_owned WHERE tag = $1 AND resource_id = $2) \
+                   OR EXISTS (SELECT 1 FROM fx_intents i JOIN fx_operations o ON o.op_id = i.op_id \
+                              WHERE i.intent_id = $1 AND (o.mark < 2 OR i.state = 'accepted' OR i.sent_at > $3)) THEN 2 \
+                 WHEN EXISTS (SELECT 1 FROM fx_intents WHERE intent_id = $1) \
+                   OR EXISTS (SELECT 1 FROM fx_owned WHERE tag = $1) \
+                   OR EXISTS (SELECT 1 FROM fx_spent WHERE tag = $1) THEN 1 \
+                 ELSE 0 END",
+            )
+            .bind(tag).bind(resource_id).bind(settled_before).fetch_one(p).await?;
+            Ok(match found {
+                2 => Ownership::Owned,
+                1 => Ownership::Unowned,
+                _ => Ownership::Foreign,
+            })
         })
     }
 
     async fn disown(&self, resource_id: &str) -> Result<u64, LedgerError> {
-        on_pool!(self, p => {
-            Ok(sqlx::query("DELETE FROM fx_owned WHERE resource_id = $1").bind(resource_id).execute(p).await?.rows_affected())
+        in_tx!(self, tx, _guard => {
+            sqlx::query("INSERT INTO fx_spent (tag, spent_at) SELECT tag, $2 FROM fx_owned WHERE resource_id = $1 \
+                         ON CONFLICT (tag) DO UPDATE SET spent_at = excluded.spent_at")
+                .bind(resource_id).bind(now_micros()).execute(&mut *tx).await?;
+            let n = sqlx::query("DELETE FROM fx_owned WHERE resource_id = $1").bind(resource_id).execute(&mut *tx).await?.rows_affected();
+            tx.commit().await?;
+            Ok(n)
         })
     }
 

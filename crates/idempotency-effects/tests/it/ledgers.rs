@@ -44,7 +44,7 @@ forward! {
     intent(intent_id: &str) -> Result<Option<Intent>, LedgerError>;
     rolled_back(op_id: &str, now: i64) -> Result<bool, LedgerError>;
     prune(before: i64) -> Result<u64, LedgerError>;
-    owns(tag: &str, id: &str, settled_before: i64) -> Result<bool, LedgerError>;
+    ownership(tag: &str, id: &str, settled_before: i64) -> Result<idempotency_effects::Ownership, LedgerError>;
     disown(id: &str) -> Result<u64, LedgerError>;
     to_watch(watcher: &str, now: i64, limit: u32) -> Result<Vec<Intent>, LedgerError>;
     take_watch(intent_id: &str, watcher: &str, seen: i64, until: i64) -> Result<bool, LedgerError>;

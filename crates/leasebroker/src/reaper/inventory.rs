@@ -5,7 +5,9 @@
 //! boot that landed after its operation was rolled back (an orphan), or a second VM of one
 //! boot that landed after the create finished. Each deleted VM is counted once
 //! ([`crate::metric::ORPHANS_REMOVED_TOTAL`]), even when the delete's answer was lost and the VM's absence
-//! is learnt from a later listing.
+//! is learnt from a later listing. A VM whose tag this service never issued (another
+//! deployment's, on a hypervisor both use) is left alone and counted in
+//! [`crate::metric::INVENTORY_FOREIGN`].
 
 use async_trait::async_trait;
 use idempotency::ErrorChain;
@@ -32,6 +34,7 @@ impl Reaper {
             Ok(swept) => {
                 report.orphans_removed += swept.undone;
                 report.vms_deleted += swept.undone;
+                metrics::gauge!(crate::metric::INVENTORY_FOREIGN).set(swept.foreign as f64);
             }
             Err(e) => tracing::warn!(error = %ErrorChain(&e), "inventory sweep failed; trying again next tick"),
         }

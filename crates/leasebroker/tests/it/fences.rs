@@ -56,6 +56,35 @@ async fn a_boot_landing_after_its_rollback_is_removed_by_the_inventory_sweep() {
     assert_eq!(sim_stats(&hv.url).await["boots_total"], 1, "nothing booted again");
 }
 
+/// Two services with their own databases on one hypervisor (two deployments on one libvirt
+/// host, or two tests): each inventory sweep undoes only what carries a tag its own ledger
+/// issued. Seen in CI: a service's sweep deleted the VM another service had just created, whose
+/// tag its ledger had never seen, as an orphan. The other's VMs are counted as foreign, left
+/// alone.
+#[tokio::test]
+async fn a_sweep_leaves_alone_what_another_service_booted_on_the_same_hypervisor() {
+    let (a_dir, b_dir) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
+    let hv = sim(&[]);
+    let a = serve(&sqlite_url(&a_dir), &["--hypervisor-url", &hv.url]);
+    let r = create(&a.url, TOKEN, "mine-1", &worker_body()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    let vm_id = r.json()["vm_id"].as_str().expect("vm_id").to_owned();
+
+    let b = serve(
+        &sqlite_url(&b_dir),
+        &["--hypervisor-url", &hv.url, "--sweep-interval", "1s", "--hypervisor-timeout", "1s", "--hypervisor-settle", "1s"],
+    );
+    let seen = eventually(Duration::from_secs(30), || async {
+        metric(&b.url, "leasebroker_inventory_foreign_resources").await == 1.0
+    })
+    .await;
+    let vm = crate::support::http().get(format!("{}/v1/vms/{vm_id}", hv.url)).send().await.expect("vm");
+    assert_eq!(vm.status(), StatusCode::OK, "the other service's sweep deleted the VM {vm_id}");
+    assert!(seen, "the other service's sweep never counted the VM as foreign");
+    assert_eq!(metric(&b.url, "leasebroker_orphans_removed_total").await, 0.0);
+    assert_eq!(sim_stats(&hv.url).await["running"], 1);
+}
+
 /// Hole 4: 128 creates with distinct keys at once on the embedded default (SQLite, one
 /// connection, the in-process hypervisor). They queue for the database; none may answer 503 for
 /// having waited (the send stamp was taken before the wait).

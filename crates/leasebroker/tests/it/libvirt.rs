@@ -270,17 +270,32 @@ fn tiny_domain(name: &str, metadata: &str) -> String {
 }
 
 #[tokio::test]
-async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_one_is_left_alone() {
-    if !libvirt_or_skip("a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_one_is_left_alone") {
+async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_others_are_left_alone() {
+    if !libvirt_or_skip("a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_others_are_left_alone") {
         return;
     }
-    // What a boot that landed after its operation was rolled back leaves: a domain carrying a
-    // tag of the service that no operation or worker of its database owns.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args =
+        ["--hypervisor-url", URL, "--sweep-interval", "1s", "--hypervisor-timeout", "5s", "--hypervisor-settle", "6s"];
+    let lb = serve(&sqlite_url(&dir), &args);
+    // A worker created and deleted: its create's tag is the service's, and nothing owns it now.
+    let r = create_until_done(&lb.url, "lv-orphan-1", &body(), std::time::Duration::from_secs(60)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    let (id, vm_id) = (r.json()["id"].as_str().expect("id").to_owned(), r.json()["vm_id"].as_str().expect("vm").to_owned());
+    let tag = tag_of(&vm_id);
+    let del_url = format!("{}/v1/workers/{id}", lb.url);
+    let del = answered(|| send(Method::DELETE, &del_url, TOKEN, Some("lv-orphan-del"), None)).await;
+    assert_eq!(del.status, StatusCode::NO_CONTENT);
+    // What a second boot of that create landing after the worker was deleted leaves: a domain
+    // carrying the tag, that no operation or worker owns.
     let suffix = format!("{:016x}", rand::random::<u64>());
-    let (orphan, tag) = (format!("vm-{suffix}"), format!("sk-orphan-{suffix}"));
+    let orphan = format!("vm-{suffix}");
     let _cleanup = Cleanup(vec![tag.clone()]);
-    define_and_start(&orphan, &tiny_domain(&orphan, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>")));
-    // And a domain that is not the service's at all: never listed, never touched.
+    // Another deployment's domain (the service's metadata, a tag this one never issued), and a
+    // domain that is not the service's at all: both left alone.
+    let (theirs, their_tag) = (format!("vm-{:016x}", rand::random::<u64>()), format!("sk-{suffix}{suffix}"));
+    let _theirs = Cleanup(vec![their_tag.clone()]);
+    define_and_start(&theirs, &tiny_domain(&theirs, &format!("<lb:vm xmlns:lb='{NS}' tag='{their_tag}'/>")));
     let foreign = format!("lbtest-foreign-{suffix}");
     define_and_start(&foreign, &tiny_domain(&foreign, ""));
     struct Foreign(String);
@@ -291,12 +306,13 @@ async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_on
         }
     }
     let _foreign = Foreign(foreign.clone());
-    assert!(running(&orphan) && running(&foreign));
+    assert!(running(&theirs) && running(&foreign));
+    // The orphan last: the sweep (every second) may remove it before it is even started.
+    let file = dir.path().join("orphan.xml");
+    std::fs::write(&file, tiny_domain(&orphan, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>"))).expect("write");
+    virsh(&["define", &file.to_string_lossy()]).expect("virsh define the orphan");
+    let _ = virsh(&["start", &orphan]);
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let args =
-        ["--hypervisor-url", URL, "--sweep-interval", "1s", "--hypervisor-timeout", "2s", "--hypervisor-settle", "2s"];
-    let lb = serve(&sqlite_url(&dir), &args);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while virsh(&["dominfo", &orphan]).is_some() {
         assert!(std::time::Instant::now() < deadline, "the orphan {orphan} is still there");
@@ -305,6 +321,11 @@ async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_a_foreign_on
     let metrics = crate::support::http().get(format!("{}/metrics", lb.url)).send().await.expect("metrics");
     let text = metrics.text().await.expect("metrics text");
     assert!(text.lines().any(|l| l == "leasebroker_orphans_removed_total 1"), "counted once:\n{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("leasebroker_inventory_foreign_resources ") && !l.ends_with(" 0")),
+        "another deployment's domain counted as foreign:\n{text}"
+    );
+    assert!(running(&theirs), "another deployment's domain is left alone");
     assert!(running(&foreign), "a domain without the service's metadata is left alone");
 }
 
