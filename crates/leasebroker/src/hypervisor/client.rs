@@ -203,7 +203,8 @@ impl HypervisorClient {
 
     /// Makes an adopted VM run. A VM the HTTP API lists was booted by one call that started it,
     /// so there is nothing to do; on libvirt a boot is a define and then a start, and a domain
-    /// listed `stopped` under a boot's tag is one whose start never ran: it is started.
+    /// listed `stopped` under a boot's tag is one whose start never ran, or is still under way
+    /// in libvirtd (the start of a process killed mid-boot): it is started, or waited for.
     pub async fn ensure_running(&self, vm: &Vm) -> Result<(), HvError> {
         #[cfg(feature = "libvirt")]
         if let Some(vms) = &self.libvirt

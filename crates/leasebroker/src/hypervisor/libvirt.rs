@@ -16,7 +16,8 @@
 //! reads as done on the retry (the tag is the only trace a reset leaves), so at most one reboot
 //! per key holds, not exactly one; a boot whose domain was defined when the process died before
 //! it was started is listed `stopped` under its tag: the retry adopts it and starts it
-//! ([`LibvirtVms::start`]), so the worker it answers with runs. Calls go through
+//! ([`LibvirtVms::start`]), so the worker it answers with runs; so is one whose start is still
+//! under way in libvirtd (QEMU paused, "starting up"), and the retry waits for that start. Calls go through
 //! libvirt's C library on a blocking thread, a new connection each (a restarted libvirtd costs
 //! nothing), bounded by `--hypervisor-timeout`: a call that times out may still take effect.
 
@@ -166,21 +167,32 @@ impl LibvirtVms {
     }
 
     /// Starts a domain of ours that is defined but not running (what a boot leaves when its
-    /// process died between the define and the start); one that runs already is left alone. No
-    /// such domain: a definite 404.
+    /// process died between the define and the start), and returns once it runs. A domain whose
+    /// start job is still under way (libvirt runs QEMU paused, "starting up", until the job ends:
+    /// the start of a process killed mid-boot goes on in libvirtd) is waited for, not taken for
+    /// running. One that runs already is left alone. No such domain: a definite 404.
     pub async fn start(&self, vm_id: &str) -> Result<(), HvError> {
         let vm_id = vm_id.to_owned();
         self.call(move |conn, deadline| {
             let dom = lookup(conn, &vm_id)?.ok_or_else(|| not_found(&vm_id))?;
             read_metadata(&dom)?.ok_or_else(|| not_found(&vm_id))?;
-            if dom.is_active().map_err(|e| classify(&e, false))? {
-                return Ok(());
-            }
-            deadline.check()?;
-            match dom.create() {
-                Ok(_) => Ok(()),
-                Err(e) if code(&e) == Some(ErrorNumber::OperationInvalid) => Ok(()), // started meanwhile
-                Err(e) => Err(classify(&e, false)),
+            let mut started = false;
+            loop {
+                if starting_up(&dom)? {
+                    deadline.check()?;
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+                if started || dom.is_active().map_err(|e| classify(&e, false))? {
+                    return Ok(());
+                }
+                deadline.check()?;
+                match dom.create() {
+                    Ok(_) => return Ok(()),
+                    // Started meanwhile, by another call: wait for its start to end.
+                    Err(e) if code(&e) == Some(ErrorNumber::OperationInvalid) => started = true,
+                    Err(e) => return Err(classify(&e, false)),
+                }
             }
         })
         .await
@@ -322,6 +334,7 @@ fn detail_of(dom: &Domain) -> Result<Option<VmDetail>, HvError> {
         Err(e) => return Err(classify(&e, false)),
     };
     let state = match dom.is_active() {
+        Ok(true) if starting_up(dom)? => VmState::Stopped,
         Ok(true) => VmState::Running,
         Ok(false) => VmState::Stopped,
         Err(e) if code(&e) == Some(ErrorNumber::NoDomain) => return Ok(None),
@@ -336,6 +349,15 @@ fn detail_of(dom: &Domain) -> Result<Option<VmDetail>, HvError> {
         cpu: None,
         memory_gb: None,
     }))
+}
+
+/// Whether `dom`'s start job is under way: libvirt runs QEMU paused ("starting up") until it
+/// ends, and the domain reads active meanwhile. Such a domain is not running yet.
+fn starting_up(dom: &Domain) -> Result<bool, HvError> {
+    use virt::domain::{DomainPausedReason, DomainStateReason};
+    use virt::enumutil::Enum;
+    let (_, reason) = dom.state().map_err(|e| classify(&e, false))?;
+    Ok(matches!(reason, Enum::Known(DomainStateReason::Paused(Enum::Known(DomainPausedReason::StartingUp)))))
 }
 
 fn lookup(conn: &Connect, vm_id: &str) -> Result<Option<Domain>, HvError> {

@@ -329,6 +329,51 @@ async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_others_are_l
     assert!(running(&foreign), "a domain without the service's metadata is left alone");
 }
 
+/// Seen in CI under load: a boot cut by a SIGKILL during libvirt's start of its domain; the
+/// start went on in libvirtd, and the retry adopted the domain while QEMU still ran paused
+/// ("starting up": the domain reads active), took it for running and answered 201 with a
+/// domain that did not run yet. Here a domain is caught starting up (`virsh start` in the
+/// background) and `start` must return only once it runs.
+#[tokio::test]
+async fn an_adopted_domain_still_starting_up_is_waited_for() {
+    use leasebroker::hypervisor::libvirt::LibvirtVms;
+    if !libvirt_or_skip("an_adopted_domain_still_starting_up_is_waited_for") {
+        return;
+    }
+    let vms = LibvirtVms::connect(URL, None, std::time::Duration::from_secs(30)).await.expect("libvirt answers");
+    let suffix = format!("{:016x}", rand::random::<u64>());
+    let (vm, tag) = (format!("vm-{suffix}"), format!("sk-starting-{suffix}"));
+    let _cleanup = Cleanup(vec![tag.clone()]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("starting.xml");
+    std::fs::write(&file, tiny_domain(&vm, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>"))).expect("write");
+    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
+    // A start job lasts a few hundred milliseconds here; a few tries catch one under way.
+    for _ in 0..20 {
+        let starting = std::thread::spawn({
+            let vm = vm.clone();
+            move || virsh(&["start", &vm])
+        });
+        let caught = loop {
+            match virsh(&["domstate", "--reason", &vm]).as_deref().map(str::trim) {
+                Some("paused (starting up)") => break true,
+                Some(s) if s.starts_with("running") => break false,
+                _ => {}
+            }
+        };
+        if caught {
+            vms.start(&vm).await.expect("start");
+            let state = virsh(&["domstate", &vm]).unwrap_or_default();
+            starting.join().expect("virsh start").expect("the background start");
+            assert_eq!(state.trim(), "running", "start returned while the domain was still starting up");
+            return;
+        }
+        starting.join().expect("virsh start").expect("the background start");
+        virsh(&["destroy", &vm]).expect("virsh destroy");
+    }
+    panic!("never caught {vm} starting up in 20 starts: nothing was shown");
+}
+
 /// A libvirt call runs on a blocking thread; its timeout used to end only the wait for it, and
 /// the call itself went on and could define and start a domain (or reset one) long after the
 /// caller was told it timed out, past the settle window its retry waits out: a second domain
