@@ -8,8 +8,8 @@ use sqlx::Row;
 use super::rows::{INTENT_COLUMNS, OP_COLUMNS, read_intent, read_op};
 use super::steps::{BEGIN_ATTEMPT, SPEND_INTENTS, decide_in, finish_in, send_stamp};
 use super::{Pool, SqlLedger};
-use crate::now_micros;
 use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
+use crate::now_micros;
 
 /// Runs `$body` with `$tx` a transaction that holds its fence lock (see the `sql` module docs) and
 /// `$guard` the fence's SQL (`$1`: the op id; answers the mark).

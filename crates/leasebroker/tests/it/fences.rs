@@ -72,7 +72,16 @@ async fn a_sweep_leaves_alone_what_another_service_booted_on_the_same_hypervisor
 
     let b = serve(
         &sqlite_url(&b_dir),
-        &["--hypervisor-url", &hv.url, "--sweep-interval", "1s", "--hypervisor-timeout", "1s", "--hypervisor-settle", "1s"],
+        &[
+            "--hypervisor-url",
+            &hv.url,
+            "--sweep-interval",
+            "1s",
+            "--hypervisor-timeout",
+            "1s",
+            "--hypervisor-settle",
+            "1s",
+        ],
     );
     let seen = eventually(Duration::from_secs(30), || async {
         metric(&b.url, "leasebroker_inventory_foreign_resources").await == 1.0

@@ -281,7 +281,8 @@ async fn a_domain_nobody_owns_is_removed_by_the_inventory_sweep_and_others_are_l
     // A worker created and deleted: its create's tag is the service's, and nothing owns it now.
     let r = create_until_done(&lb.url, "lv-orphan-1", &body(), std::time::Duration::from_secs(60)).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
-    let (id, vm_id) = (r.json()["id"].as_str().expect("id").to_owned(), r.json()["vm_id"].as_str().expect("vm").to_owned());
+    let (id, vm_id) =
+        (r.json()["id"].as_str().expect("id").to_owned(), r.json()["vm_id"].as_str().expect("vm").to_owned());
     let tag = tag_of(&vm_id);
     let del_url = format!("{}/v1/workers/{id}", lb.url);
     let del = answered(|| send(Method::DELETE, &del_url, TOKEN, Some("lv-orphan-del"), None)).await;
