@@ -270,13 +270,15 @@ struct Deadline(std::time::Instant);
 
 impl Deadline {
     /// Nothing more may be sent once the caller stopped waiting: a definite error (this step
-    /// was not taken), which the caller never sees (it was told the call timed out).
+    /// was not taken). The caller is usually told the call timed out first; on a loaded machine
+    /// its timer may fire after the thread has answered this, and then it sees this answer,
+    /// which is as true (nothing of this step was sent) and retried the same way.
     fn check(self) -> Result<(), HvError> {
         if std::time::Instant::now() < self.0 {
             return Ok(());
         }
         Err(HvError::Libvirt {
-            message: "the call's time ran out before this step was sent".into(),
+            message: "the libvirt call's time ran out before this step was sent".into(),
             status: None,
             definite: true,
         })
