@@ -21,14 +21,13 @@ struct State {
 }
 
 impl State {
-    /// Remembers the tags of `op_id`'s intents that `keep` does not keep, then deletes them.
+    /// Remembers the tags of `op_id`'s intents as issued here, then deletes those `keep` does
+    /// not keep (as the SQL ledger's `SPEND_INTENTS`).
     fn spend(&mut self, op_id: &str, now: i64, keep: impl Fn(&Intent) -> bool) {
-        let spent: Vec<String> =
-            self.intents.values().filter(|i| i.op_id == op_id && !keep(i)).map(|i| i.intent_id.clone()).collect();
-        for tag in spent {
-            self.intents.remove(&tag);
-            self.spent.entry(tag).or_insert(now);
+        for i in self.intents.values().filter(|i| i.op_id == op_id) {
+            self.spent.entry(i.intent_id.clone()).or_insert(now);
         }
+        self.intents.retain(|_, i| i.op_id != op_id || keep(i));
     }
 
     /// The fence: the operation must be there and live.

@@ -105,14 +105,7 @@ macro_rules! finish_in {
         .bind(now)
         .execute(&mut *$conn)
         .await?;
-        sqlx::query(
-            "INSERT INTO fx_spent (tag, spent_at) SELECT intent_id, $2 FROM fx_intents \
-                     WHERE op_id = $1 AND state <> 'accepted' ON CONFLICT (tag) DO NOTHING",
-        )
-        .bind(op_id)
-        .bind(now)
-        .execute(&mut *$conn)
-        .await?;
+        sqlx::query(SPEND_INTENTS).bind(op_id).bind(now).execute(&mut *$conn).await?;
         sqlx::query("DELETE FROM fx_intents WHERE op_id = $1 AND state <> 'accepted'")
             .bind(op_id)
             .execute(&mut *$conn)
@@ -121,7 +114,8 @@ macro_rules! finish_in {
 }
 
 /// Remembers the tags of an operation's intents (`$1`) as issued here (at `$2`), before they
-/// are deleted: the inventory sweep undoes only what carries a tag this ledger issued.
+/// are deleted (an accepted one a finished operation keeps is remembered too, harmlessly): the
+/// inventory sweep undoes only what carries a tag this ledger issued.
 pub(super) const SPEND_INTENTS: &str = "INSERT INTO fx_spent (tag, spent_at) \
      SELECT intent_id, $2 FROM fx_intents WHERE op_id = $1 ON CONFLICT (tag) DO NOTHING";
 
