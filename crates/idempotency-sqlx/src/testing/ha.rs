@@ -295,13 +295,23 @@ impl HaPostgres {
     pub fn wait_until_healthy(&self, within: Duration) -> Result<(), String> {
         let live = self.members.iter().filter(|m| m.child.is_some()).count();
         let sync = self.replication == Replication::Synchronous;
+        let mut last = String::from("no answer yet");
         wait(within, "the cluster to be healthy", || {
-            let Ok(members) = self.members() else { return false };
+            let members = match self.members() {
+                Ok(members) => members,
+                Err(e) => {
+                    last = e;
+                    return false;
+                }
+            };
+            last = format!("{members:?}");
             let running = members.iter().filter(|m| matches!(m.state.as_str(), "running" | "streaming")).count();
             let leader = members.iter().any(|m| m.role == "leader" && m.state == "running");
             let standby = members.iter().any(|m| m.role == "sync_standby");
             leader && running == live && (!sync || live < 2 || standby)
         })
+        // What the members said last, to tell a slow start from a stuck one.
+        .map_err(|e| format!("{e}; the members last: {last}"))
     }
 
     /// Waits until there is a primary and HAProxy sends connections to it.
