@@ -52,6 +52,25 @@ pub(crate) fn count(outcome: &'static str) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome(pub &'static str);
 
+/// The name of the span the layer opens per protected request (when a subscriber wants it).
+pub(crate) const REQUEST_SPAN: &str = "idempotency";
+
+/// Whether `span` is the layer's request span ([`REQUEST_SPAN`]), the one its fields are recorded
+/// in. Not when no subscriber wants it: the request then runs in its caller's span (or none),
+/// and records nothing there.
+pub(crate) fn is_request_span(span: &tracing::Span) -> bool {
+    !span.is_disabled() && span.metadata().is_some_and(|m| m.name() == REQUEST_SPAN)
+}
+
+/// Records the request's outcome and status in the layer's request span, when it runs in one.
+pub(crate) fn record_outcome(outcome: &'static str, status: u16) {
+    let span = tracing::Span::current();
+    if is_request_span(&span) {
+        span.record("outcome", outcome);
+        span.record("status", status);
+    }
+}
+
 /// The span of one store call: target `idempotency::store` (a trace exporter can pick these out),
 /// named after the operation.
 fn store_span(op: &'static str) -> tracing::Span {
@@ -61,9 +80,8 @@ fn store_span(op: &'static str) -> tracing::Span {
 /// Awaits one store call in its own span and records its latency under `op`.
 #[cfg(feature = "metrics")]
 pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
-    use tracing::Instrument;
     let start = Instant::now();
-    let out = fut.instrument(store_span(op)).await;
+    let out = in_span(op, fut).await;
     metrics::histogram!(STORE_DURATION_SECONDS, "op" => op).record(start.elapsed().as_secs_f64());
     out
 }
@@ -71,8 +89,14 @@ pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> 
 /// Awaits one store call in its own span (no latency is recorded without the `metrics` feature).
 #[cfg(not(feature = "metrics"))]
 pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
+    in_span(op, fut).await
+}
+
+/// Awaits `fut` in [`store_span`], or without a span when no subscriber wants it.
+async fn in_span<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
     use tracing::Instrument;
-    fut.instrument(store_span(op)).await
+    let span = store_span(op);
+    if span.is_disabled() { fut.await } else { fut.instrument(span).await }
 }
 
 /// A core [`Sweeper`] over `store`, every `interval`, that adds what it deletes to

@@ -334,10 +334,8 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
 pub(crate) fn rejection_response(cfg: &Config, rejection: Rejection) -> Response {
     let outcome = rejection.outcome();
     count(outcome);
-    let span = tracing::Span::current();
-    span.record("outcome", outcome);
     let problem = rejection.into_problem(cfg);
-    span.record("status", problem.status().as_u16());
+    crate::metrics::record_outcome(outcome, problem.status().as_u16());
     tracing::debug!(outcome, status = problem.status().as_u16(), "idempotency rejection");
     let mut response = problem.into_response();
     response.extensions_mut().insert(crate::metrics::Outcome(outcome));

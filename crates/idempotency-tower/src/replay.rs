@@ -64,9 +64,7 @@ pub(crate) fn replay(cfg: &Config, stored: &StoredResponse) -> Response<Body> {
     match rebuilt {
         Ok(res) => {
             count("replayed");
-            let span = tracing::Span::current();
-            span.record("outcome", "replayed");
-            span.record("status", stored.status);
+            crate::metrics::record_outcome("replayed", stored.status);
             tracing::debug!(status = stored.status, "stored response replayed");
             let mut res = res;
             res.extensions_mut().insert(crate::metrics::Outcome("replayed"));

@@ -99,7 +99,7 @@ where
             Err((rejection, repeatable)) => return reject(cfg, rejection, None, repeatable),
         };
         let span = tracing::info_span!(
-            "idempotency",
+            crate::metrics::REQUEST_SPAN,
             key = tracing::field::Empty,
             principal = tracing::field::Empty,
             endpoint = tracing::field::Empty,
@@ -185,9 +185,15 @@ where
                     Ok(answer(rejection_response(&cfg, Rejection::HandlerPanicked)))
                 }
             }
+        };
+        // Without a subscriber that wants the span, the request runs without one: entering and
+        // leaving a disabled span on every poll (and when the future is dropped) still costs
+        // (`tracing`'s `log` feature, which sqlx turns on, looks for a logger each time).
+        if span.is_disabled() {
+            ResponseFuture::protected(Box::pin(fut))
+        } else {
+            ResponseFuture::protected(Box::pin(fut.instrument(span)))
         }
-        .instrument(span);
-        ResponseFuture::protected(Box::pin(fut))
     }
 }
 
@@ -217,9 +223,11 @@ fn scope_of(
         return Err((Rejection::PrincipalMissing, key));
     };
     let endpoint = Endpoint::new(parts.method.as_str(), request_path(parts));
-    span.record("key", tracing::field::display(&key));
-    span.record("principal", tracing::field::display(&principal));
-    span.record("endpoint", tracing::field::display(&endpoint));
+    if crate::metrics::is_request_span(span) {
+        span.record("key", tracing::field::display(&key));
+        span.record("principal", tracing::field::display(&principal));
+        span.record("endpoint", tracing::field::display(&endpoint));
+    }
     Ok(Scope::new(principal, endpoint, key))
 }
 
@@ -305,7 +313,7 @@ fn reject<F, E>(
     repeatable: bool,
 ) -> ResponseFuture<F, E> {
     let _span = tracing::info_span!(
-        "idempotency",
+        crate::metrics::REQUEST_SPAN,
         key = key.map(tracing::field::display),
         outcome = tracing::field::Empty,
         status = tracing::field::Empty

@@ -149,9 +149,7 @@ where
     let status = parts.status;
     let outcome = outcome(how);
     count(outcome);
-    let span = tracing::Span::current();
-    span.record("outcome", outcome);
-    span.record("status", status.as_u16());
+    crate::metrics::record_outcome(outcome, status.as_u16());
     tracing::debug!(outcome, status = status.as_u16(), "handler ran");
     let mut response = Response::from_parts(parts, body);
     response.extensions_mut().insert(crate::metrics::Outcome(outcome));
@@ -170,12 +168,14 @@ enum Collected {
 }
 
 /// Reads `body` whole if it is at most `limit` bytes; never holds more than `limit` bytes of it
-/// (besides the one frame that crossed the limit, which the handler had already made).
+/// (besides the one frame that crossed the limit, which the handler had already made). A body
+/// of one frame (what a handler's `String`, `Vec` or `Json` answer is) is kept as that frame,
+/// not copied.
 async fn collect_bounded(mut body: Body, limit: usize) -> Collected {
     if http_body::Body::size_hint(&body).lower() > limit as u64 {
         return Collected::TooLarge(Bytes::new(), body);
     }
-    let mut read = BytesMut::new();
+    let mut read = Read::None;
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -187,11 +187,54 @@ async fn collect_bounded(mut body: Body, limit: usize) -> Collected {
             let rest = Body::from_stream(
                 futures::stream::once(async move { Ok::<_, axum::Error>(data) }).chain(body.into_data_stream()),
             );
-            return Collected::TooLarge(read.freeze(), rest);
+            return Collected::TooLarge(read.into_bytes(), rest);
         }
-        read.extend_from_slice(&data);
+        read = read.and(data);
     }
-    Collected::Whole(read.freeze())
+    Collected::Whole(read.into_bytes())
+}
+
+/// What [`collect_bounded`] has read so far.
+enum Read {
+    None,
+    /// One frame, as it came.
+    One(Bytes),
+    /// Two or more, copied together.
+    Many(BytesMut),
+}
+
+impl Read {
+    fn len(&self) -> usize {
+        match self {
+            Read::None => 0,
+            Read::One(b) => b.len(),
+            Read::Many(b) => b.len(),
+        }
+    }
+
+    fn and(self, data: Bytes) -> Self {
+        match self {
+            Read::None => Read::One(data),
+            Read::One(first) => {
+                let mut all = BytesMut::with_capacity(first.len() + data.len());
+                all.extend_from_slice(&first);
+                all.extend_from_slice(&data);
+                Read::Many(all)
+            }
+            Read::Many(mut all) => {
+                all.extend_from_slice(&data);
+                Read::Many(all)
+            }
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Read::None => Bytes::new(),
+            Read::One(b) => b,
+            Read::Many(b) => b.freeze(),
+        }
+    }
 }
 
 /// What a retry of a request whose response was too large to store gets: a short problem,
@@ -216,4 +259,42 @@ fn not_acknowledged(cfg: &Config, e: StoreError) -> Response<Body> {
          replays it"
     );
     rejection_response(cfg, Rejection::StoreUnavailable(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(parts: &[&'static str]) -> Body {
+        let chunks: Vec<Result<Bytes, std::io::Error>> = parts.iter().map(|p| Ok(Bytes::from_static(p.as_bytes()))).collect();
+        Body::from_stream(futures::stream::iter(chunks))
+    }
+
+    async fn rest_of(body: Body) -> Bytes {
+        body.collect().await.expect("rest").to_bytes()
+    }
+
+    #[tokio::test]
+    async fn a_body_within_the_limit_is_read_whole_in_one_frame_or_many() {
+        for (parts, limit) in [(&["abc"][..], 3), (&["ab", "c"][..], 3), (&["a", "b", "c"][..], 8), (&[][..], 0)] {
+            match collect_bounded(frames(parts), limit).await {
+                Collected::Whole(b) => assert_eq!(b, parts.concat().as_bytes(), "{parts:?}"),
+                _ => panic!("{parts:?} within {limit} was not read whole"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_gives_what_was_read_and_the_rest_unread() {
+        for (parts, limit, read) in [(&["abc"][..], 2, ""), (&["ab", "cd"][..], 3, "ab"), (&["a", "b", "cd"][..], 3, "ab")] {
+            match collect_bounded(frames(parts), limit).await {
+                Collected::TooLarge(got, rest) => {
+                    assert_eq!(got, read.as_bytes(), "{parts:?}");
+                    let whole = [got, rest_of(rest).await].concat();
+                    assert_eq!(whole, parts.concat().as_bytes(), "{parts:?}: nothing lost");
+                }
+                _ => panic!("{parts:?} over {limit} was not refused"),
+            }
+        }
+    }
 }
