@@ -266,7 +266,8 @@ mod tests {
     use super::*;
 
     fn frames(parts: &[&'static str]) -> Body {
-        let chunks: Vec<Result<Bytes, std::io::Error>> = parts.iter().map(|p| Ok(Bytes::from_static(p.as_bytes()))).collect();
+        let chunks: Vec<Result<Bytes, std::io::Error>> =
+            parts.iter().map(|p| Ok(Bytes::from_static(p.as_bytes()))).collect();
         Body::from_stream(futures::stream::iter(chunks))
     }
 
@@ -286,7 +287,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_over_the_limit_gives_what_was_read_and_the_rest_unread() {
-        for (parts, limit, read) in [(&["abc"][..], 2, ""), (&["ab", "cd"][..], 3, "ab"), (&["a", "b", "cd"][..], 3, "ab")] {
+        for (parts, limit, read) in
+            [(&["abc"][..], 2, ""), (&["ab", "cd"][..], 3, "ab"), (&["a", "b", "cd"][..], 3, "ab")]
+        {
             match collect_bounded(frames(parts), limit).await {
                 Collected::TooLarge(got, rest) => {
                     assert_eq!(got, read.as_bytes(), "{parts:?}");
