@@ -11,6 +11,7 @@ mod replication;
 mod report;
 mod scale;
 mod server;
+mod wait;
 
 use std::path::PathBuf;
 
@@ -74,6 +75,8 @@ enum Command {
     ScaleFill(scale::FillArgs),
     /// Plots the scale part's rows of the raw measurements as an SVG.
     PlotScale(scale::PlotArgs),
+    /// `Prefer: wait`: from the first request's answer to the waiting retry's (p50/p99 ms).
+    PreferWait(wait::WaitArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -97,5 +100,6 @@ fn main() -> anyhow::Result<()> {
         Command::Report(a) => report::report(a),
         Command::ScaleFill(a) => rt.block_on(scale::fill(a)),
         Command::PlotScale(a) => scale::plot(a),
+        Command::PreferWait(a) => rt.block_on(wait::wait(a)),
     }
 }

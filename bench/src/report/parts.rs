@@ -126,6 +126,33 @@ pub(super) fn layer_cost(runs: &Runs) -> Vec<Ratio> {
             "instructions_per_request_without_sha256",
             &k("memory"),
             &k("json"),
+            (case == "first").then_some(Goal::AtMost(1.25)),
+        ));
+    }
+    out
+}
+
+/// `Prefer: wait` (part `wait`): the waiting retry's answer after the first request's, p99
+/// against the 10 ms goal, per store; and what the PostgreSQL announcements save over polling.
+pub(super) fn wait_rows(runs: &Runs) -> Vec<Ratio> {
+    let k = |v: &str| key("wait", "retry", 1, v);
+    let mut out = Vec::new();
+    for (v, name) in [("memory", "memory, same process"), ("postgres", "PostgreSQL, another replica, announced")] {
+        out.extend(runs.within(
+            "wait",
+            format!("Prefer: wait, p99 ms from the first answer to the waiting retry's / 10 ms ({name})"),
+            &k(v),
+            ("p99_ms", "goal_ms"),
+            Some(Goal::AtMost(1.0)),
+        ));
+    }
+    for metric in ["p50_ms", "p99_ms"] {
+        out.extend(runs.ratio(
+            "wait",
+            format!("Prefer: wait, {}: PostgreSQL announced / polled", &metric[..3]),
+            metric,
+            &k("postgres"),
+            &k("postgres-polling"),
             None,
         ));
     }
@@ -273,6 +300,22 @@ impl Runs {
             met: goal.map(|g| g.met(ratio)),
         })
     }
+}
+
+/// The effects library's cost on a create (part `e2e`): PostgreSQL commits per create, the
+/// service's (its intents, marks and background work included) against the floor's.
+pub(super) fn commit_rows(runs: &Runs) -> Vec<Ratio> {
+    let k = |v: &str| key("e2e", "commits", 16, v);
+    runs.ratio(
+        "e2e",
+        "commits per create: leasebroker (PostgreSQL, 16 conns) / floor".into(),
+        "commits_per_create",
+        &k("postgres"),
+        &k("postgres-floor"),
+        None,
+    )
+    .into_iter()
+    .collect()
 }
 
 // --- end of leasebroker creates against their floor ---

@@ -1,6 +1,6 @@
 //! The table's rows: which runs each ratio compares, and the goal it has to meet.
 
-use super::parts::{layer_cost, partition_ratios, push_create_rows};
+use super::parts::{commit_rows, layer_cost, partition_ratios, push_create_rows, wait_rows};
 use super::{Goal, Key, Ratio, Runs, key};
 
 const CONNS: [u32; 3] = [1, 16, 64];
@@ -43,6 +43,7 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
         }
     }
     out.extend(layer_cost(runs));
+    out.extend(wait_rows(runs));
     let mut push = |r: Option<Ratio>| out.extend(r);
     let f = |case: &str, v: &str| key("floor", case, 16, v);
     push(runs.ratio(
@@ -204,6 +205,7 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
         None,
     ));
     partition_ratios(runs).into_iter().for_each(|r| push(Some(r)));
+    commit_rows(runs).into_iter().for_each(|r| push(Some(r)));
     for db in ["sqlite", "postgres"] {
         let e = |case: &str| key("e2e", case, 16, db);
         push(runs.ratio(
