@@ -299,8 +299,25 @@ mod tests {
         assert_eq!((json.ratio, json.met), (0.8, Some(false)));
         assert_eq!(find("instructions/request: layer+memory / Json handler (first)").ratio, 1.6);
         assert_eq!(find("instructions/request: layer+memory / bare (first)").ratio, 2.0);
-        assert_eq!(find("instructions/request without SHA-256 blocks: layer+memory / Json handler (first)").ratio, 1.2);
+        let without = find("instructions/request without SHA-256 blocks: layer+memory / Json handler (first)");
+        assert_eq!((without.ratio, without.met), (1.2, Some(true)), "the goal is 1.25");
         // Rounds that measured nothing make no row.
         assert!(rows.iter().all(|r| !r.what.contains("(first, 16 conn)")));
+    }
+
+    #[test]
+    fn prefer_wait_is_judged_by_its_p99_and_the_announcements_against_polling() {
+        let mut runs = Runs(BTreeMap::new());
+        for (variant, p50, p99) in [("memory", 0.1, 4.0), ("postgres", 1.0, 12.0), ("postgres-polling", 50.0, 100.0)] {
+            let m = json!({ "p50_ms": p50, "p99_ms": p99, "goal_ms": 10.0 });
+            runs.0.entry(key("wait", "retry", 1, variant)).or_default().insert(1, m);
+        }
+        let rows = super::super::parts::wait_rows(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what.contains(what)).unwrap_or_else(|| panic!("no row {what:?}"));
+        let memory = find("(memory, same process)");
+        assert_eq!((memory.a, memory.ratio, memory.met), (4.0, 0.4, Some(true)));
+        let announced = find("(PostgreSQL, another replica, announced)");
+        assert_eq!((announced.a, announced.met), (12.0, Some(false)));
+        assert_eq!(find("p50: PostgreSQL announced / polled").ratio, 0.02);
     }
 }
