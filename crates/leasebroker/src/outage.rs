@@ -109,10 +109,7 @@ impl StoreProbe {
                 false
             }
             Err(_) => {
-                // A statement cut in the middle may leave the probe's connection in any state.
-                if let Ok(mut writer) = self.writer.try_lock() {
-                    *writer = None;
-                }
+                // The cut probe dropped its connection (see `probe`).
                 if self.only_this_process_writes() {
                     tracing::info!(timeout = ?PROBE_TIMEOUT, "a probe of SQLite took longer than its timeout and no other process holds the write lock: busy, not out");
                     true
@@ -147,29 +144,40 @@ impl StoreProbe {
             Db::Sqlite(pool) => {
                 use sqlx::ConnectOptions;
                 let mut writer = self.writer.lock().await;
-                if writer.is_none() {
-                    // Shorter than the probe's own bound, so a lock not given in time is an
-                    // answer (SQLITE_BUSY), not a statement cut in the middle.
-                    let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT * 3 / 4);
-                    *writer = Some(options.connect().await?);
-                }
-                let conn = writer.as_mut().expect("opened above");
+                // The connection is this probe's own until it ends, and is put back only then. A
+                // probe cut in the middle (its caller went away, or its time ran out) drops it,
+                // which closes it: its `BEGIN IMMEDIATE` runs on the connection's thread and still
+                // takes the lock once it is free, and the `ROLLBACK` after it is never sent to a
+                // caller that is gone. Kept, the connection would hold the write lock, and every
+                // writer of the service would wait out its busy timeout behind it.
+                let mut conn = match writer.take() {
+                    Some(conn) => conn,
+                    None => {
+                        // Shorter than the probe's own bound, so a lock not given in time is an
+                        // answer (SQLITE_BUSY), not a statement cut in the middle.
+                        let options = (*pool.connect_options()).clone().busy_timeout(PROBE_TIMEOUT * 3 / 4);
+                        options.connect().await?
+                    }
+                };
                 // Whether other connections committed meanwhile (`PRAGMA data_version`, per
                 // connection): a writer that keeps committing on a slow disk holds the lock for
                 // longer than the probe waits, and is no outage.
                 const VERSION: &str = "PRAGMA data_version";
-                let before = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut *conn).await;
-                let locked = sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK").execute(&mut *conn).await;
-                let Err(e) = locked else { return Ok(()) };
+                let before = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut conn).await;
+                let locked = sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK").execute(&mut conn).await;
+                let Err(e) = locked else {
+                    *writer = Some(conn);
+                    return Ok(());
+                };
                 let committed = match before {
                     Ok(before) => {
-                        let after = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut *conn).await;
+                        let after = sqlx::query_scalar::<_, i64>(VERSION).fetch_one(&mut conn).await;
                         after.is_ok_and(|after| after != before)
                     }
                     Err(_) => false,
                 };
-                // Whatever state it is left in, the next probe starts on a fresh connection.
-                *writer = None;
+                // Whatever state it is left in, the next probe starts on a fresh connection: this
+                // one is dropped here.
                 if committed { Ok(()) } else { Err(e) }
             }
         }
@@ -392,6 +400,35 @@ mod tests {
         sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
         *probe.last.lock().expect("last") = None;
         assert!(probe.answers().await, "and the lock given back answers");
+    }
+
+    /// A probe cut while its `BEGIN IMMEDIATE` waits for the write lock (its caller went away: a
+    /// client that hung up during a slow request) must leave no lock behind. The statement runs on
+    /// the connection's own thread and still takes the lock once it is free; the `ROLLBACK` after
+    /// it is not sent to a caller that is gone, so a connection kept for the next probe would hold
+    /// the write lock, and every writer of the service would wait out its busy timeout behind it.
+    #[tokio::test]
+    async fn a_probe_cut_while_it_waits_for_the_write_lock_leaves_no_lock_behind() {
+        use sqlx::ConnectOptions;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sqlite(&dir).await;
+        let Db::Sqlite(pool) = &db else { unreachable!("a SQLite database") };
+        let probe = StoreProbe::new(db.clone());
+        let mut other = (*pool.connect_options()).clone().connect().await.expect("another connection");
+        sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
+        // The probe waits for the lock; its caller gives up before it is given.
+        let cut = tokio::time::timeout(Duration::from_millis(300), probe.probe_now()).await;
+        assert!(cut.is_err(), "the probe answered while the lock was held");
+        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.expect("unlock");
+        // The cut statement's busy handler retries within its 750 ms and takes the lock; then,
+        // whatever it does, a writer gets the lock within 2 s.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let writer = (*pool.connect_options()).clone().busy_timeout(Duration::from_secs(2));
+        let mut writer = writer.connect().await.expect("a writer");
+        sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK")
+            .execute(&mut writer)
+            .await
+            .expect("the write lock was left held by the cut probe");
     }
 
     #[test]
