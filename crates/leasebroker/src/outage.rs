@@ -34,7 +34,9 @@
 //! idempotency layer's own detachable future, which finishes in a task of its own when dropped
 //! (exactly as when a client hangs up), and its record is released as soon as the store answers
 //! again if its handler fails meanwhile. What is dropped otherwise is a read, or work before a
-//! claim.
+//! claim. A probe cut in the middle (its request's client went away, or its own time ran out)
+//! closes the probe's SQLite connection rather than keeping it: its `BEGIN IMMEDIATE` may still
+//! take the write lock after the cut, with no `ROLLBACK` to follow.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
