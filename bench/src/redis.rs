@@ -189,11 +189,21 @@ pub(crate) async fn clean(a: CleanArgs) -> anyhow::Result<()> {
     keys.dedup();
     let (mut completed, mut in_flight, mut other) = (0u64, 0u64, 0u64);
     for batch in keys.chunks(1000) {
-        let mut pipe = redis::pipe();
+        // Records are hashes; the store also keeps other keys under the prefix (a principal's
+        // count of records), which have no state to read.
+        let mut types = redis::pipe();
         for k in batch {
-            pipe.hget(k, "st");
+            types.cmd("TYPE").arg(k);
+        }
+        let types: Vec<String> = types.query_async(&mut con).await?;
+        let mut pipe = redis::pipe();
+        for (k, t) in batch.iter().zip(&types) {
+            if t == "hash" {
+                pipe.hget(k, "st");
+            }
         }
         let states: Vec<Option<String>> = pipe.query_async(&mut con).await?;
+        other += types.iter().filter(|t| *t != "hash").count() as u64;
         for s in states {
             match s.as_deref() {
                 Some("completed") => completed += 1,
