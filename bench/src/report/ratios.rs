@@ -313,7 +313,8 @@ mod tests {
             runs.0.entry(key("wait", "retry", 1, variant)).or_default().insert(1, m);
         }
         let rows = super::super::parts::wait_rows(&runs);
-        let find = |what: &str| rows.iter().find(|r| r.what.contains(what)).unwrap_or_else(|| panic!("no row {what:?}"));
+        let find =
+            |what: &str| rows.iter().find(|r| r.what.contains(what)).unwrap_or_else(|| panic!("no row {what:?}"));
         let memory = find("(memory, same process)");
         assert_eq!((memory.a, memory.ratio, memory.met), (4.0, 0.4, Some(true)));
         let announced = find("(PostgreSQL, another replica, announced)");
