@@ -20,7 +20,7 @@ use axum::routing::post;
 use clap::{Args, ValueEnum};
 use idempotency::{MemoryStore, Principal, Store};
 use idempotency_sqlx::PostgresStore;
-use idempotency_tower::IdempotencyLayer;
+use idempotency_tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer, PREFER};
 use serde_json::json;
 
 /// The goal: the waiting retry answered within this long of the first request's answer, p99.
@@ -78,13 +78,13 @@ async fn postgres(url: Option<&str>, announce: bool) -> anyhow::Result<Arc<dyn S
 async fn create(client: &reqwest::Client, url: &str, key: &str) -> anyhow::Result<(Instant, bool)> {
     let res = client
         .post(url)
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("prefer", "wait=10")
+        .header(IDEMPOTENCY_KEY, format!("\"{key}\""))
+        .header(PREFER, "wait=10")
         .body("{}")
         .send()
         .await?;
     let status = res.status();
-    let replayed = res.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+    let replayed = res.headers().get(IDEMPOTENT_REPLAYED).is_some_and(|v| v == "true");
     res.bytes().await?;
     anyhow::ensure!(status == StatusCode::CREATED, "{key}: answered {status}");
     Ok((Instant::now(), replayed))
