@@ -99,6 +99,9 @@ pub(crate) struct Config {
     pub(crate) max_stored_response: usize,
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) store_timeout: Duration,
+    pub(crate) store_queue_timeout: Duration,
+    /// When the store last took a write of this layer's (a slow call is queued, not lost).
+    pub(crate) progress: crate::deadline::Progress,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
     /// Claims whose `fail` waits for the store to answer again.
@@ -134,6 +137,7 @@ impl fmt::Debug for Config {
             .field("max_stored_response", &self.max_stored_response)
             .field("completion_retry", &self.completion_retry)
             .field("store_timeout", &self.store_timeout)
+            .field("store_queue_timeout", &self.store_queue_timeout)
             .field("anonymous", &self.anonymous)
             .finish_non_exhaustive()
     }

@@ -1,24 +1,34 @@
 //! A bound on every store call the layer makes (SPEC 3.1: with the store unreachable, a request
-//! is answered `503 store-unavailable` within 5 s, whatever way the store fails).
+//! is answered `503 store-unavailable` within 5 s, whatever way the store fails), that a queue
+//! for a healthy store never trips.
 //!
 //! A store that refuses connections fails fast on its own; one whose packets are dropped (a
 //! network partition, a host that froze) or whose file is locked does not: the call waits for
 //! TCP's retransmission timeout (many minutes) or a busy timeout. So each call is given
 //! [`store_timeout`](crate::IdempotencyLayerBuilder::store_timeout) and fails as unavailable
-//! after it. What a call that timed out may still have done is handled where it is made: a
-//! claim may land after its caller gave up on it, and is then released
+//! after it, unless the store took a write of this layer meanwhile: then it is busy, not down
+//! (a SQLite writer queue on a loaded disk, a pool whose connections are all in use), and the
+//! call keeps its place until the store has taken no write for a whole `store_timeout`, or at
+//! most [`store_queue_timeout`](crate::IdempotencyLayerBuilder::store_queue_timeout) in all.
+//! Only writes count as the store's progress: a SQLite file another process holds locked still
+//! answers reads, and must be taken for down.
+//!
+//! What a call that timed out may still have done is handled where it is made: a claim may land
+//! after its caller gave up on it, and is then released
 //! ([`crate::release::Releases::push_unknown`]); a completion is retried; a `fail` is tried again
 //! until the store takes it.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idempotency::StoreError;
+use idempotency::{Claim, ClaimOutcome, Record, StoreError};
+use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::metrics::timed;
 
-/// A store call that did not answer within the layer's store timeout.
+/// A store call that did not answer in time.
 #[derive(Debug)]
 pub(crate) struct StoreTimedOut {
     op: &'static str,
@@ -33,15 +43,103 @@ impl fmt::Display for StoreTimedOut {
 
 impl std::error::Error for StoreTimedOut {}
 
-/// Runs one store call (timed as `op`), failing it as unavailable after the store timeout.
-pub(crate) async fn bounded<T>(
+/// When the store last took a write of this layer: the sign that a slow call is queued, not lost.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    since: Instant,
+    /// Microseconds from `since` to the last write the store took; 0 before the first.
+    last: AtomicU64,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self { since: Instant::now(), last: AtomicU64::new(0) }
+    }
+}
+
+impl Progress {
+    fn mark(&self) {
+        let us = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX).max(1);
+        self.last.fetch_max(us, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Option<Instant> {
+        match self.last.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(self.since + Duration::from_micros(us)),
+        }
+    }
+}
+
+/// Whether the answer of a store call shows that the store took a write.
+pub(crate) trait Written {
+    fn written(&self) -> bool;
+}
+
+/// `heartbeat`, `complete`, `fail`: each is a write.
+impl Written for () {
+    fn written(&self) -> bool {
+        true
+    }
+}
+
+/// A claim that owns the record wrote it; one that found it may have read only.
+impl Written for ClaimOutcome {
+    fn written(&self) -> bool {
+        matches!(self, ClaimOutcome::Owned(_))
+    }
+}
+
+/// A reclaim that won.
+impl Written for Option<Claim> {
+    fn written(&self) -> bool {
+        self.is_some()
+    }
+}
+
+/// A read.
+impl Written for Option<Record> {
+    fn written(&self) -> bool {
+        false
+    }
+}
+
+/// The record count (a read).
+impl Written for bool {
+    fn written(&self) -> bool {
+        false
+    }
+}
+
+/// Runs one store call (timed as `op`), failing it as unavailable once the store has taken no
+/// write for the store timeout (see the module docs).
+pub(crate) async fn bounded<T: Written>(
     cfg: &Config,
     op: &'static str,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout(cfg.store_timeout, timed(op, call)).await {
-        Ok(out) => out,
-        Err(_) => Err(StoreError::unavailable(StoreTimedOut { op, after: cfg.store_timeout })),
+    let started = Instant::now();
+    let cap = started + cfg.store_queue_timeout.max(cfg.store_timeout);
+    let mut until = started + cfg.store_timeout;
+    let call = timed(op, call);
+    let mut call = std::pin::pin!(call);
+    loop {
+        match tokio::time::timeout_at(until, call.as_mut()).await {
+            Ok(out) => {
+                if out.as_ref().is_ok_and(Written::written) {
+                    cfg.progress.mark();
+                }
+                return out;
+            }
+            Err(_) => {
+                // Busy, not down: the store took a write within the last store timeout.
+                let moving = cfg.progress.last().map(|at| at + cfg.store_timeout).filter(|&u| u > Instant::now());
+                match moving {
+                    Some(next) if until < cap => until = next.min(cap),
+                    _ => return Err(StoreError::unavailable(StoreTimedOut { op, after: started.elapsed() })),
+                }
+            }
+        }
     }
 }
 

@@ -45,6 +45,9 @@ const MAX_COMPLETION_RETRY_DELAY: Duration = Duration::from_secs(5);
 /// The default bound on one store call (3 s): with the store unreachable a request is answered
 /// `503 store-unavailable` within 5 s (SPEC 3.1), with time to spare for the answer.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(3);
+/// The default longest wait of one store call while the store goes on taking other writes
+/// (20 s): a queue, not an outage.
+pub const DEFAULT_STORE_QUEUE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
 /// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
@@ -90,6 +93,7 @@ impl IdempotencyLayer {
             operation_link: None,
             max_records_per_principal: None,
             store_timeout: DEFAULT_STORE_TIMEOUT,
+            store_queue_timeout: DEFAULT_STORE_QUEUE_TIMEOUT,
         }
     }
 
@@ -140,6 +144,7 @@ pub struct IdempotencyLayerBuilder {
     operation_link: Option<Box<OperationLinkFn>>,
     max_records_per_principal: Option<u64>,
     store_timeout: Duration,
+    store_queue_timeout: Duration,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -370,17 +375,28 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// The longest one store call may take (default [`DEFAULT_STORE_TIMEOUT`], 3 s) before it
-    /// fails as unavailable and the request is answered `503 store-unavailable` with
-    /// `Retry-After`. A store that refuses connections fails at once; this bounds the store that
-    /// does not answer at all (packets dropped by a partition, a locked SQLite file, a frozen
-    /// host), which would otherwise hold the request for TCP's retransmission timeout. A claim
-    /// whose call timed out may still land in the store after the request was answered: the
-    /// layer then releases it (marks it failed, fenced by its generation) as soon as the store
-    /// answers again, so a retry runs the handler instead of waiting out the in-flight TTL.
-    /// Set it above the store's slowest healthy call.
+    /// How long one store call may wait while the store takes no write of this layer's
+    /// (default [`DEFAULT_STORE_TIMEOUT`], 3 s) before it fails as unavailable and the request is
+    /// answered `503 store-unavailable` with `Retry-After`. A store that refuses connections
+    /// fails at once; this bounds the store that does not answer at all (packets dropped by a
+    /// partition, a locked SQLite file, a frozen host), which would otherwise hold the request
+    /// for TCP's retransmission timeout. A store that goes on taking other writes meanwhile is
+    /// busy, not down (its writers queue on a loaded disk): the call keeps its place, up to
+    /// [`store_queue_timeout`](Self::store_queue_timeout). A claim whose call timed out may
+    /// still land in the store after the request was answered: the layer then releases it (marks
+    /// it failed, fenced by its generation) as soon as the store answers again, so a retry runs
+    /// the handler instead of waiting out the in-flight TTL.
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout;
+        self
+    }
+
+    /// The longest one store call may wait in all while the store goes on taking other writes
+    /// (default [`DEFAULT_STORE_QUEUE_TIMEOUT`], 20 s; never less than the
+    /// [`store_timeout`](Self::store_timeout)): the bound on a queue, where the store timeout is
+    /// the bound on silence.
+    pub fn store_queue_timeout(mut self, timeout: Duration) -> Self {
+        self.store_queue_timeout = timeout;
         self
     }
 
@@ -411,6 +427,8 @@ impl IdempotencyLayerBuilder {
                 max_stored_response: self.max_stored_response,
                 completion_retry: self.completion_retry,
                 store_timeout: self.store_timeout,
+                store_queue_timeout: self.store_queue_timeout,
+                progress: Default::default(),
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
                 releases: Default::default(),

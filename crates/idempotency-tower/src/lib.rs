@@ -16,7 +16,9 @@
 //!   [`store_timeout`](IdempotencyLayerBuilder::store_timeout) (default 3 s): a store that stops
 //!   answering (a partition that drops packets, a locked file) is answered
 //!   `503 store-unavailable` in time, and a claim that may have landed after its call gave up is
-//!   released as soon as the store answers again.
+//!   released as soon as the store answers again. A store that goes on taking other writes is
+//!   busy, not down: a call queued behind them waits its turn, up to
+//!   [`store_queue_timeout`](IdempotencyLayerBuilder::store_queue_timeout) (default 20 s).
 //! - A store error while storing the response is retried in the background
 //!   ([`completion_retries`](IdempotencyLayerBuilder::completion_retries)); the client is
 //!   answered at once.
@@ -75,7 +77,8 @@ pub use headers::{
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY, DEFAULT_COMPRESSION_THRESHOLD,
     DEFAULT_IN_FLIGHT_TTL, DEFAULT_IN_PROGRESS_RETRY_AFTER, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_MAX_WAIT,
-    DEFAULT_RETENTION, DEFAULT_STORE_TIMEOUT, DEFAULT_WAIT_POLL, IdempotencyLayer, IdempotencyLayerBuilder,
+    DEFAULT_RETENTION, DEFAULT_STORE_QUEUE_TIMEOUT, DEFAULT_STORE_TIMEOUT, DEFAULT_WAIT_POLL, IdempotencyLayer,
+    IdempotencyLayerBuilder,
 };
 #[cfg(feature = "metrics")]
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};

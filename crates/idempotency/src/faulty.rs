@@ -2,7 +2,8 @@
 //!
 //! [`FaultyStore`] wraps any store and makes chosen operations fail on demand, without touching
 //! the inner store, so a test can check what a caller does when, say, `complete` fails after the
-//! handler's side effects ran. It also counts the calls of each operation.
+//! handler's side effects ran. It also counts the calls of each operation, and can make the
+//! store busy rather than down ([`FaultyStore::busy`]): every call waits its turn.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -17,6 +18,7 @@
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -109,6 +111,9 @@ pub struct FaultyStore<S> {
     pending: Mutex<[u64; OPS]>,
     calls: [AtomicU64; OPS],
     injected: [AtomicU64; OPS],
+    /// Each call's time in the queue of [`FaultyStore::busy`], in microseconds (0: no queue).
+    busy_us: AtomicU64,
+    queue: tokio::sync::Mutex<()>,
 }
 
 impl<S: Store> FaultyStore<S> {
@@ -119,7 +124,16 @@ impl<S: Store> FaultyStore<S> {
             pending: Mutex::new([0; OPS]),
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
             injected: std::array::from_fn(|_| AtomicU64::new(0)),
+            busy_us: AtomicU64::new(0),
+            queue: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// Makes the store busy, not down: from now on the calls run one at a time, in the order
+    /// they came, and each takes `per_call` (a SQLite writer queue on a loaded disk). Zero ends
+    /// it.
+    pub fn busy(&self, per_call: Duration) {
+        self.busy_us.store(u64::try_from(per_call.as_micros()).unwrap_or(u64::MAX), Ordering::SeqCst);
     }
 
     /// The wrapped store.
@@ -172,23 +186,33 @@ impl<S: Store> FaultyStore<S> {
         self.injected[op.index()].fetch_add(1, Ordering::SeqCst);
         Err(StoreError::unavailable(InjectedFault { op }))
     }
+
+    /// Counts a call of `op`, fails it when told to, and else runs `call`, in its turn when the
+    /// store is [`busy`](Self::busy).
+    async fn call<T>(&self, op: Op, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.enter(op)?;
+        let busy = self.busy_us.load(Ordering::SeqCst);
+        if busy == 0 {
+            return call.await;
+        }
+        let _turn = self.queue.lock().await;
+        tokio::time::sleep(Duration::from_micros(busy)).await;
+        call.await
+    }
 }
 
 #[async_trait]
 impl<S: Store> Store for FaultyStore<S> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.enter(Op::Claim)?;
-        self.inner.claim(req).await
+        self.call(Op::Claim, self.inner.claim(req)).await
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        self.enter(Op::Reclaim)?;
-        self.inner.reclaim(req).await
+        self.call(Op::Reclaim, self.inner.reclaim(req)).await
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.enter(Op::Heartbeat)?;
-        self.inner.heartbeat(claim, now).await
+        self.call(Op::Heartbeat, self.inner.heartbeat(claim, now)).await
     }
 
     async fn complete(
@@ -197,33 +221,27 @@ impl<S: Store> Store for FaultyStore<S> {
         response: &StoredResponse,
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
-        self.enter(Op::Complete)?;
-        self.inner.complete(claim, response, expires_at).await
+        self.call(Op::Complete, self.inner.complete(claim, response, expires_at)).await
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.enter(Op::Fail)?;
-        self.inner.fail(claim).await
+        self.call(Op::Fail, self.inner.fail(claim)).await
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.enter(Op::Remove)?;
-        self.inner.remove(claim).await
+        self.call(Op::Remove, self.inner.remove(claim)).await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
-        self.enter(Op::Get)?;
-        self.inner.get(scope).await
+        self.call(Op::Get, self.inner.get(scope)).await
     }
 
     async fn sweep_expired(&self, now: Timestamp, batch: u32) -> Result<u64, StoreError> {
-        self.enter(Op::SweepExpired)?;
-        self.inner.sweep_expired(now, batch).await
+        self.call(Op::SweepExpired, self.inner.sweep_expired(now, batch)).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.enter(Op::Ping)?;
-        self.inner.ping().await
+        self.call(Op::Ping, self.inner.ping()).await
     }
 
     async fn count_records(&self, principal: &crate::Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {

@@ -512,6 +512,67 @@ mod outage {
         }
     }
 
+    /// A store that takes one call at a time, slowly (a SQLite writer queue on a loaded disk), is
+    /// busy, not down: a request queued behind the others for many store timeouts waits its turn
+    /// and runs, because the store goes on taking writes meanwhile. CI once answered such a
+    /// queue `503 store-unavailable` (16 concurrent claims on SQLite, the 3 s timeout cutting the
+    /// last ones).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_that_keeps_taking_writes_one_at_a_time_is_a_queue_not_an_outage() {
+        const N: usize = 16;
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        // A claim and a completion each: the last request waits about 2 * N * 50 ms = 1.6 s,
+        // six store timeouts.
+        store.busy(Duration::from_millis(50));
+        let layer = builder_for_p(store.clone()).store_timeout(Duration::from_millis(250)).build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
+        let requests: Vec<_> = (0..N)
+            .map(|i| {
+                let app = app.clone();
+                tokio::spawn(async move { send(&app, post_key("/v1/things", &format!("queued-{i}"))).await })
+            })
+            .collect();
+        for r in requests {
+            let a = r.await.expect("request");
+            assert_eq!((a.status, a.replayed()), (StatusCode::CREATED, false), "{}", a.text());
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), N, "every request ran once");
+    }
+
+    /// The queue's bound: a call that waits while the store goes on taking other writes is given
+    /// up after `store_queue_timeout`, answered `503`, and runs no handler.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_queued_past_the_queue_timeout_is_answered_503() {
+        let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+        store.busy(Duration::from_millis(100));
+        let layer = builder_for_p(store.clone())
+            .store_timeout(Duration::from_millis(250))
+            .store_queue_timeout(Duration::from_millis(600))
+            .build();
+        let (app, calls) = counting_route("/v1/things", Duration::ZERO, layer);
+        // 16 requests need 3.2 s of the store; the queue's bound is 0.6 s.
+        let requests: Vec<_> = (0..16)
+            .map(|i| {
+                let app = app.clone();
+                tokio::spawn(async move { send(&app, post_key("/v1/things", &format!("long-{i}"))).await })
+            })
+            .collect();
+        let (mut created, mut refused) = (0, 0);
+        for r in requests {
+            let a = r.await.expect("request");
+            match a.status {
+                StatusCode::CREATED => created += 1,
+                StatusCode::SERVICE_UNAVAILABLE => {
+                    assert_eq!(a.problem_type(), "/problems/store-unavailable");
+                    refused += 1;
+                }
+                s => panic!("unexpected {s}: {}", a.text()),
+            }
+        }
+        assert!(refused > 0, "some requests waited past the queue's bound");
+        assert_eq!(calls.load(Ordering::SeqCst), created, "a request given up ran no handler");
+    }
+
     /// A store whose answers are lost while `silent` is set, as behind a partition that drops
     /// packets: each call is made (a claim lands) but its caller hears nothing until the
     /// partition heals.
