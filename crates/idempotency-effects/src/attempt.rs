@@ -16,6 +16,9 @@ pub const DEFAULT_SETTLE: Duration = Duration::from_secs(30);
 /// How far ahead of the clock a send stamp lies, by default: 1 s (the longest the stamp's
 /// commit may take for the call still to be sent).
 pub const DEFAULT_SEND_AHEAD: Duration = Duration::from_secs(1);
+/// How many times a send stamp whose commit came back late is taken again before the call is
+/// given up ([`EffectError::SlowCommit`]).
+const RESTAMPS: usize = 3;
 
 /// The side-effect runner of a service: a ledger and the two durations of the rules.
 #[derive(Debug, Clone)]
@@ -167,8 +170,8 @@ pub enum EffectError {
     /// stamp's compare-and-set moved). Nothing was sent.
     #[error("another attempt of this request is calling the downstream; retry with the same key")]
     Contended,
-    /// The send stamp's commit came back after the stamped moment; nothing was sent, and the
-    /// retry waits out the settle window from the stamp.
+    /// The send stamp's commit came back after the stamped moment, every time it was taken
+    /// again; nothing was sent, and the retry waits out the settle window from the stamp.
     #[error("the ledger was too slow to record the call before sending it; nothing was sent")]
     SlowCommit,
     /// The downstream could not be asked what an earlier attempt did.
@@ -230,7 +233,8 @@ impl Attempt {
     /// with the tag it is given stamped into it (the tag is `op.derive(effect.name())`).
     ///
     /// - No intent yet: it is recorded with its send stamp (one transaction, fenced), and
-    ///   `send` runs if that commit came back before the stamped moment.
+    ///   `send` runs if that commit came back before the stamped moment; one that came back
+    ///   after it is stamped again (nothing was sent), a few times, before the attempt gives up.
     /// - Done or accepted by an earlier attempt: its outcome, nothing sent.
     /// - Pending (an earlier call may have happened): `probe(tag)`; what exists is adopted
     ///   (the lowest id, decided in the ledger; any other with the tag is undone); nothing found
@@ -299,7 +303,7 @@ impl Attempt {
         let tag = self.op.derive(effect.name()).to_string();
         let intent = match decided {
             Decided::Fresh(intent) => {
-                in_time(&tag, intent.sent_at)?;
+                self.in_time(&tag, intent.sent_at).await?;
                 return self.send(&tag, send).await;
             }
             Decided::Existing(intent) => intent,
@@ -322,8 +326,34 @@ impl Attempt {
             tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
             return Err(EffectError::Contended);
         };
-        in_time(&tag, stamp)?;
+        self.in_time(&tag, stamp).await?;
         self.send(&tag, send).await
+    }
+
+    /// Makes sure the call goes out before its send stamp `stamp`: when the stamp's commit came
+    /// back after the stamped moment (a queue for the disk), nothing was sent, so the stamp is
+    /// moved ahead again by compare-and-set, at most [`RESTAMPS`] times.
+    /// [`EffectError::SlowCommit`] when every commit came back late;
+    /// [`EffectError::Contended`] when another attempt moved the stamp meanwhile.
+    async fn in_time(&self, tag: &str, mut stamp: i64) -> Result<(), EffectError> {
+        for _ in 0..RESTAMPS {
+            if now_micros() < stamp {
+                return Ok(());
+            }
+            tracing::info!(tag, "recording the call took longer than its send stamp allows; stamping it again");
+            match self.effects.ledger.stamp(self.op.id(), tag, stamp, self.effects.send_ahead).await? {
+                Some(next) => stamp = next,
+                None => {
+                    tracing::warn!(tag, "another attempt acted on this call since it was stamped; not sending it");
+                    return Err(EffectError::Contended);
+                }
+            }
+        }
+        if now_micros() >= stamp {
+            tracing::warn!(tag, "recording the call took too long, every time; not sending it");
+            return Err(EffectError::SlowCommit);
+        }
+        Ok(())
     }
 
     /// The operation's row for this attempt and the effect's new intent.
@@ -421,16 +451,6 @@ pub(crate) async fn undo_duplicate(effect: &dyn Effect, tag: &str, keep: &str, e
         }
         Err(e) => tracing::warn!(tag, extra, error = %e, "undoing a duplicate failed; the inventory sweep retries"),
     }
-}
-
-/// Errs with [`EffectError::SlowCommit`] when the commit of the send stamp `stamp` came back
-/// after the stamped moment.
-fn in_time(tag: &str, stamp: i64) -> Result<(), EffectError> {
-    if now_micros() >= stamp {
-        tracing::warn!(tag, "recording the call took too long; not sending it");
-        return Err(EffectError::SlowCommit);
-    }
-    Ok(())
 }
 
 /// Errs with [`EffectError::Settling`] while a call sent at `sent_at` may still land.

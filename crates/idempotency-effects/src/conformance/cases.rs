@@ -229,6 +229,38 @@ pub async fn a_queue_for_the_ledger_does_not_refuse_the_send(f: Fixture) {
     assert_eq!(ds.sends(), 1);
 }
 
+/// The commit of a new intent's send stamp comes back after the stamped moment (a loaded disk:
+/// once seen in CI as a healthy create answered 503): nothing was sent, so the stamp is taken
+/// again and the call goes out, once.
+pub async fn a_stamp_whose_commit_came_back_late_is_taken_again_and_sent_once(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (_claim, op) = fresh_op(&*f.store, "create").await;
+    let late = Gated::new(f.ledger.clone(), Step::LateDecide(Duration::from_millis(600)));
+    let attempt = Effects::new(late).settle(SETTLE).send_ahead(Duration::from_millis(300)).attempt(&op);
+    let done = attempt.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(done, Ok(Outcome::Done(_))), "{done:?}");
+    assert_eq!(ds.sends(), 1);
+}
+
+/// Every stamp's commit comes back late: the attempt gives up without sending anything, and a
+/// retry waits out the settle window from the last stamp, then sends once.
+pub async fn a_stamp_late_every_time_sends_nothing_and_the_retry_sends_once(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (_claim, op) = fresh_op(&*f.store, "create").await;
+    let late = Gated::new(f.ledger.clone(), Step::LateAnswers(Duration::from_millis(300)));
+    let attempt = Effects::new(late).settle(SETTLE).send_ahead(Duration::from_millis(100)).attempt(&op);
+    let given_up = attempt.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(given_up, Err(EffectError::SlowCommit)), "{given_up:?}");
+    assert_eq!(ds.sends(), 0, "nothing was sent");
+    let retry = effects(&f.peer).attempt(&op);
+    let settling = retry.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(settling, Err(EffectError::Settling { .. })), "{settling:?}");
+    wait_out_settle().await;
+    let done = retry.run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(done, Ok(Outcome::Done(_))), "{done:?}");
+    assert_eq!(ds.sends(), 1);
+}
+
 /// Abandoned operations whose calls landed; on one replica the reaper ticks while on the other
 /// the clients retry, all at once. Per operation: either the retry adopted the resource and the
 /// operation finished, or the reaper undid it and the operation is rolled back. Never both,

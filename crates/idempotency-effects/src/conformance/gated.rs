@@ -22,6 +22,12 @@ pub enum Step {
     Adopt,
     /// A delay before [`Ledger::decide`] (a queue for a connection), not a gate.
     DelayDecide(Duration),
+    /// The first [`Ledger::decide`]'s answer comes back this long after the ledger took it (a
+    /// commit slow to return), not a gate.
+    LateDecide(Duration),
+    /// Every [`Ledger::decide`]'s and [`Ledger::stamp`]'s answer comes back this long after the
+    /// ledger took it, not a gate.
+    LateAnswers(Duration),
 }
 
 /// Wraps a ledger; the first call of the gated step waits (before it reaches the ledger) until
@@ -57,15 +63,25 @@ impl Gated {
     }
 
     async fn at(&self, step: Step) {
-        if let Step::DelayDecide(d) = self.step {
-            if step == Step::Decide {
-                tokio::time::sleep(d).await;
+        match self.step {
+            Step::DelayDecide(d) if step == Step::Decide => tokio::time::sleep(d).await,
+            Step::DelayDecide(_) | Step::LateDecide(_) | Step::LateAnswers(_) => {}
+            _ if step == self.step && self.armed.swap(false, Ordering::SeqCst) => {
+                self.reached.notify_one();
+                self.go.notified().await;
             }
-            return;
+            _ => {}
         }
-        if step == self.step && self.armed.swap(false, Ordering::SeqCst) {
-            self.reached.notify_one();
-            self.go.notified().await;
+    }
+
+    /// After the ledger took `step`: holds its answer back when told to.
+    async fn answered(&self, step: Step) {
+        match self.step {
+            Step::LateDecide(d) if step == Step::Decide && self.armed.swap(false, Ordering::SeqCst) => {
+                tokio::time::sleep(d).await
+            }
+            Step::LateAnswers(d) if matches!(step, Step::Decide | Step::Stamp) => tokio::time::sleep(d).await,
+            _ => {}
         }
     }
 }
@@ -74,7 +90,9 @@ impl Gated {
 impl Ledger for Gated {
     async fn decide(&self, op: &OperationRow, intent: &NewIntent, ahead: Duration) -> Result<Decided, LedgerError> {
         self.at(Step::Decide).await;
-        self.inner.decide(op, intent, ahead).await
+        let decided = self.inner.decide(op, intent, ahead).await;
+        self.answered(Step::Decide).await;
+        decided
     }
     async fn stamp(
         &self,
@@ -84,7 +102,9 @@ impl Ledger for Gated {
         ahead: Duration,
     ) -> Result<Option<i64>, LedgerError> {
         self.at(Step::Stamp).await;
-        self.inner.stamp(op_id, intent_id, seen, ahead).await
+        let stamped = self.inner.stamp(op_id, intent_id, seen, ahead).await;
+        self.answered(Step::Stamp).await;
+        stamped
     }
     async fn adopt(&self, op_id: &str, intent_id: &str, candidate: &str) -> Result<String, LedgerError> {
         self.at(Step::Adopt).await;

@@ -119,6 +119,8 @@ macro_rules! ledger_conformance_suite {
                 the_settle_window_is_respected_and_a_late_landing_adopted,
                 a_definite_refusal_releases_and_the_retry_sends_at_once,
                 a_queue_for_the_ledger_does_not_refuse_the_send,
+                a_stamp_whose_commit_came_back_late_is_taken_again_and_sent_once,
+                a_stamp_late_every_time_sends_nothing_and_the_retry_sends_once,
                 the_reaper_and_retries_on_two_replicas_never_both_act,
                 a_retry_held_at_adoption_while_the_reaper_rolls_back_adopts_nothing,
                 the_reaper_waits_for_a_live_claim_and_the_settle_window,
