@@ -1,6 +1,7 @@
 //! Retention at scale: sweeping 1M expired records with the default layout's batched DELETE
 //! against dropping whole days with the layout partitioned by expiry day. Per layout: the WAL
-//! the sweep writes and how long it takes (alone), then claim latency while it runs against idle.
+//! the sweep writes and how long it takes (alone), then claim latency while it runs against idle;
+//! and the partitioned layout with its drops deferred to an off-peak window.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -146,25 +147,68 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
     // Under claims: idle, sweeping, idle.
     load_expired(l, &format!("{}-b-", l.name), a.rows).await?;
     let idle_before = claims(&l.store, a, format!("{}-idle1", l.name), a.idle_seconds, never()).await;
-    let done = never();
-    let sweeping = {
-        let (store, done) = (l.store.clone(), done.clone());
-        tokio::spawn(async move {
-            let t = Instant::now();
-            let swept = sweep(&store).await;
-            done.store(true, Ordering::Relaxed);
-            (swept, t.elapsed().as_secs_f64())
-        })
-    };
-    let during = claims(&l.store, a, format!("{}-sweep", l.name), a.max_sweep_seconds, done.clone()).await;
-    let (swept_loaded, loaded_seconds) = sweeping.await?;
-    let swept_loaded = swept_loaded?;
+    let (during, swept_loaded, loaded_seconds) =
+        while_sweeping(&l.store, &l.store, a, format!("{}-sweep", l.name)).await?;
     let idle_after = claims(&l.store, a, format!("{}-idle2", l.name), a.idle_seconds, never()).await;
     Ok(json!({
         "swept": swept, "sweep_seconds": sweep_seconds, "wal_bytes": wal_bytes,
         "wal_bytes_per_row": wal_bytes / swept.max(1) as f64, "database_wal_bytes": database_wal_bytes,
         "swept_under_claims": swept_loaded, "sweep_seconds_under_claims": loaded_seconds,
         "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
+    }))
+}
+
+/// Claims on `store` while `sweeper` makes one pass: their latency, what the pass swept and how
+/// long it took.
+async fn while_sweeping(
+    store: &Arc<dyn Store>,
+    sweeper: &Arc<dyn Store>,
+    a: &PartitionArgs,
+    tag: String,
+) -> anyhow::Result<(Stats, u64, f64)> {
+    let done = Arc::new(AtomicBool::new(false));
+    let sweeping = {
+        let (sweeper, done) = (sweeper.clone(), done.clone());
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let swept = sweep(&sweeper).await;
+            done.store(true, Ordering::Relaxed);
+            (swept, t.elapsed().as_secs_f64())
+        })
+    };
+    let during = claims(store, a, tag, a.max_sweep_seconds, done).await;
+    let (swept, seconds) = sweeping.await?;
+    Ok((during, swept?, seconds))
+}
+
+/// The partitioned layout with its drops deferred to an off-peak window
+/// (`PartitionedPostgresStore::with_drop_window`, here one that excludes the current hour): the
+/// claims while the ended day is detached and its drop deferred, against idle; then the claims
+/// during the deferred drop itself, as it runs in its window (the stall the window moves out of
+/// the busy hours).
+async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &PartitionArgs) -> anyhow::Result<Value> {
+    let never = || Arc::new(AtomicBool::new(false));
+    let hour = chrono::Timelike::hour(&now());
+    let closed = idempotency_sqlx::DropWindow::hours((hour + 2) % 24, (hour + 3) % 24).expect("an hour's window");
+    let deferring: Arc<dyn Store> = Arc::new(store.clone().with_drop_window(closed));
+    let dropping: Arc<dyn Store> = Arc::new(store.clone());
+    let l = Layout {
+        name: "off-peak",
+        store: deferring.clone(),
+        pool: pool.clone(),
+        table: "idempotency_records_by_day",
+        partitioned: Some(store.clone()),
+    };
+    load_expired(&l, "off-peak-", a.rows).await?;
+    let idle_before = claims(&deferring, a, "off-peak-idle1".into(), a.idle_seconds, never()).await;
+    let (during, detached_swept, detach_seconds) =
+        while_sweeping(&deferring, &deferring, a, "off-peak-sweep".into()).await?;
+    let idle_after = claims(&deferring, a, "off-peak-idle2".into(), a.idle_seconds, never()).await;
+    let (in_window, dropped, drop_seconds) = while_sweeping(&deferring, &dropping, a, "off-peak-drop".into()).await?;
+    Ok(json!({
+        "swept_under_claims": detached_swept, "sweep_seconds_under_claims": detach_seconds,
+        "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
+        "dropped_in_window": dropped, "drop_seconds": drop_seconds, "dropping": in_window,
     }))
 }
 
@@ -196,6 +240,7 @@ pub(crate) async fn partition(a: PartitionArgs) -> anyhow::Result<()> {
         let m = measure(l, &a).await?;
         out.insert(l.name.into(), m);
     }
+    out.insert("off-peak".into(), measure_off_peak(&partitioned, partitioned.pool(), &a).await?);
     println!("{}", Value::Object(out));
     Ok(())
 }

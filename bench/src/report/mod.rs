@@ -310,8 +310,12 @@ mod tests {
                 "idle_before": claims(1000, idle99), "idle_after": claims(3000, idle99 * 3), "sweeping": claims(0, sweep99),
             })
         };
+        let off_peak = json!({
+            "idle_before": claims(1000, 20), "idle_after": claims(1000, 20), "sweeping": claims(0, 30),
+            "dropping": claims(0, 200),
+        });
         let line = json!({ "part": "partition", "case": "sweep", "variant": "all", "round": 1,
-            "m": { "delete": layout(1e8, 10, 30), "partitioned": layout(1e4, 20, 40) } });
+            "m": { "delete": layout(1e8, 10, 30), "partitioned": layout(1e4, 20, 40), "off-peak": off_peak } });
         let mut runs = Runs(BTreeMap::new());
         for r in expand(serde_json::from_value(line).expect("raw")) {
             runs.0.entry(key(&r.part, &r.case, r.conns, &r.variant)).or_default().insert(r.round, r.m);
@@ -325,5 +329,12 @@ mod tests {
         let p99 = |what: &str| rows.iter().find(|r| r.what == what).expect(what).ratio;
         assert_eq!(p99("partitioned: claim p99 sweeping / idle"), 1.0);
         assert_eq!(p99("delete: claim p99 sweeping / idle"), 1.5);
+        let deferred =
+            "partitioned, drop in an off-peak window: claim p99 while the day ends (detached, drop deferred) / idle";
+        assert_eq!(p99(deferred), 1.5);
+        assert_eq!(
+            p99("partitioned, drop in an off-peak window: claim p99 during the drop, in its window / idle"),
+            10.0
+        );
     }
 }

@@ -52,6 +52,22 @@ pub(super) fn partition_ratios(runs: &Runs) -> Vec<Ratio> {
             (layout == "partitioned").then_some(Goal::AtMost(2.0)),
         ));
     }
+    out.push(runs.ratio(
+        "partition",
+        "partitioned, drop in an off-peak window: claim p99 while the day ends (detached, drop deferred) / idle".into(),
+        "p99_us",
+        &k("claim", "off-peak-sweeping"),
+        &k("claim", "off-peak-idle"),
+        Some(Goal::AtMost(2.0)),
+    ));
+    out.push(runs.ratio(
+        "partition",
+        "partitioned, drop in an off-peak window: claim p99 during the drop, in its window / idle".into(),
+        "p99_us",
+        &k("claim", "off-peak-dropping"),
+        &k("claim", "off-peak-idle"),
+        None,
+    ));
     out.into_iter().flatten().collect()
 }
 
@@ -69,10 +85,7 @@ pub(super) fn expand_partition(raw: &Raw) -> Vec<Raw> {
             round: raw.round,
             m,
         };
-        let avg = |f: &str| {
-            (m["idle_before"][f].as_f64().unwrap_or(f64::NAN) + m["idle_after"][f].as_f64().unwrap_or(f64::NAN)) / 2.0
-        };
-        let idle = json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") });
+        let idle = idle_of(m);
         out.push(sub(
             "sweep",
             layout.into(),
@@ -85,7 +98,29 @@ pub(super) fn expand_partition(raw: &Raw) -> Vec<Raw> {
         out.push(sub("claim", format!("{layout}-idle"), idle));
         out.push(sub("claim", format!("{layout}-sweeping"), m["sweeping"].clone()));
     }
+    // The partitioned layout with its drops deferred to an off-peak window (no sweep alone).
+    if let Some(m) = raw.m.get("off-peak") {
+        let sub = |variant: &str, m: Value| Raw {
+            part: raw.part.clone(),
+            case: "claim".into(),
+            conns: 0,
+            variant: format!("off-peak-{variant}"),
+            round: raw.round,
+            m,
+        };
+        out.push(sub("idle", idle_of(m)));
+        out.push(sub("sweeping", m["sweeping"].clone()));
+        out.push(sub("dropping", m["dropping"].clone()));
+    }
     out
+}
+
+/// The idle claims of a layout's partition measurement: the mean of the phases before and after.
+fn idle_of(m: &Value) -> Value {
+    let avg = |f: &str| {
+        (m["idle_before"][f].as_f64().unwrap_or(f64::NAN) + m["idle_after"][f].as_f64().unwrap_or(f64::NAN)) / 2.0
+    };
+    json!({ "rps": avg("rps"), "p50_us": avg("p50_us"), "p99_us": avg("p99_us") })
 }
 
 /// The layer's own cost (issue 16, goal 2): layer+memory against the baseline a user compares

@@ -85,7 +85,7 @@ pub use migrate::{BadMigrationName, MIGRATIONS_TABLE, embedded_migrator};
 pub use multihost::{UrlError, connect_postgres};
 #[cfg(feature = "postgres")]
 pub use partitioned::{
-    DEFAULT_DAYS_AHEAD, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,
+    DEFAULT_DAYS_AHEAD, DropWindow, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,
     postgres_partitioned_migrator,
 };
 pub use pool::PING_IF_IDLE_FOR;

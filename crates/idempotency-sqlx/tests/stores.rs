@@ -667,6 +667,40 @@ mod postgres_partitioned_layout {
         assert_eq!(swept.expect("sweep"), 3);
     }
 
+    /// With a drop window, an ended day is detached at once (no claim sees its records again)
+    /// and dropped only by a sweep within the window; the count comes with the drop.
+    #[tokio::test]
+    async fn an_ended_day_waits_detached_for_the_drop_window() {
+        let Some((store, _db)) = partitioned_store().await else { return };
+        let today = now().date_naive();
+        let d0 = midnight(today);
+        let window = idempotency_sqlx::DropWindow::hours(2, 4).expect("window");
+        let store = store.with_drop_window(window);
+        let expires = d0 - Span::hours(3);
+        let scope = unique_scope();
+        own(&store, claim_request(&scope, expires - Span::hours(1), expires)).await;
+        let partition = format!("idempotency_records_by_day_p{}", expires.format("%Y%m%d"));
+        let table_exists = async |name: &str| -> bool {
+            sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(name)
+                .fetch_one(store.pool())
+                .await
+                .expect("catalog")
+        };
+        // 12:00, outside the window: detached, not dropped, nothing counted.
+        assert_eq!(store.sweep_expired(d0 + Span::hours(12), 1).await.expect("sweep"), 0);
+        assert!(!store.partition_days().await.expect("days").contains(&expires.date_naive()), "detached");
+        assert!(table_exists(&partition).await, "kept for the window");
+        let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_records_by_day")
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(seen, 0, "no statement on the table sees a detached day");
+        // 02:30 the next night, within it: dropped and counted.
+        assert_eq!(store.sweep_expired(d0 + Span::hours(26) + Span::minutes(30), 1).await.expect("sweep"), 1);
+        assert!(!table_exists(&partition).await, "dropped");
+    }
+
     /// The partitions of today and the days ahead exist after `migrate` and after every sweep;
     /// a write whose expiry has no partition creates it; a completion moves the record to the
     /// partition of its new expiry.

@@ -44,8 +44,8 @@ impl PartitionedPostgresStore {
         tx.commit().await.map_err(db_error)
     }
 
-    /// Detaches every partition whose day ended by `now`, then counts and drops every detached
-    /// one. Returns the number of records dropped.
+    /// Detaches every partition whose day ended by `now`, then, within the drop window, counts
+    /// and drops every detached one. Returns the number of records dropped.
     pub(super) async fn drop_expired_partitions(&self, now: Timestamp) -> Result<u64, StoreError> {
         let mut ended = vec![];
         for day in attached(&self.pool).await? {
@@ -56,6 +56,9 @@ impl PartitionedPostgresStore {
         }
         if !ended.is_empty() {
             self.detach(&ended).await?;
+        }
+        if !self.drop_window.contains(now) {
+            return Ok(0);
         }
         let mut dropped = 0;
         for day in detached(&self.pool).await? {
@@ -119,6 +122,32 @@ impl PartitionedPostgresStore {
             sqlx::raw_sql(AssertSqlSafe(detach)).execute(&mut *conn).await.map_err(db_error)?;
         }
         Ok(())
+    }
+}
+
+/// The hours of the day (UTC) in which a sweep drops detached days: `from` (inclusive) to
+/// `to` (exclusive), across midnight when `to` is before `from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DropWindow {
+    from: u32,
+    to: u32,
+}
+
+impl DropWindow {
+    /// Every hour: a day is dropped on the first sweep after it ends.
+    pub const ANY_TIME: DropWindow = DropWindow { from: 0, to: 24 };
+
+    /// From hour `from` to hour `to` (0 to 24, UTC), e.g. `hours(2, 5)` for 02:00 to 05:00, or
+    /// `hours(22, 4)` across midnight. `None` for an hour past 24 or an empty window.
+    pub fn hours(from: u32, to: u32) -> Option<Self> {
+        (from <= 24 && to <= 24 && from != to).then_some(Self { from, to })
+    }
+
+    /// Whether `t` falls within the window.
+    pub fn contains(&self, t: Timestamp) -> bool {
+        use chrono::Timelike;
+        let hour = t.hour();
+        if self.from <= self.to { (self.from..self.to).contains(&hour) } else { hour >= self.from || hour < self.to }
     }
 }
 
@@ -215,6 +244,18 @@ mod tests {
             assert_eq!(parse_partition_name(other), None, "{other}");
         }
         assert!(partition_name(NaiveDate::from_ymd_opt(10_000, 1, 1).expect("date")).is_err());
+    }
+
+    #[test]
+    fn a_drop_window_holds_its_hours_across_midnight_too() {
+        let at = |h: u32| Utc.with_ymd_and_hms(2026, 12, 4, h, 30, 0).single().expect("time");
+        let night = DropWindow::hours(2, 5).expect("window");
+        assert_eq!((0..24).filter(|&h| night.contains(at(h))).collect::<Vec<_>>(), [2, 3, 4]);
+        let across = DropWindow::hours(22, 2).expect("window");
+        assert_eq!((0..24).filter(|&h| across.contains(at(h))).collect::<Vec<_>>(), [0, 1, 22, 23]);
+        assert!((0..24).all(|h| DropWindow::ANY_TIME.contains(at(h))));
+        assert_eq!(DropWindow::hours(3, 3), None);
+        assert_eq!(DropWindow::hours(0, 25), None);
     }
 
     #[test]

@@ -39,7 +39,9 @@
 //! EXCLUSIVE` on the parent, so claims go on. A concurrent detach waits for every transaction
 //! that may still be using the partition, so a long transaction on the table delays the drop of
 //! a day, never the claims; one interrupted half-way is finished by the next sweep. The rows are
-//! then counted and the table dropped with no lock on the parent. There is no default
+//! then counted and the table dropped with no lock on the parent, at once or, with
+//! [`with_drop_window`](PartitionedPostgresStore::with_drop_window), in the next off-peak
+//! window (a detached day is invisible to claims while it waits). There is no default
 //! partition: it would have to be scanned on every partition created, and a concurrent detach
 //! refuses a table that has one.
 
@@ -55,6 +57,8 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
 mod days;
+
+pub use days::DropWindow;
 
 use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
 use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, stale_cutoff};
@@ -108,6 +112,7 @@ pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
 pub struct PartitionedPostgresStore {
     pool: PgPool,
     days_ahead: u32,
+    drop_window: DropWindow,
     space: SpaceWatch,
     announcements: crate::changes::Announcements,
 }
@@ -125,6 +130,7 @@ impl PartitionedPostgresStore {
         Self {
             pool,
             days_ahead: DEFAULT_DAYS_AHEAD,
+            drop_window: DropWindow::ANY_TIME,
             space: SpaceWatch::default(),
             announcements: crate::changes::Announcements::default(),
         }
@@ -145,6 +151,17 @@ impl PartitionedPostgresStore {
     /// of a catalog change on that request's path.
     pub fn with_days_ahead(mut self, days: u32) -> Self {
         self.days_ahead = days;
+        self
+    }
+
+    /// Drops detached days only within `window` (hours of the day, UTC); an ended day is still
+    /// detached on the first sweep after it ends, so no claim sees it again, and its table waits
+    /// for the window. Removing a day's files (hundreds of megabytes) holds up every commit's
+    /// `fsync` on a file system that discards freed blocks online (ext4 or XFS mounted with
+    /// `discard`): an off-peak window keeps that stall away from the claims of the busy hours.
+    /// By default, any time.
+    pub fn with_drop_window(mut self, window: DropWindow) -> Self {
+        self.drop_window = window;
         self
     }
 
