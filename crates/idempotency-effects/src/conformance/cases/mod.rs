@@ -1,0 +1,26 @@
+//! The cases. Each takes a fresh [`Fixture`] and counts side effects on a [`Downstream`].
+
+use std::time::Duration;
+
+use super::SETTLE;
+use crate::{Ledger, Mark, ReaperConfig};
+
+mod attempts;
+mod background;
+
+pub use attempts::*;
+pub use background::*;
+
+fn reaper_config() -> ReaperConfig {
+    ReaperConfig {
+        settle: SETTLE,
+        abandon_after: Duration::ZERO,
+        in_flight_ttl: Duration::from_secs(1),
+        retention: Duration::from_secs(3600),
+        batch: 500,
+    }
+}
+
+async fn mark_of(ledger: &dyn Ledger, op_id: &str) -> Option<Mark> {
+    ledger.operation(op_id).await.expect("read operation").map(|o| o.mark)
+}
