@@ -8,8 +8,9 @@
 //! [`store_timeout`](crate::IdempotencyLayerBuilder::store_timeout) and fails as unavailable
 //! after it, unless the store took a write of this layer meanwhile: then it is busy, not down
 //! (a SQLite writer queue on a loaded disk, a pool whose connections are all in use), and the
-//! call keeps its place until the store has taken no write for a whole `store_timeout`, or at
-//! most [`store_queue_timeout`](crate::IdempotencyLayerBuilder::store_queue_timeout) in all.
+//! call keeps its place, a `store_timeout` more at a time, until the store has taken no write
+//! for a whole `store_timeout`, or at most
+//! [`store_queue_timeout`](crate::IdempotencyLayerBuilder::store_queue_timeout) in all.
 //! Only writes count as the store's progress: a SQLite file another process holds locked still
 //! answers reads, and must be taken for down.
 //!
@@ -43,31 +44,20 @@ impl fmt::Display for StoreTimedOut {
 
 impl std::error::Error for StoreTimedOut {}
 
-/// When the store last took a write of this layer: the sign that a slow call is queued, not lost.
-#[derive(Debug)]
+/// The writes the store took for this layer: the sign that a slow call is queued, not lost. A
+/// count, not a time, so that the hot path reads no clock for it.
+#[derive(Debug, Default)]
 pub(crate) struct Progress {
-    since: Instant,
-    /// Microseconds from `since` to the last write the store took; 0 before the first.
-    last: AtomicU64,
-}
-
-impl Default for Progress {
-    fn default() -> Self {
-        Self { since: Instant::now(), last: AtomicU64::new(0) }
-    }
+    writes: AtomicU64,
 }
 
 impl Progress {
     fn mark(&self) {
-        let us = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX).max(1);
-        self.last.fetch_max(us, Ordering::Relaxed);
+        self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn last(&self) -> Option<Instant> {
-        match self.last.load(Ordering::Relaxed) {
-            0 => None,
-            us => Some(self.since + Duration::from_micros(us)),
-        }
+    fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 }
 
@@ -112,7 +102,7 @@ impl Written for bool {
 }
 
 /// Runs one store call (timed as `op`), failing it as unavailable once the store has taken no
-/// write for the store timeout (see the module docs).
+/// write for a whole store timeout (see the module docs).
 pub(crate) async fn bounded<T: Written>(
     cfg: &Config,
     op: &'static str,
@@ -121,6 +111,7 @@ pub(crate) async fn bounded<T: Written>(
     let started = Instant::now();
     let cap = started + cfg.store_queue_timeout.max(cfg.store_timeout);
     let mut until = started + cfg.store_timeout;
+    let mut seen = cfg.progress.writes();
     let call = timed(op, call);
     let mut call = std::pin::pin!(call);
     loop {
@@ -131,14 +122,12 @@ pub(crate) async fn bounded<T: Written>(
                 }
                 return out;
             }
-            Err(_) => {
-                // Busy, not down: the store took a write within the last store timeout.
-                let moving = cfg.progress.last().map(|at| at + cfg.store_timeout).filter(|&u| u > Instant::now());
-                match moving {
-                    Some(next) if until < cap => until = next.min(cap),
-                    _ => return Err(StoreError::unavailable(StoreTimedOut { op, after: started.elapsed() })),
-                }
+            // Busy, not down: the store took writes during this wait.
+            Err(_) if cfg.progress.writes() != seen && until < cap => {
+                seen = cfg.progress.writes();
+                until = (until + cfg.store_timeout).min(cap);
             }
+            Err(_) => return Err(StoreError::unavailable(StoreTimedOut { op, after: started.elapsed() })),
         }
     }
 }
