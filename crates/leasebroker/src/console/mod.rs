@@ -244,7 +244,7 @@ async fn listing(state: &AppState, record_state: RecordState) -> Result<Vec<idem
         limit: ROWS,
         cursor: None,
     };
-    state.store.list_records(&q).await.map(|p| p.records).map_err(|_| "the record store did not answer".to_owned())
+    state.store.list_records(&q).await.map(|p| p.records).map_err(unanswered)
 }
 
 async fn overview(
@@ -291,6 +291,12 @@ async fn overview(
     page(StatusCode::OK, pages::overview(&overview, &session.csrf))
 }
 
+/// What a page shows when the record store fails it; the cause goes to the log.
+fn unanswered(e: idempotency::StoreError) -> String {
+    tracing::warn!(error = %idempotency::ErrorChain(&e), "the console could not list records");
+    "the record store did not answer".to_owned()
+}
+
 async fn records(
     State(state): State<AppState>,
     Extension(console): Extension<Console>,
@@ -332,7 +338,7 @@ async fn records(
                 pages::message("Bad query", "cursor is not a cursor this service gave out", Some(&session.csrf)),
             );
         }
-        Err(_) => Err("the record store did not answer".to_owned()),
+        Err(e) => Err(unanswered(e)),
     };
     page(StatusCode::OK, pages::records(&shown, listed, idempotency::now().timestamp_micros(), &session.csrf))
 }
