@@ -64,6 +64,7 @@ mod release;
 mod replay;
 mod service;
 mod sources;
+mod sweeper;
 mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
@@ -82,7 +83,7 @@ pub use layer::{
 };
 #[cfg(feature = "metrics")]
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
-pub use metrics::{spawn_sweeper, sweeper};
+pub use sweeper::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 #[cfg(feature = "reqwest")]
 pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};

@@ -1,14 +1,9 @@
-//! The layer's metrics (with the `metrics` feature), and the sweeper that reports what it
-//! deletes.
+//! The layer's metrics (with the `metrics` feature): their names, their help texts, and how
+//! the layer records them.
 
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
 #[cfg(feature = "metrics")]
 use std::time::Instant;
-
-use idempotency::{Store, Sweeper};
-use tokio::task::JoinHandle;
 
 #[cfg(feature = "metrics")]
 /// Counter of protected (and refused) mutating requests, labelled `outcome`.
@@ -114,22 +109,6 @@ async fn in_span<T>(op: &'static str, fut: impl Future<Output = T>) -> T {
     use tracing::Instrument;
     let span = store_span(op);
     if span.is_disabled() { fut.await } else { fut.instrument(span).await }
-}
-
-/// A core [`Sweeper`] over `store`, every `interval`, that adds what it deletes to
-/// `idempotency_records_swept_total` (with the `metrics` feature) and logs it. Adjust it (`.batch(n)`) and `.spawn()` it; calling
-/// `.on_swept` again replaces the metric hook.
-pub fn sweeper(store: Arc<dyn Store>, interval: Duration) -> Sweeper {
-    Sweeper::new(store, interval).on_swept(|n| {
-        #[cfg(feature = "metrics")]
-        metrics::counter!(RECORDS_SWEPT_TOTAL).increment(n);
-        tracing::debug!(swept = n, "expired idempotency records deleted");
-    })
-}
-
-/// Spawns [`sweeper`] on the current tokio runtime. Abort the handle to stop it.
-pub fn spawn_sweeper(store: Arc<dyn Store>, interval: Duration) -> JoinHandle<()> {
-    sweeper(store, interval).spawn()
 }
 
 #[cfg(all(test, feature = "metrics"))]
