@@ -83,12 +83,12 @@ pub use layer::{
 };
 #[cfg(feature = "metrics")]
 pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_SECONDS, describe_metrics};
-pub use sweeper::{spawn_sweeper, sweeper};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 #[cfg(feature = "reqwest")]
 pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
+pub use sweeper::{spawn_sweeper, sweeper};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, MemoryStore, Principal, ResponsePolicy, Store};

@@ -44,7 +44,10 @@ pub struct Problem {
     name: String,
     title: String,
     detail: String,
-    retry_after: Option<u64>,
+    /// Seconds (bounded to `u32`, 136 years), kept small so that a `Result<_, Problem>` is too.
+    retry_after: Option<u32>,
+    /// Extension members (RFC 9457 section 3.2); boxed, since most problems have none.
+    extensions: Option<Box<serde_json::Map<String, serde_json::Value>>>,
 }
 
 #[derive(serde::Serialize)]
@@ -54,7 +57,12 @@ struct Body<'a> {
     title: &'a str,
     status: u16,
     detail: &'a str,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    extensions: Option<&'a serde_json::Map<String, serde_json::Value>>,
 }
+
+/// The members RFC 9457 defines, which an extension may not replace.
+const STANDARD_MEMBERS: [&str; 5] = ["type", "title", "status", "detail", "instance"];
 
 impl Problem {
     /// A problem with `status`, the short `name` its `type` ends in (`idempotency-key-reused`), a
@@ -67,12 +75,41 @@ impl Problem {
             title: title.to_owned(),
             detail: detail.into(),
             retry_after: None,
+            extensions: None,
         }
+    }
+
+    /// Adds the extension member `name` (RFC 9457 section 3.2) with `value`, e.g. the id of the
+    /// operation a conflict names. Adding a name again replaces its value; the standard members
+    /// (`type`, `title`, `status`, `detail`, `instance`) cannot be replaced and are left as they
+    /// are.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idempotency_tower::Problem;
+    ///
+    /// let p = Problem::new(StatusCode::CONFLICT, "operation-conflict", "Busy", "op-1 runs")
+    ///     .with_extension("operation_id", "op-1")
+    ///     .with_extension("status", 200);
+    /// let body: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap();
+    /// assert_eq!((body["operation_id"].as_str(), body["status"].as_u64()), (Some("op-1"), Some(409)));
+    /// ```
+    pub fn with_extension(mut self, name: impl Into<String>, value: impl Into<serde_json::Value>) -> Self {
+        let name = name.into();
+        if !STANDARD_MEMBERS.contains(&name.as_str()) {
+            self.extensions.get_or_insert_default().insert(name, value.into());
+        }
+        self
+    }
+
+    /// The value of the extension member `name`, if it was added.
+    pub fn extension(&self, name: &str) -> Option<&serde_json::Value> {
+        self.extensions.as_ref()?.get(name)
     }
 
     /// Adds `Retry-After: <secs>` to the response.
     pub fn with_retry_after(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs);
+        self.retry_after = Some(u32::try_from(secs).unwrap_or(u32::MAX));
         self
     }
 
@@ -109,14 +146,21 @@ impl Problem {
 
     /// The `Retry-After` seconds, if any.
     pub fn retry_after(&self) -> Option<u64> {
-        self.retry_after
+        self.retry_after.map(u64::from)
     }
 
     /// The JSON body.
     pub fn to_json(&self) -> Vec<u8> {
         let type_uri = self.type_uri();
-        let body = Body { type_uri: &type_uri, title: &self.title, status: self.status.as_u16(), detail: &self.detail };
-        // Serialising four plain fields cannot fail; the fallback keeps that a non-panic anyway.
+        let body = Body {
+            type_uri: &type_uri,
+            title: &self.title,
+            status: self.status.as_u16(),
+            detail: &self.detail,
+            extensions: self.extensions.as_deref(),
+        };
+        // Serialising plain fields and JSON values cannot fail; the fallback keeps that a
+        // non-panic anyway.
         serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec())
     }
 }

@@ -218,12 +218,7 @@ fn operation_conflict(running: &str) -> Response {
             "operation {running} is running on this node; follow it, or try again with a new key when it has ended"
         ),
     );
-    let mut body: serde_json::Value = serde_json::from_slice(&problem.to_json()).unwrap_or_default();
-    if let Some(members) = body.as_object_mut() {
-        members.insert("operation_id".into(), serde_json::Value::from(running));
-    }
-    let mut r = problem.into_response();
-    *r.body_mut() = axum::body::Body::from(serde_json::to_vec(&body).unwrap_or_default());
+    let mut r = problem.with_extension("operation_id", running).into_response();
     if let Ok(link) = axum::http::HeaderValue::from_str(&format!("</admin/v1/operations/{running}>; rel=\"related\"")) {
         r.headers_mut().insert(header::LINK, link);
     }

@@ -2,13 +2,11 @@
 
 use std::io;
 
-use axum::Json;
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use serde::Serialize;
 
 pub(super) async fn not_found() -> Response {
     problem(StatusCode::NOT_FOUND, "not-found", "no such route")
@@ -44,24 +42,7 @@ pub(super) fn vm_not_found(vm_id: &str) -> Response {
     problem(StatusCode::NOT_FOUND, "vm-not-found", &format!("no VM {vm_id:?}"))
 }
 
-#[derive(Debug, Serialize)]
-struct Problem<'a> {
-    #[serde(rename = "type")]
-    type_uri: String,
-    title: &'a str,
-    status: u16,
-    detail: &'a str,
-}
-
-/// An RFC 9457-style error body.
+/// An RFC 9457 error body: the service's own problem type, titled by the status.
 pub(super) fn problem(status: StatusCode, name: &str, detail: &str) -> Response {
-    let body = Problem {
-        type_uri: format!("/problems/{name}"),
-        title: status.canonical_reason().unwrap_or("error"),
-        status: status.as_u16(),
-        detail,
-    };
-    let mut response = (status, Json(body)).into_response();
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    response
+    idempotency_tower::Problem::new(status, name, status.canonical_reason().unwrap_or("error"), detail).into_response()
 }
