@@ -46,8 +46,8 @@ const MAX_COMPLETION_RETRY_DELAY: Duration = Duration::from_secs(5);
 /// `503 store-unavailable` within 5 s (SPEC 3.1), with time to spare for the answer.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(3);
 /// The default longest wait of one store call while the store goes on taking other writes
-/// (20 s): a queue, not an outage.
-pub const DEFAULT_STORE_QUEUE_TIMEOUT: Duration = Duration::from_secs(20);
+/// (10 s): a queue, not an outage.
+pub const DEFAULT_STORE_QUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
 /// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
@@ -392,9 +392,11 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The longest one store call may wait in all while the store goes on taking other writes
-    /// (default [`DEFAULT_STORE_QUEUE_TIMEOUT`], 20 s; never less than the
+    /// (default [`DEFAULT_STORE_QUEUE_TIMEOUT`], 10 s; never less than the
     /// [`store_timeout`](Self::store_timeout)): the bound on a queue, where the store timeout is
-    /// the bound on silence.
+    /// the bound on silence. It is also how long a store that answers some calls and not others
+    /// (one Redis Cluster primary down while the others answer) holds the calls to its silent
+    /// part before they are answered `503`.
     pub fn store_queue_timeout(mut self, timeout: Duration) -> Self {
         self.store_queue_timeout = timeout;
         self

@@ -18,7 +18,7 @@
 //!   `503 store-unavailable` in time, and a claim that may have landed after its call gave up is
 //!   released as soon as the store answers again. A store that goes on taking other writes is
 //!   busy, not down: a call queued behind them waits its turn, up to
-//!   [`store_queue_timeout`](IdempotencyLayerBuilder::store_queue_timeout) (default 20 s).
+//!   [`store_queue_timeout`](IdempotencyLayerBuilder::store_queue_timeout) (default 10 s).
 //! - A store error while storing the response is retried in the background
 //!   ([`completion_retries`](IdempotencyLayerBuilder::completion_retries)); the client is
 //!   answered at once.
