@@ -223,7 +223,9 @@ impl HaPostgres {
         let cfg = cluster.dir.path().join("haproxy.cfg").display().to_string();
         cluster.haproxy =
             Some(cluster.spawn("haproxy", &["-f".to_owned(), cfg, "-db".to_owned()], "haproxy.log", false)?);
-        cluster.wait_until_primary(Duration::from_secs(60))?;
+        // Generous: on a loaded machine Patroni's REST API, which the proxy's checks ask, answers
+        // slowly.
+        cluster.wait_until_primary(Duration::from_secs(120))?;
         Ok(cluster)
     }
 
@@ -317,35 +319,36 @@ impl HaPostgres {
     /// Waits until there is a primary and HAProxy sends connections to it.
     pub fn wait_until_primary(&self, within: Duration) -> Result<usize, String> {
         let mut found = None;
+        let mut last = String::from("no answer yet");
         wait(within, "a primary behind the proxy", || {
-            found = self.primary().filter(|&i| self.proxy_sends_to(i));
+            let primary = self.primary();
+            let proxy = self.proxy_view();
+            last = format!("primary {primary:?}, the proxy's checks {proxy:?}");
+            found = primary.filter(|&i| sends_only_to(&proxy, &self.members, i));
             found.is_some()
-        })?;
+        })
+        // What Patroni and HAProxy said last, to tell a slow start from a stuck one.
+        .map_err(|e| format!("{e}; last: {last}"))?;
         found.ok_or_else(|| "no primary".into())
     }
 
-    /// Whether HAProxy's health check has member `i` up and every other member down, so that
-    /// it sends every connection to `i` (at its start HAProxy takes every server for up until
-    /// its checks say otherwise, and a server failing its checks stays up until the second).
-    fn proxy_sends_to(&self, i: usize) -> bool {
+    /// Each member's status in HAProxy's health checks (`UP`, `DOWN`, `UP 1/2`...), as its
+    /// stats socket tells; empty when the proxy does not answer.
+    fn proxy_view(&self) -> Vec<(String, String)> {
         let socket = self.dir.path().join("haproxy.sock");
-        let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else { return false };
+        let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else { return vec![] };
         if s.write_all(b"show stat\n").is_err() {
-            return false;
+            return vec![];
         }
         let mut csv = String::new();
         let _ = s.read_to_string(&mut csv);
-        let status = |name: &str| {
-            csv.lines().find_map(|l| {
+        csv.lines()
+            .filter_map(|l| {
                 let f: Vec<&str> = l.split(',').collect();
-                (f.len() > 17 && f[0] == "primary" && f[1] == name).then(|| f[17].to_owned())
+                let ours = f.len() > 17 && f[0] == "primary" && self.members.iter().any(|m| m.name == f[1]);
+                ours.then(|| (f[1].to_owned(), f[17].to_owned()))
             })
-        };
-        // "UP 1/2" is a server on its way down that still gets connections: only "DOWN" is down.
-        self.members.iter().enumerate().all(|(j, m)| {
-            let status = status(&m.name).unwrap_or_default();
-            if j == i { status == "UP" } else { status.starts_with("DOWN") }
-        })
+            .collect()
     }
 
     /// A planned change of primary (Patroni's `POST /switchover`, to any healthy replica; with
@@ -367,10 +370,15 @@ impl HaPostgres {
     /// it (after a kill, Patroni lists the dead leader until its lock expires).
     pub fn wait_until_new_primary(&self, old: usize) -> Result<usize, String> {
         let mut found = None;
+        let mut last = String::from("no answer yet");
         wait(Duration::from_secs(120), "a new primary behind the proxy", || {
-            found = self.primary().filter(|&i| i != old && self.proxy_sends_to(i));
+            let primary = self.primary();
+            let proxy = self.proxy_view();
+            last = format!("primary {primary:?}, the proxy's checks {proxy:?}");
+            found = primary.filter(|&i| i != old && sends_only_to(&proxy, &self.members, i));
             found.is_some()
-        })?;
+        })
+        .map_err(|e| format!("{e}; last: {last}"))?;
         found.ok_or_else(|| "no primary".into())
     }
 
@@ -425,6 +433,19 @@ impl Drop for HaPostgres {
             let _ = child.wait();
         }
     }
+}
+
+/// Whether HAProxy's health checks (`proxy`, [`HaPostgres::proxy_view`]) have member `i` up and
+/// every other member down, so that it sends every connection to `i` (at its start HAProxy takes
+/// every server for up until its checks say otherwise, and a server failing its checks stays up
+/// until the second).
+fn sends_only_to(proxy: &[(String, String)], members: &[Member], i: usize) -> bool {
+    let status = |name: &str| proxy.iter().find(|(n, _)| n == name).map(|(_, s)| s.as_str()).unwrap_or_default();
+    // "UP 1/2" is a server on its way down that still gets connections: only "DOWN" is down.
+    members.iter().enumerate().all(|(j, m)| {
+        let status = status(&m.name);
+        if j == i { status == "UP" } else { status.starts_with("DOWN") }
+    })
 }
 
 fn wait(within: Duration, what: &str, mut done: impl FnMut() -> bool) -> Result<(), String> {

@@ -70,7 +70,7 @@ defaults
   timeout connect 2s
   timeout client 30m
   timeout server 30m
-  timeout check 2s
+  timeout check 5s
 listen primary
   bind 127.0.0.1:{port}
   option httpchk GET /primary
