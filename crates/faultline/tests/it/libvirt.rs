@@ -76,6 +76,12 @@ fn real_domains_booted_rebooted_and_deleted_through_sigkills_hold_every_invarian
         "2",
         "--hypervisor-timeout",
         "10s",
+        // Each operation's retry budget: a create cut by a SIGKILL during a libvirt boot waits
+        // out the restart and the settle window (12 s) at least once, and on a loaded machine
+        // QEMU starts take seconds; the default 60 s ran out once under a busy loop on both cores
+        // (lbctl gave up after 9 attempts in 49 s, and the server finished the create after it).
+        "--op-max-elapsed",
+        "150s",
         "--max-duration",
         "240s",
     ]);
