@@ -1,5 +1,7 @@
 //! The real processes: a standalone hypervisor simulator and one or more `leasebroker serve`
-//! replicas, each on a port picked up front so a killed replica comes back on the same one.
+//! replicas. A replica first listens on a port the kernel gives it (never one picked up front
+//! and let go of, which another process can take in between) and comes back on that same port
+//! after a kill.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -37,6 +39,18 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// How many of a log's last lines an error about its process quotes.
+const LOG_LINES: usize = 5;
+
+/// The last `n` non-blank lines of `log`, joined by " | ": an error quotes them because the
+/// log's folder is removed with the run, before anyone reads the error.
+fn last_lines(log: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let tail = lines[lines.len().saturating_sub(n)..].join(" | ");
+    if tail.is_empty() { "its log is empty".to_owned() } else { tail }
+}
+
 /// A child process that printed `listening on http://ADDR`.
 #[derive(Debug)]
 struct Running {
@@ -71,7 +85,7 @@ async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, Soc
                 return addr.parse::<SocketAddr>().with_context(|| format!("bad address in {line:?}"));
             }
         }
-        bail!("exited before it was ready (see {})", log.display())
+        bail!("exited before it was ready (see {}): {}", log.display(), last_lines(log, LOG_LINES))
     })
     .await
     .map_err(|_| anyhow!("not ready within {READY_TIMEOUT:?} (see {})", log.display()))??;
@@ -153,12 +167,12 @@ pub struct ServeConfig {
     pub dir: PathBuf,
 }
 
-/// One `leasebroker serve` process on a fixed port.
+/// One `leasebroker serve` process, on the same port across restarts.
 #[derive(Debug)]
 pub struct Replica {
     /// Its index (0-based).
     pub index: usize,
-    /// Its fixed address.
+    /// Its address: port 0 until its first start, the port the kernel gave it after.
     pub addr: SocketAddr,
     config: ServeConfig,
     process: Option<Running>,
@@ -169,11 +183,11 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Starts replica `index` on `port`.
-    pub async fn start(index: usize, port: u16, config: ServeConfig) -> anyhow::Result<Self> {
+    /// Starts replica `index` on a loopback port the kernel picks; its restarts keep that port.
+    pub async fn start(index: usize, config: ServeConfig) -> anyhow::Result<Self> {
         let mut replica = Replica {
             index,
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             config,
             process: None,
             restarts: 0,
@@ -205,7 +219,8 @@ impl Replica {
             command.args(["--in-flight-ttl", &format!("{}ms", c.in_flight_ttl.as_millis())]);
             command.args(&c.extra);
             match start(command, &log).await {
-                Ok((process, addr)) if addr == self.addr => {
+                Ok((process, addr)) if self.addr.port() == 0 || addr == self.addr => {
+                    self.addr = addr;
                     self.process = Some(process);
                     return Ok(());
                 }
@@ -262,5 +277,30 @@ impl Replica {
             let _ = p.child.start_kill();
             let _ = p.child.wait().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CI once failed a run with only "replica 0: exited before it was ready (see
+    /// /tmp/faultline-.../replica-0.log)", a log removed with the run.
+    #[tokio::test]
+    async fn a_process_that_exits_before_it_is_ready_is_reported_with_its_last_log_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("child.log");
+        let mut command = Command::new("sh");
+        command.args(["-c", "echo starting >&2; echo >&2; echo 'error: 127.0.0.1:1 is taken' >&2; exit 3"]);
+        let err = start(command, &log).await.expect_err("the process exits without a listening line");
+        let message = format!("{err:#}");
+        assert!(message.contains("exited before it was ready"), "{message}");
+        assert!(message.ends_with("starting | error: 127.0.0.1:1 is taken"), "{message}");
+    }
+
+    #[test]
+    fn an_empty_log_is_said_to_be_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(last_lines(&dir.path().join("none.log"), LOG_LINES), "its log is empty");
     }
 }
