@@ -3,7 +3,7 @@
 //! and let go of, which another process can take in between) and comes back on that same port
 //! after a kill.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -33,10 +33,11 @@ pub fn principals(n: u32) -> Vec<Principal> {
     (0..n).map(|i| Principal { name: format!("p{i}"), token: format!("faultline-token-p{i}") }).collect()
 }
 
-/// A free loopback port, picked by binding port 0 and letting go of it.
+/// A free loopback port for a server that binds it later (faultline's own PostgreSQL, which
+/// cannot be started on port 0): outside the kernel's ephemeral range, where no other socket is
+/// given it meanwhile (see [`idempotency::conformance::free_ports`]).
 pub fn free_port() -> anyhow::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
-    Ok(listener.local_addr()?.port())
+    Ok(idempotency::conformance::free_ports(1)[0])
 }
 
 /// How many of a log's last lines an error about its process quotes.

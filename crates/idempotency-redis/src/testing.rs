@@ -9,7 +9,6 @@
 //! println!("records go to {}", cluster.url()); // redis+cluster://127.0.0.1:P1,...
 //! ```
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -31,15 +30,10 @@ fn primary_of(info: &str) -> Option<u16> {
     info.lines().find_map(|l| l.trim().strip_prefix("master_port:")).and_then(|p| p.trim().parse().ok())
 }
 
-/// A port that is free now, whose cluster bus port (+10000) is free too.
+/// A port that is free now, whose cluster bus port (+10000) is free too, both outside the
+/// kernel's ephemeral range (see [`idempotency::conformance::free_ports`]).
 fn free_port() -> u16 {
-    loop {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind a port");
-        let port = l.local_addr().expect("local addr").port();
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return port;
-        }
-    }
+    idempotency::conformance::free_port_with(10_000)
 }
 
 /// One `redis-server` process, killed when dropped. It can be killed and restarted on the same

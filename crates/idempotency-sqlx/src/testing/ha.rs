@@ -19,7 +19,7 @@
 //! ```
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -99,12 +99,6 @@ fn pg_bin_dir() -> Option<PathBuf> {
     found.pop().map(|(_, bin)| bin)
 }
 
-/// `n` distinct ports free now.
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("bind")).collect();
-    listeners.iter().map(|l| l.local_addr().expect("addr").port()).collect()
-}
-
 /// The uid and gid of user `postgres` when this process runs as root (PostgreSQL refuses root).
 fn postgres_owner() -> Result<Option<(u32, u32)>, String> {
     let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
@@ -159,7 +153,10 @@ impl HaPostgres {
         let bin = pg_bin_dir().ok_or("no PostgreSQL server binaries")?;
         let owner = postgres_owner()?;
         let dir = tempfile::Builder::new().prefix("ha-pg-").tempdir().map_err(|e| e.to_string())?;
-        let ports = free_ports(9);
+        // Outside the kernel's ephemeral range: the members' PostgreSQL and HAProxy bind theirs
+        // only once the members run, minutes later on a loaded machine, and a port let go of in
+        // that range can be any socket's by then (HAProxy then never listens).
+        let ports = idempotency::conformance::free_ports(9);
         let (etcd_client, etcd_peer, proxy_port) = (ports[0], ports[1], ports[2]);
         let mut members = vec![];
         for i in 0..3 {
@@ -327,8 +324,9 @@ impl HaPostgres {
             found = primary.filter(|&i| sends_only_to(&proxy, &self.members, i));
             found.is_some()
         })
-        // What Patroni and HAProxy said last, to tell a slow start from a stuck one.
-        .map_err(|e| format!("{e}; last: {last}"))?;
+        // What Patroni and HAProxy said last, to tell a slow start from a stuck one, and the
+        // proxy's own log (removed with the cluster) when its stats socket never answered.
+        .map_err(|e| format!("{e}; last: {last}{}", self.proxy_log_when_silent()))?;
         found.ok_or_else(|| "no primary".into())
     }
 
@@ -349,6 +347,17 @@ impl HaPostgres {
                 ours.then(|| (f[1].to_owned(), f[17].to_owned()))
             })
             .collect()
+    }
+
+    /// `; haproxy.log: ...` with the log's last lines when the proxy's stats socket does not
+    /// answer (the proxy exited, or never listened); empty otherwise.
+    fn proxy_log_when_silent(&self) -> String {
+        if !self.proxy_view().is_empty() {
+            return String::new();
+        }
+        let log = std::fs::read_to_string(self.dir.path().join("haproxy.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        format!("; haproxy.log: {}", lines[lines.len().saturating_sub(5)..].join(" | "))
     }
 
     /// A planned change of primary (Patroni's `POST /switchover`, to any healthy replica; with
@@ -378,7 +387,7 @@ impl HaPostgres {
             found = primary.filter(|&i| i != old && sends_only_to(&proxy, &self.members, i));
             found.is_some()
         })
-        .map_err(|e| format!("{e}; last: {last}"))?;
+        .map_err(|e| format!("{e}; last: {last}{}", self.proxy_log_when_silent()))?;
         found.ok_or_else(|| "no primary".into())
     }
 

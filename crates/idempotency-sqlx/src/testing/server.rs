@@ -96,10 +96,8 @@ impl LocalServer {
             let (uid, gid) = (id_of("-u"), id_of("-g"));
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("handing the directory to postgres");
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
+        // Outside the ephemeral range: the server binds it only after initdb.
+        let port = idempotency::conformance::free_ports(1)[0];
         Some(Self { bin, dir, port, as_postgres, running: false, held_port: None })
     }
 

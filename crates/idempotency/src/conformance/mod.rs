@@ -35,7 +35,7 @@ pub use claims::*;
 pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
-pub use port::HeldPort;
+pub use port::{HeldPort, free_port_with, free_ports};
 
 mod claims;
 mod holding;

@@ -1,6 +1,106 @@
-//! A stopped test server's port, kept from other listeners until the server starts again.
+//! Ports for test servers: picked where the kernel never hands ports out on its own
+//! ([`free_ports`]), and a stopped server's port kept from other listeners until the server
+//! starts again ([`HeldPort`]).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::hash::{BuildHasher, Hasher};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener};
+use std::ops::Range;
+
+/// The lowest port [`free_ports`] picks: below it lie well-known services' ports.
+const LOWEST: u16 = 10_000;
+
+/// `n` distinct ports on 127.0.0.1, free now, for servers a test starts itself (PostgreSQL,
+/// Patroni, HAProxy, etcd, redis-server), picked outside the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, 32768 to 60999 by default).
+///
+/// A port picked by binding port 0 and letting it go comes from that range, and so does every
+/// other listener on port 0 and the local port of every outgoing connection, of any process:
+/// until the server meant for it binds it, which for a Patroni member's PostgreSQL or the
+/// HAProxy in front of it comes minutes later on a loaded machine, any socket of the suite may
+/// take it, and the server cannot listen. Outside the range only another caller of this
+/// function could pick the same port; the picks start at a random place, so two callers at
+/// once rarely meet.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    pick(n, 0)
+}
+
+/// A port as [`free_ports`] picks it, whose `port + offset` is free and outside the
+/// ephemeral range too (a Redis Cluster node's bus port is its port + 10000).
+pub fn free_port_with(offset: u16) -> u16 {
+    pick(1, offset)[0]
+}
+
+fn pick(n: usize, offset: u16) -> Vec<u16> {
+    let candidates: Vec<Range<u16>> = outside_ephemeral()
+        .into_iter()
+        .filter_map(|r| {
+            let end = r.end.saturating_sub(offset);
+            (end > r.start).then_some(r.start..end)
+        })
+        .collect();
+    let total: u32 = candidates.iter().map(|r| u32::from(r.end - r.start)).sum();
+    let mut picked = Vec::with_capacity(n);
+    if total > 0 {
+        let start = std::collections::hash_map::RandomState::new().build_hasher().finish() % u64::from(total);
+        let start = u32::try_from(start).unwrap_or(0);
+        for i in 0..total {
+            if picked.len() == n {
+                break;
+            }
+            let port = nth(&candidates, (start + i) % total);
+            if !picked.contains(&port) && free(port) && (offset == 0 || free(port + offset)) {
+                picked.push(port);
+            }
+        }
+    }
+    // No room outside the range (an unusual ip_local_port_range): the kernel's own choice.
+    while picked.len() < n {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("bind");
+        if !picked.contains(&port) && (offset == 0 || port.checked_add(offset).is_some_and(free)) {
+            picked.push(port);
+        }
+    }
+    picked
+}
+
+/// The `i`th port of `ranges`, counted across them.
+fn nth(ranges: &[Range<u16>], mut i: u32) -> u16 {
+    for r in ranges {
+        let len = u32::from(r.end - r.start);
+        if i < len {
+            return r.start + u16::try_from(i).unwrap_or(0);
+        }
+        i -= len;
+    }
+    ranges[0].start
+}
+
+fn free(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// The ports from [`LOWEST`] up that lie outside the kernel's ephemeral range.
+fn outside_ephemeral() -> Vec<Range<u16>> {
+    let (lo, hi) = ephemeral_range();
+    let mut ranges = vec![];
+    if lo > LOWEST {
+        ranges.push(LOWEST..lo);
+    }
+    if hi < u16::MAX {
+        ranges.push(hi.max(LOWEST - 1) + 1..u16::MAX);
+    }
+    ranges
+}
+
+/// The kernel's ephemeral port range, inclusive (Linux's default where it cannot be read).
+pub(crate) fn ephemeral_range() -> (u16, u16) {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut nums = text.split_whitespace().filter_map(|t| t.parse::<u16>().ok());
+    match (nums.next(), nums.next()) {
+        (Some(lo), Some(hi)) if lo <= hi => (lo, hi),
+        _ => (32_768, 60_999),
+    }
+}
 
 /// A TCP port on 127.0.0.1 bound without listening, so that no other socket can bind it (this
 /// one has no `SO_REUSEADDR`) while a client that connects is refused, as by a stopped server.
@@ -27,6 +127,40 @@ impl HeldPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn picked_ports_are_free_distinct_and_outside_the_ephemeral_range() {
+        let (lo, hi) = ephemeral_range();
+        let ports = free_ports(9);
+        assert_eq!(ports.len(), 9);
+        for (i, &port) in ports.iter().enumerate() {
+            assert!(
+                !(lo..=hi).contains(&port),
+                "{port} is in the ephemeral range {lo}-{hi}, where any socket may take it"
+            );
+            assert!(port >= LOWEST, "{port} is among the well-known services' ports");
+            assert!(!ports[..i].contains(&port), "{port} picked twice");
+            assert!(free(port), "{port} is not free");
+        }
+        let port = free_port_with(10_000);
+        for p in [port, port + 10_000] {
+            assert!(!(lo..=hi).contains(&p), "{p} is in the ephemeral range {lo}-{hi}");
+            assert!(free(p), "{p} is not free");
+        }
+    }
+
+    #[test]
+    fn a_port_in_use_is_never_picked() {
+        let (lo, _) = ephemeral_range();
+        let taken: Vec<TcpListener> =
+            (LOWEST..lo.min(LOWEST + 50)).filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()).collect();
+        let taken: Vec<u16> = taken.iter().map(|l| l.local_addr().expect("addr").port()).collect();
+        for _ in 0..20 {
+            for port in free_ports(3) {
+                assert!(!taken.contains(&port), "{port} is in use and was picked");
+            }
+        }
+    }
 
     #[test]
     fn a_held_port_cannot_be_listened_on_and_refuses_connections() {

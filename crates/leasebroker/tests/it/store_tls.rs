@@ -56,7 +56,7 @@ async fn create_worker(base: &str, key: &str) -> StatusCode {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    idempotency::conformance::free_ports(1)[0]
 }
 
 #[tokio::test]
