@@ -139,6 +139,10 @@ impl Workers {
         if reconciling {
             self.hook.at(Step::CreateAdopt).await;
         }
+        // Any boot an earlier attempt recorded (pending, or done: an adoption records the VM
+        // before it starts it, and its start may have failed since) must run before this one
+        // answers with it.
+        let earlier = matches!(&decided, Decided::Existing(_));
         let request =
             BootRequest { image: req.image.clone(), cpu: req.cpu, memory_gb: req.memory_gb, tag: String::new() };
         let hypervisor = &self.hypervisor;
@@ -154,7 +158,7 @@ impl Workers {
             Err(e @ idempotency_effects::EffectError::Refused(_)) => return Err(self.boot_refused(&keys, e).await),
             Err(e) => return Err(effect_failed(e, "hypervisor")),
         };
-        if reconciling {
+        if earlier {
             self.ensure_running(&vm_id).await?;
         }
 
@@ -225,8 +229,8 @@ impl Workers {
     }
 
     /// A boot cut between its define and its start (libvirt) left the VM stopped: the worker a
-    /// create answers with must run. A failure leaves the intent as it is; the retry adopts the
-    /// same VM and starts it.
+    /// create answers with must run. A failure answers 503; the retry, finding the boot recorded
+    /// (pending, or done by the adoption that failed to start it), starts the same VM.
     async fn ensure_running(&self, vm_id: &str) -> Result<(), ServiceError> {
         let unavailable = |e: crate::hypervisor::client::HvError| {
             tracing::warn!(error = %ErrorChain(&e), vm_id, "cannot start the VM an earlier attempt booted");

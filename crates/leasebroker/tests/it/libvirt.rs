@@ -250,6 +250,66 @@ async fn a_domain_defined_but_never_started_by_a_cut_boot_is_started_when_the_re
     assert!(running(&defined), "the adopted domain runs, as the worker it answered with");
 }
 
+#[tokio::test]
+async fn a_retry_after_an_adoption_whose_start_failed_starts_the_domain_before_answering() {
+    if !libvirt_or_skip("a_retry_after_an_adoption_whose_start_failed_starts_the_domain_before_answering") {
+        return;
+    }
+    // Seen in a loaded faultline run: a retry adopted a domain still starting, which recorded
+    // the boot as done; its start then failed (its worker's delete destroyed it), and a later
+    // retry, finding the boot done, answered 201 for a domain that never ran. Made
+    // deterministic here: a pending intent (as in the test above) whose tag is on a defined
+    // domain that cannot start yet (its disk is missing), so the first retry adopts it and
+    // fails to start it; then the disk is there, and the next retry must start it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    let sim = sim(&[]);
+    set_faults(&sim.url, 0.0, 1.0, 0).await;
+    let settle = ["--hypervisor-settle", "6s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "5s"];
+    let first = serve(&db, &[&["--hypervisor-url", sim.url.as_str()][..], &settle[..]].concat());
+    let r = create(&first.url, TOKEN, "lv-adopt-fail-1", &body()).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
+    drop(first);
+    let vms = http().get(format!("{}/v1/vms", sim.url)).send().await.expect("list").json::<serde_json::Value>();
+    let vms = vms.await.expect("json");
+    let tag = vms["vms"][0]["tag"].as_str().expect("the landed boot's tag").to_owned();
+    let _cleanup = Cleanup(vec![tag.clone()]);
+    let defined = format!("vm-{:016x}", rand::random::<u64>());
+    let uuid = uuid::Uuid::new_v4().to_string();
+    let metadata = format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>");
+    // Where QEMU (another user than the test's) can reach it.
+    let disks = tempfile::Builder::new().prefix("lb-test-disk-").tempdir_in("/var/tmp").expect("tempdir");
+    std::fs::set_permissions(disks.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let disk = disks.path().join("disk.img");
+    let unstartable = tiny_domain(&defined, &metadata).replacen(
+        "<devices>",
+        &format!(
+            "<uuid>{uuid}</uuid><devices><disk type='file' device='disk'><source file='{}'/>\
+                  <target dev='vda' bus='virtio'/></disk>",
+            disk.display()
+        ),
+        1,
+    );
+    let file = dir.path().join("defined.xml");
+    std::fs::write(&file, &unstartable).expect("write the domain XML");
+    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
+    assert!(virsh(&["start", &defined]).is_none(), "a domain whose disk is missing does not start");
+
+    let lb = serve(&db, &[&["--hypervisor-url", URL][..], &settle[..]].concat());
+    let r = create(&lb.url, TOKEN, "lv-adopt-fail-1", &body()).await;
+    assert_ne!(r.status, StatusCode::CREATED, "answered for a domain that cannot start");
+    assert!(!running(&defined));
+
+    // The disk is there now: the domain can start.
+    let out = Command::new("qemu-img").args(["create", "-q", "-f", "raw"]).arg(&disk).arg("1M").output();
+    assert!(out.is_ok_and(|o| o.status.success()), "qemu-img create");
+    let r = create_until_done(&lb.url, "lv-adopt-fail-1", &body(), std::time::Duration::from_secs(60)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["vm_id"].as_str(), Some(defined.as_str()), "the retry adopted the defined domain");
+    assert_eq!(domains_tagged(&tag), vec![defined.clone()], "and booted no second one");
+    assert!(running(&defined), "the worker it answered with runs");
+}
+
 /// Defines and starts a domain from `xml` with `virsh`, as a call the service made and forgot
 /// about would have (or, without the service's metadata, as anything else on the host).
 fn define_and_start(name: &str, xml: &str) {
