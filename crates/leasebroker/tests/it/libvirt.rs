@@ -224,22 +224,11 @@ async fn a_domain_defined_but_never_started_by_a_cut_boot_is_started_when_the_re
     // the same database; the domain is then defined (not started) under that intent's tag.
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let sim = sim(&[]);
-    set_faults(&sim.url, 0.0, 1.0, 0).await;
     let settle = ["--hypervisor-settle", "2s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "2s"];
-    let first = serve(&db, &[&["--hypervisor-url", sim.url.as_str()][..], &settle[..]].concat());
-    let r = create(&first.url, TOKEN, "lv-defined-1", &body()).await;
-    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
-    drop(first);
-    let vms = http().get(format!("{}/v1/vms", sim.url)).send().await.expect("list").json::<serde_json::Value>();
-    let vms = vms.await.expect("json");
-    let tag = vms["vms"][0]["tag"].as_str().expect("the landed boot's tag").to_owned();
+    let tag = pending_boot(&db, "lv-defined-1", &settle).await;
     let _cleanup = Cleanup(vec![tag.clone()]);
     let defined = format!("vm-{:016x}", rand::random::<u64>());
-    let xml = tiny_domain(&defined, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>"));
-    let file = dir.path().join("defined.xml");
-    std::fs::write(&file, xml).expect("write the domain XML");
-    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
+    define(dir.path(), &tiny_domain(&defined, &format!("<lb:vm xmlns:lb='{NS}' tag='{tag}'/>")));
     assert!(!running(&defined));
 
     let lb = serve(&db, &[&["--hypervisor-url", URL][..], &settle[..]].concat());
@@ -263,16 +252,8 @@ async fn a_retry_after_an_adoption_whose_start_failed_starts_the_domain_before_a
     // fails to start it; then the disk is there, and the next retry must start it.
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let sim = sim(&[]);
-    set_faults(&sim.url, 0.0, 1.0, 0).await;
     let settle = ["--hypervisor-settle", "6s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "5s"];
-    let first = serve(&db, &[&["--hypervisor-url", sim.url.as_str()][..], &settle[..]].concat());
-    let r = create(&first.url, TOKEN, "lv-adopt-fail-1", &body()).await;
-    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
-    drop(first);
-    let vms = http().get(format!("{}/v1/vms", sim.url)).send().await.expect("list").json::<serde_json::Value>();
-    let vms = vms.await.expect("json");
-    let tag = vms["vms"][0]["tag"].as_str().expect("the landed boot's tag").to_owned();
+    let tag = pending_boot(&db, "lv-adopt-fail-1", &settle).await;
     let _cleanup = Cleanup(vec![tag.clone()]);
     let defined = format!("vm-{:016x}", rand::random::<u64>());
     let uuid = uuid::Uuid::new_v4().to_string();
@@ -290,9 +271,7 @@ async fn a_retry_after_an_adoption_whose_start_failed_starts_the_domain_before_a
         ),
         1,
     );
-    let file = dir.path().join("defined.xml");
-    std::fs::write(&file, &unstartable).expect("write the domain XML");
-    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
+    define(dir.path(), &unstartable);
     assert!(virsh(&["start", &defined]).is_none(), "a domain whose disk is missing does not start");
 
     let lb = serve(&db, &[&["--hypervisor-url", URL][..], &settle[..]].concat());
@@ -308,6 +287,28 @@ async fn a_retry_after_an_adoption_whose_start_failed_starts_the_domain_before_a
     assert_eq!(r.json()["vm_id"].as_str(), Some(defined.as_str()), "the retry adopted the defined domain");
     assert_eq!(domains_tagged(&tag), vec![defined.clone()], "and booted no second one");
     assert!(running(&defined), "the worker it answered with runs");
+}
+
+/// What a process killed between libvirt's define and its start leaves, made
+/// deterministically: a pending boot intent for `key` in `db`, from a first attempt against the
+/// simulator whose boot lands and then answers 500 (ambiguous). Returns the intent's tag.
+async fn pending_boot(db: &str, key: &str, settle: &[&str]) -> String {
+    let sim = sim(&[]);
+    set_faults(&sim.url, 0.0, 1.0, 0).await;
+    let first = serve(db, &[&["--hypervisor-url", sim.url.as_str()][..], settle].concat());
+    let r = create(&first.url, TOKEN, key, &body()).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", String::from_utf8_lossy(&r.body));
+    drop(first);
+    let vms = http().get(format!("{}/v1/vms", sim.url)).send().await.expect("list").json::<serde_json::Value>();
+    let vms = vms.await.expect("json");
+    vms["vms"][0]["tag"].as_str().expect("the landed boot's tag").to_owned()
+}
+
+/// Defines (does not start) a domain from `xml` with `virsh`.
+fn define(dir: &std::path::Path, xml: &str) {
+    let file = dir.join("defined.xml");
+    std::fs::write(&file, xml).expect("write the domain XML");
+    virsh(&["define", &file.to_string_lossy()]).expect("virsh define");
 }
 
 /// Defines and starts a domain from `xml` with `virsh`, as a call the service made and forgot
