@@ -38,25 +38,33 @@ fn pick(n: usize, offset: u16) -> Vec<u16> {
             (end > r.start).then_some(r.start..end)
         })
         .collect();
-    let total: u32 = candidates.iter().map(|r| u32::from(r.end - r.start)).sum();
-    let mut picked = Vec::with_capacity(n);
-    if total > 0 {
-        let start = std::collections::hash_map::RandomState::new().build_hasher().finish() % u64::from(total);
-        let start = u32::try_from(start).unwrap_or(0);
-        for i in 0..total {
-            if picked.len() == n {
-                break;
-            }
-            let port = nth(&candidates, (start + i) % total);
-            if !picked.contains(&port) && free(port) && (offset == 0 || free(port + offset)) {
-                picked.push(port);
-            }
-        }
-    }
+    let mut picked = pick_in(&candidates, n, offset);
     // No room outside the range (an unusual ip_local_port_range): the kernel's own choice.
     while picked.len() < n {
         let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("bind");
         if !picked.contains(&port) && (offset == 0 || port.checked_add(offset).is_some_and(free)) {
+            picked.push(port);
+        }
+    }
+    picked
+}
+
+/// Up to `n` distinct ports of `ranges` that are free now (and whose `port + offset` is, when
+/// `offset` is not 0), looked for from a random place on.
+fn pick_in(ranges: &[Range<u16>], n: usize, offset: u16) -> Vec<u16> {
+    let total: u32 = ranges.iter().map(|r| u32::from(r.end - r.start)).sum();
+    let mut picked = Vec::with_capacity(n);
+    if total == 0 {
+        return picked;
+    }
+    let start = std::collections::hash_map::RandomState::new().build_hasher().finish() % u64::from(total);
+    let start = u32::try_from(start).unwrap_or(0);
+    for i in 0..total {
+        if picked.len() == n {
+            break;
+        }
+        let port = nth(ranges, (start + i) % total);
+        if !picked.contains(&port) && free(port) && (offset == 0 || free(port + offset)) {
             picked.push(port);
         }
     }
@@ -151,13 +159,19 @@ mod tests {
 
     #[test]
     fn a_port_in_use_is_never_picked() {
+        // 60 ports, all but every sixth held here: the picks must be the free ones.
         let (lo, _) = ephemeral_range();
-        let taken: Vec<TcpListener> =
-            (LOWEST..lo.min(LOWEST + 50)).filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()).collect();
-        let taken: Vec<u16> = taken.iter().map(|l| l.local_addr().expect("addr").port()).collect();
+        let range = LOWEST..lo.min(LOWEST + 60);
+        let held: Vec<TcpListener> =
+            range.clone().filter(|p| p % 6 != 0).filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()).collect();
+        let held: Vec<u16> = held.iter().map(|l| l.local_addr().expect("addr").port()).collect();
+        assert!(held.len() >= 40, "could hold only {} ports of {range:?}", held.len());
         for _ in 0..20 {
-            for port in free_ports(3) {
-                assert!(!taken.contains(&port), "{port} is in use and was picked");
+            let picked = pick_in(std::slice::from_ref(&range), 5, 0);
+            assert!(!picked.is_empty(), "nothing free found in {range:?}");
+            for port in picked {
+                assert!(!held.contains(&port), "{port} is in use and was picked");
+                assert!(range.contains(&port));
             }
         }
     }
