@@ -151,6 +151,55 @@ impl Outcome {
             Self::Done(id) | Self::Accepted(id) => id,
         }
     }
+
+    /// The intent's state that records it.
+    pub(crate) fn state(&self) -> IntentState {
+        match self {
+            Self::Done(_) => IntentState::Done,
+            Self::Accepted(_) => IntentState::Accepted,
+        }
+    }
+
+    /// The same outcome with the id `id`.
+    fn with_id(&self, id: String) -> Self {
+        match self {
+            Self::Done(_) => Self::Done(id),
+            Self::Accepted(_) => Self::Accepted(id),
+        }
+    }
+}
+
+/// What an effect came to under [`Attempt::run_decided_unrecorded`]: its outcome, and whether
+/// the call that made it was sent by this attempt and is not recorded yet. Recorded by the
+/// transaction that finishes the operation ([`Attempt::finish_made_in_sqlite`] /
+/// [`Attempt::finish_made_in_postgres`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Made {
+    outcome: Outcome,
+    /// The intent's tag, when this attempt's call made the outcome and nothing recorded it.
+    unrecorded: Option<String>,
+}
+
+impl Made {
+    /// The outcome, as this attempt knows it (the finishing transaction may find that another
+    /// attempt recorded another id first: [`Attempt::finish_made_in_postgres`] returns that one).
+    pub fn outcome(&self) -> &Outcome {
+        &self.outcome
+    }
+
+    /// What the finishing transaction records, when anything.
+    fn to_record(&self) -> Option<(&str, &Outcome)> {
+        self.unrecorded.as_deref().map(|tag| (tag, &self.outcome))
+    }
+
+    /// The outcome as the finishing transaction found it recorded (`recorded`: the id the
+    /// intent held after the record, `None` when it was not recorded there).
+    fn recorded_as(&self, recorded: Option<String>) -> Outcome {
+        match recorded {
+            Some(id) if self.unrecorded.is_some() => self.outcome.with_id(id),
+            _ => self.outcome.clone(),
+        }
+    }
 }
 
 /// Why a side effect did not come to an outcome, shaped by what the caller does next: the
@@ -299,21 +348,57 @@ impl Attempt {
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<Sent, CallError>>,
     {
+        Ok(self.run_from(effect, decided, send, true).await?.outcome)
+    }
+
+    /// As [`Attempt::run_decided`], except that what a call sent by this attempt made is not
+    /// recorded on its own: the transaction that finishes the operation with the service's
+    /// result records it ([`Attempt::finish_made_in_sqlite`] /
+    /// [`Attempt::finish_made_in_postgres`]), one commit fewer per effect. A process that stops
+    /// between the call and that commit leaves the intent pending with its send stamp, as one
+    /// that stopped between the call and its record would: the next attempt reconciles by tag.
+    /// For the last effect of an operation, right before it finishes.
+    pub async fn run_decided_unrecorded<F, Fut>(
+        &self,
+        effect: &dyn Effect,
+        decided: Decided,
+        send: F,
+    ) -> Result<Made, EffectError>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<Sent, CallError>>,
+    {
+        self.run_from(effect, decided, send, false).await
+    }
+
+    /// [`Attempt::run_decided`]; `record`: whether a call sent now is recorded at once.
+    async fn run_from<F, Fut>(
+        &self,
+        effect: &dyn Effect,
+        decided: Decided,
+        send: F,
+        record: bool,
+    ) -> Result<Made, EffectError>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<Sent, CallError>>,
+    {
         let ledger = &self.effects.ledger;
         let tag = self.op.derive(effect.name()).to_string();
+        let recorded = |outcome| Made { outcome, unrecorded: None };
         let intent = match decided {
             Decided::Fresh(intent) => {
                 self.in_time(&tag, intent.sent_at).await?;
-                return self.send(&tag, send).await;
+                return self.send(&tag, send, record).await;
             }
             Decided::Existing(intent) => intent,
         };
         match intent.state {
-            IntentState::Done => return Ok(Outcome::Done(intent.resource_id.unwrap_or_default())),
-            IntentState::Accepted => return Ok(Outcome::Accepted(intent.resource_id.unwrap_or_default())),
+            IntentState::Done => return Ok(recorded(Outcome::Done(intent.resource_id.unwrap_or_default()))),
+            IntentState::Accepted => return Ok(recorded(Outcome::Accepted(intent.resource_id.unwrap_or_default()))),
             IntentState::Pending => {
                 if let Some(outcome) = self.adopt(effect, &intent).await? {
-                    return Ok(outcome);
+                    return Ok(recorded(outcome));
                 }
                 if !effect.idempotent() {
                     settled_since(&tag, intent.sent_at, self.effects.settle)?;
@@ -327,7 +412,7 @@ impl Attempt {
             return Err(EffectError::Contended);
         };
         self.in_time(&tag, stamp).await?;
-        self.send(&tag, send).await
+        self.send(&tag, send, record).await
     }
 
     /// Makes sure the call goes out before its send stamp `stamp`: when the stamp's commit came
@@ -377,13 +462,46 @@ impl Attempt {
     /// its write is the fence. Errs with [`EffectError::Finished`] / [`EffectError::RolledBack`]
     /// when the operation is not live (roll the transaction back then).
     pub async fn finish_in_sqlite(&self, conn: &mut sqlx::SqliteConnection) -> Result<(), EffectError> {
-        Ok(crate::sql::finish_in_sqlite(conn, self.op.id(), now_micros()).await?)
+        crate::sql::finish_in_sqlite(conn, self.op.id(), now_micros(), None).await?;
+        Ok(())
     }
 
     #[cfg(feature = "postgres")]
     /// As [`Attempt::finish_in_sqlite`], in the caller's own PostgreSQL transaction.
     pub async fn finish_in_postgres(&self, conn: &mut sqlx::PgConnection) -> Result<(), EffectError> {
-        Ok(crate::sql::finish_in_postgres(conn, self.op.id(), now_micros()).await?)
+        crate::sql::finish_in_postgres(conn, self.op.id(), now_micros(), None).await?;
+        Ok(())
+    }
+
+    #[cfg(feature = "sqlite")]
+    /// [`Attempt::finish_in_sqlite`] that also records what `made` is, when this attempt's call
+    /// made it ([`Attempt::run_decided_unrecorded`]): the record, the service's result and the
+    /// operation's end are one commit. Returns the outcome as recorded: the first id recorded
+    /// wins, so it names another resource when an overlapping attempt recorded one first (the
+    /// service's result must point at that one; undo this attempt's with
+    /// [`Attempt::undo_unkept`] after the commit).
+    ///
+    /// On [`EffectError::Finished`] / [`EffectError::RolledBack`], commit the transaction still
+    /// (with nothing of the service's written): the record is in it, and the reaper reconciles
+    /// by it.
+    pub async fn finish_made_in_sqlite(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        made: &Made,
+    ) -> Result<Outcome, EffectError> {
+        let recorded = crate::sql::finish_in_sqlite(conn, self.op.id(), now_micros(), made.to_record()).await?;
+        Ok(made.recorded_as(recorded))
+    }
+
+    #[cfg(feature = "postgres")]
+    /// As [`Attempt::finish_made_in_sqlite`], in the caller's own PostgreSQL transaction.
+    pub async fn finish_made_in_postgres(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        made: &Made,
+    ) -> Result<Outcome, EffectError> {
+        let recorded = crate::sql::finish_in_postgres(conn, self.op.id(), now_micros(), made.to_record()).await?;
+        Ok(made.recorded_as(recorded))
     }
 
     /// A pending intent: what its earlier call made, adopted, if anything exists.
@@ -405,26 +523,43 @@ impl Attempt {
         Ok(Some(if effect.long_running() { Outcome::Accepted(recorded) } else { Outcome::Done(recorded) }))
     }
 
-    async fn send<F, Fut>(&self, tag: &str, send: F) -> Result<Outcome, EffectError>
+    /// Sends the call; what it made is recorded at once when `record`, else left to the
+    /// finishing transaction ([`Made`]).
+    async fn send<F, Fut>(&self, tag: &str, send: F, record: bool) -> Result<Made, EffectError>
     where
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<Sent, CallError>>,
     {
         let ledger = &self.effects.ledger;
-        match send(tag.to_owned()).await {
-            Ok(Sent::Done(id)) => Ok(Outcome::Done(ledger.record(self.op.id(), tag, &id, IntentState::Done).await?)),
-            Ok(Sent::Accepted(id)) => {
-                Ok(Outcome::Accepted(ledger.record(self.op.id(), tag, &id, IntentState::Accepted).await?))
-            }
+        let made = match send(tag.to_owned()).await {
+            Ok(Sent::Done(id)) => Outcome::Done(id),
+            Ok(Sent::Accepted(id)) => Outcome::Accepted(id),
             Err(e) if e.is_definite() => {
                 ledger.release(tag).await?;
                 tracing::info!(tag, error = %e, "the downstream refused the call; intent released");
-                Err(EffectError::Refused(e))
+                return Err(EffectError::Refused(e));
             }
             Err(e) => {
                 tracing::warn!(tag, error = %e, "the downstream call may or may not have taken effect");
-                Err(EffectError::Ambiguous(e))
+                return Err(EffectError::Ambiguous(e));
             }
+        };
+        if !record {
+            return Ok(Made { outcome: made, unrecorded: Some(tag.to_owned()) });
+        }
+        let recorded = ledger.record(self.op.id(), tag, made.id(), made.state()).await?;
+        Ok(Made { outcome: made.with_id(recorded), unrecorded: None })
+    }
+
+    /// After the finishing transaction's commit: when another attempt recorded another resource
+    /// for the effect first (`recorded`, as [`Attempt::finish_made_in_postgres`] returned it),
+    /// the one this attempt's call made is a duplicate, undone now (else the inventory sweep
+    /// would, after the settle window).
+    pub async fn undo_unkept(&self, effect: &dyn Effect, made: &Made, recorded: &Outcome) {
+        if let Some(tag) = &made.unrecorded
+            && recorded.id() != made.outcome.id()
+        {
+            undo_duplicate(effect, tag, recorded.id(), made.outcome.id()).await;
         }
     }
 }

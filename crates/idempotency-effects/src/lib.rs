@@ -23,7 +23,7 @@ mod watch;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use attempt::{Attempt, DEFAULT_SEND_AHEAD, DEFAULT_SETTLE, EffectError, Effects, Operation, Outcome};
+pub use attempt::{Attempt, DEFAULT_SEND_AHEAD, DEFAULT_SETTLE, EffectError, Effects, Made, Operation, Outcome};
 pub use effect::{CallError, Effect, Progress, Sent, Tagged, Undone};
 pub use ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 pub use memory::MemoryLedger;

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use sqlx::Row;
 
 use super::rows::{INTENT_COLUMNS, OP_COLUMNS, read_intent, read_op};
-use super::steps::{BEGIN_ATTEMPT, SPEND_INTENTS, decide_in, finish_in, send_stamp};
+use super::steps::{BEGIN_ATTEMPT, RECORD, SPEND_INTENTS, decide_in, finish_in, send_stamp};
 use super::{Pool, SqlLedger};
 use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 use crate::now_micros;
@@ -104,11 +104,8 @@ impl Ledger for SqlLedger {
         state: IntentState,
     ) -> Result<String, LedgerError> {
         in_tx!(self, tx, _guard => {
-            sqlx::query("UPDATE fx_intents SET state = CASE WHEN state = 'pending' THEN $3 ELSE state END, \
-                         resource_id = COALESCE(resource_id, $2) WHERE intent_id = $1")
-                .bind(intent_id).bind(resource_id).bind(state.as_str()).execute(&mut *tx).await?;
-            let recorded: Option<Option<String>> = sqlx::query_scalar("SELECT resource_id FROM fx_intents WHERE intent_id = $1")
-                .bind(intent_id).fetch_optional(&mut *tx).await?;
+            let recorded: Option<Option<String>> = sqlx::query_scalar(RECORD)
+                .bind(intent_id).bind(resource_id).bind(state.as_str()).fetch_optional(&mut *tx).await?;
             let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
                 .bind(op_id).fetch_optional(&mut *tx).await?;
             tx.commit().await?;
@@ -129,7 +126,7 @@ impl Ledger for SqlLedger {
 
     async fn finish(&self, op_id: &str, now: i64) -> Result<(), LedgerError> {
         in_tx!(self, tx, _guard => {
-            finish_in!(tx, op_id, now);
+            finish_in!(tx, op_id, now, None);
             tx.commit().await?;
             Ok(())
         })

@@ -9,6 +9,8 @@ use std::time::Duration;
 use sqlx::Row;
 
 use super::rows::{INTENT_COLUMNS, read_intent};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use crate::Outcome;
 use crate::ledger::{Decided, Intent, IntentState, LedgerError, Mark, NewIntent, OperationRow};
 use crate::{micros, now_micros};
 
@@ -47,26 +49,27 @@ macro_rules! decide_in {
                 .await?;
             return Err(LedgerError::refused_by(mark.and_then(Mark::from_i64)));
         }
-        let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
-        match sqlx::query(sqlx::AssertSqlSafe(sql.clone())).bind(&new.intent_id).fetch_optional(&mut *$conn).await? {
-            Some(row) => Decided::Existing(read_intent!(&row)),
+        // The lock is held (the upsert wrote the operation's row): the stamp starts now. The
+        // insert is the compare-and-set from "no intent"; an intent there already is read.
+        let insert = format!(
+            "INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
+             VALUES ($1, $2, $3, $4, 'pending', $5, $6) ON CONFLICT (intent_id) DO NOTHING RETURNING {INTENT_COLUMNS}"
+        );
+        let fresh = sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(&new.intent_id)
+            .bind(&op.op_id)
+            .bind(&new.effect)
+            .bind(i64::from(new.keeps))
+            .bind(op.last_attempt_at)
+            .bind(send_stamp(0, $ahead))
+            .fetch_optional(&mut *$conn)
+            .await?;
+        match fresh {
+            Some(row) => Decided::Fresh(read_intent!(&row)),
             None => {
-                // The lock is held (the upsert wrote the operation's row): the stamp starts now.
-                let stamp = send_stamp(0, $ahead);
-                sqlx::query(
-                    "INSERT INTO fx_intents (intent_id, op_id, effect, keeps, state, created_at, sent_at) \
-                             VALUES ($1, $2, $3, $4, 'pending', $5, $6)",
-                )
-                .bind(&new.intent_id)
-                .bind(&op.op_id)
-                .bind(&new.effect)
-                .bind(i64::from(new.keeps))
-                .bind(op.last_attempt_at)
-                .bind(stamp)
-                .execute(&mut *$conn)
-                .await?;
+                let sql = format!("SELECT {INTENT_COLUMNS} FROM fx_intents WHERE intent_id = $1");
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&new.intent_id).fetch_one(&mut *$conn).await?;
-                Decided::Fresh(read_intent!(&row))
+                Decided::Existing(read_intent!(&row))
             }
         }
     }};
@@ -74,11 +77,15 @@ macro_rules! decide_in {
 
 /// Finishes the live operation `$op_id` on `$conn`, a connection inside a transaction the
 /// caller commits (see [`Ledger::finish`](crate::Ledger::finish)): the mark is written first, so
-/// it is the fence (it takes the operation row's lock). Returns early with the mark's error
-/// when it is not live.
+/// it is the fence (it takes the operation row's lock). `$record`, when some, is what a call of
+/// this attempt made, recorded on its intent right after the mark (as
+/// [`Ledger::record`](crate::Ledger::record): the first id recorded wins) and before the
+/// intents are read for ownership. Evaluates to the id the intent holds (`None` without a
+/// record, or when the intent is gone). Returns early with the mark's error when the operation
+/// is not live, after the record, which the caller commits still (the reaper reconciles by it).
 macro_rules! finish_in {
-    ($conn:ident, $op_id:expr, $now:expr) => {{
-        let (op_id, now): (&str, i64) = ($op_id, $now);
+    ($conn:ident, $op_id:expr, $now:expr, $record:expr) => {{
+        let (op_id, now, record): (&str, i64, Option<(&str, &$crate::Outcome)>) = ($op_id, $now, $record);
         let marked = sqlx::query(
             "UPDATE fx_operations SET mark = 3, marked_at = $2, next_check_at = $2 \
                                   WHERE op_id = $1 AND mark = 0",
@@ -88,6 +95,16 @@ macro_rules! finish_in {
         .execute(&mut *$conn)
         .await?
         .rows_affected();
+        let recorded: Option<String> = match record {
+            Some((tag, outcome)) => sqlx::query_scalar::<_, Option<String>>(RECORD)
+                .bind(tag)
+                .bind(outcome.id())
+                .bind(outcome.state().as_str())
+                .fetch_optional(&mut *$conn)
+                .await?
+                .flatten(),
+            None => None,
+        };
         if marked == 0 {
             let mark: Option<i64> = sqlx::query_scalar("SELECT mark FROM fx_operations WHERE op_id = $1")
                 .bind(op_id)
@@ -110,8 +127,14 @@ macro_rules! finish_in {
             .bind(op_id)
             .execute(&mut *$conn)
             .await?;
+        recorded
     }};
 }
+
+/// Records what a sent call made on its pending intent `$1`: state `$3` (done or accepted) and
+/// resource `$2`, unless an id is recorded already (the first one wins); returns the id held.
+pub(super) const RECORD: &str = "UPDATE fx_intents SET state = CASE WHEN state = 'pending' THEN $3 ELSE state END, \
+     resource_id = COALESCE(resource_id, $2) WHERE intent_id = $1 RETURNING resource_id";
 
 /// Remembers the tags of an operation's intents (`$1`) as issued here (at `$2`), before they
 /// are deleted (an accepted one a finished operation keeps is remembered too, harmlessly): the
@@ -154,26 +177,26 @@ pub(crate) async fn decide_in_postgres(
 #[cfg(feature = "sqlite")]
 /// [`Ledger::finish`](crate::Ledger::finish) inside the caller's own SQLite transaction
 /// (committed by the caller), so a service can write its result (a worker row) and the
-/// operation's end in one commit. Use it through [`crate::Attempt::finish_in_sqlite`].
+/// operation's end in one commit, with what a call of this attempt made when `record` is some.
+/// Use it through [`crate::Attempt::finish_in_sqlite`] / [`crate::Attempt::finish_made_in_sqlite`].
 pub(crate) async fn finish_in_sqlite(
     conn: &mut sqlx::SqliteConnection,
     op_id: &str,
     now: i64,
-) -> Result<(), LedgerError> {
-    finish_in!(conn, op_id, now);
-    Ok(())
+    record: Option<(&str, &Outcome)>,
+) -> Result<Option<String>, LedgerError> {
+    Ok(finish_in!(conn, op_id, now, record))
 }
 
 #[cfg(feature = "postgres")]
-/// [`Ledger::finish`](crate::Ledger::finish) inside the caller's own PostgreSQL transaction.
-/// Use it through [`crate::Attempt::finish_in_postgres`].
+/// As [`finish_in_sqlite`], in the caller's own PostgreSQL transaction.
 pub(crate) async fn finish_in_postgres(
     conn: &mut sqlx::PgConnection,
     op_id: &str,
     now: i64,
-) -> Result<(), LedgerError> {
-    finish_in!(conn, op_id, now);
-    Ok(())
+    record: Option<(&str, &Outcome)>,
+) -> Result<Option<String>, LedgerError> {
+    Ok(finish_in!(conn, op_id, now, record))
 }
 
 pub(super) use {decide_in, finish_in};

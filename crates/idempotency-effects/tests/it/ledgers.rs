@@ -221,3 +221,138 @@ mod in_the_callers_transaction {
         drop(conn);
     }
 }
+
+/// What a call made, recorded by the transaction that finishes the operation with the service's
+/// own row (`run_decided_unrecorded`, then `finish_made_in_*`), on SQLite and PostgreSQL:
+/// - the call is sent once, and nothing records it before that transaction; the transaction
+///   records it, finishes the operation and keeps the resource owned, with the service's row;
+/// - an attempt that stops between the call and that transaction leaves the intent pending: the
+///   next attempt adopts the resource by tag and sends nothing;
+/// - an overlapping attempt that recorded another resource first wins: the finish returns its
+///   id, and this attempt's resource is undone;
+/// - an operation taken for a rollback meanwhile refuses the finish, and the record, committed
+///   still, is there for the reaper.
+mod the_record_in_the_finishing_transaction {
+    use super::*;
+    use idempotency_effects::conformance::Downstream;
+    use idempotency_effects::{Decided, EffectError, Effects, IntentState, Mark, Operation, Outcome, Ownership};
+
+    fn operation() -> Operation {
+        let scope = idempotency::Scope::new(
+            idempotency::Principal::new("team-a"),
+            idempotency::Endpoint::new("POST", "/v1/things"),
+            idempotency::IdempotencyKey::try_from("k1").unwrap(),
+        );
+        Operation::new(scope, idempotency::RecordId::random(), "create")
+    }
+
+    /// The cases on one database: `$begin` opens a transaction on `$conn`; `$decide` / `$finish`
+    /// are the attempt's steps inside one.
+    macro_rules! cases {
+        ($ledger:expr, $conn:ident, $begin:expr, $decide:ident, $finish:ident) => {{
+            let ledger: Arc<dyn Ledger> = $ledger;
+            let ds = Arc::new(Downstream::new("thing", false));
+            let effects = Effects::new(ledger.clone());
+            // Decides in its own transaction, then sends: what the call made, unrecorded.
+            macro_rules! sent {
+                ($op:expr) => {{
+                    let attempt = effects.attempt($op);
+                    let mut tx = $begin;
+                    let decided = attempt.$decide(&mut tx, &*ds).await.expect("decide");
+                    tx.commit().await.unwrap();
+                    assert!(matches!(decided, Decided::Fresh(_)), "{decided:?}");
+                    attempt.run_decided_unrecorded(&*ds, decided, |t| ds.send(t, Duration::ZERO)).await.expect("send")
+                }};
+            }
+            let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as i64;
+
+            // Sent once; nothing recorded before the finish; then recorded, finished and owned,
+            // with the service's row, in one commit.
+            let op = operation();
+            let tag = op.derive("thing").to_string();
+            let made = sent!(&op);
+            assert_eq!(ds.with_tag(&tag), vec![made.outcome().id().to_owned()]);
+            let pending = ledger.intent(&tag).await.unwrap().expect("the intent");
+            assert_eq!((pending.state, pending.resource_id), (IntentState::Pending, None), "nothing recorded yet");
+            let mut tx = $begin;
+            let recorded = effects.attempt(&op).$finish(&mut tx, &made).await.expect("finish");
+            sqlx::query("INSERT INTO things (id) VALUES ($1)").bind(recorded.id()).execute(&mut *tx).await.unwrap();
+            tx.commit().await.unwrap();
+            assert_eq!(&recorded, made.outcome());
+            assert_eq!(ledger.operation(op.id()).await.unwrap().map(|o| o.mark), Some(Mark::Finished));
+            assert_eq!(ledger.ownership(&tag, recorded.id(), now()).await.unwrap(), Ownership::Owned);
+            let things: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM things").fetch_one(&mut $conn).await.unwrap();
+            assert_eq!(things, 1);
+            let again = effects.attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+            assert!(matches!(again, Err(EffectError::Finished)), "{again:?}");
+            assert_eq!(ds.sends(), 1);
+
+            // Stopped between the call and the finish: the next attempt adopts by tag.
+            let op = operation();
+            let made = sent!(&op);
+            let adopted = effects.attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await.expect("adopted");
+            assert_eq!(&adopted, made.outcome());
+            assert_eq!(ds.sends(), 2, "the retry sent nothing");
+
+            // An overlapping attempt recorded another resource first: it is kept, ours undone.
+            let op = operation();
+            let tag = op.derive("thing").to_string();
+            let made = sent!(&op);
+            let theirs = ds.land(&tag);
+            let kept = ledger.record(op.id(), &tag, &theirs, IntentState::Done).await.unwrap();
+            assert_eq!(kept, theirs);
+            let mut tx = $begin;
+            let recorded = effects.attempt(&op).$finish(&mut tx, &made).await.expect("finish");
+            tx.commit().await.unwrap();
+            assert_eq!(recorded, Outcome::Done(theirs.clone()));
+            effects.attempt(&op).undo_unkept(&*ds, &made, &recorded).await;
+            assert_eq!(ds.with_tag(&tag), vec![theirs.clone()], "ours undone, theirs kept");
+            assert_eq!(ledger.ownership(&tag, &theirs, now()).await.unwrap(), Ownership::Owned);
+
+            // Taken for a rollback before the finish: refused, and the record is committed still.
+            let op = operation();
+            let tag = op.derive("thing").to_string();
+            let made = sent!(&op);
+            let row = ledger.operation(op.id()).await.unwrap().expect("the operation");
+            assert!(ledger.take_for_rollback(op.id(), row.last_attempt_at).await.unwrap());
+            let mut tx = $begin;
+            let refused = effects.attempt(&op).$finish(&mut tx, &made).await;
+            assert!(matches!(refused, Err(EffectError::RolledBack)), "{refused:?}");
+            tx.commit().await.unwrap();
+            let intent = ledger.intent(&tag).await.unwrap().expect("the intent, for the reaper");
+            assert_eq!(intent.resource_id.as_deref(), Some(made.outcome().id()));
+            assert_eq!(intent.state, IntentState::Done);
+            assert_eq!(ds.sends(), 4);
+        }};
+    }
+
+    #[tokio::test]
+    async fn sqlite() {
+        use sqlx::{Connection, Executor};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("effects.db").display());
+        let ledger = SqlLedger::connect(&url, 2).await.expect("open");
+        ledger.migrate().await.expect("migrate");
+        let mut conn = sqlx::SqliteConnection::connect(&url).await.expect("the service's connection");
+        conn.execute("CREATE TABLE things (id TEXT PRIMARY KEY)").await.unwrap();
+        cases!(
+            Arc::new(ledger),
+            conn,
+            conn.begin_with("BEGIN IMMEDIATE").await.unwrap(),
+            decide_in_sqlite,
+            finish_made_in_sqlite
+        );
+    }
+
+    #[tokio::test]
+    async fn postgres() {
+        use sqlx::{Connection, Executor};
+        let Some(db) = TestDatabase::create().await else { return };
+        let ledger = SqlLedger::connect(db.url(), 2).await.expect("connect");
+        ledger.migrate().await.expect("migrate");
+        let mut conn = sqlx::PgConnection::connect(db.url()).await.expect("the service's connection");
+        conn.execute("CREATE TABLE things (id TEXT PRIMARY KEY)").await.unwrap();
+        cases!(Arc::new(ledger), conn, conn.begin().await.unwrap(), decide_in_postgres, finish_made_in_postgres);
+        drop(conn);
+    }
+}

@@ -1,12 +1,13 @@
 //! A create in two commits of leasebroker's own around its hypervisor call: everything before
 //! the call (the attempt and the boot intent in the effect ledger, the allocation, the lease) in
-//! one transaction, and everything after it (the worker, the operation finished) in another.
-//! Between them, `idempotency-effects` runs the call and records what it made.
+//! one transaction, and everything after it (the VM the call made, the worker, the operation
+//! finished) in another. Between them, `idempotency-effects` runs the call; what it made is
+//! recorded by the second transaction (`Attempt::run_decided_unrecorded`).
 //!
 //! Each write inside keeps its own sub-key and `ON CONFLICT` rule, so a retry that finds some of
 //! them done by an earlier attempt goes on from there, as with one transaction per step.
 
-use idempotency_effects::{Attempt, Decided, Effect, EffectError};
+use idempotency_effects::{Attempt, Decided, Effect, EffectError, Made, Outcome};
 
 use super::nodes::allocate_in;
 use super::*;
@@ -18,6 +19,8 @@ pub(crate) trait LedgerTx {
     async fn decide(&mut self, attempt: &Attempt, effect: &dyn Effect) -> std::result::Result<Decided, EffectError>;
     /// [`Attempt::finish_in_sqlite`] / [`Attempt::finish_in_postgres`].
     async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError>;
+    /// [`Attempt::finish_made_in_sqlite`] / [`Attempt::finish_made_in_postgres`].
+    async fn finish_made(&mut self, attempt: &Attempt, made: &Made) -> std::result::Result<Outcome, EffectError>;
 }
 
 impl LedgerTx for sqlx::SqliteConnection {
@@ -27,6 +30,9 @@ impl LedgerTx for sqlx::SqliteConnection {
     async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError> {
         attempt.finish_in_sqlite(self).await
     }
+    async fn finish_made(&mut self, attempt: &Attempt, made: &Made) -> std::result::Result<Outcome, EffectError> {
+        attempt.finish_made_in_sqlite(self, made).await
+    }
 }
 
 impl LedgerTx for sqlx::PgConnection {
@@ -35,6 +41,9 @@ impl LedgerTx for sqlx::PgConnection {
     }
     async fn finish(&mut self, attempt: &Attempt) -> std::result::Result<(), EffectError> {
         attempt.finish_in_postgres(self).await
+    }
+    async fn finish_made(&mut self, attempt: &Attempt, made: &Made) -> std::result::Result<Outcome, EffectError> {
+        attempt.finish_made_in_postgres(self, made).await
     }
 }
 
@@ -136,41 +145,58 @@ impl Domain {
     }
 
     /// The last commit of a create: finishes the operation in the ledger (its first statement,
-    /// the fence: see [`DomainError::RolledBack`], [`DomainError::Finished`]; the boot's VM stays
-    /// owned by it), inserts the worker (or finds the one an earlier attempt inserted under the
-    /// same id) and counts the boot, in one transaction.
-    pub async fn finish_create(&self, attempt: &Attempt, w: &WorkerRow) -> Result<WorkerRow> {
-        let inserted = with_pool!(&self.db, p => {
+    /// the fence: see [`DomainError::RolledBack`], [`DomainError::Finished`]) with the boot's VM
+    /// when this attempt booted it (`boot`; the VM stays owned by the operation), inserts the
+    /// worker with the VM the ledger holds (or finds the one an earlier attempt inserted under
+    /// the same id) and counts the boot, in one transaction. Returns the worker and the boot's
+    /// outcome as recorded (another VM than `boot`'s when an overlapping attempt recorded its
+    /// own first: `boot`'s is then a duplicate).
+    pub async fn finish_create(&self, attempt: &Attempt, boot: &Made, w: &WorkerRow) -> Result<(WorkerRow, Outcome)> {
+        let (inserted, recorded) = with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
-            if let Err(e) = LedgerTx::finish(&mut *tx, attempt).await {
-                tx.rollback().await?;
-                return Err(e.into());
-            }
+            let recorded = match LedgerTx::finish_made(&mut *tx, attempt, boot).await {
+                Ok(recorded) => recorded,
+                Err(e) => {
+                    // Not live: the boot's record (when any) is kept for the reaper, nothing else
+                    // was written.
+                    if matches!(e, EffectError::Finished | EffectError::RolledBack) {
+                        tx.commit().await?;
+                    }
+                    return Err(e.into());
+                }
+            };
+            let vm_id = recorded.id();
             let inserted = sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
                          vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (worker_id) DO NOTHING")
                 .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
-                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(&w.vm_id).bind(&w.state)
+                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(vm_id).bind(&w.state)
                 .bind(w.reboot_count).bind(w.created_at)
                 .execute(&mut *tx).await?.rows_affected() == 1;
             // Last: the counter's row stays locked until the commit (64 rows, so creates rarely meet).
             sqlx::query(COUNT_BOOT).bind(boot_counter(attempt.operation().id())).execute(&mut *tx).await?;
             tx.commit().await?;
-            inserted
+            (inserted, recorded)
         });
         if inserted {
-            return Ok(w.clone());
+            return Ok((WorkerRow { vm_id: recorded.id().to_owned(), ..w.clone() }, recorded));
         }
-        self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
+        let worker = self.worker(&w.principal, &w.worker_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))?;
+        Ok((worker, recorded))
     }
 
-    /// The last commit of a reboot: finishes the operation in the ledger (the fence) and, when
-    /// this call finished it, counts the reboot on the worker, in one transaction; an operation
-    /// finished already counts nothing again. Returns the worker's reboot count.
-    pub async fn finish_reboot(&self, attempt: &Attempt, worker_id: &str) -> Result<i64> {
+    /// The last commit of a reboot: finishes the operation in the ledger (the fence) with what
+    /// this attempt's call did (`reboot`, when it ran one) and, when this call finished it,
+    /// counts the reboot on the worker, in one transaction; an operation finished already
+    /// counts nothing again. Returns the worker's reboot count.
+    pub async fn finish_reboot(&self, attempt: &Attempt, reboot: Option<&Made>, worker_id: &str) -> Result<i64> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
-            match LedgerTx::finish(&mut *tx, attempt).await {
+            let finished = match reboot {
+                Some(made) => LedgerTx::finish_made(&mut *tx, attempt, made).await.map(drop),
+                None => LedgerTx::finish(&mut *tx, attempt).await,
+            };
+            match finished {
                 Ok(()) => {
                     sqlx::query("UPDATE lb_workers SET reboot_count = reboot_count + 1 WHERE worker_id = $1")
                         .bind(worker_id).execute(&mut *tx).await?;
@@ -178,7 +204,11 @@ impl Domain {
                 }
                 Err(EffectError::Finished) => {} // an overlapping attempt counted it
                 Err(e) => {
-                    tx.rollback().await?;
+                    // Rolled back meanwhile: the reboot's record (when any) is kept for the
+                    // reaper, nothing else was written.
+                    if matches!(e, EffectError::RolledBack) {
+                        tx.commit().await?;
+                    }
                     return Err(e.into());
                 }
             }

@@ -42,7 +42,7 @@ pub use leasebroker_api::{
     CreateWorker, FlashFirmware, InvalidRequest, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
-use idempotency_effects::{Attempt, Decided, Effect, Effects, IntentState, Outcome, Sent};
+use idempotency_effects::{Attempt, Decided, Effect, Effects, IntentState, Sent};
 
 use crate::domain::{Allocation, CreateStart, Domain, DomainError, Node, StartCreate, WorkerRow, is_unique_violation};
 use crate::hypervisor::client::{BootRequest, HypervisorClient};
@@ -146,18 +146,20 @@ impl Workers {
         let request =
             BootRequest { image: req.image.clone(), cpu: req.cpu, memory_gb: req.memory_gb, tag: String::new() };
         let hypervisor = &self.hypervisor;
+        // What a boot sent now made is recorded by the last commit, with the worker.
         let booted = attempt
-            .run_decided(&boot, decided, |tag| async move {
+            .run_decided_unrecorded(&boot, decided, |tag| async move {
                 let vm = hypervisor.boot(&BootRequest { tag, ..request }).await.map_err(call_error)?;
                 Ok(Sent::Done(vm.vm_id))
             })
             .await;
-        let vm_id = match booted {
-            Ok(outcome) => outcome.id().to_owned(),
+        let made = match booted {
+            Ok(made) => made,
             Err(idempotency_effects::EffectError::Finished) => return self.finished(principal, &worker_id).await,
             Err(e @ idempotency_effects::EffectError::Refused(_)) => return Err(self.boot_refused(&keys, e).await),
             Err(e) => return Err(effect_failed(e, "hypervisor")),
         };
+        let vm_id = made.outcome().id().to_owned();
         if earlier {
             self.ensure_running(&vm_id).await?;
         }
@@ -177,9 +179,12 @@ impl Workers {
             reboot_count: 0,
             created_at: now_micros(),
         };
-        // One commit for everything after the call: the operation finished, the worker.
-        match self.domain.finish_create(&attempt, &row).await {
-            Ok(w) => Ok(w),
+        // One commit for everything after the call: the VM, the operation finished, the worker.
+        match self.domain.finish_create(&attempt, &made, &row).await {
+            Ok((w, recorded)) => {
+                attempt.undo_unkept(&boot, &made, &recorded).await;
+                Ok(w)
+            }
             // An overlapping attempt finished the create first: its worker is the answer.
             Err(DomainError::Finished) => self.finished(principal, &row.worker_id).await,
             Err(e) => Err(e.into()),
@@ -307,17 +312,23 @@ impl Workers {
         let effect = Reboot { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
         let hypervisor = &self.hypervisor;
         let vm_id = w.vm_id.as_str();
-        let rebooted = attempt
-            .run(&effect, |tag| async move {
-                hypervisor.reboot(vm_id, &tag).await.map_err(call_error)?;
-                Ok(Sent::Done(vm_id.to_owned()))
-            })
-            .await;
-        match rebooted {
-            Ok(Outcome::Done(_) | Outcome::Accepted(_)) => {}
+        // What a reboot sent now did is recorded by the last commit, with the count.
+        let rebooted = match attempt.decide(&effect).await {
+            Ok(decided) => {
+                attempt
+                    .run_decided_unrecorded(&effect, decided, |tag| async move {
+                        hypervisor.reboot(vm_id, &tag).await.map_err(call_error)?;
+                        Ok(Sent::Done(vm_id.to_owned()))
+                    })
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        let made = match rebooted {
+            Ok(made) => Some(made),
             // The reboot finished (an overlapping attempt did it): this attempt sends nothing
             // and answers the count it left.
-            Err(idempotency_effects::EffectError::Finished) => {}
+            Err(idempotency_effects::EffectError::Finished) => None,
             // No such VM: a delete of this worker removed it (a delete takes the VM first, then
             // the row). Nothing was rebooted, and there is nothing left to reboot.
             Err(idempotency_effects::EffectError::Refused(e)) if e.status() == Some(404) => {
@@ -325,8 +336,8 @@ impl Workers {
                 return Err(ServiceError::NotFound(worker_id.into()));
             }
             Err(e) => return Err(effect_failed(e, "hypervisor")),
-        }
-        self.domain.finish_reboot(&attempt, worker_id).await?;
+        };
+        self.domain.finish_reboot(&attempt, made.as_ref(), worker_id).await?;
         match self.domain.worker(principal, worker_id).await? {
             Some(w) => Ok(w.reboot_count),
             None => Err(ServiceError::NotFound(worker_id.into())),
