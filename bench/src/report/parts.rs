@@ -237,7 +237,8 @@ pub(super) fn push_create_rows(runs: &Runs, out: &mut Vec<Ratio>) {
             "rps",
             &e("create", db),
             &e("create", &floor),
-            Some(Goal::AtLeast(0.6)),
+            // Round 3 asks more of PostgreSQL (issue 31) than round 2's 0.6, which SQLite keeps.
+            Some(Goal::AtLeast(if db == "postgres" { 0.7 } else { 0.6 })),
         ));
         push(runs.within(
             "e2e",
@@ -338,19 +339,27 @@ impl Runs {
 }
 
 /// The effects library's cost on a create (part `e2e`): PostgreSQL commits per create, the
-/// service's (its intents, marks and background work included) against the floor's.
+/// service's (its intents, marks and background work included) against the floor's, and
+/// against the build before (`LB_BEFORE`) when there is one.
 pub(super) fn commit_rows(runs: &Runs) -> Vec<Ratio> {
     let k = |v: &str| key("e2e", "commits", 16, v);
-    runs.ratio(
+    let floor = runs.ratio(
         "e2e",
         "commits per create: leasebroker (PostgreSQL, 16 conns) / floor".into(),
         "commits_per_create",
         &k("postgres"),
         &k("postgres-floor"),
         None,
-    )
-    .into_iter()
-    .collect()
+    );
+    let before = runs.ratio(
+        "e2e",
+        "commits per create: this build / the build before (LB_BEFORE) (PostgreSQL, 16 conns)".into(),
+        "commits_per_create",
+        &k("postgres"),
+        &k("postgres-before"),
+        None,
+    );
+    floor.into_iter().chain(before).collect()
 }
 
 // --- end of leasebroker creates against their floor ---
