@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use sqlx::Row;
 
 use super::rows::{INTENT_COLUMNS, OP_COLUMNS, read_intent, read_op};
-use super::steps::{BEGIN_ATTEMPT, RECORD, SPEND_INTENTS, decide_in, finish_in, send_stamp};
+use super::steps::{BEGIN_ATTEMPT, END_INTENTS_POSTGRES, RECORD, SPEND_INTENTS, decide_in, finish_in, send_stamp};
 use super::{Pool, SqlLedger};
 use crate::ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 use crate::now_micros;

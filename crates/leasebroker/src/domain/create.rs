@@ -113,16 +113,21 @@ impl Domain {
             };
             // Decided here, under the attempt's lock, not before: a worker that exists or was
             // deleted means the create finished (an attempt that stalled after reading "no
-            // worker" must not start it again). Nothing is written then.
-            let finished = sqlx::query("SELECT 1 FROM lb_workers WHERE worker_id = $1 \
-                                        UNION ALL SELECT 1 FROM lb_tombstones WHERE worker_id = $1")
-                .bind(s.worker_id).fetch_optional(&mut *tx).await?.is_some();
+            // worker" must not start it again). Nothing is written then. The same statement
+            // reads the node an earlier attempt holds under the allocation's sub-key.
+            let (finished, held) = sqlx::query_as::<_, (bool, Option<String>, Option<i64>, Option<i64>)>(
+                "SELECT EXISTS (SELECT 1 FROM lb_workers WHERE worker_id = $1) \
+                 OR EXISTS (SELECT 1 FROM lb_tombstones WHERE worker_id = $1), n.node_id, n.cpu, n.memory_gb \
+                 FROM (SELECT 1 AS one) AS one LEFT JOIN lb_nodes n ON n.alloc_id = $2")
+                .bind(s.worker_id).bind(s.alloc_id).fetch_one(&mut *tx).await
+                .map(|(finished, node_id, cpu, memory_gb)| {
+                    let held = node_id.map(|node_id| Node { node_id, cpu: cpu.unwrap_or(0), memory_gb: memory_gb.unwrap_or(0) });
+                    (finished, held)
+                })?;
             if finished {
                 tx.rollback().await?;
                 return Ok(CreateStart::Finished);
             }
-            let held = sqlx::query_as::<_, Node>("SELECT node_id, cpu, memory_gb FROM lb_nodes WHERE alloc_id = $1")
-                .bind(s.alloc_id).fetch_optional(&mut *tx).await?;
             let node = match held {
                 Some(node) => node,
                 None => match allocate_in!(tx, postgres, s.alloc_id, principal, now, s.quota) {
