@@ -139,7 +139,7 @@ mod in_the_callers_transaction {
     use idempotency_effects::conformance::Downstream;
     use idempotency_effects::{Decided, Effects, Operation, Outcome};
 
-    fn operation() -> Operation {
+    pub(super) fn operation() -> Operation {
         let scope = idempotency::Scope::new(
             idempotency::Principal::new("team-a"),
             idempotency::Endpoint::new("POST", "/v1/things"),
@@ -233,18 +233,10 @@ mod in_the_callers_transaction {
 /// - an operation taken for a rollback meanwhile refuses the finish, and the record, committed
 ///   still, is there for the reaper.
 mod the_record_in_the_finishing_transaction {
+    use super::in_the_callers_transaction::operation;
     use super::*;
     use idempotency_effects::conformance::Downstream;
-    use idempotency_effects::{Decided, EffectError, Effects, IntentState, Mark, Operation, Outcome, Ownership};
-
-    fn operation() -> Operation {
-        let scope = idempotency::Scope::new(
-            idempotency::Principal::new("team-a"),
-            idempotency::Endpoint::new("POST", "/v1/things"),
-            idempotency::IdempotencyKey::try_from("k1").unwrap(),
-        );
-        Operation::new(scope, idempotency::RecordId::random(), "create")
-    }
+    use idempotency_effects::{Decided, EffectError, Effects, IntentState, Mark, Outcome, Ownership};
 
     /// The cases on one database: `$begin` opens a transaction on `$conn`; `$decide` / `$finish`
     /// are the attempt's steps inside one.

@@ -313,17 +313,16 @@ impl Workers {
         let hypervisor = &self.hypervisor;
         let vm_id = w.vm_id.as_str();
         // What a reboot sent now did is recorded by the last commit, with the count.
-        let rebooted = match attempt.decide(&effect).await {
-            Ok(decided) => {
-                attempt
-                    .run_decided_unrecorded(&effect, decided, |tag| async move {
-                        hypervisor.reboot(vm_id, &tag).await.map_err(call_error)?;
-                        Ok(Sent::Done(vm_id.to_owned()))
-                    })
-                    .await
-            }
-            Err(e) => Err(e),
-        };
+        let rebooted = async {
+            let decided = attempt.decide(&effect).await?;
+            attempt
+                .run_decided_unrecorded(&effect, decided, |tag| async move {
+                    hypervisor.reboot(vm_id, &tag).await.map_err(call_error)?;
+                    Ok(Sent::Done(vm_id.to_owned()))
+                })
+                .await
+        }
+        .await;
         let made = match rebooted {
             Ok(made) => Some(made),
             // The reboot finished (an overlapping attempt did it): this attempt sends nothing
