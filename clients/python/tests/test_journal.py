@@ -86,3 +86,19 @@ def test_a_damaged_key_is_an_error_not_a_send(tmp_path: Path) -> None:
         with Client(api.url, journal=path) as client, pytest.raises(JournalError):
             client.request("POST", "/v1/things", json={}, operation="op-1")
     assert len(api.arrivals) == 1
+
+
+# The fingerprint of the quick start's request (both READMEs): the TypeScript suite checks the same
+# value, so the two clients fingerprint one request alike.
+QUICK_START_FINGERPRINT = "sha256:1c18cda41ba53ada6b1e907130c7025b461a19f9d944ba3f33a374d396cd76d4"
+
+
+def test_the_fingerprint_is_the_documented_one(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    body = {"image": "worker-base:2025.11", "cpu": 16, "memory_gb": 64}
+    with scripted([created({})]) as api, Client(api.url, journal=path) as client:
+        client.request("POST", "/v1/workers", json=body, operation="nightly-ci-4711")
+    with sqlite3.connect(path) as db:
+        (fingerprint,) = db.execute("SELECT fingerprint FROM operations").fetchone()
+    assert fingerprint == QUICK_START_FINGERPRINT
+    assert api.arrivals[0].body == b'{"cpu":16,"image":"worker-base:2025.11","memory_gb":64}'

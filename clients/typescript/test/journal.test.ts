@@ -97,3 +97,18 @@ test("a lock left by a dead process does not block the journal", async () => {
   assert.equal((await journal.begin("op-1", "sha256:x")).key, entry.key);
   await assert.rejects(stat(`${path}.lock`), { code: "ENOENT" });
 });
+
+// The fingerprint of the quick start's request (both READMEs): the Python suite checks the same
+// value, so the two clients fingerprint one request alike.
+const QUICK_START_FINGERPRINT = "sha256:1c18cda41ba53ada6b1e907130c7025b461a19f9d944ba3f33a374d396cd76d4";
+
+test("the fingerprint is the documented one", async () => {
+  const path = join(await temporary(), "journal.json");
+  const body = { image: "worker-base:2025.11", cpu: 16, memory_gb: 64 };
+  await scripted([created({})], async (api) => {
+    await new Client({ baseUrl: api.url, journal: path }).request({ method: "POST", path: "/v1/workers", body, operation: "nightly-ci-4711" });
+    assert.equal(api.arrivals[0]?.body, '{"cpu":16,"image":"worker-base:2025.11","memory_gb":64}');
+  });
+  const file = JSON.parse(await readFile(path, "utf8")) as { operations: Record<string, { fingerprint: string }> };
+  assert.equal(file.operations["nightly-ci-4711"]?.fingerprint, QUICK_START_FINGERPRINT);
+});
