@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -14,16 +15,14 @@ from idempotency_client import Client, JournalError
 
 from .scripted import created, scripted
 
-# The table lbctl's journal (the Rust SDK) creates.
-RUST_SCHEMA = """CREATE TABLE IF NOT EXISTS operations (
-    op_id          TEXT PRIMARY KEY NOT NULL,
-    idem_key       TEXT NOT NULL,
-    fingerprint    TEXT NOT NULL,
-    created_at     TEXT NOT NULL,
-    outcome_status INTEGER,
-    outcome_body   BLOB,
-    finished_at    TEXT
-) STRICT"""
+# The table of the Rust SDK's journal (lbctl), read from its source.
+RUST_JOURNAL = Path(__file__).resolve().parents[3] / "crates/leasebroker-client/src/journal.rs"
+
+
+def rust_schema() -> str:
+    found = re.search(r'const SCHEMA: &str = "([^"]+)";', RUST_JOURNAL.read_text())
+    assert found, f"no SCHEMA in {RUST_JOURNAL}"
+    return found.group(1)
 
 
 def mode(path: Path) -> int:
@@ -63,7 +62,7 @@ def test_opens_a_journal_in_the_rust_sdk_layout(tmp_path: Path) -> None:
     # The documented fingerprint: SHA-256 of "METHOD PATH\n" and the body.
     fingerprint = "sha256:" + hashlib.sha256(b"POST /v1/things\n" + body).hexdigest()
     with sqlite3.connect(path) as db:
-        db.execute(RUST_SCHEMA)
+        db.execute(rust_schema())
         db.execute(
             "INSERT INTO operations (op_id, idem_key, fingerprint, created_at) VALUES (?, ?, ?, ?)",
             ("op-1", "key-made-by-lbctl", fingerprint, "2026-01-01T00:00:00.000Z"),

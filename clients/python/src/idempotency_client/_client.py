@@ -22,17 +22,25 @@ class _Base:
 
     def __init__(
         self,
-        headers: dict[str, str] | None,
-        journal: str | os.PathLike[str] | None,
-        max_elapsed: float,
-        timeout: float,
+        base_url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        journal: str | os.PathLike[str] | None = None,
+        max_elapsed: float = 600.0,
+        timeout: float = 30.0,
     ) -> None:
         if max_elapsed <= 0 or timeout <= 0:
             raise ValueError("max_elapsed and timeout are positive numbers of seconds")
         self.max_elapsed = max_elapsed
         self.timeout = timeout
-        self._headers = {"User-Agent": _USER_AGENT, **(headers or {})}
         self._journal: Journal = MemoryJournal() if journal is None else SqliteJournal(journal)
+        # Redirects are not followed: a followed redirect would send a mutation somewhere else.
+        self._http = self._connect(
+            base_url=base_url, headers={"User-Agent": _USER_AGENT, **(headers or {})}, follow_redirects=False
+        )
+
+    def _connect(self, **settings: Any) -> httpx.Client | httpx.AsyncClient:
+        raise NotImplementedError
 
     def _plan(self, method: str, path: str, body: Any, operation: str | None, wait: float | None) -> Plan:
         prepared = prepare(method, path, body, operation, wait)
@@ -52,22 +60,17 @@ class _Base:
 
 class Client(_Base):
     """Sends every mutation with one ``Idempotency-Key`` per logical operation and retries it
-    safely; with ``journal``, the key of a named operation survives a restart of the process."""
+    safely; with ``journal``, the key of a named operation survives a restart of the process.
+
+    ``Client(base_url, *, headers=None, journal=None, max_elapsed=600.0, timeout=30.0)``: ``headers``
+    go with every request, ``journal`` is the path of the SQLite journal (``None``: memory, for this
+    client's life), ``max_elapsed`` is the budget of one call in seconds, retries included, and
+    ``timeout`` that of one attempt."""
 
     _http: httpx.Client
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        headers: dict[str, str] | None = None,
-        journal: str | os.PathLike[str] | None = None,
-        max_elapsed: float = 600.0,
-        timeout: float = 30.0,
-    ) -> None:
-        super().__init__(headers, journal, max_elapsed, timeout)
-        # Redirects are not followed: a followed redirect would send a mutation somewhere else.
-        self._http = httpx.Client(base_url=base_url, headers=self._headers, follow_redirects=False)
+    def _connect(self, **settings: Any) -> httpx.Client:
+        return httpx.Client(**settings)
 
     def request(
         self,
@@ -119,17 +122,8 @@ class AsyncClient(_Base):
 
     _http: httpx.AsyncClient
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        headers: dict[str, str] | None = None,
-        journal: str | os.PathLike[str] | None = None,
-        max_elapsed: float = 600.0,
-        timeout: float = 30.0,
-    ) -> None:
-        super().__init__(headers, journal, max_elapsed, timeout)
-        self._http = httpx.AsyncClient(base_url=base_url, headers=self._headers, follow_redirects=False)
+    def _connect(self, **settings: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(**settings)
 
     async def request(
         self,
