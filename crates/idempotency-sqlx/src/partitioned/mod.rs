@@ -121,7 +121,8 @@ impl PartitionedPostgresStore {
     /// Connects to `url` with a pool of up to 10 connections ([`crate::postgres_pool_options`]).
     /// Does not create the table; call [`PartitionedPostgresStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let pool = crate::postgres_pool_options(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        let pool =
+            crate::connect_postgres(url, crate::postgres_pool_options(MAX_CONNECTIONS)).await.map_err(db_error)?;
         Ok(Self::from_pool(pool))
     }
 

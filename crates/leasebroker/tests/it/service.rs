@@ -5,6 +5,7 @@
 mod database;
 mod failover;
 mod outage;
+mod paused;
 
 use std::process::Command;
 use std::time::{Duration, Instant};
