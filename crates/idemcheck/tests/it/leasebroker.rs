@@ -100,7 +100,9 @@ async fn a_default_leasebroker_fails_nothing_and_the_rest_is_na_with_the_flag() 
     assert_eq!(run.code, Some(0), "{}", run.stdout);
     let reasons = run.reasons();
     // The features a default leasebroker leaves off, and the flag each vector's reason names.
-    for (prefix, flag) in [("body-key-", "--key-sources"), ("repeatability-", "--key-sources"), ("not-stored-5xx", "--sim-missing-image")] {
+    for (prefix, flag) in
+        [("body-key-", "--key-sources"), ("repeatability-", "--key-sources"), ("not-stored-5xx", "--sim-missing-image")]
+    {
         let vectors: Vec<_> = reasons.iter().filter(|(id, _)| id.starts_with(prefix)).collect();
         assert!(!vectors.is_empty(), "no vector {prefix}*");
         for (id, (result, reason)) in vectors {

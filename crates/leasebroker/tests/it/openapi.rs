@@ -66,7 +66,9 @@ async fn path_parameters_are_in_their_path_and_the_listings_limit_has_the_server
         let schema = &limit["schema"];
         assert_eq!((schema["minimum"].as_i64(), schema["maximum"].as_i64()), (Some(1), Some(500)), "{limit}");
         // The bounds are the server's: the edges pass, one past them is refused.
-        for (n, status) in [(0, StatusCode::BAD_REQUEST), (1, StatusCode::OK), (500, StatusCode::OK), (501, StatusCode::BAD_REQUEST)] {
+        for (n, status) in
+            [(0, StatusCode::BAD_REQUEST), (1, StatusCode::OK), (500, StatusCode::OK), (501, StatusCode::BAD_REQUEST)]
+        {
             let token = if path.starts_with("/admin") { crate::support::ADMIN } else { TOKEN };
             let r = http().get(format!("{}{path}?limit={n}", lb.url)).bearer_auth(token).send().await.expect("get");
             assert_eq!(r.status(), status, "GET {path}?limit={n}");
@@ -160,7 +162,12 @@ async fn a_python_client_generated_from_the_document_lists_and_gets_workers() {
 
     let file = document_file(&lb.url, dir.path()).await;
     let file = file.to_str().expect("utf-8 path");
-    run_tool(&bin, dir.path(), "openapi-python-client", &["generate", "--path", file, "--meta", "none", "--output-path", "gen/leasebroker_client"]);
+    run_tool(
+        &bin,
+        dir.path(),
+        "openapi-python-client",
+        &["generate", "--path", file, "--meta", "none", "--output-path", "gen/leasebroker_client"],
+    );
     run_tool(&bin, dir.path(), "python", &["-m", "compileall", "-q", "gen"]);
     std::fs::write(dir.path().join("use_client.py"), CLIENT_SCRIPT).expect("write the script");
     let pythonpath = dir.path().join("gen");
