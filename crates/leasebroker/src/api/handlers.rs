@@ -10,7 +10,7 @@ use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
 use leasebroker_api::problems;
 
-use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError};
+use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError, is_worker_id};
 
 use super::problems::parse_json;
 use super::*;
@@ -89,6 +89,10 @@ pub async fn list_workers(
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")).into());
+    }
+    // A cursor is the last worker id of a page; anything else would read as an empty last page.
+    if q.cursor.as_deref().is_some_and(|c| !is_worker_id(c)) {
+        return Err(invalid("cursor is not a cursor this listing gave out".into()).into());
     }
     let rows = state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await?;
     let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
