@@ -76,7 +76,7 @@ pub async fn get_worker(
 
 /// Lists the caller's workers, a page at a time.
 #[utoipa::path(get, path = "/v1/workers", tag = "workers", params(ListQuery),
-    responses((status = 200, body = WorkerPage), (status = 400, description = "Bad limit"), (status = 401, description = "Unauthorized")),
+    responses((status = 200, body = WorkerPage), (status = 400, description = "A bad limit or cursor"), (status = 401, description = "Unauthorized")),
     security(("bearer" = [])))]
 pub async fn list_workers(
     State(state): State<AppState>,
