@@ -56,6 +56,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     crate::metric::describe();
+    crate::metric::start_at_zero();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
@@ -239,6 +240,8 @@ impl Application {
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
+            // Then the head: too many or too large header fields, a path that does not decode.
+            .layer(axum::middleware::from_fn(crate::head::check_head))
             // Checked before any other limit: a long path is refused before it is authenticated.
             .layer(axum::middleware::from_fn(crate::limits::path_length))
             .layer(tower_http::trace::TraceLayer::new_for_http())

@@ -28,6 +28,7 @@ pub mod console;
 pub mod db;
 pub mod domain;
 pub mod firmware;
+pub mod head;
 pub mod hypervisor;
 pub mod limits;
 pub mod metric;

@@ -25,6 +25,7 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +42,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::head::{HYPER_H2_MAX_HEADER_LIST, HYPER_MAX_HEADERS};
 use crate::limits::DeadlineBody;
 
 /// Concurrent HTTP/2 streams allowed on one connection.
@@ -84,9 +86,9 @@ pub async fn serve(
         tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
+                Ok((stream, peer)) => match slots.clone().try_acquire_owned() {
                     Ok(slot) => {
-                        let service = Counted::new(router.clone(), in_flight.clone(), timeouts.body);
+                        let service = Counted::new(router.clone(), in_flight.clone(), timeouts.body, peer);
                         connections.spawn(connection(stream, service, timeouts, stop_rx.clone(), slot));
                     }
                     // Over --max-connections: closed at once, before a byte is read.
@@ -137,8 +139,14 @@ async fn connection(
     let streams = service.streams.clone();
     let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(timeouts.header);
-    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS);
+    // hyper's header limits above the service's own (crate::head), so that the service's problem
+    // answers a request between the two, not hyper's bare 431.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(timeouts.header).max_headers(HYPER_MAX_HEADERS);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_header_list_size(HYPER_H2_MAX_HEADER_LIST);
     let conn = builder.serve_connection_with_upgrades(io, TowerToHyperService::new(service));
     tokio::pin!(conn);
     let mut stopping = *stop.borrow();
@@ -235,19 +243,21 @@ impl Drop for StreamGuard {
 }
 
 /// The router, counting the requests in progress on its connection and taking a turn from
-/// the process-wide [`MAX_IN_FLIGHT`] before each.
+/// the process-wide [`MAX_IN_FLIGHT`] before each. Each request carries the connection's peer
+/// address (axum's `ConnectInfo`).
 #[derive(Clone)]
 struct Counted {
     router: axum::Router,
     streams: Arc<Streams>,
     in_flight: Arc<Semaphore>,
     body_timeout: Duration,
+    peer: SocketAddr,
 }
 
 impl Counted {
-    fn new(router: axum::Router, in_flight: Arc<Semaphore>, body_timeout: Duration) -> Self {
+    fn new(router: axum::Router, in_flight: Arc<Semaphore>, body_timeout: Duration, peer: SocketAddr) -> Self {
         let streams = Streams { active: AtomicU64::new(0), quiet: Activity::new(), ended: tokio::sync::Notify::new() };
-        Self { router, streams: Arc::new(streams), in_flight, body_timeout }
+        Self { router, streams: Arc::new(streams), in_flight, body_timeout, peer }
     }
 }
 
@@ -271,7 +281,8 @@ where
         let (router, in_flight) = (self.router.clone(), self.in_flight.clone());
         // The whole body must arrive within --body-timeout of the request's headers.
         let deadline = Instant::now() + self.body_timeout;
-        let req = req.map(|body| axum::body::Body::new(DeadlineBody::new(axum::body::Body::new(body), deadline)));
+        let mut req = req.map(|body| axum::body::Body::new(DeadlineBody::new(axum::body::Body::new(body), deadline)));
+        req.extensions_mut().insert(axum::extract::ConnectInfo(self.peer));
         Box::pin(async move {
             // Closed only if the process is shutting down; then the request runs without a turn.
             guard._turn = in_flight.acquire_owned().await.ok();

@@ -8,12 +8,15 @@
 mod bounds;
 mod console;
 mod deploy;
+mod edges;
 mod effects;
 mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
 mod libvirt;
+mod openapi;
 mod protocol;
+mod readme;
 mod records;
 mod redfish;
 mod service;
