@@ -36,12 +36,14 @@ pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
 pub use port::{HeldPort, free_port_with, free_ports};
+pub use retention::*;
 
 mod claims;
 mod holding;
 mod lifecycle;
 mod operating;
 mod port;
+mod retention;
 
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.
@@ -203,6 +205,10 @@ macro_rules! store_conformance_suite {
                 forget_spares_in_flight_and_frees_the_key,
                 foreign_cursor_is_refused,
                 counts_a_principals_live_records,
+                an_in_flight_record_outlives_a_short_retention,
+                a_heartbeat_renews_the_expiry_of_an_in_flight_record,
+                a_reclaim_keeps_the_record_for_at_least_the_ttl,
+                a_live_claim_is_never_replaced_past_its_expiry,
                 $($expiry,)*
             );
         }

@@ -9,6 +9,7 @@ mod bounds;
 mod console;
 mod deploy;
 mod effects;
+mod expiry;
 mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
