@@ -402,11 +402,31 @@ mod slow_handlers {
 
 mod expiry {
     use super::*;
+    use idempotency_tower::BuildError;
+
+    /// SPEC 1.3: a retention that is not longer than the in-flight TTL is refused, by a typed
+    /// error naming both (a record in flight lives at least the TTL anyway, and a dead attempt's
+    /// record must outlive its claim for the retry after the TTL to resume it).
+    #[test]
+    fn a_retention_not_longer_than_the_in_flight_ttl_is_refused() {
+        for (retention, ttl) in [(2, 60), (60, 60)] {
+            let (retention, in_flight_ttl) = (Duration::from_secs(retention), Duration::from_secs(ttl));
+            let built = builder(&store()).retention(retention).in_flight_ttl(in_flight_ttl).try_build();
+            assert_eq!(built.err(), Some(BuildError::RetentionNotLongerThanInFlightTtl { retention, in_flight_ttl }));
+        }
+        let refused = builder(&store()).retention(Duration::from_secs(2)).in_flight_ttl(Duration::from_secs(60));
+        let message = refused.try_build().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("retention (2s)") && message.contains("in-flight TTL (60s)"), "{message}");
+        let legal = builder(&store()).retention(Duration::from_secs(61)).in_flight_ttl(Duration::from_secs(60));
+        assert!(legal.try_build().is_ok());
+        assert!(builder(&store()).try_build().is_ok(), "the defaults: 24 h and 5 min");
+    }
 
     #[tokio::test]
     async fn after_retention_the_sweeper_frees_the_key() {
         let store = store();
-        let (app, calls) = counting_app(builder(&store).retention(Duration::from_millis(100)).build());
+        let layer = builder(&store).in_flight_ttl(Duration::from_millis(50)).retention(Duration::from_millis(100));
+        let (app, calls) = counting_app(layer.build());
         send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
         assert!(send(&app, post_req("/v1/things", Some("k1"), "{}")).await.replayed());
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -660,9 +680,9 @@ mod outage {
         async fn heartbeat(
             &self,
             c: &idempotency::Claim,
-            now: idempotency::Timestamp,
+            renewal: idempotency::Renewal,
         ) -> Result<(), idempotency::StoreError> {
-            let out = self.inner.heartbeat(c, now).await;
+            let out = self.inner.heartbeat(c, renewal).await;
             self.heard(out).await
         }
         async fn remove(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {

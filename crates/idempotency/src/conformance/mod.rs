@@ -27,7 +27,7 @@ use chrono::Duration as Span;
 
 use crate::{
     ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Principal, ReclaimRequest,
-    RecordState, Scope, Store, StoreError, StoredBody, StoredResponse, Timestamp, now,
+    RecordState, Renewal, Scope, Store, StoreError, StoredBody, StoredResponse, Timestamp, now,
 };
 
 pub use crate::faulty::{FaultyStore, InjectedFault, Op};
@@ -84,7 +84,18 @@ pub(super) fn fp(s: &str) -> Fingerprint {
 }
 
 pub(super) fn request(scope: &Scope, fingerprint: &Fingerprint, at: Timestamp) -> ClaimRequest {
-    ClaimRequest { scope: scope.clone(), fingerprint: fingerprint.clone(), now: at, expires_at: at + Span::hours(24) }
+    ClaimRequest {
+        scope: scope.clone(),
+        fingerprint: fingerprint.clone(),
+        now: at,
+        in_flight_ttl: TTL,
+        expires_at: at + Span::hours(24),
+    }
+}
+
+/// A renewal at `at` by an attempt whose retention is a day, like [`request`]'s.
+pub(super) fn renewal(at: Timestamp) -> Renewal {
+    Renewal { now: at, in_flight_ttl: TTL, expires_at: at + Span::hours(24) }
 }
 
 pub(super) fn response(status: u16, body: &[u8]) -> StoredResponse {

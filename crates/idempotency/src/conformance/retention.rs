@@ -43,7 +43,7 @@ pub async fn a_heartbeat_renews_the_expiry_of_an_in_flight_record(fx: Fixture) {
     let scope = fresh_scope();
     let claim = owned(&*fx.store, short(&scope, t)).await;
     let beat = t + Span::seconds(250);
-    fx.peer.heartbeat(&claim, beat).await.expect("heartbeat");
+    fx.peer.heartbeat(&claim, Renewal { expires_at: beat + SHORT, ..renewal(beat) }).await.expect("heartbeat");
     let renewed = fx.store.get(&scope).await.expect("get").expect("the record");
     assert_eq!((renewed.started_at, renewed.expires_at), (beat, beat + ttl), "renewed: the last beat + TTL");
 
@@ -82,8 +82,13 @@ pub async fn a_reclaim_keeps_the_record_for_at_least_the_ttl(fx: Fixture) {
 pub async fn a_live_claim_is_never_replaced_past_its_expiry(fx: Fixture) {
     let t = now();
     let scope = fresh_scope();
-    let first = owned(&*fx.store, ClaimRequest { expires_at: t + Span::seconds(30), ..request(&scope, &fp("a"), t) })
-        .await;
+    let written = ClaimRequest {
+        in_flight_ttl: Duration::from_secs(1),
+        expires_at: t + Span::seconds(30),
+        ..request(&scope, &fp("a"), t)
+    };
+    let first = owned(&*fx.store, written).await;
+    assert_eq!(first.record().expires_at, t + Span::seconds(30));
     let past = t + Span::seconds(31);
     let seen = existing(&*fx.peer, request(&scope, &fp("a"), past)).await;
     assert_eq!((seen.record_id, seen.state), (first.record().record_id, RecordState::InFlight));

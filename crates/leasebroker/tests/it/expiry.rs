@@ -2,6 +2,7 @@
 //! attempt, so a key never runs twice however short the retention; a retention that is not longer
 //! than the in-flight TTL is refused at start, as a usage error.
 
+use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -10,16 +11,31 @@ use crate::protocol::create_in_flight;
 use crate::support::{TOKEN, bin, create, fleet, serve, sim, sim_stats, sqlite_url, worker_body};
 
 /// `leasebroker serve` with `args` (and a fresh database), expected to refuse at once: its exit
-/// code and stderr.
+/// code and stderr. The test fails if it starts serving instead (it says where it listens).
 fn refused_at_start(args: &[&str]) -> (Option<i32>, String) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let out = std::process::Command::new(bin())
+    let mut child = std::process::Command::new(bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--database", &sqlite_url(&dir)])
         .args(args)
-        .stdout(std::process::Stdio::null())
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("run");
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, listening) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let started = BufReader::new(stdout).lines().map_while(Result::ok).any(|l| l.contains("listening on"));
+        let _ = tx.send(started);
+    });
+    // The reader answers once stdout closes (the process exited) or the server says it listens.
+    let started = listening.recv_timeout(Duration::from_secs(60)).unwrap_or(true);
+    if started {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!started, "serve {args:?} started instead of refusing: {stderr}");
+    (out.status.code(), stderr)
 }
 
 /// The configuration (`--retention 2s --in-flight-ttl 60s`, where a create slower than
@@ -58,8 +74,8 @@ async fn a_create_slower_than_the_retention_runs_once() {
     while Instant::now() < past {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let retry = create(&lb.url, TOKEN, "slow-1", &worker_body()).await;
     assert!(!slow.is_finished(), "the create finished before the retry: the test proves nothing");
+    let retry = create(&lb.url, TOKEN, "slow-1", &worker_body()).await;
     assert_eq!(
         (retry.status, retry.problem_type().as_str()),
         (StatusCode::CONFLICT, "request-in-progress"),
