@@ -363,8 +363,9 @@ impl IdempotencyLayerBuilder {
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
-    /// meanwhile. When all of them fail, the record is released (failed) as soon as the store
-    /// answers again, and the next retry runs the handler again (resuming through its sub-keys).
+    /// meanwhile. When all of them fail, the record stays in flight (its client was answered as
+    /// final, so the handler must not run again at once): the first retry after the in-flight TTL
+    /// takes the claim over and runs the handler again, resuming through its sub-keys.
     pub fn completion_retries(mut self, times: usize, first_delay: Duration) -> Self {
         self.completion_retry.times = times;
         self.completion_retry.first_delay = first_delay;
