@@ -156,8 +156,8 @@ impl Store for RedisStore {
 
     /// Deletes nothing and returns 0: every record's key expires by itself at its
     /// `expires_at` (`PEXPIREAT`, moved by `complete`, and by a `reclaim` or `heartbeat` that
-    /// extends it), and
-    /// Redis removes expired keys on its own. There is no index to sweep, and none is needed.
+    /// extends it), and Redis removes expired keys on its own. There is no index to sweep, and
+    /// none is needed.
     async fn sweep_expired(&self, _now: Timestamp, _batch: u32) -> Result<u64, StoreError> {
         Ok(0)
     }
