@@ -17,7 +17,11 @@
 //! let scope = Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key);
 //! let t = now();
 //! let req = ClaimRequest {
-//!     scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t + chrono::Duration::hours(24),
+//!     scope,
+//!     fingerprint: Fingerprint::from_stored("sha256:00"),
+//!     now: t,
+//!     in_flight_ttl: std::time::Duration::from_secs(300),
+//!     expires_at: t + chrono::Duration::hours(24),
 //! };
 //! assert!(matches!(store.claim(req.clone()).await?, ClaimOutcome::Owned(_)));
 //! assert!(matches!(store.claim(req).await?, ClaimOutcome::Existing(_)));

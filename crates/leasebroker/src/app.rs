@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 use crate::api::{self, AppState, BODY_LIMIT, token_digest};
 use crate::background::Background;
-use crate::config::{KeySource, ServeArgs};
+use crate::config::{ConfigError, KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
 use crate::firmware::{Firmware, Watcher};
@@ -73,7 +73,7 @@ impl Application {
         args: ServeArgs,
         wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
     ) -> anyhow::Result<Self> {
-        args.validate().map_err(anyhow::Error::msg)?;
+        args.validate().map_err(ConfigError)?;
         let metrics = metrics_handle()?;
         let db = Db::connect_with(&args.database, args.sqlite_connections).await?;
         db.migrate().await?;
@@ -159,7 +159,8 @@ impl Application {
             )
             .operation_link(crate::firmware::operation_link)
             .key_sources(key_sources(&args.key_sources))
-            .build();
+            .try_build()
+            .map_err(|e| ConfigError(format!("--retention, --in-flight-ttl: {e}")))?;
         let reaper = Reaper::new(
             store.clone(),
             domain.clone(),

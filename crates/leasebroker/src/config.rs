@@ -284,6 +284,13 @@ pub struct ServeArgs {
 /// The shortest token accepted: shorter ones are guessable, or a typo.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// A configuration `serve` refuses at start: settings that contradict each other (what no
+/// single flag's parser can see). Its message is one line that names the flags; the binary exits
+/// with status 2, as for clap's own usage errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
 impl ServeArgs {
     /// Checks what no single flag can: flags that depend on each other.
     pub fn validate(&self) -> Result<(), String> {
@@ -314,6 +321,15 @@ impl ServeArgs {
                 "--bmc-url {}: unsupported URL; use redfish+http://HOST:PORT or redfish+https://HOST:PORT \
                  (without it the BMCs are the hypervisor's)",
                 crate::db::redact(url)
+            ));
+        }
+        if self.retention <= self.in_flight_ttl {
+            return Err(format!(
+                "--retention ({}) must be longer than --in-flight-ttl ({}): a record in flight is kept at least the TTL \
+                 past its claim, and a dead attempt's record must outlive its claim for the retry after the TTL to \
+                 resume it",
+                humantime::format_duration(self.retention),
+                humantime::format_duration(self.in_flight_ttl)
             ));
         }
         if self.hypervisor_settle < self.hypervisor_timeout {
@@ -623,6 +639,10 @@ mod tests {
         assert_eq!((s.hypervisor_settle, s.abandon_after), (Duration::from_secs(30), Duration::from_secs(3600)));
         assert!(s.validate().is_ok());
         assert!(serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "2s"]).validate().is_ok());
+        let err = serve(&["--retention", "2s", "--in-flight-ttl", "60s"]).validate().unwrap_err();
+        assert!(err.contains("--retention (2s)") && err.contains("--in-flight-ttl (1m)"), "{err}");
+        assert!(serve(&["--retention", "1m", "--in-flight-ttl", "60s"]).validate().is_err(), "equal is refused too");
+        assert!(serve(&["--retention", "61s", "--in-flight-ttl", "60s"]).validate().is_ok());
         let err = serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "1s"]).validate().unwrap_err();
         assert!(err.contains("--hypervisor-settle") && err.contains("--hypervisor-timeout"), "{err}");
     }

@@ -73,6 +73,7 @@ pub(crate) async fn fresh_op(store: &dyn Store, kind: &str) -> (Claim, Operation
         scope,
         fingerprint: Fingerprint::from_stored("sha256:00"),
         now,
+        in_flight_ttl: std::time::Duration::from_secs(300),
         expires_at: now + chrono::Duration::hours(24),
     };
     match store.claim(req).await.expect("claim") {

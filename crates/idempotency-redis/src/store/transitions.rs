@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
+    Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use redis::Value;
 
@@ -83,7 +83,8 @@ impl Store for RedisStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let expires_at = req.record_expires_at();
         let next = record
             .generation
             .checked_add(1)
@@ -118,8 +119,11 @@ impl Store for RedisStore {
         Ok(Some(claim))
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()]).await
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        let expires_at = renewal.record_expires_at();
+        let (at, eat, eat_ms) = (encode_ts(renewal.now), encode_ts(expires_at), expiry_millis(expires_at).to_string());
+        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()])
+            .await
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
@@ -151,8 +155,9 @@ impl Store for RedisStore {
     }
 
     /// Deletes nothing and returns 0: every record's key expires by itself at its
-    /// `expires_at` (`PEXPIREAT`, moved by `complete` and by a `reclaim` that extends it), and
-    /// Redis removes expired keys on its own. There is no index to sweep, and none is needed.
+    /// `expires_at` (`PEXPIREAT`, moved by `complete`, and by a `reclaim` or `heartbeat` that
+    /// extends it), and Redis removes expired keys on its own. There is no index to sweep, and
+    /// none is needed.
     async fn sweep_expired(&self, _now: Timestamp, _batch: u32) -> Result<u64, StoreError> {
         Ok(0)
     }

@@ -65,7 +65,7 @@ where
             Ok(true) => reserved = true,
             // At the limit only a key the principal already holds is answered (replay, resume).
             Ok(false) => match bounded(&cfg, "get", store.get(&p.scope)).await {
-                Ok(Some(record)) if !record.is_expired(now()) => claim_next = false,
+                Ok(Some(record)) if !record.is_free(now(), cfg.in_flight_ttl) => claim_next = false,
                 Ok(_) => {
                     let retry_after = crate::quota::RETRY_AFTER;
                     return Ok(rejection_response(&cfg, Rejection::TooManyRecords { retry_after }));
@@ -92,6 +92,7 @@ where
                 scope: p.scope.clone(),
                 fingerprint: p.fingerprint.clone(),
                 now: t,
+                in_flight_ttl: cfg.in_flight_ttl,
                 expires_at: idempotency::later(t, cfg.retention),
             };
             match bounded(&cfg, "claim", store.claim(req)).await {
@@ -111,7 +112,7 @@ where
             }
         } else {
             match bounded(&cfg, "get", store.get(&p.scope)).await {
-                Ok(Some(record)) if !record.is_expired(t) => record,
+                Ok(Some(record)) if !record.is_free(t, cfg.in_flight_ttl) => record,
                 // Swept or expired since we looked: the key is free, claim it afresh.
                 Ok(_) => {
                     races += 1;

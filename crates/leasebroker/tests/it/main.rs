@@ -10,6 +10,7 @@ mod console;
 mod deploy;
 mod edges;
 mod effects;
+mod expiry;
 mod fences;
 mod flashes;
 #[cfg(feature = "libvirt")]
