@@ -115,6 +115,7 @@ impl Store for RedisStore {
             }
             return Err(e);
         }
+        self.index_record(&record.scope, &eat_ms).await;
         Ok(Some(claim))
     }
 
@@ -123,7 +124,9 @@ impl Store for RedisStore {
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("remove", &self.scripts.remove, claim, &[]).await
+        self.fenced("remove", &self.scripts.remove, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
+        Ok(())
     }
 
     async fn complete(
@@ -134,12 +137,14 @@ impl Store for RedisStore {
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
         self.fenced("complete", &self.scripts.complete, claim, &args.args()).await?;
+        self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
         self.announce(claim).await;
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         self.fenced("fail", &self.scripts.fail, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
         self.announce(claim).await;
         Ok(())
     }
@@ -180,6 +185,8 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    /// Trims the principal's index of what expired, then counts what is left: the records
+    /// that were claimed, reclaimed or completed, less those that failed or are gone since.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,

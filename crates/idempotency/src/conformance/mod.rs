@@ -203,6 +203,7 @@ macro_rules! store_conformance_suite {
                 forget_spares_in_flight_and_frees_the_key,
                 foreign_cursor_is_refused,
                 counts_a_principals_live_records,
+                counts_only_what_a_principal_stores,
                 $($expiry,)*
             );
         }
