@@ -160,6 +160,29 @@ const SWEEP: &str = "DELETE FROM idempotency_records WHERE ctid = ANY(ARRAY( \
 
 /// The record of `scope` from a row of [`state_columns!`]: every statement names its row by the
 /// scope, so the row does not carry it back. Text and bytes are read borrowed from the row.
+/// What a principal stores, for [`count_stored`].
+const COUNT: &str =
+    "SELECT count(*) FROM idempotency_records WHERE principal = $1 AND expires_at > $2 AND state <> 'failed'";
+
+/// `count_records` of both PostgreSQL layouts, with `sql` counting one's table: a range scan of
+/// the primary key, whose first column is the principal; failed records (which stored nothing)
+/// are left out with the expired ones.
+pub(crate) async fn count_stored(
+    pool: &PgPool,
+    space: &SpaceWatch,
+    sql: &'static str,
+    principal: &idempotency::Principal,
+    now: Timestamp,
+) -> Result<Option<u64>, StoreError> {
+    let n: i64 = sqlx::query_scalar(sql)
+        .bind(stored_component(principal.as_str()))
+        .bind(now)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| space.db_error(e))?;
+    Ok(Some(u64::try_from(n).unwrap_or(0)))
+}
+
 fn decode(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
     let get = |e| db_error(e);
     RawState {
@@ -316,20 +339,12 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = $1 AND expires_at > $2")
-                .bind(stored_component(principal.as_str()))
-                .bind(now)
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.space.db_error(e))?;
-        Ok(Some(u64::try_from(n).unwrap_or(0)))
+        count_stored(&self.pool, &self.space, COUNT, principal, now).await
     }
 
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {

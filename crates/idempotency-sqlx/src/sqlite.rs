@@ -328,19 +328,21 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
+    /// A range scan of the primary key, whose first column is the principal; failed records
+    /// (which stored nothing) are left out with the expired ones.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = ?1 AND expires_at > ?2")
-                .bind(principal.as_str())
-                .bind(micros(now))
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.space.db_error(e))?;
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_records WHERE principal = ?1 AND expires_at > ?2 AND state <> 'failed'",
+        )
+        .bind(principal.as_str())
+        .bind(micros(now))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| self.space.db_error(e))?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
     }
 

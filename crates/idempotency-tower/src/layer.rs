@@ -387,10 +387,13 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// The most live records one principal may hold (default: no limit). A request with a new
-    /// key from a principal at the limit is answered `429 too-many-requests` with `Retry-After`
-    /// and stores nothing; a retry of a key it already holds still replays or resumes. Needs a
-    /// store that counts ([`Store::count_records`]); on one that does not, nothing is limited.
+    /// The most live records one principal may hold (default: no limit): records that hold a
+    /// stored response or a live attempt; a failed one (a `5xx`, a refusal) does not count. A
+    /// request with a new key from a principal at the limit is answered `429 too-many-requests`
+    /// with `Retry-After` and stores nothing; a retry of a key it already holds (completed or in
+    /// flight) still replays or resumes; a request marked [`crate::PassesRecordLimit`] is never
+    /// refused. Needs a store that counts ([`Store::count_records`]); on one that does not,
+    /// nothing is limited.
     /// Each process counts through the store at most once a second per principal and adds the
     /// records it creates meanwhile, so several replicas may together overshoot the limit by the
     /// records they create within that second.

@@ -86,6 +86,7 @@ pub use metrics::{Outcome, RECORDS_SWEPT_TOTAL, REQUESTS_TOTAL, STORE_DURATION_S
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 #[cfg(feature = "reqwest")]
 pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};
+pub use quota::PassesRecordLimit;
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
 pub use sweeper::{spawn_sweeper, sweeper};

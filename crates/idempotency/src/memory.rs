@@ -171,7 +171,12 @@ impl Store for MemoryStore {
         let n: usize = self
             .shards
             .iter()
-            .map(|s| lock(s).values().filter(|r| r.scope.principal == *principal && !r.is_expired(now)).count())
+            .map(|s| {
+                lock(s)
+                    .values()
+                    .filter(|r| r.scope.principal == *principal && r.state != RecordState::Failed && !r.is_expired(now))
+                    .count()
+            })
             .sum();
         Ok(Some(n as u64))
     }

@@ -191,10 +191,12 @@ pub trait Store: Send + Sync + 'static {
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
 
-    /// How many records `principal` holds that have not expired at `now`, for a per-principal
-    /// limit (`max_records_per_principal` in the tower layer). `None`: this store does not count
-    /// (the default), and no such limit can be enforced on it. Stores answer from an index on
-    /// the principal, so a count costs one index range scan, not a table scan.
+    /// How many records `principal` holds that count against a per-principal limit
+    /// (`max_records_per_principal` in the tower layer): those that hold a stored response or a
+    /// live attempt, completed or in flight, and have not expired at `now`. A failed record
+    /// stored nothing and does not count; a removed or forgotten one is gone. `None`: this store
+    /// does not count (the default), and no such limit can be enforced on it. Stores answer from
+    /// an index on the principal, so a count costs one index range scan, not a table scan.
     async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         let _ = (principal, now);
         Ok(None)

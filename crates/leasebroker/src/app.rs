@@ -87,6 +87,10 @@ impl Application {
         let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
         let timeouts = Timeouts {
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            max_connections_per_source: match args.max_connections_per_source {
+                0 => usize::MAX,
+                n => usize::try_from(n).unwrap_or(usize::MAX),
+            },
             header: args.header_timeout,
             idle: args.idle_timeout,
             body: args.body_timeout,
@@ -223,6 +227,7 @@ impl Application {
             metrics,
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
+            shares: api::Shares::new(args.max_concurrent_per_principal, args.max_records_per_principal > 0),
             audit: crate::audit::Audit::new(db.clone()),
             probe,
             body_key_field: args
@@ -316,7 +321,8 @@ const SIM_SECRET_HEADER: &str = "x-leasebroker-sim-secret";
 /// random secret this process holds, so no other local process can list VMs or switch faults
 /// on. Returns its URL, the headers the client must send, and the task.
 ///
-/// Its port has the same connection limits and timeouts as the service's.
+/// Its port has the same connection limits and timeouts as the service's, but for the
+/// per-source cap: all its clients are this process.
 async fn spawn_private_simulator(
     sim: Simulator,
     timeouts: Timeouts,
@@ -336,6 +342,8 @@ async fn spawn_private_simulator(
     }));
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
     let url = format!("http://{}", listener.local_addr()?);
+    // Every connection that carries the secret is this process's own: one source, never capped.
+    let timeouts = Timeouts { max_connections_per_source: usize::MAX, ..timeouts };
     let task = tokio::spawn(async move {
         // The simulator has no idempotency layer: nothing is detached.
         serve::serve(listener, router, timeouts, None, std::future::pending()).await;

@@ -251,6 +251,19 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
 
+    /// The most connections served at once from one source address (an IPv4 address, or an
+    /// IPv6 /64); one accepted beyond it is closed at once, so one source's idle connections
+    /// never take every slot. Behind a proxy that sends every client from its own address, raise
+    /// it to --max-connections. 0: no per-source cap.
+    #[arg(long, env = "LEASEBROKER_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 256)]
+    pub max_connections_per_source: u32,
+
+    /// The most requests one principal may have in progress at once, those waiting under
+    /// `Prefer: wait` and those whose body is still arriving included (429 `too-many-requests`
+    /// + Retry-After beyond, nothing stored). 0: no limit.
+    #[arg(long, env = "LEASEBROKER_MAX_CONCURRENT_PER_PRINCIPAL", default_value_t = 64)]
+    pub max_concurrent_per_principal: u32,
+
     /// A request body must arrive whole within this, however slowly it drips (408
     /// `body-timeout` beyond, nothing stored).
     #[arg(long, env = "LEASEBROKER_BODY_TIMEOUT", default_value = "30s", value_parser = parse::positive_duration)]

@@ -34,6 +34,7 @@ pub mod limits;
 pub mod metric;
 pub mod openapi;
 pub mod outage;
+pub mod places;
 pub mod reaper;
 pub mod routes;
 pub mod serve;

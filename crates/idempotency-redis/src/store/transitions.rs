@@ -116,6 +116,7 @@ impl Store for RedisStore {
             }
             return Err(e);
         }
+        self.index_record(&record.scope, &eat_ms).await;
         Ok(Some(claim))
     }
 
@@ -123,11 +124,17 @@ impl Store for RedisStore {
         let expires_at = renewal.record_expires_at();
         let (at, eat, eat_ms) = (encode_ts(renewal.now), encode_ts(expires_at), expiry_millis(expires_at).to_string());
         self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()])
-            .await
+            .await?;
+        // The index follows the record's new expiry, so an attempt that outlives its claim-time
+        // expiry is still counted.
+        self.index_record(claim.scope(), &eat_ms).await;
+        Ok(())
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("remove", &self.scripts.remove, claim, &[]).await
+        self.fenced("remove", &self.scripts.remove, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
+        Ok(())
     }
 
     async fn complete(
@@ -138,12 +145,14 @@ impl Store for RedisStore {
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
         self.fenced("complete", &self.scripts.complete, claim, &args.args()).await?;
+        self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
         self.announce(claim).await;
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         self.fenced("fail", &self.scripts.fail, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
         self.announce(claim).await;
         Ok(())
     }
@@ -185,6 +194,8 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    /// Trims the principal's index of what expired, then counts what is left: the records
+    /// that were claimed, reclaimed or completed, less those that failed or are gone since.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,

@@ -385,21 +385,15 @@ impl Store for PartitionedPostgresStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
+    /// As [`crate::PostgresStore`] counts, on this layout's table.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM idempotency_records_by_day WHERE principal = $1 AND expires_at > $2",
-        )
-        .bind(stored_component(principal.as_str()))
-        .bind(now)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| self.space.db_error(e))?;
-        Ok(Some(u64::try_from(n).unwrap_or(0)))
+        const COUNT: &str = "SELECT count(*) FROM idempotency_records_by_day \
+                             WHERE principal = $1 AND expires_at > $2 AND state <> 'failed'";
+        crate::postgres::count_stored(&self.pool, &self.space, COUNT, principal, now).await
     }
 
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {

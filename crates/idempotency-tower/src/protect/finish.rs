@@ -100,8 +100,13 @@ pub(super) async fn complete(
 /// take it, the claim is queued for release as soon as the store answers again
 /// ([`Releases`]).
 pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
+    let sent = tokio::time::Instant::now();
     match bounded(cfg, "fail", cfg.store.fail(claim)).await {
         Ok(()) => {
+            // A failed record holds nothing that counts against the record limit.
+            if let Some(limit) = &cfg.record_limit {
+                limit.release(&claim.scope().principal, sent);
+            }
             // A waiter takes the record over and runs the handler itself.
             cfg.waiters.wake(claim.scope());
             tracing::info!(why, "attempt failed; a retry runs the handler again")

@@ -399,3 +399,44 @@ pub async fn counts_a_principals_live_records(fx: Fixture) {
     assert_eq!(count(fx.store.clone(), alice, t + Span::seconds(2)).await, Some(3), "the expired one is not counted");
     assert_eq!(count(fx.peer.clone(), bob, t).await, Some(1));
 }
+
+/// `count_records` counts what a principal stores: records completed or in flight. A failed one
+/// stored nothing and does not count, nor does a removed or a forgotten one; a failed record
+/// taken over counts again while its new attempt lives. Both handles count the same.
+pub async fn counts_only_what_a_principal_stores(fx: Fixture) {
+    let t = now();
+    let alice = unique("alice");
+    let count = |store: Arc<dyn Store>| {
+        let principal = Principal::new(alice.clone());
+        async move { store.count_records(&principal, t).await.expect("count") }
+    };
+    let Some(none) = count(fx.store.clone()).await else { return };
+    assert_eq!(none, 0);
+    let claim = |key: &str| owned(&*fx.store, request(&scope_with(&alice, "/v1/workers", key), &fp("a"), t));
+    let in_flight = claim("in-flight").await;
+    let completed = claim("completed").await;
+    fx.store.complete(&completed, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    let failed = claim("failed").await;
+    fx.store.fail(&failed).await.expect("fail");
+    assert_eq!(count(fx.store.clone()).await, Some(2), "a failed record stored nothing");
+    assert_eq!(count(fx.peer.clone()).await, Some(2), "the other handle counts the same");
+
+    // A failed record taken over counts again; failed again, it stops.
+    let found = existing(&*fx.peer, request(failed.scope(), &fp("a"), t)).await;
+    let reclaim = ReclaimRequest { record: &found, now: t, in_flight_ttl: TTL, expires_at: t + Span::hours(1) };
+    let again = fx.peer.reclaim(reclaim).await.expect("reclaim").expect("a failed record is reclaimed");
+    assert_eq!(count(fx.store.clone()).await, Some(3), "a live attempt counts");
+    fx.peer.fail(&again).await.expect("fail");
+    assert_eq!(count(fx.store.clone()).await, Some(2));
+
+    // An attempt that fails, a removed record and a forgotten one count no more.
+    fx.store.fail(&in_flight).await.expect("fail");
+    let removed = claim("removed").await;
+    assert_eq!(count(fx.peer.clone()).await, Some(2));
+    fx.store.remove(&removed).await.expect("remove");
+    assert_eq!(count(fx.peer.clone()).await, Some(1));
+    let forgotten = fx.peer.forget(&completed.record().record_id).await.expect("forget");
+    assert!(matches!(forgotten, crate::Forget::Forgotten(_)), "{forgotten:?}");
+    assert_eq!(count(fx.store.clone()).await, Some(0));
+    assert_eq!(count(fx.peer.clone()).await, Some(0));
+}

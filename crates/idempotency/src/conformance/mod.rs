@@ -220,6 +220,7 @@ macro_rules! store_conformance_suite {
                 a_heartbeat_renews_the_expiry_of_an_in_flight_record,
                 a_reclaim_keeps_the_record_for_at_least_the_ttl,
                 a_live_claim_is_never_replaced_past_its_expiry,
+                counts_only_what_a_principal_stores,
                 $($expiry,)*
             );
         }
