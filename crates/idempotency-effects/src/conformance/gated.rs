@@ -119,9 +119,9 @@ impl Ledger for Gated {
     async fn record(&self, op_id: &str, intent_id: &str, id: &str, state: IntentState) -> Result<String, LedgerError> {
         self.inner.record(op_id, intent_id, id, state).await
     }
-    async fn release(&self, intent_id: &str) -> Result<bool, LedgerError> {
+    async fn release(&self, intent_id: &str, sent_at: i64) -> Result<bool, LedgerError> {
         self.at(Step::Release).await;
-        self.inner.release(intent_id).await
+        self.inner.release(intent_id, sent_at).await
     }
     async fn finish(&self, op_id: &str, now: i64) -> Result<(), LedgerError> {
         self.inner.finish(op_id, now).await
