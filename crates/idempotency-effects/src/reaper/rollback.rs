@@ -26,7 +26,7 @@ impl Reaper {
         if let Some(until) = self.settling_until(&op.op_id).await? {
             return Ok(Step::Waiting(until));
         }
-        let claim = match &record {
+        let mut claim = match &record {
             // A completed record keeps its answer; the rollback goes on without it.
             Some(r) if r.state != RecordState::Completed => match self.reclaim(r).await? {
                 Some(claim) => Some(claim),
@@ -35,19 +35,19 @@ impl Reaper {
             },
             _ => None,
         };
-        let rolled = self.roll_back_holding(op, scope, claim.as_ref()).await;
-        if !matches!(rolled, Ok(Step::RolledBack(_) | Step::Over)) {
-            self.give_back(claim.as_ref()).await;
-        }
+        let rolled = self.roll_back_holding(op, scope, &mut claim).await;
+        // Stopped short of removing the record: a retry may take it at once.
+        self.give_back(claim.as_ref()).await;
         rolled
     }
 
-    /// [`Reaper::roll_back`] once the reaper holds the record's `claim` (if it has a record).
+    /// [`Reaper::roll_back`] once the reaper holds the record's `claim` (if it has a record),
+    /// which it takes when it removes the record.
     async fn roll_back_holding(
         &self,
         op: &OperationRow,
         scope: &Scope,
-        claim: Option<&Claim>,
+        claim: &mut Option<Claim>,
     ) -> Result<Step, BoxError> {
         if op.mark == Mark::Live && !self.ledger.take_for_rollback(&op.op_id, op.last_attempt_at).await? {
             // An attempt ran a step since the row was read: not abandoned after all.
@@ -61,8 +61,9 @@ impl Reaper {
         let undone = self.undo_effects(op, scope).await?;
         // The record first: from here a retry runs as a new operation, with new sub-keys, so
         // nothing can resume this one while the service releases what it held.
-        if let Some(claim) = claim {
-            self.store.remove(claim).await?;
+        if let Some(held) = claim.as_ref() {
+            self.store.remove(held).await?;
+            *claim = None;
         }
         self.service.release(op).await?;
         if !self.ledger.rolled_back(&op.op_id, now_micros()).await? {
