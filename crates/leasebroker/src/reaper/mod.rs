@@ -4,7 +4,7 @@
 //!
 //! It is the effect library's reaper ([`idempotency_effects::Reaper`]: the operations, their
 //! intents and their marks are the effect ledger's, on the same database), told by
-//! [`Operations`] what each of leasebroker's operations is: every attempt of a create, a reboot,
+//! `Operations` (`operations.rs`) what each of leasebroker's operations is: every attempt of a create, a reboot,
 //! a delete or a flash writes the operation's row there (its record's scope and id, and when the
 //! attempt started). On each tick, after an inventory sweep that deletes VMs with the service's
 //! tag nobody owns, the library's reaper reads the record of every operation that is due (its
@@ -79,7 +79,7 @@ pub struct ReapReport {
     pub orphans_removed: u64,
 }
 
-/// The reaper: the library's, with leasebroker's [`Operations`], and the inventory sweep.
+/// The reaper: the library's, with leasebroker's `Operations` (`operations.rs`), and the inventory sweep.
 #[derive(Clone)]
 pub struct Reaper {
     /// The library's reaper.
