@@ -387,7 +387,7 @@ impl Drop for Sushy {
 /// compare-and-set on PostgreSQL).
 #[tokio::test]
 async fn two_replicas_on_postgres_flash_through_redfish_once_each() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = redfish_sim(&["--flash-ms", "1500"]);
     let a = broker(pg.url(), &hv, &[]);
     let b = broker(pg.url(), &hv, &[]);
