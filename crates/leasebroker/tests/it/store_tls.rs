@@ -90,7 +90,7 @@ async fn records_go_to_redis_over_tls_with_a_private_ca_and_an_untrusted_one_is_
 
     // Without the CA the server's certificate is not trusted: refused at start, in one line.
     let db2 = format!("sqlite://{}", dir.path().join("lb2.db").display());
-    let err = serve(&db2, &["--record-store", &store]).err().expect("started with an untrusted certificate");
+    let err = serve(&db2, &["--record-store", &store]).expect_err("started with an untrusted certificate");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("record store"), "{err}");
 }
@@ -138,8 +138,7 @@ async fn postgres_over_tls_require_and_prefer_use_tls_and_verify_full_checks_the
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, _, _) = generate_ca_and_server_cert(dir.path(), "not-the-pg-ca");
     let err = serve(&with(&format!("sslmode=verify-full&sslrootcert={}", ca.display())), &[])
-        .err()
-        .expect("verify-full accepted a certificate its CA did not issue");
+        .expect_err("verify-full accepted a certificate its CA did not issue");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("PostgreSQL"), "{err}");
 }
@@ -176,7 +175,7 @@ async fn postgres_verify_full_with_a_private_ca_connects_and_a_wrong_ca_is_refus
     drop(lb);
 
     let (wrong, _, _) = generate_ca_and_server_cert(dir.path(), "not-the-pg-ca");
-    let err = serve(&url(&wrong), &[]).err().expect("verify-full accepted a certificate its CA did not issue");
+    let err = serve(&url(&wrong), &[]).expect_err("verify-full accepted a certificate its CA did not issue");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("PostgreSQL"), "{err}");
 }
