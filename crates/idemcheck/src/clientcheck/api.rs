@@ -130,11 +130,8 @@ impl Api {
             transcript: Transcript::default(),
             done: HashMap::new(),
         };
-        let api = Api {
-            stage: Arc::new(Mutex::new(stage)),
-            arrived: Arc::new(watch::channel(0).0),
-            route: Arc::new(route),
-        };
+        let api =
+            Api { stage: Arc::new(Mutex::new(stage)), arrived: Arc::new(watch::channel(0).0), route: Arc::new(route) };
         tokio::spawn(serve(listener, api.clone()));
         Ok((api, url))
     }

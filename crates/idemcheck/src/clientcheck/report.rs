@@ -100,7 +100,14 @@ impl Report {
             md.push_str("| Run | At (s) | Idempotency-Key | Answer |\n|---|---|---|---|\n");
             for a in &o.arrivals {
                 let key = a.key.as_deref().map_or("(none)".to_owned(), |k| format!("`{k}`"));
-                let _ = writeln!(md, "| {} | {:.3} | {} | {} |", a.run + 1, a.at.as_secs_f64(), cell(&key), cell(&a.answer));
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.3} | {} | {} |",
+                    a.run + 1,
+                    a.at.as_secs_f64(),
+                    cell(&key),
+                    cell(&a.answer)
+                );
             }
             for (i, run) in o.runs.iter().enumerate() {
                 let _ = writeln!(

@@ -126,9 +126,7 @@ impl Scenario {
     pub(crate) fn script(self) -> Script {
         let (first, then) = match self {
             Scenario::LostAnswer => (vec![Answer::Lost], Answer::Created),
-            Scenario::RetryAfter503 => {
-                (vec![problem(503, "upstream-unavailable", Some(RETRY_AFTER))], Answer::Created)
-            }
+            Scenario::RetryAfter503 => (vec![problem(503, "upstream-unavailable", Some(RETRY_AFTER))], Answer::Created),
             Scenario::RetryAfter429 => (vec![problem(429, "too-many-requests", Some(RETRY_AFTER))], Answer::Created),
             Scenario::InProgress409 => (vec![problem(409, "request-in-progress", Some(1))], Answer::Created),
             Scenario::Mismatch409 => (vec![], problem(409, "idempotency-key-reused", None)),
@@ -145,7 +143,10 @@ impl Scenario {
     /// The verdict.
     pub(crate) fn judge(self, e: &Evidence) -> Verdict {
         if let Some(a) = e.transcript.arrivals.iter().find(|a| a.answer.starts_with("404")) {
-            return Err(format!("a request went to {} {} (answered 404): is the command's route right?", a.method, a.path));
+            return Err(format!(
+                "a request went to {} {} (answered 404): is the command's route right?",
+                a.method, a.path
+            ));
         }
         match self {
             Scenario::LostAnswer => retried(e, "lost answer", None),
@@ -171,6 +172,18 @@ fn short(key: &str) -> String {
     }
 }
 
+fn times(n: usize) -> String {
+    match n {
+        1 => "once".to_owned(),
+        2 => "twice".to_owned(),
+        n => format!("{n} times"),
+    }
+}
+
+fn attempts(n: usize) -> String {
+    if n == 1 { "1 attempt".to_owned() } else { format!("{n} attempts") }
+}
+
 /// The one key all `arrivals` carry, or which attempt broke the rule.
 fn one_key(arrivals: &[Arrival]) -> Result<&str, String> {
     let first = arrivals.first().ok_or("no request arrived")?;
@@ -179,7 +192,7 @@ fn one_key(arrivals: &[Arrival]) -> Result<&str, String> {
         match a.key.as_deref() {
             None => return Err(format!("attempt {} carried no Idempotency-Key", i + 1)),
             Some(k) if k != key => {
-                return Err(format!("attempt {} carried a new key ({} after {})", i + 1, short(k), short(key)));
+                return Err(format!("attempt {} carried a new key ({k} after {key})", i + 1));
             }
             Some(_) => {}
         }
@@ -222,7 +235,7 @@ fn retried(e: &Evidence, what: &str, wait: Option<u64>) -> Verdict {
     let arrivals = &e.transcript.arrivals;
     let run = &e.runs[0];
     let [first, second, ..] = arrivals.as_slice() else {
-        return Err(format!("no retry after the {what}: {} attempt(s), {}", arrivals.len(), ended(run)));
+        return Err(format!("no retry after the {what}: {}, {}", attempts(arrivals.len()), ended(run)));
     };
     let key = one_key(arrivals)?;
     let gap = second.at.saturating_sub(first.answered_at.unwrap_or(first.at));
@@ -233,11 +246,11 @@ fn retried(e: &Evidence, what: &str, wait: Option<u64>) -> Verdict {
     }
     succeeded(run)?;
     Ok(format!(
-        "retried {:.2} s after the {what} under the same key ({}), {} attempts, the work ran {} time(s), exit 0",
+        "retried {:.2} s after the {what} under the same key ({}), {} attempts, the work ran {}, exit 0",
         gap.as_secs_f64(),
         short(key),
         arrivals.len(),
-        e.transcript.executions
+        times(e.transcript.executions)
     ))
 }
 
@@ -302,7 +315,7 @@ fn new_key(e: &Evidence) -> Verdict {
         keys.push(key.to_owned());
     }
     match keys.as_slice() {
-        [a, b] if a == b => Err(format!("two operations sent one key ({}): the second gets the first's result", short(a))),
+        [a, b] if a == b => Err(format!("two operations sent one key ({a}): the second gets the first's result")),
         [a, b] => Ok(format!("two operations, two keys ({} and {})", short(a), short(b))),
         _ => Err("expected two runs".to_owned()),
     }
@@ -314,7 +327,10 @@ fn same_key_after_kill(e: &Evidence) -> Verdict {
     let arrivals = &e.transcript.arrivals;
     let [first_run, rerun] = e.runs.as_slice() else { return Err("expected two runs".to_owned()) };
     if first_run.exit != Exit::Killed {
-        return Err(format!("the first run did not retry the lost answer, so it was not killed mid-retry ({})", ended(first_run)));
+        return Err(format!(
+            "the first run did not retry the lost answer, so it was not killed mid-retry ({})",
+            ended(first_run)
+        ));
     }
     let Some(rerun_first) = arrivals.iter().position(|a| a.run == 1) else {
         return Err(format!("the rerun sent nothing ({})", ended(rerun)));
@@ -324,10 +340,8 @@ fn same_key_after_kill(e: &Evidence) -> Verdict {
         Some(k) if k == key => {}
         Some(k) => {
             return Err(format!(
-                "the rerun after the kill carried a new key ({} after {}): the work ran {} times",
-                short(k),
-                short(key),
-                e.transcript.executions
+                "the rerun after the kill carried a new key ({k} after {key}): the work ran {}",
+                times(e.transcript.executions)
             ));
         }
         None => return Err("the rerun carried no Idempotency-Key".to_owned()),
@@ -335,8 +349,8 @@ fn same_key_after_kill(e: &Evidence) -> Verdict {
     one_key(arrivals)?;
     succeeded(rerun)?;
     Ok(format!(
-        "killed mid-retry after {rerun_first} attempts; the rerun carried the same key ({}), the work ran {} time(s), exit 0",
+        "killed mid-retry after {rerun_first} attempts; the rerun carried the same key ({}), the work ran {}, exit 0",
         short(key),
-        e.transcript.executions
+        times(e.transcript.executions)
     ))
 }
