@@ -7,26 +7,13 @@
 
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
-import { existsSync } from "node:fs";
-import { dirname, join, resolve } from "node:path";
+import { join } from "node:path";
 import { test } from "node:test";
-import { fileURLToPath } from "node:url";
 
-// build/test/idemcheck.test.js -> the workspace root
-const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
+import { binary, REPO } from "./leasebroker.js";
+
 const ADAPTER = join(REPO, "conformance", "clients", "typescript", "adapter.mjs");
-
-function idemcheck(): { path: string } | { missing: string } {
-  const target = process.env["CARGO_TARGET_DIR"] ?? join(REPO, "target");
-  const path = process.env["IDEMCHECK_BIN"] ?? join(target, "debug", "idemcheck");
-  if (existsSync(path)) return { path };
-  const missing = `idemcheck binary not found at ${path} (build it: cargo build -p idemcheck)`;
-  if (process.env["CI"] === "true") throw new Error(missing);
-  console.error(`SKIPPED: ${missing}`);
-  return { missing };
-}
-
-const bin = idemcheck();
+const bin = binary("idemcheck", "IDEMCHECK_BIN");
 
 test("idemcheck client passes every scenario", "missing" in bin ? { skip: bin.missing } : {}, () => {
   if (!("path" in bin)) return;
