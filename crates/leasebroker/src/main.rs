@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use leasebroker::app::{Application, shutdown_signal};
-use leasebroker::config::{BmcApi, Cli, Command, LogFormat};
+use leasebroker::config::{BmcApi, Cli, Command, ConfigError, LogFormat};
 use leasebroker::db::Db;
 use leasebroker::hypervisor::sim::{self, RedfishOptions, SimConfig, Simulator};
 use leasebroker::telemetry;
@@ -23,10 +23,7 @@ async fn main() -> std::process::ExitCode {
     };
     let provider = match provider.transpose() {
         Ok(p) => p,
-        Err(e) => {
-            eprintln!("leasebroker: {e:#}");
-            return std::process::ExitCode::FAILURE;
-        }
+        Err(e) => return refused(&e),
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
@@ -45,10 +42,19 @@ async fn main() -> std::process::ExitCode {
     }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("leasebroker: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
+        Err(e) => refused(&e),
+    }
+}
+
+/// Says why the command failed, in one line, and picks the exit status: 2 for a configuration
+/// whose settings contradict each other ([`ConfigError`], like clap's usage errors), 1 otherwise
+/// (a database, a file or a port that could not be used).
+fn refused(e: &anyhow::Error) -> std::process::ExitCode {
+    eprintln!("leasebroker: {e:#}");
+    if e.chain().any(|cause| cause.is::<ConfigError>()) {
+        std::process::ExitCode::from(2)
+    } else {
+        std::process::ExitCode::FAILURE
     }
 }
 

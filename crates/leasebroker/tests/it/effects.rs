@@ -670,7 +670,14 @@ mod racing_attempts {
             IdempotencyKey::try_from("racing-1").expect("key"),
         );
         RequestRecord::new(
-            ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record(),
+            ClaimRequest {
+                scope,
+                fingerprint: Fingerprint::from_stored("sha256:"),
+                now,
+                in_flight_ttl: Duration::ZERO,
+                expires_at: now,
+            }
+            .new_record(),
         )
     }
 
@@ -732,6 +739,7 @@ mod racing_attempts {
                 scope,
                 fingerprint: Fingerprint::from_stored("sha256:"),
                 now,
+                in_flight_ttl: Duration::from_secs(1),
                 expires_at: now + chrono::Duration::hours(1),
             })
             .await
@@ -875,6 +883,7 @@ mod racing_attempts {
             scope,
             fingerprint: Fingerprint::from_stored("sha256:"),
             now,
+            in_flight_ttl: Duration::from_secs(1),
             expires_at: now + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
@@ -988,6 +997,7 @@ mod racing_attempts {
             scope,
             fingerprint: Fingerprint::from_stored("sha256:"),
             now,
+            in_flight_ttl: Duration::from_secs(1),
             expires_at: now + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
