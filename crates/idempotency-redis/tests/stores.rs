@@ -173,6 +173,10 @@ use common::{request, response, scope};
 
 #[path = "stores/failover.rs"]
 mod failover;
+#[path = "stores/partial.rs"]
+mod partial;
+#[path = "stores/wait.rs"]
+mod wait;
 
 fn cached_scripts(con: &mut ::redis::Connection) -> u64 {
     let info: String = ::redis::cmd("INFO").arg("memory").query(con).expect("info");
