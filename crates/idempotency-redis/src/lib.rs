@@ -194,6 +194,7 @@ mod cluster;
 mod codec;
 mod conn;
 mod options;
+mod policy;
 mod scripts;
 mod store;
 #[cfg(feature = "testing")]

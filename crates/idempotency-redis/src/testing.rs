@@ -118,6 +118,26 @@ impl Node {
         })
     }
 
+    /// On a replica: stops applying its primary's stream, and so acknowledging writes, for
+    /// `span` (`CLIENT PAUSE <ms> WRITE`), while it answers every command that does not write at
+    /// once: a replica that lags, where [`Node::pause`] is one that answers nothing.
+    /// [`Node::unpause_writes`] ends it early.
+    ///
+    /// # Panics
+    /// When the node refuses it.
+    pub fn pause_writes(&self, span: Duration) {
+        let ms = u64::try_from(span.as_millis()).unwrap_or(u64::MAX);
+        ::redis::cmd("CLIENT").arg("PAUSE").arg(ms).arg("WRITE").exec(&mut self.connection()).expect("client pause");
+    }
+
+    /// Ends [`Node::pause_writes`].
+    ///
+    /// # Panics
+    /// When the node refuses it.
+    pub fn unpause_writes(&self) {
+        ::redis::cmd("CLIENT").arg("UNPAUSE").exec(&mut self.connection()).expect("client unpause");
+    }
+
     /// `INFO replication` of the node, or an empty string when it does not answer.
     pub fn replication_info(&self) -> String {
         let con =

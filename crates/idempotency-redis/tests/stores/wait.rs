@@ -24,7 +24,8 @@ async fn cluster_with_replicas() -> Option<Cluster> {
     Some(tokio::task::spawn_blocking(|| Cluster::start_with_replicas(1)).await.expect("cluster"))
 }
 
-/// The replica of the proxied primary is paused: a `WAIT` for it can only time out with 0. The
+/// The replica of the proxied primary stops applying its stream (`CLIENT PAUSE WRITE`, a replica
+/// that lags): a `WAIT` for a write it lacks can only time out with 0. The
 /// connection is cut right after the claim script's reply. Before the fix the `WAIT` was a
 /// request of its own, which the cluster client sent again over a new connection that had
 /// written nothing, and Redis answered it at once with 1: a claim acknowledged that no replica
@@ -39,7 +40,7 @@ async fn a_connection_cut_after_the_claim_script_acknowledges_nothing() {
     let warm = tokio::task::block_in_place(|| key_on(&cluster, &store, proxy.port));
     assert!(matches!(store.claim(request(&warm)).await, Ok(ClaimOutcome::Owned(_))));
 
-    cluster.replicas[0].pause();
+    cluster.replicas[0].pause_writes(Duration::from_secs(60));
     proxy.arm(Cut::AfterScriptReply);
     let claimed = store.claim(request(&s)).await;
     assert_eq!(proxy.cuts(), 1, "the connection was cut at the claim");
@@ -47,7 +48,7 @@ async fn a_connection_cut_after_the_claim_script_acknowledges_nothing() {
         matches!(claimed, Err(StoreError::Unavailable(_))),
         "a claim no replica has was answered {claimed:?}: its WAIT counted a connection that wrote nothing"
     );
-    cluster.replicas[0].resume();
+    cluster.replicas[0].unpause_writes();
     wait_for_link(&cluster.replicas[0]);
     assert!(store.get(&s).await.expect("get").is_none(), "an unacknowledged claim must not hold its key");
     assert!(matches!(store.claim(request(&s)).await, Ok(ClaimOutcome::Owned(_))), "the retry owns the key");
@@ -57,7 +58,7 @@ async fn a_connection_cut_after_the_claim_script_acknowledges_nothing() {
 /// client sends it again, and the second run finds the record completed already. That is the
 /// caller's own completion, not a newer attempt's: before the fix it was `Fenced`, answered
 /// without any `WAIT` (the layer then answers the response as final). Now it is acknowledged
-/// once the replica has it, and not acknowledged while the replica is paused.
+/// once the replica has it, and not acknowledged while the replica lags.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_sent_again_after_its_reply_was_lost_is_the_callers_own() {
     let Some(cluster) = cluster_with_replicas().await else { return };
@@ -80,13 +81,13 @@ async fn a_completion_sent_again_after_its_reply_was_lost_is_the_callers_own() {
     let stored = store.get(&a).await.expect("get").expect("record");
     assert_eq!(stored.response, Some(response()));
 
-    // The same while the replica is paused: the completion sent again waits for it, in vain.
-    cluster.replicas[0].pause();
+    // The same while the replica lags: the completion sent again waits for it, in vain.
+    cluster.replicas[0].pause_writes(Duration::from_secs(60));
     proxy.arm(Cut::InsteadOfScriptReply);
     let completed = store.complete(&cb, &response(), request(&b).expires_at).await;
     assert_eq!(proxy.cuts(), 2, "the second completion's reply was cut");
     assert!(not_acknowledged(&completed), "a completion no replica has was answered {completed:?}");
-    cluster.replicas[0].resume();
+    cluster.replicas[0].unpause_writes();
 }
 
 /// A store connected to a server with `noeviction`; the policy changes to `allkeys-lru` and the
