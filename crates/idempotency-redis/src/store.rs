@@ -199,7 +199,7 @@ impl RedisStore {
         let ack = match self.run(lua, &key, &args, wait).await? {
             Sent { reply: Value::Int(1), ack } => ack,
             Sent { reply: Value::Int(0), ack } => match leaves {
-                Some(leaves) => match self.again(&key, r, leaves, ack).await? {
+                Some(leaves) => match self.again(&key, r, leaves, ack.filter(|_| wait)).await? {
                     Some(ack) => ack,
                     None => return Err(StoreError::Fenced { generation: r.generation }),
                 },
@@ -211,11 +211,12 @@ impl RedisStore {
     }
 
     /// For a write whose script ran again and found the record at `key` as this call's first run
-    /// left it (`record`, as `leaves` says), and so wrote nothing: the reply of a `WAIT` that counts
-    /// the replicas that have it. That is `ack`, the pipeline's own, when it found too few
-    /// replicas (a `WAIT` over a connection that wrote nothing counts at least as many as one
-    /// that did) or the store waits for none; otherwise that of a `WAIT` after a write of the
-    /// record ([`Self::touch`]). `None` when the record is not as this call left it.
+    /// left it (`record`, as `leaves` says), and so wrote nothing: the reply of a `WAIT` that
+    /// counts the replicas that have it. That is `ack`, the reply of the `WAIT` sent with the
+    /// script (`None`: none was), when it found too few replicas (a `WAIT` over a connection
+    /// that wrote nothing counts at least as many as one that did) or none was sent; otherwise
+    /// that of a `WAIT` after a write of the record ([`Self::touch`]). `None` when the record is
+    /// not as this call left it.
     async fn again(
         &self,
         key: &str,
@@ -223,7 +224,7 @@ impl RedisStore {
         leaves: Leaves<'_>,
         ack: Option<Value>,
     ) -> Result<Option<Option<Value>>, StoreError> {
-        let settled = self.ack.is_none() || self.too_few(ack.as_ref());
+        let settled = ack.is_none() || self.too_few(ack.as_ref());
         Ok(self.touch(key, record, leaves, !settled).await?.map(|again| if settled { ack } else { again }))
     }
 

@@ -19,7 +19,7 @@ use crate::codec::expiry_millis;
 /// (the write goes on after it): long enough that a count right after a claim sees it.
 const INDEX_WAIT: Duration = Duration::from_millis(500);
 /// How long a count waits for the index's primary.
-pub(super) const COUNT_TIMEOUT: Duration = Duration::from_secs(1);
+const COUNT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The sorted set that indexes a principal's records for
 /// [`Store::count_records`](idempotency::Store::count_records): each member a record's key,

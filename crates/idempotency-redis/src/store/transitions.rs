@@ -12,8 +12,6 @@ use redis::Value;
 
 use super::args::{ClaimArgs, CompleteArgs, stale_cutoff};
 use super::errors::{ChangedBeforeWait, OOM_REMEMBERED, OutOfMemory};
-#[cfg(doc)]
-use super::index::COUNT_TIMEOUT;
 use super::{Leaves, RedisStore, redis_error};
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields};
 
@@ -219,7 +217,7 @@ impl Store for RedisStore {
     }
 
     /// Whether the store answers: every primary is asked at once (`PING`, then `INFO memory`
-    /// where allowed), each within [`PING_EACH`]. Ready while at least one primary answers and
+    /// where allowed), each within a second. Ready while at least one primary answers and
     /// takes writes (not over its `maxmemory`), and no write was refused with `OOM` since the
     /// last claim that succeeded (within [`OOM_REMEMBERED`]); a full server still answers reads,
     /// but is not ready for requests that create records.
@@ -258,7 +256,7 @@ impl Store for RedisStore {
     }
 
     /// From the principal's index (see `index_record`), on the index's primary. `None` when that
-    /// primary does not answer within [`COUNT_TIMEOUT`]: the index is on one shard and the
+    /// primary does not answer within a second: the index is on one shard and the
     /// principal's keys on all of them, so the record limit is not enforced for the call rather
     /// than every key of the principal refused for one shard's outage.
     async fn count_records(
