@@ -166,23 +166,12 @@ impl RedisStore {
         Ok(Sent { reply: reply.map_err(redis_error)?, ack: wait.and_then(|_| replies.next()) })
     }
 
-    /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`, then waits
-    /// for the replicas when told to ([`RedisStoreOptions::replicas`]). `leaves`: how the script
+    /// Runs a fenced script (`complete`, `fail`, `heartbeat`, `remove`) for `claim`, then, when
+    /// `wait`, waits for the replicas ([`RedisStoreOptions::replicas`]). `leaves`: how the script
     /// leaves the record, by which a run sent again after its reply was lost (the cluster client
     /// does that after an I/O error; the layer retries a completion) is known for this claim's
     /// own, not a newer attempt's or another call's.
     async fn fenced(
-        &self,
-        what: &'static str,
-        lua: &Lua,
-        claim: &Claim,
-        extra: &[&[u8]],
-        leaves: Option<Leaves<'_>>,
-    ) -> Result<(), StoreError> {
-        self.fenced_then(what, lua, claim, extra, leaves, true).await
-    }
-
-    async fn fenced_then(
         &self,
         what: &'static str,
         lua: &Lua,

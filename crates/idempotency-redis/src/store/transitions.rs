@@ -89,7 +89,7 @@ impl RedisStore {
                 Undo::Remove => ("remove", &store.scripts.remove),
                 Undo::Fail => ("fail", &store.scripts.fail),
             };
-            match store.fenced_then(what, lua, &claim, &[], None, false).await {
+            match store.fenced(what, lua, &claim, &[], None, false).await {
                 Ok(()) => tracing::info!(?how, "a claim that was not taken is taken back"),
                 Err(StoreError::Fenced { .. }) => {}
                 Err(e) => tracing::warn!(error = %idempotency::ErrorChain(&e), ?how,
@@ -169,11 +169,11 @@ impl Store for RedisStore {
     }
 
     async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()], None).await
+        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()], None, true).await
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("remove", &self.scripts.remove, claim, &[], None).await
+        self.fenced("remove", &self.scripts.remove, claim, &[], None, true).await
     }
 
     /// A completion whose script ran twice for this call (its reply was lost and it was sent
@@ -191,14 +191,14 @@ impl Store for RedisStore {
         let [status, headers, body, encoding, ..] = args;
         let fields = [("rs", status), ("rh", headers), ("rb", body), ("re", encoding)];
         let completed = Leaves { state: RecordState::Completed, fields: &fields };
-        self.fenced("complete", &self.scripts.complete, claim, &args, Some(completed)).await?;
+        self.fenced("complete", &self.scripts.complete, claim, &args, Some(completed), true).await?;
         self.announce(claim);
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         let failed = Leaves { state: RecordState::Failed, fields: &[] };
-        self.fenced("fail", &self.scripts.fail, claim, &[], Some(failed)).await?;
+        self.fenced("fail", &self.scripts.fail, claim, &[], Some(failed), true).await?;
         self.announce(claim);
         Ok(())
     }
