@@ -237,7 +237,8 @@ const READYZ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 #[error("the store did not answer within {READYZ_TIMEOUT:?}")]
 struct PingTimedOut;
 
-/// The store answers.
+/// The store answers: for a Redis Cluster record store, at least one primary answers and takes
+/// writes (the others' keys get `503` per request; see the idempotency-redis crate docs).
 #[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
     // Bounded: a store that does not answer at all is not ready either (SPEC 3.1, within 5 s).
