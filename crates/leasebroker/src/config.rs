@@ -383,6 +383,14 @@ pub struct SimArgs {
     /// Redfish: answer a `SimpleUpdate` with `204` and the task's `Location`, no body.
     #[arg(long, env = "LEASEBROKER_REDFISH_TERSE")]
     pub redfish_terse: bool,
+    /// Redfish: serve no task list (`TaskService/Tasks` answers 404; each task and monitor is
+    /// still served), as sushy-tools.
+    #[arg(long, env = "LEASEBROKER_REDFISH_NO_TASK_LIST")]
+    pub redfish_no_task_list: bool,
+    /// Redfish: serve no firmware inventory (`UpdateService/FirmwareInventory` answers 404), as
+    /// sushy-tools.
+    #[arg(long, env = "LEASEBROKER_REDFISH_NO_INVENTORY")]
+    pub redfish_no_inventory: bool,
 }
 
 /// `serve --key-sources`: a source of the request's key besides `Idempotency-Key`.
