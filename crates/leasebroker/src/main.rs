@@ -16,6 +16,13 @@ use tracing_subscriber::{EnvFilter, Layer, Registry};
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // Flags that contradict each other are a usage error, reported (one line) and ended (exit 2)
+    // the way clap ends its own, before anything starts.
+    if let Command::Serve(args) = &cli.command
+        && let Err(message) = args.validate()
+    {
+        clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{message}\n")).exit();
+    }
     // Traces (serve --otlp-endpoint): made before the subscriber, inside the runtime.
     let provider = match &cli.command {
         Command::Serve(args) => args.otlp_endpoint.as_deref().map(|e| telemetry::provider(e, args.otlp_protocol)),

@@ -178,7 +178,7 @@ async fn a_late_landing_past_a_short_settle_window_is_destroyed() {
             "--hypervisor-url",
             &hv.url,
             "--hypervisor-timeout",
-            "1s",
+            "900ms",
             "--hypervisor-settle",
             "1s",
             "--sweep-interval",
@@ -259,7 +259,7 @@ fn reaping_server(dir: &tempfile::TempDir, hv: &crate::support::Proc) -> crate::
         "--hypervisor-url",
         hv.url.as_str(),
         "--hypervisor-timeout",
-        "1s",
+        "900ms",
         "--hypervisor-settle",
         "1s",
         "--abandon-after",
@@ -364,7 +364,7 @@ async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
     let db = sqlite_url(&dir);
     let lb = serve(
         &db,
-        &["--hypervisor-timeout", "1s", "--hypervisor-settle", "1s", "--abandon-after", "1s", "--sweep-interval", "1s"],
+        &["--hypervisor-timeout", "900ms", "--hypervisor-settle", "1s", "--abandon-after", "1s", "--sweep-interval", "1s"],
     );
     let done = create(&lb.url, TOKEN, "kept", &worker_body()).await;
     assert_eq!(done.status, StatusCode::CREATED);
@@ -534,7 +534,7 @@ async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
         "--hypervisor-url",
         hv.url.as_str(),
         "--hypervisor-timeout",
-        "1s",
+        "900ms",
         "--hypervisor-settle",
         "1s",
         "--abandon-after",
