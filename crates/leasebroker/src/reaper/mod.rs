@@ -45,6 +45,7 @@ mod inventory;
 mod tick;
 
 pub use tick::SweepAndReap;
+pub(crate) use tick::scope_of;
 
 /// How long an in-flight record's attempt may go unrenewed before it counts as stuck (the
 /// console's and `lbctl records list --stuck`'s ten minutes).

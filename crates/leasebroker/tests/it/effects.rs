@@ -364,7 +364,16 @@ async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
     let db = sqlite_url(&dir);
     let lb = serve(
         &db,
-        &["--hypervisor-timeout", "900ms", "--hypervisor-settle", "1s", "--abandon-after", "1s", "--sweep-interval", "1s"],
+        &[
+            "--hypervisor-timeout",
+            "900ms",
+            "--hypervisor-settle",
+            "1s",
+            "--abandon-after",
+            "1s",
+            "--sweep-interval",
+            "1s",
+        ],
     );
     let done = create(&lb.url, TOKEN, "kept", &worker_body()).await;
     assert_eq!(done.status, StatusCode::CREATED);
@@ -1060,13 +1069,139 @@ mod racing_attempts {
         assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
     }
 
+    /// A firmware service on the rig's database whose flashes go to a Redfish BMC like
+    /// sushy-tools' (no task list, no payload, no inventory: a flash whose answer is unknown
+    /// cannot be read), served in process, with `hook` at its named steps.
+    async fn redfish_firmware(rig: &Rig, hook: Hook) -> (leasebroker::firmware::Firmware, Simulator) {
+        use leasebroker::hypervisor::{RedfishBmc, RedfishOptions};
+        let options = RedfishOptions {
+            systems: 16,
+            keep_payload: false,
+            terse: true,
+            list_tasks: false,
+            inventory: false,
+            ..RedfishOptions::default()
+        };
+        let sim =
+            Simulator::new(SimConfig::default()).with_flash_time(Duration::from_millis(300)).with_redfish(options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("redfish+http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(leasebroker::hypervisor::serve(listener, sim.clone(), std::future::pending()));
+        // The call timeout (500 ms) is shorter than the rig's settle window (1 s).
+        let bmc = RedfishBmc::new(&url, Duration::from_millis(500), None, "http://images.test/fw").expect("bmc");
+        let firmware = leasebroker::firmware::Firmware {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone().with_redfish(bmc),
+            settle: rig.workers.settle,
+            hook,
+        };
+        (firmware, sim)
+    }
+
+    /// Waits (up to a minute) until the settle window has passed since the send stamp of the
+    /// flash tagged `tag`: a call sent under that stamp can no longer land.
+    async fn settled(domain: &Domain, tag: &str, settle: Duration) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let intent = domain.ledger().intent(tag).await.expect("read").expect("the flash's intent");
+            let since = idempotency::now().timestamp_micros() - intent.sent_at;
+            if since >= i64::try_from(settle.as_micros()).expect("micros") {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the settle window never passed: {intent:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Issue 45, item 1: an attempt recorded its flash with its send stamp and is held before the
+    /// `SimpleUpdate` (a frozen VM), its claim still live. The settle window passes, and the BMC
+    /// cannot say what came of the flash. The watcher must not conclude the operation while an
+    /// attempt holds its request's claim: the attempt may be sending. Released, the attempt
+    /// sends, and the operation is accepted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_watcher_concludes_nothing_while_an_attempt_holds_the_claim() {
+        use idempotency::{ClaimOutcome, Store};
+        use leasebroker::firmware::{WatchSettings, Watcher};
+        use leasebroker::service::FlashFirmware;
+        let (hook, mut held) = hold_first(Step::FlashSend);
+        let rig = rig().await;
+        let (firmware, bmc) = redfish_firmware(&rig, hook).await;
+        let store = rig.db.idempotency_store();
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new("admin"),
+            Endpoint::new("POST", "/admin/v1/nodes/node-0002/firmware"),
+            IdempotencyKey::try_from("held-flash").expect("key"),
+        );
+        let request = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::from_stored("sha256:"),
+            now,
+            expires_at: now + chrono::Duration::hours(1),
+        };
+        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let op = RequestRecord::new(claim.record().clone());
+        let tag = op.derive("flash").as_str().to_owned();
+        let a1 = {
+            let (firmware, op) = (firmware.clone(), op.clone());
+            tokio::spawn(async move { firmware.flash("node-0002", &FlashFirmware::new("2.0"), &op).await })
+        };
+        held.reached().await;
+        settled(&rig.workers.domain, &tag, rig.workers.settle).await;
+        let settings = WatchSettings {
+            poll: Duration::from_millis(100),
+            settle: rig.workers.settle,
+            abandon_after: Duration::from_secs(3600),
+            in_flight_ttl: Duration::from_secs(300),
+        };
+        let watcher =
+            Watcher::new(rig.workers.domain.clone(), firmware.hypervisor.clone(), store, "w".into(), settings);
+        watcher.run_once().await;
+        let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
+        assert_eq!(row.state, "running", "concluded under a live claim: {row:?}");
+
+        held.release.send(()).expect("release A1");
+        let accepted = a1.await.expect("A1").expect("the flash");
+        assert!(accepted.is_accepted() && !accepted.is_finished(), "{accepted:?}");
+        assert_eq!(bmc.stats().flashes_total, 1);
+    }
+
+    /// Issue 45, item 1, the retry path after a pause: an attempt recorded its flash with its send
+    /// stamp and is held before the `SimpleUpdate`, past its claim. A retry of the request waits
+    /// out the settle window, finds that the BMC cannot say what came of the flash, and ends the
+    /// operation `uncertain` (never `failed` on a guess), moving the send stamp first. The held
+    /// attempt wakes: it finds the stamp moved and sends nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_flash_waking_after_a_retry_concluded_sends_nothing() {
+        use leasebroker::service::FlashFirmware;
+        let (hook, mut held) = hold_first(Step::FlashSend);
+        let rig = rig().await;
+        let (firmware, bmc) = redfish_firmware(&rig, hook).await;
+        let op = operation("POST", "/admin/v1/nodes/node-0003/firmware");
+        let tag = op.derive("flash").as_str().to_owned();
+        let a1 = {
+            let (firmware, op) = (firmware.clone(), op.clone());
+            tokio::spawn(async move { firmware.flash("node-0003", &FlashFirmware::new("3.0"), &op).await })
+        };
+        held.reached().await;
+        settled(&rig.workers.domain, &tag, rig.workers.settle).await;
+        let retry = firmware.flash("node-0003", &FlashFirmware::new("3.0"), &op).await.expect("the retry's answer");
+        assert_eq!(retry.state, "uncertain", "{retry:?}");
+
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert_eq!(bmc.stats().flashes_total, 0, "A1 ({late:?}) sent after the retry concluded");
+        let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
+        assert_eq!(row.state, "uncertain", "{row:?}");
+    }
+
     /// Issue 24, hole 3, the flash watcher: 500 running operations whose flash was never sent
     /// (their requests walked away; they wait out `--abandon-after`), older than a flash the BMC
     /// accepted just now. The watcher still follows the new one within two passes: it reads the
     /// least recently watched first, not the oldest 500.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_flash_watcher_reaches_a_new_flash_behind_500_waiting_ones() {
-        use leasebroker::firmware::{Firmware, Watcher};
+        use leasebroker::firmware::{Firmware, WatchSettings, Watcher};
         use leasebroker::service::FlashFirmware;
         let rig = rig().await;
         let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
@@ -1091,6 +1226,7 @@ mod racing_attempts {
             domain: rig.workers.domain.clone(),
             hypervisor: rig.workers.hypervisor.clone(),
             settle: rig.workers.settle,
+            hook: Hook::default(),
         };
         let op = operation("POST", "/admin/v1/nodes/node-0001/firmware");
         let flash = firmware
@@ -1101,10 +1237,14 @@ mod racing_attempts {
         let watcher = Watcher::new(
             rig.workers.domain.clone(),
             rig.workers.hypervisor.clone(),
+            rig.db.idempotency_store(),
             "watcher-1".into(),
-            Duration::from_millis(100),
-            rig.workers.settle,
-            Duration::from_secs(3600),
+            WatchSettings {
+                poll: Duration::from_millis(100),
+                settle: rig.workers.settle,
+                abandon_after: Duration::from_secs(3600),
+                in_flight_ttl: Duration::from_secs(300),
+            },
         );
         watcher.run_once().await;
         watcher.run_once().await;
