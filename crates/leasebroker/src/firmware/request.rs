@@ -136,11 +136,18 @@ impl Firmware {
         self.hook.at(Step::FlashSend).await;
         let effect = self.effect(Some(row.node_id.clone()));
         let (task, version, node) = (Mutex::new(None), req.version.as_str(), row.node_id.as_str());
-        let task_ref = &task;
+        let (task_ref, domain, op_id) = (&task, &self.domain, row.op_id.as_str());
         let sent = attempt
             .run_decided(&effect, decided, |tag| async move {
                 metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
                 let followed = bmc.flash(&target, version, &tag).await.map_err(call_error)?;
+                // Kept before the ledger records the flash accepted: from then on any replica's
+                // watcher may take it, and must find where its task is.
+                if let Some(task) = &followed
+                    && let Err(e) = domain.follow_flash_task(op_id, Some(task)).await
+                {
+                    tracing::warn!(error = %ErrorChain(&e), op_id, "cannot keep where the flash's task is; kept on acceptance");
+                }
                 *task_ref.lock().unwrap_or_else(PoisonError::into_inner) = followed;
                 Ok(Sent::Accepted(node.to_owned()))
             })

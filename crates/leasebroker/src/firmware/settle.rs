@@ -33,6 +33,10 @@ pub(super) async fn adopt(
     task: Option<&str>,
 ) -> Result<(), DomainError> {
     let ledger = domain.ledger();
+    if task.is_some() {
+        // Before the ledger records it accepted: any replica's watcher may take it from then on.
+        domain.follow_flash_task(&row.op_id, task).await?;
+    }
     match ledger.record(&intent.op_id, &intent.intent_id, &row.node_id, IntentState::Accepted).await {
         Ok(_) | Err(LedgerError::Finished | LedgerError::RolledBack) => {}
         Err(e) => return Err(e.into()),
