@@ -690,6 +690,31 @@ mod racing_attempts {
         )
     }
 
+    /// A live claim, taken now in `store`, on `POST path` by `principal` with `key` (it expires
+    /// in an hour).
+    async fn claimed(
+        store: &std::sync::Arc<dyn idempotency::Store>,
+        principal: &str,
+        path: &str,
+        key: &str,
+    ) -> idempotency::Claim {
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new(principal),
+            Endpoint::new("POST", path),
+            IdempotencyKey::try_from(key).expect("key"),
+        );
+        let request = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::from_stored("sha256:"),
+            now,
+            expires_at: now + chrono::Duration::hours(1),
+        };
+        let outcome = store.claim(request).await.expect("claim");
+        let idempotency::ClaimOutcome::Owned(claim) = outcome else { panic!("owned: {outcome:?}") };
+        claim
+    }
+
     /// An earlier attempt's call failed without certainty (the intent stays pending): its settle
     /// window passes (1 s from a send stamp up to 1 s ahead of the clock), then the hypervisor
     /// turns slow enough for the racing attempts to overlap.
@@ -963,7 +988,7 @@ mod racing_attempts {
     /// settle window has passed: a row the reaper waits on never delays another.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_abandoned_create_is_rolled_back_behind_100_000_waiting_rows() {
-        use idempotency::{ClaimOutcome, Store};
+        use idempotency::Store;
         const WAITING: i64 = 100_000;
         let rig = rig().await;
         let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
@@ -994,19 +1019,7 @@ mod racing_attempts {
         .expect("operations");
 
         let store = rig.db.idempotency_store();
-        let now = idempotency::now();
-        let scope = Scope::new(
-            Principal::new("alice"),
-            Endpoint::new("POST", "/v1/workers"),
-            IdempotencyKey::try_from("victim-1").expect("key"),
-        );
-        let request = ClaimRequest {
-            scope,
-            fingerprint: Fingerprint::from_stored("sha256:"),
-            now,
-            expires_at: now + chrono::Duration::hours(1),
-        };
-        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let claim = claimed(&store, "alice", "/v1/workers", "victim-1").await;
         let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
@@ -1113,6 +1126,25 @@ mod racing_attempts {
         }
     }
 
+    /// Starts a flash of `node` under `op` that `held` holds at [`Step::FlashSend`] (its intent
+    /// recorded with its send stamp, its `SimpleUpdate` not sent), and returns once the settle
+    /// window has passed since that stamp.
+    async fn held_past_its_window(
+        firmware: &leasebroker::firmware::Firmware,
+        op: &RequestRecord,
+        node: &'static str,
+        held: &mut Held,
+    ) -> tokio::task::JoinHandle<Result<leasebroker::domain::FlashRow, leasebroker::service::ServiceError>> {
+        let a1 = {
+            let (firmware, op) = (firmware.clone(), op.clone());
+            let version = leasebroker::service::FlashFirmware::new("2.0");
+            tokio::spawn(async move { firmware.flash(node, &version, &op).await })
+        };
+        held.reached().await;
+        settled(&firmware.domain, op.derive("flash").as_str(), firmware.settle).await;
+        a1
+    }
+
     /// Issue 45, item 1: an attempt recorded its flash with its send stamp and is held before the
     /// `SimpleUpdate` (a frozen VM), its claim still live. The settle window passes, and the BMC
     /// cannot say what came of the flash. The watcher must not conclude the operation while an
@@ -1120,34 +1152,15 @@ mod racing_attempts {
     /// sends, and the operation is accepted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_watcher_concludes_nothing_while_an_attempt_holds_the_claim() {
-        use idempotency::{ClaimOutcome, Store};
         use leasebroker::firmware::{WatchSettings, Watcher};
-        use leasebroker::service::FlashFirmware;
         let (hook, mut held) = hold_first(Step::FlashSend);
         let rig = rig().await;
         let (firmware, bmc) = redfish_firmware(&rig, hook).await;
         let store = rig.db.idempotency_store();
-        let now = idempotency::now();
-        let scope = Scope::new(
-            Principal::new("admin"),
-            Endpoint::new("POST", "/admin/v1/nodes/node-0002/firmware"),
-            IdempotencyKey::try_from("held-flash").expect("key"),
-        );
-        let request = ClaimRequest {
-            scope,
-            fingerprint: Fingerprint::from_stored("sha256:"),
-            now,
-            expires_at: now + chrono::Duration::hours(1),
-        };
-        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let claim = claimed(&store, "admin", "/admin/v1/nodes/node-0002/firmware", "held-flash").await;
         let op = RequestRecord::new(claim.record().clone());
         let tag = op.derive("flash").as_str().to_owned();
-        let a1 = {
-            let (firmware, op) = (firmware.clone(), op.clone());
-            tokio::spawn(async move { firmware.flash("node-0002", &FlashFirmware::new("2.0"), &op).await })
-        };
-        held.reached().await;
-        settled(&rig.workers.domain, &tag, rig.workers.settle).await;
+        let a1 = held_past_its_window(&firmware, &op, "node-0002", &mut held).await;
         let settings = WatchSettings {
             poll: Duration::from_millis(100),
             settle: rig.workers.settle,
@@ -1179,13 +1192,8 @@ mod racing_attempts {
         let (firmware, bmc) = redfish_firmware(&rig, hook).await;
         let op = operation("POST", "/admin/v1/nodes/node-0003/firmware");
         let tag = op.derive("flash").as_str().to_owned();
-        let a1 = {
-            let (firmware, op) = (firmware.clone(), op.clone());
-            tokio::spawn(async move { firmware.flash("node-0003", &FlashFirmware::new("3.0"), &op).await })
-        };
-        held.reached().await;
-        settled(&rig.workers.domain, &tag, rig.workers.settle).await;
-        let retry = firmware.flash("node-0003", &FlashFirmware::new("3.0"), &op).await.expect("the retry's answer");
+        let a1 = held_past_its_window(&firmware, &op, "node-0003", &mut held).await;
+        let retry = firmware.flash("node-0003", &FlashFirmware::new("2.0"), &op).await.expect("the retry's answer");
         assert_eq!(retry.state, "uncertain", "{retry:?}");
 
         held.release.send(()).expect("release A1");
