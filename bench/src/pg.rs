@@ -41,6 +41,7 @@ pub(crate) fn claim_request(key: &str) -> anyhow::Result<ClaimRequest> {
         scope: Scope::new(Principal::new(PRINCIPAL), Endpoint::new(METHOD, PATH), IdempotencyKey::try_from(key)?),
         fingerprint: Fingerprint::from_stored(FINGERPRINT),
         now: t,
+        in_flight_ttl: idempotency_tower::DEFAULT_IN_FLIGHT_TTL,
         expires_at: t + chrono::Duration::hours(24),
     })
 }

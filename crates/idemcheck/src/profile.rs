@@ -125,6 +125,28 @@ pub(crate) struct Profile {
     pub(crate) repeatability: bool,
     /// A top-level JSON body field that names the same record as `Idempotency-Key`.
     pub(crate) body_key_field: Option<&'static str>,
+    /// How the profile's own target turns on what a default one leaves off, for the reasons of
+    /// the vectors that find it off.
+    pub(crate) switches: Switches,
+}
+
+/// For each feature a target may leave off, how the profile's own target turns it on (empty:
+/// the profile names no switch). Whether it is on is found from the target's answers.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Switches {
+    /// `Repeatability-Request-ID`.
+    pub(crate) repeatability: &'static str,
+    /// The key in a body field.
+    pub(crate) body_key: &'static str,
+    /// The request the profile expects a 5xx for.
+    pub(crate) server_error: &'static str,
+}
+
+impl Switches {
+    /// `" (SWITCH)"`, or nothing.
+    pub(crate) fn say(switch: &str) -> String {
+        if switch.is_empty() { String::new() } else { format!(" ({switch})") }
+    }
 }
 
 pub(crate) const NAMES: [&str; 3] = ["ietf-draft", "stripe", "leasebroker"];
@@ -152,6 +174,7 @@ impl Profile {
             delete_location: false,
             repeatability: false,
             body_key_field: None,
+            switches: Switches::default(),
         };
         match name {
             "ietf-draft" => Some(base),
@@ -169,8 +192,10 @@ impl Profile {
                 name: "leasebroker",
                 about: "this workspace's contract (SPEC 1 and 3): both key forms, 409 for a reused key \
                         (--mismatch-status), problem types, Idempotency-Key-Expires, Prefer: wait, Repeatability-Request-ID \
-                        and a body request_id (serve --key-sources repeatability,request-id); tokens: 1st and \
-                        2nd two tenants, 3rd the admin token (firmware flash)",
+                        and a body request_id, a 5xx not stored; tokens: 1st and 2nd two tenants, 3rd the admin token \
+                        (firmware flash). A default leasebroker passes or is n/a on every vector; all of them pass with \
+                        serve --key-sources repeatability,request-id --sim-missing-image idemcheck-missing:1 \
+                        --sim-latency-ms 300 --pool-nodes 256 --rate-limit 0",
                 mismatch_status: 409,
                 key_required: true,
                 sf_keys: true,
@@ -215,6 +240,11 @@ impl Profile {
                 // `serve --key-sources repeatability,request-id`.
                 repeatability: true,
                 body_key_field: Some("request_id"),
+                switches: Switches {
+                    repeatability: "leasebroker: serve --key-sources repeatability",
+                    body_key: "leasebroker: serve --key-sources request-id",
+                    server_error: "leasebroker: serve --sim-missing-image idemcheck-missing:1",
+                },
             }),
             _ => None,
         }

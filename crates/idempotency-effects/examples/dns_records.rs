@@ -212,7 +212,7 @@ async fn main() -> anyhow::Result<()> {
     let layer = IdempotencyLayer::builder(store)
         .principal(|parts| parts.headers.get("x-user")?.to_str().ok().map(Principal::new))
         .in_flight_ttl(args.in_flight_ttl)
-        .build();
+        .try_build()?;
     let app = Router::new().route("/v1/records", post(create)).with_state(App { effects, dns }).layer(layer);
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("listening on http://{}", listener.local_addr()?);

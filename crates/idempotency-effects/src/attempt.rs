@@ -388,8 +388,8 @@ impl Attempt {
         let recorded = |outcome| Made { outcome, unrecorded: None };
         let intent = match decided {
             Decided::Fresh(intent) => {
-                self.in_time(&tag, intent.sent_at).await?;
-                return self.send(&tag, send, record).await;
+                let stamp = self.in_time(&tag, intent.sent_at).await?;
+                return self.send(&tag, stamp, send, record).await;
             }
             Decided::Existing(intent) => intent,
         };
@@ -411,19 +411,19 @@ impl Attempt {
             tracing::warn!(tag, "another attempt acted on this call since it was read; not sending it");
             return Err(EffectError::Contended);
         };
-        self.in_time(&tag, stamp).await?;
-        self.send(&tag, send, record).await
+        let stamp = self.in_time(&tag, stamp).await?;
+        self.send(&tag, stamp, send, record).await
     }
 
     /// Makes sure the call goes out before its send stamp `stamp`: when the stamp's commit came
     /// back after the stamped moment (a queue for the disk), nothing was sent, so the stamp is
-    /// moved ahead again by compare-and-set, at most [`RESTAMPS`] times.
-    /// [`EffectError::SlowCommit`] when every commit came back late;
+    /// moved ahead again by compare-and-set, at most [`RESTAMPS`] times. Returns the stamp the
+    /// call goes out under. [`EffectError::SlowCommit`] when every commit came back late;
     /// [`EffectError::Contended`] when another attempt moved the stamp meanwhile.
-    async fn in_time(&self, tag: &str, mut stamp: i64) -> Result<(), EffectError> {
+    async fn in_time(&self, tag: &str, mut stamp: i64) -> Result<i64, EffectError> {
         for _ in 0..RESTAMPS {
             if now_micros() < stamp {
-                return Ok(());
+                return Ok(stamp);
             }
             tracing::info!(tag, "recording the call took longer than its send stamp allows; stamping it again");
             match self.effects.ledger.stamp(self.op.id(), tag, stamp, self.effects.send_ahead).await? {
@@ -438,7 +438,7 @@ impl Attempt {
             tracing::warn!(tag, "recording the call took too long, every time; not sending it");
             return Err(EffectError::SlowCommit);
         }
-        Ok(())
+        Ok(stamp)
     }
 
     /// The operation's row for this attempt and the effect's new intent.
@@ -523,9 +523,11 @@ impl Attempt {
         Ok(Some(if effect.long_running() { Outcome::Accepted(recorded) } else { Outcome::Done(recorded) }))
     }
 
-    /// Sends the call; what it made is recorded at once when `record`, else left to the
-    /// finishing transaction ([`Made`]).
-    async fn send<F, Fut>(&self, tag: &str, send: F, record: bool) -> Result<Made, EffectError>
+    /// Sends the call under the send stamp `stamp`; what it made is recorded at once when
+    /// `record`, else left to the finishing transaction ([`Made`]). A definite refusal releases
+    /// the intent only while its stamp is still `stamp`: when another attempt has sent again
+    /// since, that newer call keeps its intent pending.
+    async fn send<F, Fut>(&self, tag: &str, stamp: i64, send: F, record: bool) -> Result<Made, EffectError>
     where
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = Result<Sent, CallError>>,
@@ -535,8 +537,11 @@ impl Attempt {
             Ok(Sent::Done(id)) => Outcome::Done(id),
             Ok(Sent::Accepted(id)) => Outcome::Accepted(id),
             Err(e) if e.is_definite() => {
-                ledger.release(tag).await?;
-                tracing::info!(tag, error = %e, "the downstream refused the call; intent released");
+                if ledger.release(tag, stamp).await? {
+                    tracing::info!(tag, error = %e, "the downstream refused the call; intent released");
+                } else {
+                    tracing::info!(tag, error = %e, "the downstream refused the call; a newer call is pending, kept");
+                }
                 return Err(EffectError::Refused(e));
             }
             Err(e) => {

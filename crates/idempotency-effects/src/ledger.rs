@@ -232,9 +232,11 @@ pub trait Ledger: Send + Sync + fmt::Debug + 'static {
         state: IntentState,
     ) -> Result<String, LedgerError>;
 
-    /// A definite refusal: the pending intent is marked failed (the call did not happen, so a
-    /// retry may send at once). False when it was not pending.
-    async fn release(&self, intent_id: &str) -> Result<bool, LedgerError>;
+    /// A definite refusal of the call sent under the send stamp `sent_at`: the pending intent is
+    /// marked failed (that call did not happen, so a retry may send at once), by compare-and-set
+    /// on the stamp. False when it was not pending, or its stamp moved since (a newer attempt
+    /// sent again: its call may still land, so the intent stays pending).
+    async fn release(&self, intent_id: &str, sent_at: i64) -> Result<bool, LedgerError>;
 
     /// Finishes a live operation, one transaction: marks it finished (kept until the
     /// retention), keeps ownership of the resources of its done intents that keep theirs,

@@ -27,7 +27,7 @@ pub use attempt::{Attempt, DEFAULT_SEND_AHEAD, DEFAULT_SETTLE, EffectError, Effe
 pub use effect::{CallError, Effect, Progress, Sent, Tagged, Undone};
 pub use ledger::{Decided, Intent, IntentState, Ledger, LedgerError, Mark, NewIntent, OperationRow, Ownership};
 pub use memory::MemoryLedger;
-pub use reaper::{Compensate, Pass, Reaper, ReaperConfig};
+pub use reaper::{Abandoned, Disposal, Pass, Reaper, ReaperConfig};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use sql::{MIGRATIONS_TABLE, SqlLedger, migrator};
 pub use sweep::{InventorySweep, Owner, SweepError, Swept, TAG_PREFIX};

@@ -140,10 +140,10 @@ impl Ledger for MemoryLedger {
         Ok(recorded)
     }
 
-    async fn release(&self, intent_id: &str) -> Result<bool, LedgerError> {
+    async fn release(&self, intent_id: &str, sent_at: i64) -> Result<bool, LedgerError> {
         let mut s = self.lock();
         Ok(match s.intents.get_mut(intent_id) {
-            Some(i) if i.state == IntentState::Pending => {
+            Some(i) if i.state == IntentState::Pending && i.sent_at == sent_at => {
                 i.state = IntentState::Failed;
                 true
             }

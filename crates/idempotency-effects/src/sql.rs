@@ -69,7 +69,9 @@ impl SqlLedger {
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, LedgerError> {
         #[cfg(feature = "postgres")]
         if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            let pool = idempotency_sqlx::postgres_pool_options(max_connections).connect(url).await?;
+            let pool =
+                idempotency_sqlx::connect_postgres(url, idempotency_sqlx::postgres_pool_options(max_connections))
+                    .await?;
             return Ok(Self::postgres(pool));
         }
         #[cfg(feature = "sqlite")]

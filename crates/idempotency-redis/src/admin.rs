@@ -174,7 +174,10 @@ impl RedisStore {
             Value::Int(0) => Ok(Forget::Absent),
             Value::Int(2) => Ok(Forget::InFlight(record)),
             reply => match record_reply(reply)? {
-                Some(r) => Ok(Forget::Forgotten(r)),
+                Some(r) => {
+                    self.unindex_record(&r.scope.principal, &key).await;
+                    Ok(Forget::Forgotten(r))
+                }
                 None => Err(StoreError::Corrupt("the forget script returned no record".to_owned())),
             },
         }

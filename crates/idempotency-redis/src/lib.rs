@@ -17,7 +17,11 @@
 //! let scope = Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"), key);
 //! let t = now();
 //! let req = ClaimRequest {
-//!     scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t + chrono::Duration::hours(24),
+//!     scope,
+//!     fingerprint: Fingerprint::from_stored("sha256:00"),
+//!     now: t,
+//!     in_flight_ttl: std::time::Duration::from_secs(300),
+//!     expires_at: t + chrono::Duration::hours(24),
 //! };
 //! assert!(matches!(store.claim(req.clone()).await?, ClaimOutcome::Owned(_)));
 //! assert!(matches!(store.claim(req).await?, ClaimOutcome::Existing(_)));
@@ -160,9 +164,11 @@
 //! reports a server that refuses writes for lack of memory as not ready: one over its
 //! `maxmemory` (`INFO memory`), or one that refused a write with `OOM` since the last claim that
 //! succeeded. [`Store::count_records`](idempotency::Store::count_records) reads a sorted set per
-//! principal (`PREFIXprincipal:<sha256>`, members the record keys scored by expiry), written
-//! after each claim with plain commands, not atomically with it (Redis 7.0 or later for its
-//! expiry); a record it misses is not counted.
+//! principal (`PREFIXprincipal:<sha256>`, members the record keys scored by expiry): a claim, a
+//! reclaim and a completion add their record (at its expiry), a failure, a remove and a forget
+//! take it out, so it counts what the SQL stores count (records completed or in flight, not
+//! failed). Written with plain commands after each transition, not atomically with it (Redis 7.0
+//! or later for its expiry); a record it misses is not counted until its next transition.
 //!
 //! # Waiting for a record in flight
 //!

@@ -23,15 +23,22 @@ macro_rules! fence {
 }
 
 /// Insert-or-read. ARGV: record id, fingerprint, now, expires_at, expires_at in epoch
-/// milliseconds (rounded up), principal, endpoint, key.
+/// milliseconds (rounded up), principal, endpoint, key, stale cutoff (the latest `started_at`
+/// that is stale; empty when no claim can be that old).
 ///
-/// A live record (`eat > now`) is returned whole (`HGETALL`) and left unchanged. Otherwise, no
-/// record or an expired one, a new in-flight record replaces it, the key expires at
-/// `expires_at`, and the script returns 1: the caller owns it.
+/// A live record is returned whole (`HGETALL`) and left unchanged: one not expired
+/// (`eat > now`), or one in flight under a claim that is not stale (`sat > cutoff`), whatever its
+/// expiry. Otherwise, no record or one whose key is free, a new in-flight record replaces it, the
+/// key expires at `expires_at` (the store makes it no earlier than the claim plus the in-flight
+/// TTL), and the script returns 1: the caller owns it.
 pub(crate) const CLAIM: &str = "\
-local eat = redis.call('HGET', KEYS[1], 'eat')
+local h = redis.call('HMGET', KEYS[1], 'eat', 'st', 'sat')
+local eat = h[1]
 if eat then
   if eat > ARGV[3] then return redis.call('HGETALL', KEYS[1]) end
+  if h[2] == 'in_flight' and (ARGV[9] == '' or type(h[3]) ~= 'string' or h[3] > ARGV[9]) then
+    return redis.call('HGETALL', KEYS[1])
+  end
   redis.call('DEL', KEYS[1])
 elseif redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.error_reply('CORRUPT the key holds a hash without expires_at')
@@ -43,8 +50,8 @@ return 1
 ";
 
 /// Compare-and-set re-claim. ARGV: record id, generation, now, stale cutoff (the latest
-/// `started_at` that is stale; empty when no claim can be that old), expires_at, expires_at
-/// in epoch milliseconds, the next generation.
+/// `started_at` that is stale; empty when no claim can be that old), expires_at (at least `now`
+/// plus the in-flight TTL), expires_at in epoch milliseconds, the next generation.
 ///
 /// Succeeds only for the record id and generation the caller read, when the record is failed or
 /// in flight with `sat <= cutoff`: then it is in flight under the next generation from now, its
@@ -76,11 +83,17 @@ pub(crate) const COMPLETE: &str = concat!(
 /// in_flight -> failed, fenced. Returns 1, or 0 when fenced.
 pub(crate) const FAIL: &str = concat!(fence!(), "redis.call('HSET', KEYS[1], 'st', 'failed')\nreturn 1\n");
 
-/// Renews a claim, fenced. ARGV after the fence: now. `started_at` never moves backwards.
-/// Returns 1, or 0 when fenced.
+/// Renews a claim, fenced. ARGV after the fence: now, expires_at (at least `now` plus the
+/// in-flight TTL), expires_at in epoch milliseconds. Neither `started_at` nor the expiry (the
+/// key's own with it) moves backwards. Returns 1, or 0 when fenced.
 pub(crate) const HEARTBEAT: &str = concat!(
     fence!(),
     "if type(h[4]) ~= 'string' or ARGV[3] > h[4] then redis.call('HSET', KEYS[1], 'sat', ARGV[3]) end\n\
+     local eat = redis.call('HGET', KEYS[1], 'eat')\n\
+     if type(eat) ~= 'string' or ARGV[4] > eat then\n\
+       redis.call('HSET', KEYS[1], 'eat', ARGV[4])\n\
+       redis.call('PEXPIREAT', KEYS[1], ARGV[5])\n\
+     end\n\
      return 1\n"
 );
 

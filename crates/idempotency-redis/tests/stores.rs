@@ -160,6 +160,7 @@ mod common {
             scope: scope.clone(),
             fingerprint: Fingerprint::from_stored("sha256:aa"),
             now: t,
+            in_flight_ttl: std::time::Duration::from_secs(300),
             expires_at: t + chrono::Duration::hours(1),
         }
     }

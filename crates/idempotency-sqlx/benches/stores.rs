@@ -26,6 +26,7 @@ fn request(scope: Scope) -> ClaimRequest {
         scope,
         fingerprint: Fingerprint::from_stored("sha256:bench"),
         now: t,
+        in_flight_ttl: std::time::Duration::from_secs(300),
         expires_at: t + chrono::Duration::hours(24),
     }
 }

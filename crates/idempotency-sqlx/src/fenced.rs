@@ -29,8 +29,8 @@ pub(crate) struct FencedSql {
     pub complete: &'static str,
     /// Marks the claim failed.
     pub fail: &'static str,
-    /// Renews the claim at `$6`; `started_at` never moves backwards (replicas' clocks differ a
-    /// little).
+    /// Renews the claim at `$6` and the record's expiry to `$7`; neither moves backwards
+    /// (replicas' clocks differ a little).
     pub heartbeat: &'static str,
     /// Deletes the record of the claim.
     pub remove: &'static str,
@@ -79,7 +79,7 @@ macro_rules! fenced_sql {
             heartbeat: concat!(
                 "UPDATE ",
                 $table,
-                " SET started_at = GREATEST(started_at, $6) \
+                " SET started_at = GREATEST(started_at, $6), expires_at = GREATEST(expires_at, $7) \
                  WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
                    AND state = 'in_flight'"
             ),
@@ -128,8 +128,9 @@ mod tests {
         );
         assert_eq!(
             words(sql.heartbeat),
-            "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6) WHERE principal = $1 AND \
-             endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 AND state = 'in_flight'"
+            "UPDATE idempotency_records SET started_at = GREATEST(started_at, $6), expires_at = GREATEST(expires_at, \
+             $7) WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 AND \
+             state = 'in_flight'"
         );
         assert_eq!(
             words(sql.remove),

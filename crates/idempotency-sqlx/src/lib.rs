@@ -88,11 +88,11 @@ pub use partitioned::{
     DEFAULT_DAYS_AHEAD, DropWindow, PARTITIONED_MIGRATIONS_TABLE, PARTITIONED_TABLE, PartitionedPostgresStore,
     postgres_partitioned_migrator,
 };
-pub use pool::PING_IF_IDLE_FOR;
-#[cfg(feature = "postgres")]
-pub use pool::postgres_pool_options;
 #[cfg(feature = "sqlite")]
 pub use pool::sqlite_pool_options;
+pub use pool::{IDLE_IN_TRANSACTION_TIMEOUT, LOCK_TIMEOUT, PING_IF_IDLE_FOR};
+#[cfg(feature = "postgres")]
+pub use pool::{bounded_session, postgres_pool_options};
 #[cfg(feature = "postgres")]
 pub use postgres::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "sqlite")]

@@ -22,7 +22,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection};
 use tokio::sync::Notify;
 
-use crate::pool::PING_IF_IDLE_FOR;
+use crate::pool::{PING_IF_IDLE_FOR, bounded_session};
 
 /// How often the watching task asks the primary whether it still is one.
 const CHECK_EVERY: Duration = Duration::from_millis(500);
@@ -102,7 +102,7 @@ fn parse(url: &str) -> Result<Option<Hosts>, UrlError> {
     let query = if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) };
     // The first host without its port: a host without one gets sqlx's default (PGPORT, else 5432).
     let one = format!("{}{userinfo}{}{path}{query}", &url[..scheme_end], hosts[0].0);
-    let base = PgConnectOptions::from_str(&one).map_err(UrlError::Sqlx)?;
+    let base = bounded_session(PgConnectOptions::from_str(&one).map_err(UrlError::Sqlx)?);
     let targets = hosts
         .into_iter()
         .map(|(host, port)| {
@@ -177,7 +177,8 @@ struct Watch {
 /// (`postgres://h1:5432,h2:5432/db?target_session_attrs=read-write`). With several hosts or a
 /// `target_session_attrs`, the pool follows the primary as the module docs say (and the
 /// `after_connect` and `before_acquire` of `options` are replaced); otherwise this is
-/// `options.connect(url)`.
+/// `options.connect(url)`. Either way every session is bounded ([`crate::bounded_session`]): a
+/// process stopped inside a transaction holds its locks for seconds, not until it resumes.
 ///
 /// # Errors
 ///
@@ -186,7 +187,7 @@ struct Watch {
 pub async fn connect_postgres(url: &str, options: PgPoolOptions) -> Result<PgPool, sqlx::Error> {
     let hosts = match parse(url) {
         Ok(Some(hosts)) => hosts,
-        Ok(None) => return options.connect(url).await,
+        Ok(None) => return options.connect_with(bounded_session(PgConnectOptions::from_str(url)?)).await,
         Err(UrlError::Sqlx(e)) => return Err(e),
         Err(e) => return Err(sqlx::Error::Configuration(Box::new(e))),
     };

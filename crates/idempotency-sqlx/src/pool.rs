@@ -14,7 +14,7 @@ use std::time::Duration;
 #[cfg(feature = "postgres")]
 use sqlx::Connection;
 #[cfg(feature = "postgres")]
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 #[cfg(feature = "sqlite")]
 use sqlx::sqlite::SqlitePoolOptions;
 
@@ -33,6 +33,36 @@ pub fn postgres_pool_options(max_connections: u32) -> PgPoolOptions {
             Ok(true)
         })
     })
+}
+
+/// How long a PostgreSQL session may sit idle inside a transaction before the server ends it
+/// (`idle_in_transaction_session_timeout`). The stores and the services on them never wait on
+/// anything but the database inside a transaction, so a session idle that long belongs to a
+/// process that stopped (a frozen VM, a long pause, SIGSTOP) while it held locks: ending it
+/// rolls its transaction back and frees its rows for the other replicas, and when the process
+/// resumes, its next statement fails on the closed connection, so it commits nothing.
+pub const IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one PostgreSQL statement waits for a lock (`lock_timeout`) before it fails (as
+/// [`StoreError::Unavailable`](idempotency::StoreError::Unavailable): a `503` with
+/// `Retry-After`, which the client retries under the same key), instead of waiting on a
+/// stopped holder until [`IDLE_IN_TRANSACTION_TIMEOUT`] ends it, with a pooled connection held.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[cfg(feature = "postgres")]
+/// `options` with the session bounds every pooled connection gets: [`IDLE_IN_TRANSACTION_TIMEOUT`]
+/// and [`LOCK_TIMEOUT`], sent in the connection's startup packet (no extra round trip). A
+/// setting the URL already gives (`?options=-c%20lock_timeout%3D2s`) is left as it is.
+pub fn bounded_session(options: PgConnectOptions) -> PgConnectOptions {
+    let given = options.get_options().unwrap_or_default().to_owned();
+    let settings =
+        [("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION_TIMEOUT), ("lock_timeout", LOCK_TIMEOUT)];
+    options.options(
+        settings
+            .into_iter()
+            .filter(|(name, _)| !given.contains(name))
+            .map(|(name, value)| (name, format!("{}ms", value.as_millis()))),
+    )
 }
 
 #[cfg(feature = "sqlite")]
@@ -73,6 +103,20 @@ mod tests {
     fn postgres_checkouts_are_not_pinged() {
         assert!(!postgres_pool_options(4).get_test_before_acquire());
         assert_eq!(postgres_pool_options(7).get_max_connections(), 7);
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn sessions_are_bounded_unless_the_url_says_otherwise() {
+        use std::str::FromStr;
+        let plain = bounded_session(PgConnectOptions::from_str("postgres://h/db").expect("url"));
+        let options = plain.get_options().expect("options");
+        assert!(options.contains("idle_in_transaction_session_timeout=5000ms"), "{options}");
+        assert!(options.contains("lock_timeout=5000ms"), "{options}");
+        let given = PgConnectOptions::from_str("postgres://h/db?options=-c%20lock_timeout%3D2s").expect("url");
+        let options = bounded_session(given).get_options().expect("options").to_owned();
+        assert!(options.contains("lock_timeout=2s") && !options.contains("lock_timeout=5000ms"), "{options}");
+        assert!(options.contains("idle_in_transaction_session_timeout=5000ms"), "{options}");
     }
 
     #[cfg(feature = "sqlite")]

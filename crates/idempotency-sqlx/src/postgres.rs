@@ -5,7 +5,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
+    RecordQuery, Renewal, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -136,14 +136,15 @@ const SEED_UPSERT: &str = concat!(
     ", (xmax = 0) AS inserted"
 );
 
-// Replaces an expired record with a fresh one: a compare-and-set on the version the claimer
-// read (record id and generation), still expired, so of concurrent claimers exactly one wins.
+// Replaces a record whose key is free with a fresh one: a compare-and-set on the version the
+// claimer read (record id and generation), still expired and not in flight under a claim started
+// after the stale cutoff $10 (`Record::is_free`), so of concurrent claimers exactly one wins.
 const REPLACE_EXPIRED: &str = concat!(
     "UPDATE idempotency_records SET record_id = $4, fingerprint = $5, state = 'in_flight', generation = 1, \
        response_status = NULL, response_headers = NULL, response_body = NULL, response_encoding = NULL, \
        created_at = $6, started_at = $6, expires_at = $7 \
      WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $8 AND generation = $9 \
-       AND expires_at <= $6 \
+       AND expires_at <= $6 AND (state <> 'in_flight' OR started_at <= $10) \
      RETURNING ",
     state_columns!()
 );
@@ -159,6 +160,29 @@ const SWEEP: &str = "DELETE FROM idempotency_records WHERE ctid = ANY(ARRAY( \
 
 /// The record of `scope` from a row of [`state_columns!`]: every statement names its row by the
 /// scope, so the row does not carry it back. Text and bytes are read borrowed from the row.
+/// What a principal stores, for [`count_stored`].
+const COUNT: &str =
+    "SELECT count(*) FROM idempotency_records WHERE principal = $1 AND expires_at > $2 AND state <> 'failed'";
+
+/// `count_records` of both PostgreSQL layouts, with `sql` counting one's table: a range scan of
+/// the primary key, whose first column is the principal; failed records (which stored nothing)
+/// are left out with the expired ones.
+pub(crate) async fn count_stored(
+    pool: &PgPool,
+    space: &SpaceWatch,
+    sql: &'static str,
+    principal: &idempotency::Principal,
+    now: Timestamp,
+) -> Result<Option<u64>, StoreError> {
+    let n: i64 = sqlx::query_scalar(sql)
+        .bind(stored_component(principal.as_str()))
+        .bind(now)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| space.db_error(e))?;
+    Ok(Some(u64::try_from(n).unwrap_or(0)))
+}
+
 fn decode(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
     let get = |e| db_error(e);
     RawState {
@@ -193,7 +217,7 @@ impl Store for PostgresStore {
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
-                .bind(req.expires_at)
+                .bind(fresh.expires_at)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(|e| self.space.db_error(e))?;
@@ -209,16 +233,18 @@ impl Store for PostgresStore {
             if inserted {
                 return Ok(self.space.owned(Claim::new(record)));
             }
-            if !record.is_expired(req.now) {
+            if !record.is_free(req.now, req.in_flight_ttl) {
                 return Ok(ClaimOutcome::Existing(record));
             }
             let replaced = bind_scope(REPLACE_EXPIRED, &req.scope)
                 .bind(fresh.record_id.as_bytes().as_slice())
                 .bind(fresh.fingerprint.as_str())
                 .bind(req.now)
-                .bind(req.expires_at)
+                .bind(fresh.expires_at)
                 .bind(record.record_id.as_bytes().as_slice())
                 .bind(record.generation)
+                // NULL when no claim can be that old: `started_at <= NULL` is never true.
+                .bind(stale_cutoff(req.now, req.in_flight_ttl))
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(|e| self.space.db_error(e))?;
@@ -232,12 +258,12 @@ impl Store for PostgresStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
         let row = bind_fence(SQL.reclaim, record)
             .bind(now)
             // NULL when no claim can be that old: `started_at <= NULL` is never true.
             .bind(stale_cutoff(now, in_flight_ttl))
-            .bind(expires_at)
+            .bind(req.record_expires_at())
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.space.db_error(e))?;
@@ -274,10 +300,13 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        let r = claim.record();
-        let done =
-            bind_fence(SQL.heartbeat, r).bind(now).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        let done = bind_fence(SQL.heartbeat, claim.record())
+            .bind(renewal.now)
+            .bind(renewal.record_expires_at())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
@@ -310,20 +339,12 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = $1 AND expires_at > $2")
-                .bind(stored_component(principal.as_str()))
-                .bind(now)
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.space.db_error(e))?;
-        Ok(Some(u64::try_from(n).unwrap_or(0)))
+        count_stored(&self.pool, &self.space, COUNT, principal, now).await
     }
 
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {

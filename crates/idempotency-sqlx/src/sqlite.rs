@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
+    Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous};
@@ -100,8 +100,9 @@ const SELECT: &str = concat!(
     " FROM idempotency_records WHERE principal = ?1 AND endpoint = ?2 AND key = ?3"
 );
 
-// Inserts a new record, or replaces an expired one; a live record is left alone and nothing is
-// returned for it.
+// Inserts a new record, or replaces one whose key is free (expired, and not in flight under a
+// claim started after the stale cutoff ?8: `Record::is_free`); a live record is left alone and
+// nothing is returned for it.
 const UPSERT: &str = concat!(
     "INSERT INTO idempotency_records \
        (principal, endpoint, key, record_id, fingerprint, state, generation, created_at, started_at, expires_at) \
@@ -111,6 +112,7 @@ const UPSERT: &str = concat!(
        response_status = NULL, response_headers = NULL, response_body = NULL, response_encoding = NULL, \
        created_at = excluded.created_at, started_at = excluded.started_at, expires_at = excluded.expires_at \
      WHERE idempotency_records.expires_at <= excluded.created_at \
+       AND (idempotency_records.state <> 'in_flight' OR idempotency_records.started_at <= ?8) \
      RETURNING ",
     record_columns!()
 );
@@ -133,8 +135,10 @@ const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
      WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
        AND state = 'in_flight'";
 
-// Renews a live claim; started_at never moves backwards (replicas' clocks differ a little).
-const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = MAX(started_at, ?6) \
+// Renews a live claim and, with it, the record's expiry; neither moves backwards (replicas'
+// clocks differ a little).
+const HEARTBEAT: &str = "UPDATE idempotency_records SET started_at = MAX(started_at, ?6), \
+       expires_at = MAX(expires_at, ?7) \
      WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
        AND state = 'in_flight'";
 
@@ -181,7 +185,7 @@ impl Store for SqliteStore {
         // A replay or an in-progress answer needs only a read, which WAL runs beside writers
         // without taking the write lock.
         if let Some(record) = Self::fetch(&self.pool, &req.scope).await?
-            && !record.is_expired(req.now)
+            && !record.is_free(req.now, req.in_flight_ttl)
         {
             return Ok(ClaimOutcome::Existing(record));
         }
@@ -197,7 +201,9 @@ impl Store for SqliteStore {
             .bind(record.record_id.as_bytes().as_slice())
             .bind(record.fingerprint.as_str())
             .bind(micros(req.now))
-            .bind(micros(req.expires_at))
+            .bind(micros(record.expires_at))
+            // NULL when no claim can be that old: `started_at <= NULL` is never true.
+            .bind(stale_cutoff(req.now, req.in_flight_ttl).map(micros))
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| self.space.db_error(e))?;
@@ -214,7 +220,7 @@ impl Store for SqliteStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
         let row = sqlx::query(RECLAIM)
             .bind(record.scope.principal.as_str())
             .bind(record.scope.endpoint.as_str())
@@ -224,7 +230,7 @@ impl Store for SqliteStore {
             .bind(micros(now))
             // NULL when no claim can be that old: `started_at <= NULL` is never true.
             .bind(stale_cutoff(now, in_flight_ttl).map(micros))
-            .bind(micros(expires_at))
+            .bind(micros(req.record_expires_at()))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.space.db_error(e))?;
@@ -270,7 +276,7 @@ impl Store for SqliteStore {
         fenced(done.rows_affected(), claim)
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(HEARTBEAT)
             .bind(r.scope.principal.as_str())
@@ -278,7 +284,8 @@ impl Store for SqliteStore {
             .bind(r.scope.key.as_str())
             .bind(r.record_id.as_bytes().as_slice())
             .bind(r.generation)
-            .bind(micros(now))
+            .bind(micros(renewal.now))
+            .bind(micros(renewal.record_expires_at()))
             .execute(&self.pool)
             .await
             .map_err(|e| self.space.db_error(e))?;
@@ -321,19 +328,21 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
+    /// A range scan of the primary key, whose first column is the principal; failed records
+    /// (which stored nothing) are left out with the expired ones.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE principal = ?1 AND expires_at > ?2")
-                .bind(principal.as_str())
-                .bind(micros(now))
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.space.db_error(e))?;
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_records WHERE principal = ?1 AND expires_at > ?2 AND state <> 'failed'",
+        )
+        .bind(principal.as_str())
+        .bind(micros(now))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| self.space.db_error(e))?;
         Ok(Some(u64::try_from(n).unwrap_or(0)))
     }
 

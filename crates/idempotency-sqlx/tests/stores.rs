@@ -99,6 +99,7 @@ mod common {
             scope: scope.clone(),
             fingerprint: Fingerprint::from_stored("sha256:ab"),
             now: at,
+            in_flight_ttl: std::time::Duration::from_secs(300),
             expires_at: at + chrono::Duration::hours(24),
         }
     }
@@ -545,10 +546,12 @@ const _: fn(SqliteStore, PostgresStore) -> (Fixture, Fixture) = |s, p| {
 /// whole days swept, partitions made ahead and on demand.
 mod postgres_partitioned_layout {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use chrono::{Duration as Span, NaiveDate, TimeZone, Utc};
     use idempotency::{
-        ClaimOutcome, ClaimRequest, Fingerprint, RecordState, Scope, Store, StoreError, Sweeper, Timestamp, now,
+        ClaimOutcome, ClaimRequest, Fingerprint, RecordState, Renewal, Scope, Store, StoreError, Sweeper, Timestamp,
+        now,
     };
     use idempotency_sqlx::PartitionedPostgresStore;
     use sqlx::postgres::PgPoolOptions;
@@ -560,8 +563,11 @@ mod postgres_partitioned_layout {
         Utc.from_utc_datetime(&day.and_time(chrono::NaiveTime::MIN))
     }
 
+    /// A claim of `scope` at `at` whose record expires at `expires_at` exactly (no in-flight TTL
+    /// to keep it longer), so a test places it in the partition of its choice.
     fn claim_request(scope: &Scope, at: Timestamp, expires_at: Timestamp) -> ClaimRequest {
-        ClaimRequest { scope: scope.clone(), fingerprint: Fingerprint::from_stored("sha256:ab"), now: at, expires_at }
+        let fingerprint = Fingerprint::from_stored("sha256:ab");
+        ClaimRequest { scope: scope.clone(), fingerprint, now: at, in_flight_ttl: Duration::ZERO, expires_at }
     }
 
     async fn rows_of(store: &PartitionedPostgresStore, scope: &Scope) -> i64 {
@@ -837,7 +843,10 @@ mod postgres_partitioned_layout {
             let beats: Vec<_> = (0..8)
                 .map(|i| {
                     let (peer, claim) = (peer.clone(), claim.clone());
-                    tokio::spawn(async move { peer.heartbeat(&claim, t + Span::milliseconds(i)).await })
+                    let at = t + Span::milliseconds(i);
+                    let renewal =
+                        Renewal { now: at, in_flight_ttl: Duration::from_secs(300), expires_at: at + Span::hours(24) };
+                    tokio::spawn(async move { peer.heartbeat(&claim, renewal).await })
                 })
                 .collect();
             store.complete(&claim, &response(), t + Span::days(3)).await.expect("complete");

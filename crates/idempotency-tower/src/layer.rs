@@ -49,6 +49,24 @@ pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(3);
 /// (10 s): a queue, not an outage.
 pub const DEFAULT_STORE_QUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why [`IdempotencyLayerBuilder::try_build`] refused a configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The retention is not longer than the in-flight TTL. A record in flight lives at least the
+    /// TTL past its claim's last renewal anyway (SPEC 1.3), so that retention would not be the
+    /// records'; and a dead attempt's record would expire no later than its claim goes stale, so
+    /// the retry after the TTL would find a new record (new sub-keys) instead of resuming the
+    /// attempt's side effects through the old ones.
+    #[error("the retention ({retention:?}) must be longer than the in-flight TTL ({in_flight_ttl:?})")]
+    RetentionNotLongerThanInFlightTtl {
+        /// The retention asked for.
+        retention: Duration,
+        /// The in-flight TTL asked for.
+        in_flight_ttl: Duration,
+    },
+}
+
 /// A [`tower::Layer`] that makes the mutating routes of a service safe to retry with an
 /// `Idempotency-Key` header. Build it with [`IdempotencyLayer::builder`]; cloning is cheap.
 #[derive(Clone)]
@@ -243,13 +261,18 @@ impl IdempotencyLayerBuilder {
     /// the key takes it over and runs the handler again. Default 5 minutes. While a handler runs
     /// the layer renews its claim every quarter of this (a fenced `Store::heartbeat`), so a slow
     /// handler is never run twice at once: the TTL only bounds how long a dead attempt (a
-    /// crashed process) blocks its key, and can be short.
+    /// crashed process) blocks its key, and can be short. It must be shorter than the
+    /// [`retention`](Self::retention) ([`BuildError::RetentionNotLongerThanInFlightTtl`]).
     pub fn in_flight_ttl(mut self, ttl: Duration) -> Self {
         self.in_flight_ttl = ttl;
         self
     }
 
-    /// How long a completed response is replayed. Default 24 hours.
+    /// How long a completed response is replayed. Default 24 hours. Longer than the
+    /// [`in_flight_ttl`](Self::in_flight_ttl), or the layer is refused
+    /// ([`BuildError::RetentionNotLongerThanInFlightTtl`]). A record in flight expires no earlier
+    /// than a TTL after its claim's last renewal, and every renewal moves its expiry to at least
+    /// a retention later, so a handler that runs longer than the retention keeps its record.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
@@ -340,8 +363,9 @@ impl IdempotencyLayerBuilder {
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
-    /// meanwhile. When all of them fail, the record is released (failed) as soon as the store
-    /// answers again, and the next retry runs the handler again (resuming through its sub-keys).
+    /// meanwhile. When all of them fail, the record stays in flight (its client was answered as
+    /// final, so the handler must not run again at once): the first retry after the in-flight TTL
+    /// takes the claim over and runs the handler again, resuming through its sub-keys.
     pub fn completion_retries(mut self, times: usize, first_delay: Duration) -> Self {
         self.completion_retry.times = times;
         self.completion_retry.first_delay = first_delay;
@@ -363,10 +387,13 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// The most live records one principal may hold (default: no limit). A request with a new
-    /// key from a principal at the limit is answered `429 too-many-requests` with `Retry-After`
-    /// and stores nothing; a retry of a key it already holds still replays or resumes. Needs a
-    /// store that counts ([`Store::count_records`]); on one that does not, nothing is limited.
+    /// The most live records one principal may hold (default: no limit): records that hold a
+    /// stored response or a live attempt; a failed one (a `5xx`, a refusal) does not count. A
+    /// request with a new key from a principal at the limit is answered `429 too-many-requests`
+    /// with `Retry-After` and stores nothing; a retry of a key it already holds (completed or in
+    /// flight) still replays or resumes; a request marked [`crate::PassesRecordLimit`] is never
+    /// refused. Needs a store that counts ([`Store::count_records`]); on one that does not,
+    /// nothing is limited.
     /// Each process counts through the store at most once a second per principal and adds the
     /// records it creates meanwhile, so several replicas may together overshoot the limit by the
     /// records they create within that second.
@@ -403,10 +430,30 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Builds the layer.
+    ///
+    /// # Panics
+    ///
+    /// When [`try_build`](Self::try_build) refuses the configuration (a retention not longer
+    /// than the in-flight TTL): a service that takes these settings from its operator calls
+    /// `try_build` and reports the error instead.
     pub fn build(self) -> IdempotencyLayer {
+        match self.try_build() {
+            Ok(layer) => layer,
+            Err(e) => panic!("idempotency layer: {e}"),
+        }
+    }
+
+    /// Builds the layer, or says why its configuration is refused ([`BuildError`]).
+    pub fn try_build(self) -> Result<IdempotencyLayer, BuildError> {
+        if self.retention <= self.in_flight_ttl {
+            return Err(BuildError::RetentionNotLongerThanInFlightTtl {
+                retention: self.retention,
+                in_flight_ttl: self.in_flight_ttl,
+            });
+        }
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
         let fingerprinter = Fingerprinter::new(self.fingerprint_mode).max_body(usize::MAX);
-        IdempotencyLayer {
+        Ok(IdempotencyLayer {
             config: Arc::new(Config {
                 store: self.store,
                 principal: self.principal,
@@ -437,6 +484,6 @@ impl IdempotencyLayerBuilder {
                 detached: DetachedHandlers::new(),
                 record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
             }),
-        }
+        })
     }
 }

@@ -45,7 +45,10 @@ impl fmt::Debug for SubKey {
 /// let scope = Scope::new(Principal::new("team-a"), Endpoint::new("POST", "/v1/workers"),
 ///                        IdempotencyKey::try_from("k1").unwrap());
 /// let t = now();
-/// let req = ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, expires_at: t };
+/// let ttl = std::time::Duration::from_secs(300);
+/// let req = ClaimRequest {
+///     scope, fingerprint: Fingerprint::from_stored("sha256:00"), now: t, in_flight_ttl: ttl, expires_at: t,
+/// };
 /// let record = req.new_record();
 /// assert_eq!(derive(&record.scope, &record.record_id, "alloc"), record.clone().derive("alloc"));
 /// assert_ne!(record.derive("alloc"), record.derive("lease"));

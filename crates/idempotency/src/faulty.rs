@@ -23,8 +23,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
+    Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 /// One method of the [`Store`] trait.
@@ -211,8 +211,8 @@ impl<S: Store> Store for FaultyStore<S> {
         self.call(Op::Reclaim, self.inner.reclaim(req)).await
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.call(Op::Heartbeat, self.inner.heartbeat(claim, now)).await
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        self.call(Op::Heartbeat, self.inner.heartbeat(claim, renewal)).await
     }
 
     async fn complete(
@@ -280,6 +280,7 @@ mod tests {
             scope: scope.clone(),
             fingerprint: Fingerprint::from_stored("sha256:a"),
             now: t,
+            in_flight_ttl: Duration::from_secs(300),
             expires_at: t + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(req).await.unwrap() else { panic!("owned") };

@@ -38,8 +38,8 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use policy::{DEFAULT_TERMINAL_4XX, NEVER_STORED, ResponsePolicy};
 pub use record::{
-    BodyEncoding, Claim, ClaimOutcome, ClaimRequest, Decision, ReclaimRequest, Record, RecordState, StoredBody,
-    StoredResponse, Timestamp, later, now, stale_after,
+    BodyEncoding, Claim, ClaimOutcome, ClaimRequest, Decision, ReclaimRequest, Record, RecordState, Renewal,
+    StoredBody, StoredResponse, Timestamp, later, now, stale_after,
 };
 pub use record_id::RecordId;
 pub use scope::{Endpoint, Principal, STORED_AS_IS_MAX, STORED_COMPONENT_MAX, Scope, normalize_path, stored_component};

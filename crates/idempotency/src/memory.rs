@@ -10,7 +10,7 @@ use foldhash::quality::RandomState;
 use crate::record::stale_after;
 use crate::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, RecordState,
-    Scope, Store, StoreError, StoredResponse, Timestamp,
+    Renewal, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -71,7 +71,7 @@ impl Store for MemoryStore {
         let mut shard = self.shard(&req.scope);
         // Looked up by reference first: a replay (the key exists) copies nothing but the record.
         if let Some(current) = shard.get_mut(&req.scope) {
-            if !current.is_expired(req.now) {
+            if !current.is_free(req.now, req.in_flight_ttl) {
                 return Ok(ClaimOutcome::Existing(current.clone()));
             }
             let record = req.new_record();
@@ -84,7 +84,7 @@ impl Store for MemoryStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
         let mut shard = self.shard(&record.scope);
         let Some(current) = shard.get_mut(&record.scope) else { return Ok(None) };
         let reclaimable = current.record_id == record.record_id
@@ -100,14 +100,15 @@ impl Store for MemoryStore {
         current.state = RecordState::InFlight;
         current.generation += 1;
         current.started_at = now;
-        current.expires_at = current.expires_at.max(expires_at);
+        current.expires_at = current.expires_at.max(req.record_expires_at());
         Ok(Some(Claim::new(current.clone())))
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let mut shard = self.shard(claim.scope());
         let current = current_claim(&mut shard, claim)?;
-        current.started_at = current.started_at.max(now);
+        current.started_at = current.started_at.max(renewal.now);
+        current.expires_at = current.expires_at.max(renewal.record_expires_at());
         Ok(())
     }
 
@@ -170,7 +171,12 @@ impl Store for MemoryStore {
         let n: usize = self
             .shards
             .iter()
-            .map(|s| lock(s).values().filter(|r| r.scope.principal == *principal && !r.is_expired(now)).count())
+            .map(|s| {
+                lock(s)
+                    .values()
+                    .filter(|r| r.scope.principal == *principal && r.state != RecordState::Failed && !r.is_expired(now))
+                    .count()
+            })
             .sum();
         Ok(Some(n as u64))
     }

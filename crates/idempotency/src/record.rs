@@ -26,8 +26,9 @@ pub fn now() -> Timestamp {
 ///                    '--remove--> none
 /// ```
 ///
-/// While its handler runs, the claim's owner renews it with `heartbeat` (a new `started_at`),
-/// so only a dead attempt goes stale.
+/// While its handler runs, the claim's owner renews it with `heartbeat` (a new `started_at`,
+/// and an expiry no earlier than a TTL later), so only a dead attempt goes stale, and a record in
+/// flight never expires under a live one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecordState {
     /// A claim owns the request and its handler is (or was) running.
@@ -227,9 +228,18 @@ impl Record {
         derive(&self.scope, &self.record_id, label)
     }
 
-    /// True when the record has expired at `now` and its key is free.
+    /// True when the record has expired at `now` (`expires_at <= now`).
     pub fn is_expired(&self, now: Timestamp) -> bool {
         self.expires_at <= now
+    }
+
+    /// True when the record's key is free at `now`, so that a claim replaces the record with a
+    /// new one: it has expired, and it is not in flight under a claim that is still live by
+    /// `in_flight_ttl`. A store never gives an in-flight record an expiry before its claim can go
+    /// stale, so the second condition only matters for a record written otherwise (a shorter TTL
+    /// than the caller's, an older version): belt and braces against running a key twice.
+    pub fn is_free(&self, now: Timestamp, in_flight_ttl: Duration) -> bool {
+        self.is_expired(now) && (self.state != RecordState::InFlight || self.is_stale(now, in_flight_ttl))
     }
 
     /// True when an in-flight claim has outlived `in_flight_ttl` at `now`.
@@ -290,6 +300,13 @@ pub fn stale_after(started_at: Timestamp, ttl: Duration) -> Timestamp {
     later(started_at, ttl)
 }
 
+/// The expiry an in-flight record gets from an attempt at `now` that asks for `expires_at`: that,
+/// but never before the attempt's claim can go stale (`now + in_flight_ttl`), so a record in
+/// flight never expires under a live attempt, however short the retention (SPEC 1.3).
+fn in_flight_expiry(now: Timestamp, in_flight_ttl: Duration, expires_at: Timestamp) -> Timestamp {
+    expires_at.max(stale_after(now, in_flight_ttl))
+}
+
 /// Proof that the caller owns a record's current attempt. `complete`, `fail`, `heartbeat` and
 /// `remove` take it and only succeed while its generation is still the record's and the record is
 /// in flight: a claim that went stale and was re-claimed by another attempt can no longer write.
@@ -334,12 +351,24 @@ pub struct ClaimRequest {
     pub fingerprint: Fingerprint,
     /// The time of the claim; it becomes `created_at` and `started_at`.
     pub now: Timestamp,
-    /// When the record expires if it never completes.
+    /// How long the caller honours a claim that nobody renews. The new record expires no
+    /// earlier than `now + in_flight_ttl`, and an expired record in flight under a claim still
+    /// live by it is not replaced ([`Record::is_free`]).
+    pub in_flight_ttl: Duration,
+    /// When the record expires if it never completes (the caller's `now + retention`), but no
+    /// earlier than `now + in_flight_ttl`: see [`ClaimRequest::record_expires_at`].
     pub expires_at: Timestamp,
 }
 
 impl ClaimRequest {
-    /// The record this claim would create: in flight, generation 1, a fresh record id.
+    /// The expiry of the record this claim creates: `expires_at`, or `now + in_flight_ttl` if
+    /// that is later.
+    pub fn record_expires_at(&self) -> Timestamp {
+        in_flight_expiry(self.now, self.in_flight_ttl, self.expires_at)
+    }
+
+    /// The record this claim would create: in flight, generation 1, a fresh record id, expiring
+    /// at [`ClaimRequest::record_expires_at`].
     pub fn new_record(&self) -> Record {
         Record {
             scope: self.scope.clone(),
@@ -350,7 +379,7 @@ impl ClaimRequest {
             response: None,
             created_at: self.now,
             started_at: self.now,
-            expires_at: self.expires_at,
+            expires_at: self.record_expires_at(),
         }
     }
 }
@@ -366,9 +395,38 @@ pub struct ReclaimRequest<'a> {
     /// An in-flight record is stale, and may be reclaimed, once `started_at + in_flight_ttl <=
     /// now`.
     pub in_flight_ttl: Duration,
-    /// The new attempt's `now + retention`: the record's `expires_at` becomes the later of its
-    /// own and this.
+    /// The new attempt's `now + retention`: the record's `expires_at` becomes the latest of its
+    /// own, this and `now + in_flight_ttl` (see [`ReclaimRequest::record_expires_at`]).
     pub expires_at: Timestamp,
+}
+
+impl ReclaimRequest<'_> {
+    /// The earliest expiry the reclaimed record keeps: `expires_at`, or `now + in_flight_ttl`
+    /// if that is later. A store sets the record's expiry to the later of its own and this.
+    pub fn record_expires_at(&self) -> Timestamp {
+        in_flight_expiry(self.now, self.in_flight_ttl, self.expires_at)
+    }
+}
+
+/// A renewal of a live claim by the attempt that holds it; see [`crate::Store::heartbeat`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewal {
+    /// The time of the renewal: the record's `started_at` becomes the later of its own and this.
+    pub now: Timestamp,
+    /// How long the caller honours a claim that nobody renews: the record then expires no
+    /// earlier than `now + in_flight_ttl`.
+    pub in_flight_ttl: Duration,
+    /// The renewing attempt's `now + retention`: the record's `expires_at` becomes the latest of
+    /// its own, this and `now + in_flight_ttl` (see [`Renewal::record_expires_at`]).
+    pub expires_at: Timestamp,
+}
+
+impl Renewal {
+    /// The earliest expiry the renewed record keeps: `expires_at`, or `now + in_flight_ttl` if
+    /// that is later. A store sets the record's expiry to the later of its own and this.
+    pub fn record_expires_at(&self) -> Timestamp {
+        in_flight_expiry(self.now, self.in_flight_ttl, self.expires_at)
+    }
 }
 
 /// The result of [`crate::Store::claim`].
@@ -421,6 +479,44 @@ mod tests {
         assert_eq!(flying.decide(&fp, flying.started_at + chrono::Duration::seconds(300), ttl), Decision::Reclaim);
         assert_eq!(flying.decide(&other, now(), ttl), Decision::Mismatch);
         assert_eq!(record(RecordState::Failed, "sha256:a").decide(&fp, now(), ttl), Decision::Reclaim);
+    }
+
+    #[test]
+    fn a_key_is_free_once_expired_unless_a_live_claim_holds_it() {
+        let ttl = Duration::from_secs(300);
+        let secs = chrono::Duration::seconds;
+        for state in [RecordState::Completed, RecordState::Failed, RecordState::InFlight] {
+            let r = record(state, "sha256:a");
+            let (t, expiry) = (r.started_at, r.expires_at);
+            assert!(!r.is_free(expiry - secs(1), ttl), "{state:?}: not expired yet");
+            // Expired an hour after the claim, with the claim five minutes old: stale, free.
+            assert!(r.is_free(expiry, ttl), "{state:?}");
+            // Expired while the claim is live (a TTL longer than the record's life).
+            let live = r.is_free(expiry, Duration::from_secs(7200));
+            assert_eq!(live, state != RecordState::InFlight, "{state:?}: only a live claim keeps an expired record");
+            assert!(!r.is_free(t, ttl));
+        }
+    }
+
+    #[test]
+    fn an_in_flight_expiry_is_never_before_the_claim_can_go_stale() {
+        let ttl = Duration::from_secs(300);
+        let t = now();
+        let scope =
+            Scope::new(Principal::new("p"), Endpoint::new("POST", "/x"), IdempotencyKey::try_from("k").unwrap());
+        let req = |retention: i64| ClaimRequest {
+            scope: scope.clone(),
+            fingerprint: Fingerprint::from_stored("sha256:a"),
+            now: t,
+            in_flight_ttl: ttl,
+            expires_at: t + chrono::Duration::seconds(retention),
+        };
+        assert_eq!(req(2).new_record().expires_at, t + chrono::Duration::seconds(300), "a short retention");
+        assert_eq!(req(3600).new_record().expires_at, t + chrono::Duration::seconds(3600));
+        let renewal = Renewal { now: t, in_flight_ttl: ttl, expires_at: t };
+        assert_eq!(renewal.record_expires_at(), t + chrono::Duration::seconds(300));
+        let forever = Renewal { in_flight_ttl: Duration::MAX, ..renewal };
+        assert_eq!(forever.record_expires_at(), DateTime::<Utc>::MAX_UTC, "saturates");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 
 use crate::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Principal, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery,
-    Scope, StoredResponse, Timestamp,
+    Renewal, Scope, StoredResponse, Timestamp,
 };
 
 /// Why a store operation failed.
@@ -121,6 +121,12 @@ impl std::fmt::Display for ErrorChain<'_> {
 /// - **Timestamps are kept to the microsecond.** Callers pass [`crate::now`]'s values (truncated
 ///   to microseconds); a store keeps at least that precision and reads back exactly what it was
 ///   given, so a record read back compares equal to the one written.
+/// - **A record in flight outlives its live attempt** (SPEC 1.3). A claim, a reclaim and a
+///   heartbeat each leave the record expiring no earlier than their `now + in_flight_ttl`
+///   (`record_expires_at` of [`ClaimRequest`], [`ReclaimRequest`] and [`Renewal`]), however
+///   short the retention they ask for; and a claim never replaces an expired record that is in
+///   flight under a live claim ([`Record::is_free`]). So no sweep and no claim frees the key of a
+///   handler that still runs.
 /// - **Fenced writes.** `complete`, `fail`, `heartbeat` and `remove` write only while the claim's
 ///   record id and generation are the record's current ones and it is in flight; otherwise
 ///   [`StoreError::Fenced`] and nothing is written (a fenced call never recreates a removed
@@ -129,10 +135,12 @@ impl std::fmt::Display for ErrorChain<'_> {
 ///   unreadable row [`StoreError::Corrupt`].
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// none -> in_flight, atomically: creates the record and returns [`ClaimOutcome::Owned`], or,
-    /// when a live record exists, returns it as [`ClaimOutcome::Existing`] without changing it.
-    /// A record that has expired (`expires_at <= req.now`) counts as absent: it is replaced by a
-    /// new record with a new record id. Exactly one of many concurrent callers owns a new key.
+    /// none -> in_flight, atomically: creates the record (expiring at
+    /// [`ClaimRequest::record_expires_at`]) and returns [`ClaimOutcome::Owned`], or, when a live
+    /// record exists, returns it as [`ClaimOutcome::Existing`] without changing it. A record whose
+    /// key is free ([`Record::is_free`] at `req.now` by `req.in_flight_ttl`: expired, and not in
+    /// flight under a live claim) counts as absent: it is replaced by a new record with a new
+    /// record id. Exactly one of many concurrent callers owns a new key.
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError>;
 
     /// failed -> in_flight, or a stale in_flight -> in_flight: a compare-and-set on the record's
@@ -140,16 +148,19 @@ pub trait Store: Send + Sync + 'static {
     /// still has `req.record.generation` and is failed, or in flight with
     /// `started_at + req.in_flight_ttl <= req.now`. Of concurrent callers exactly one gets `Some`.
     ///
-    /// The record's `expires_at` becomes the later of its own and `req.expires_at` (the new
-    /// attempt's `now + retention`), so the sweeper never removes a record while an attempt runs,
-    /// and a claim near the end of the retention window is not replaced by a new record.
+    /// The record's `expires_at` becomes the later of its own and
+    /// [`ReclaimRequest::record_expires_at`] (the new attempt's `now + retention`, at least
+    /// `now + in_flight_ttl`), so the sweeper never removes a record while an attempt runs, and a
+    /// claim near the end of the retention window is not replaced by a new record.
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError>;
 
-    /// Renews a live claim: sets the in-flight record's `started_at` to `now` (never earlier than
-    /// it was), so the claim does not go stale while its handler still runs. Fenced like
+    /// Renews a live claim: sets the in-flight record's `started_at` to `renewal.now` (never
+    /// earlier than it was), so the claim does not go stale while its handler still runs, and its
+    /// `expires_at` to the later of its own and [`Renewal::record_expires_at`], so the record
+    /// does not expire under it either (a handler may run longer than the retention). Fenced like
     /// `complete`: [`StoreError::Fenced`] when the claim was superseded, or the record completed,
     /// failed or is gone; nothing is written then.
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError>;
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError>;
 
     /// Deletes the claim's record, fenced like `complete` (the record must still be in flight
     /// under this claim's generation; [`StoreError::Fenced`] otherwise, and nothing is deleted).
@@ -180,10 +191,12 @@ pub trait Store: Send + Sync + 'static {
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
 
-    /// How many records `principal` holds that have not expired at `now`, for a per-principal
-    /// limit (`max_records_per_principal` in the tower layer). `None`: this store does not count
-    /// (the default), and no such limit can be enforced on it. Stores answer from an index on
-    /// the principal, so a count costs one index range scan, not a table scan.
+    /// How many records `principal` holds that count against a per-principal limit
+    /// (`max_records_per_principal` in the tower layer): those that hold a stored response or a
+    /// live attempt, completed or in flight, and have not expired at `now`. A failed record
+    /// stored nothing and does not count; a removed or forgotten one is gone. `None`: this store
+    /// does not count (the default), and no such limit can be enforced on it. Stores answer from
+    /// an index on the principal, so a count costs one index range scan, not a table scan.
     async fn count_records(&self, principal: &Principal, now: Timestamp) -> Result<Option<u64>, StoreError> {
         let _ = (principal, now);
         Ok(None)
@@ -223,8 +236,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         (**self).reclaim(req).await
     }
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        (**self).heartbeat(claim, now).await
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        (**self).heartbeat(claim, renewal).await
     }
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
         (**self).remove(claim).await

@@ -7,6 +7,9 @@
 //! from the journal without contacting the server. Running a *different* request under the same op
 //! id is refused locally (exit 4) without sending anything.
 //!
+//! While a request is retried, stderr says what lbctl waits for (the server, why, the budget)
+//! from the first failed attempt on, at most a line a second; `-v` prints every attempt instead.
+//!
 //! `https` URLs are verified against the system's roots and, with `--ca-cert`, a private CA.
 //! Text that came from the server is printed to stderr with control characters removed, and
 //! to stdout with control and bidirectional-override characters escaped (`\uXXXX`, the same
@@ -41,9 +44,10 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use leasebroker_client::journal::{Journal, JournalError};
-use leasebroker_client::retry::{Retrier, RetryPolicy};
+use leasebroker_client::retry::{Attempt, AttemptOutcome, Retrier, RetryPolicy};
 use leasebroker_client::{
     Client, CreateWorker, Error, FlashFirmware, Mutation, OPERATION_CONFLICT, OpKey, Operation, OperationId,
     OperationState, RecordFilter, ResolveOperation,
@@ -141,7 +145,11 @@ const MAX_LINE: usize = 2000;
 /// Server-supplied text passes through here before it reaches stderr.
 pub fn one_line(text: &str) -> String {
     let mut line = String::with_capacity(text.len().min(MAX_LINE));
-    for (n, c) in text.chars().filter(|&c| (!c.is_control() || c.is_whitespace()) && !is_bidi(c)).enumerate() {
+    for (n, c) in text
+        .chars()
+        .filter(|&c| (!c.is_control() || c.is_whitespace()) && !leasebroker_api::text::is_bidi_control(c))
+        .enumerate()
+    {
         if n == MAX_LINE {
             line.push_str("...");
             break;
@@ -156,26 +164,13 @@ fn warn(text: &str) {
     progress::eprint_line(&format!("lbctl: {}", one_line(text)));
 }
 
-fn is_bidi(c: char) -> bool {
-    matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-}
-
 /// A response body made safe for a terminal and still the same JSON: every control character
 /// but newline and tab (ESC, BEL, CR, the C1 controls such as U+009B) and every bidirectional
 /// override is written as a JSON escape `\uXXXX`, which inside a JSON string means the very same
 /// character, so a program parsing stdout reads the same value. Bytes that are not UTF-8 become
 /// U+FFFD. Everything lbctl prints to stdout passes through here.
 pub fn escape_for_terminal(body: &[u8]) -> String {
-    let text = String::from_utf8_lossy(body);
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if (c.is_control() && c != '\n' && c != '\t') || is_bidi(c) {
-            out.push_str(&format!("\\u{:04x}", u32::from(c)));
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    leasebroker_api::text::escape_unsafe(&String::from_utf8_lossy(body))
 }
 
 /// Prints a response body, escaped for the terminal ([`escape_for_terminal`]), and a newline to
@@ -206,6 +201,33 @@ pub async fn run(cli: Cli) -> ExitCode {
     }
 }
 
+/// The least time between two of the lines [`waiting_notice`] makes.
+const NOTICE_EVERY: Duration = Duration::from_secs(1);
+
+/// The line printed for an attempt that failed and will be retried: the server, why, and how long
+/// lbctl keeps trying. `None` for an attempt that is not retried.
+fn waiting_notice(url: &str, budget: Duration, attempt: &Attempt<'_>) -> Option<String> {
+    let (AttemptOutcome::Failed(err), Some(wait)) = (&attempt.outcome, attempt.next_wait) else { return None };
+    let why = match err {
+        // The innermost cause says it plainly ("Connection refused (os error 111)").
+        Error::Transport(e) => {
+            let mut cause: &dyn std::error::Error = e;
+            while let Some(next) = cause.source() {
+                cause = next;
+            }
+            cause.to_string()
+        }
+        other => other.to_string(),
+    };
+    Some(format!(
+        "waiting for {url}: {why}; retrying in {:.1}s, until --max-elapsed {} is spent (attempt {}, {}s so far)",
+        wait.as_secs_f64(),
+        humantime::format_duration(budget),
+        attempt.number,
+        attempt.elapsed.as_secs()
+    ))
+}
+
 /// Runs the command and returns the body to print.
 pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
     let Some(token) = cli.token.clone() else {
@@ -216,6 +238,19 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
     let mut retrier = Retrier::new(RetryPolicy::default().with_max_elapsed(cli.max_elapsed));
     if verbose {
         retrier = retrier.on_attempt(|attempt| warn(&attempt.to_string()));
+    } else {
+        // Retrying may last the whole budget: say at once, and on the retries after, what lbctl
+        // waits for; at most a line a second (full jitter makes some retries come at once).
+        let (url, budget) = (cli.url.clone(), cli.max_elapsed);
+        let last = std::sync::Mutex::new(None::<std::time::Instant>);
+        retrier = retrier.on_attempt(move |attempt| {
+            let Some(line) = waiting_notice(&url, budget, attempt) else { return };
+            let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_none_or(|at| at.elapsed() >= NOTICE_EVERY) {
+                *last = Some(std::time::Instant::now());
+                warn(&line);
+            }
+        });
     }
     let usage = |e: Error| Failure::new(Exit::Usage, e.to_string());
     let mut builder = Client::builder(&cli.url, token).retrier(retrier);

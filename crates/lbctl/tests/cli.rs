@@ -245,6 +245,46 @@ fn a_server_that_is_down_exits_5_within_max_elapsed() {
     assert!(stderr(&out).lines().last().is_some_and(|l| l.contains("gave up")), "{}", stderr(&out));
 }
 
+/// Issue 45: a server that cannot be reached is named on stderr at once, not after the whole
+/// budget (10 minutes by default): one short line per retry, saying what lbctl waits for.
+#[test]
+fn a_server_that_cannot_be_reached_is_named_on_stderr_at_once() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("http://{}", free_addr());
+    let mut child = lbctl(&url, &dir.path().join("j.db"), CREATE).spawn().expect("start lbctl");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), line));
+        }
+    });
+    let started = Instant::now();
+    // Generous for a loaded machine; without the notice nothing comes for the whole 10 minutes.
+    let first = rx.recv_timeout(Duration::from_secs(60));
+    let mut lines = Vec::new();
+    if let Ok((_, line)) = &first {
+        lines.push(line.clone());
+        while let Ok((at, line)) = rx.recv_timeout(Duration::from_secs(4)) {
+            lines.push(line);
+            if at.duration_since(started) > Duration::from_secs(8) {
+                break;
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(first.is_ok(), "lbctl printed nothing while it could not reach {url}");
+    for line in &lines {
+        assert!(line.starts_with("lbctl: ") && line.len() < 300, "one short line: {line:?}");
+        assert!(line.contains(&url) && line.contains("retrying"), "says what it waits for: {line:?}");
+    }
+    assert!(lines[0].contains("--max-elapsed"), "says how long it will keep trying: {:?}", lines[0]);
+    // One line per retry: backoff spaces them out (200 ms doubling), not a line per millisecond.
+    assert!(lines.len() < 25, "{} lines in a few seconds: {lines:?}", lines.len());
+}
+
 #[test]
 fn killed_mid_flight_then_rerun_makes_one_worker() {
     let server = Server::start(&["--sim-latency-ms", "3000"]);

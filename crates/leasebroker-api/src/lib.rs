@@ -7,6 +7,7 @@ pub mod parse;
 pub mod problems;
 mod records;
 mod sim;
+pub mod text;
 mod time;
 mod workers;
 

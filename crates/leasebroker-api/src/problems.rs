@@ -32,6 +32,13 @@ pub const METHOD_NOT_ALLOWED: &str = "method-not-allowed";
 /// `414`: the request path is too long; nothing was processed.
 pub const URI_TOO_LONG: &str = "uri-too-long";
 
+/// `431`: the request's header fields are too many or too large; nothing was processed.
+pub const HEADERS_TOO_LARGE: &str = "headers-too-large";
+
+/// `400`: a percent-escape in the request path is malformed or does not decode to UTF-8;
+/// nothing was processed.
+pub const INVALID_PATH: &str = "invalid-path";
+
 /// `503` with `Retry-After`: no free node can take the worker.
 pub const CAPACITY_EXHAUSTED: &str = "capacity-exhausted";
 

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 use crate::api::{self, AppState, BODY_LIMIT, token_digest};
 use crate::background::Background;
-use crate::config::{KeySource, ServeArgs};
+use crate::config::{ConfigError, KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
 use crate::firmware::{Firmware, WatchSettings, Watcher};
@@ -56,6 +56,7 @@ fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     crate::metric::describe();
+    crate::metric::start_at_zero();
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
@@ -72,7 +73,7 @@ impl Application {
         args: ServeArgs,
         wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
     ) -> anyhow::Result<Self> {
-        args.validate().map_err(anyhow::Error::msg)?;
+        args.validate().map_err(ConfigError)?;
         let metrics = metrics_handle()?;
         let db = Db::connect_with(&args.database, args.sqlite_connections).await?;
         db.migrate().await?;
@@ -86,6 +87,10 @@ impl Application {
         let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
         let timeouts = Timeouts {
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            max_connections_per_source: match args.max_connections_per_source {
+                0 => usize::MAX,
+                n => usize::try_from(n).unwrap_or(usize::MAX),
+            },
             header: args.header_timeout,
             idle: args.idle_timeout,
             body: args.body_timeout,
@@ -158,7 +163,8 @@ impl Application {
             )
             .operation_link(crate::firmware::operation_link)
             .key_sources(key_sources(&args.key_sources))
-            .build();
+            .try_build()
+            .map_err(|e| ConfigError(format!("--retention, --in-flight-ttl: {e}")))?;
         let reaper = Reaper::new(
             store.clone(),
             domain.clone(),
@@ -226,6 +232,7 @@ impl Application {
             metrics,
             hypervisor,
             rate_limiter: api::rate_limiter(args.rate_limit, args.rate_limit_burst),
+            shares: api::Shares::new(args.max_concurrent_per_principal, args.max_records_per_principal > 0),
             audit: crate::audit::Audit::new(db.clone()),
             probe,
             body_key_field: args
@@ -244,6 +251,8 @@ impl Application {
             // Each frame of a request body must arrive within the idle timeout: a stalled upload
             // fails its handler instead of holding it.
             .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
+            // Then the head: too many or too large header fields, a path that does not decode.
+            .layer(axum::middleware::from_fn(crate::head::check_head))
             // Checked before any other limit: a long path is refused before it is authenticated.
             .layer(axum::middleware::from_fn(crate::limits::path_length))
             .layer(tower_http::trace::TraceLayer::new_for_http())
@@ -317,7 +326,8 @@ const SIM_SECRET_HEADER: &str = "x-leasebroker-sim-secret";
 /// random secret this process holds, so no other local process can list VMs or switch faults
 /// on. Returns its URL, the headers the client must send, and the task.
 ///
-/// Its port has the same connection limits and timeouts as the service's.
+/// Its port has the same connection limits and timeouts as the service's, but for the
+/// per-source cap: all its clients are this process.
 async fn spawn_private_simulator(
     sim: Simulator,
     timeouts: Timeouts,
@@ -337,6 +347,8 @@ async fn spawn_private_simulator(
     }));
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the in-process hypervisor")?;
     let url = format!("http://{}", listener.local_addr()?);
+    // Every connection that carries the secret is this process's own: one source, never capped.
+    let timeouts = Timeouts { max_connections_per_source: usize::MAX, ..timeouts };
     let task = tokio::spawn(async move {
         // The simulator has no idempotency layer: nothing is detached.
         serve::serve(listener, router, timeouts, None, std::future::pending()).await;

@@ -251,6 +251,19 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
 
+    /// The most connections served at once from one source address (an IPv4 address, or an
+    /// IPv6 /64); one accepted beyond it is closed at once, so one source's idle connections
+    /// never take every slot. Behind a proxy that sends every client from its own address, raise
+    /// it to --max-connections. 0: no per-source cap.
+    #[arg(long, env = "LEASEBROKER_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 256)]
+    pub max_connections_per_source: u32,
+
+    /// The most requests one principal may have in progress at once, those waiting under
+    /// `Prefer: wait` and those whose body is still arriving included (429 `too-many-requests`
+    /// + Retry-After beyond, nothing stored). 0: no limit.
+    #[arg(long, env = "LEASEBROKER_MAX_CONCURRENT_PER_PRINCIPAL", default_value_t = 64)]
+    pub max_concurrent_per_principal: u32,
+
     /// A request body must arrive whole within this, however slowly it drips (408
     /// `body-timeout` beyond, nothing stored).
     #[arg(long, env = "LEASEBROKER_BODY_TIMEOUT", default_value = "30s", value_parser = parse::positive_duration)]
@@ -284,6 +297,13 @@ pub struct ServeArgs {
 /// The shortest token accepted: shorter ones are guessable, or a typo.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// A configuration `serve` refuses at start: settings that contradict each other (what no
+/// single flag's parser can see). Its message is one line that names the flags; the binary exits
+/// with status 2, as for clap's own usage errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
 impl ServeArgs {
     /// Checks what no single flag can: flags that depend on each other.
     pub fn validate(&self) -> Result<(), String> {
@@ -314,6 +334,15 @@ impl ServeArgs {
                 "--bmc-url {}: unsupported URL; use redfish+http://HOST:PORT or redfish+https://HOST:PORT \
                  (without it the BMCs are the hypervisor's)",
                 crate::db::redact(url)
+            ));
+        }
+        if self.retention <= self.in_flight_ttl {
+            return Err(format!(
+                "--retention ({}) must be longer than --in-flight-ttl ({}): a record in flight is kept at least the TTL \
+                 past its claim, and a dead attempt's record must outlive its claim for the retry after the TTL to \
+                 resume it",
+                humantime::format_duration(self.retention),
+                humantime::format_duration(self.in_flight_ttl)
             ));
         }
         if self.hypervisor_settle <= self.hypervisor_timeout {
@@ -636,5 +665,9 @@ mod tests {
             assert!(err.contains("--hypervisor-settle") && err.contains("--hypervisor-timeout"), "{err}");
             assert!(!err.contains('\n'), "one line: {err}");
         }
+        let err = serve(&["--retention", "2s", "--in-flight-ttl", "60s"]).validate().unwrap_err();
+        assert!(err.contains("--retention (2s)") && err.contains("--in-flight-ttl (1m)"), "{err}");
+        assert!(serve(&["--retention", "1m", "--in-flight-ttl", "60s"]).validate().is_err(), "equal is refused too");
+        assert!(serve(&["--retention", "61s", "--in-flight-ttl", "60s"]).validate().is_ok());
     }
 }

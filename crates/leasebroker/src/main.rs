@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use leasebroker::app::{Application, shutdown_signal};
-use leasebroker::config::{BmcApi, Cli, Command, LogFormat};
+use leasebroker::config::{BmcApi, Cli, Command, ConfigError, LogFormat};
 use leasebroker::db::Db;
 use leasebroker::hypervisor::sim::{self, RedfishOptions, SimConfig, Simulator};
 use leasebroker::telemetry;
@@ -16,13 +16,6 @@ use tracing_subscriber::{EnvFilter, Layer, Registry};
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // Flags that contradict each other are a usage error, reported (one line) and ended (exit 2)
-    // the way clap ends its own, before anything starts.
-    if let Command::Serve(args) = &cli.command
-        && let Err(message) = args.validate()
-    {
-        clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{message}\n")).exit();
-    }
     // Traces (serve --otlp-endpoint): made before the subscriber, inside the runtime.
     let provider = match &cli.command {
         Command::Serve(args) => args.otlp_endpoint.as_deref().map(|e| telemetry::provider(e, args.otlp_protocol)),
@@ -30,10 +23,7 @@ async fn main() -> std::process::ExitCode {
     };
     let provider = match provider.transpose() {
         Ok(p) => p,
-        Err(e) => {
-            eprintln!("leasebroker: {e:#}");
-            return std::process::ExitCode::FAILURE;
-        }
+        Err(e) => return refused(&e),
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
@@ -52,10 +42,19 @@ async fn main() -> std::process::ExitCode {
     }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("leasebroker: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
+        Err(e) => refused(&e),
+    }
+}
+
+/// Says why the command failed, in one line, and picks the exit status: 2 for a configuration
+/// whose settings contradict each other ([`ConfigError`], like clap's usage errors), 1 otherwise
+/// (a database, a file or a port that could not be used).
+fn refused(e: &anyhow::Error) -> std::process::ExitCode {
+    eprintln!("leasebroker: {e:#}");
+    if e.chain().any(|cause| cause.is::<ConfigError>()) {
+        std::process::ExitCode::from(2)
+    } else {
+        std::process::ExitCode::FAILURE
     }
 }
 

@@ -77,3 +77,25 @@ pub fn describe() {
     metrics::describe_counter!(OPERATION_WATCHES_TOTAL, "Operations this replica's watcher started following");
     metrics::describe_counter!(FLASHES_SENT_TOTAL, "Firmware flashes sent to a BMC (every attempt)");
 }
+
+/// Puts every counter an alert reads with `increase(...)` or `rate(...)` (deploy/prometheus) on
+/// `/metrics` at zero, and the other counters of what went wrong and was cleaned up, with each
+/// label value they take: a series that first appears at 1 has no earlier sample to increase
+/// from, so the first event after a start would go unseen.
+pub fn start_at_zero() {
+    for name in [
+        ORPHANS_REMOVED_TOTAL,
+        DUPLICATE_VMS_DESTROYED_TOTAL,
+        REFUSALS_RELEASED_TOTAL,
+        DELETES_FINISHED_TOTAL,
+        FORGOTTEN_TOTAL,
+        idempotency_tower::RECORDS_SWEPT_TOTAL,
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for resource in ["operation", "vm", "lease", "node"] {
+        metrics::counter!(ROLLED_BACK_TOTAL, "resource" => resource).increment(0);
+    }
+    metrics::counter!(idempotency_tower::REQUESTS_TOTAL, "outcome" => "store_unavailable").increment(0);
+    metrics::counter!(HTTP_RESPONSES_TOTAL, "code" => "429").increment(0);
+}

@@ -16,7 +16,10 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{self, AppState, authenticate, authenticate_admin, rate_limit};
+use crate::api::{
+    self, AppState, admin_share, authenticate, authenticate_admin, console_share, own_deletes_pass, rate_limit,
+    tenant_share,
+};
 use crate::openapi::ApiDoc;
 
 /// The OpenAPI document, built once when the router is.
@@ -49,15 +52,18 @@ async fn method_not_allowed(req: Request, next: Next) -> Response {
     r
 }
 
-/// The whole application: `/v1` (bearer auth, then the idempotency layer), `/admin`, the
-/// operator console (`/console`), and the operational routes.
+/// The whole application: `/v1` (bearer auth, the rate limit, the principal's share, then the
+/// idempotency layer), `/admin`, the operator console (`/console`), and the operational routes,
+/// which take no share (`crate::api::shares`): they never wait behind tenant work.
 pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::console::Console) -> Router {
-    // Handlers that share a path share a `routes!`.
+    // Handlers that share a path share a `routes!`. Layers run from the last added to the first.
     let v1 = OpenApiRouter::default()
         .routes(routes!(api::create_worker, api::list_workers))
         .routes(routes!(api::get_worker, api::delete_worker))
         .routes(routes!(api::reboot_worker))
         .layer(idempotency.clone())
+        .layer(middleware::from_fn_with_state(state.clone(), own_deletes_pass))
+        .layer(middleware::from_fn_with_state(state.clone(), tenant_share))
         .layer(middleware::from_fn_with_state(state.clone(), rate_limit))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     let admin = OpenApiRouter::default()
@@ -68,11 +74,13 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::co
         .routes(routes!(api::list_records))
         .routes(routes!(api::get_record, api::forget_record))
         .layer(idempotency)
+        .layer(middleware::from_fn_with_state(state.clone(), admin_share))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate_admin));
+    let console = crate::console::routes(console).layer(middleware::from_fn_with_state(state.clone(), console_share));
     let (routes, collected) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(v1)
         .merge(admin)
-        .merge(crate::console::routes(console).into())
+        .merge(console.into())
         .routes(routes!(api::healthz))
         .routes(routes!(api::readyz))
         .routes(routes!(api::metrics))

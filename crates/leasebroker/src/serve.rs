@@ -10,21 +10,24 @@
 //!   long is shut down gracefully (a request being handled still gets its answer), and closed
 //!   outright after a second such period. A request body that stalls for that long is cut by the
 //!   router's per-frame body timeout, so its handler fails instead of waiting;
-//! - at most `--max-connections` connections at once: one accepted beyond that is closed at once;
+//! - at most `--max-connections` connections at once, and at most `--max-connections-per-source`
+//!   from one source (an IPv4 address, or the /64 of an IPv6 address): one accepted beyond
+//!   either is closed at once, so one source's idle connections never take every slot;
 //! - a stream timeout for both protocols: a connection with no request in progress for
 //!   `--header-timeout` (none opened yet, or none since the last one ended) is shut down (a GOAWAY
 //!   on HTTP/2) and closed after a second such period. HTTP/2 PING frames open no stream, so
 //!   they do not keep a connection; hyper's own header timeout covers HTTP/1 only;
-//! - at most [`MAX_STREAMS`] concurrent HTTP/2 streams per connection, and at most
-//!   [`MAX_IN_FLIGHT`] requests handled at once in the process (more wait for a turn, their
-//!   bodies unread), so the request bodies the idempotency layer buffers (up to 1 MiB each) are
-//!   bounded in all;
+//! - at most [`MAX_STREAMS`] concurrent HTTP/2 streams per connection. How many requests a
+//!   principal, and the process, handle at once is the router's business (`crate::api::shares`):
+//!   the health routes must never wait behind tenant work, and only the router knows which
+//!   request is which;
 //! - on shutdown: stop accepting, let every connection finish its current request, then wait for
 //!   the handlers whose clients hung up (the idempotency layer moved them to tasks of their own,
 //!   its [`DetachedHandlers`]) so their results are stored, all within `--shutdown-timeout`.
 
 use std::future::Future;
 use std::io;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,18 +44,20 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::head::{HYPER_H2_MAX_HEADER_LIST, HYPER_MAX_HEADERS};
 use crate::limits::DeadlineBody;
+use crate::places::{Place, Places};
 
 /// Concurrent HTTP/2 streams allowed on one connection.
 pub const MAX_STREAMS: u32 = 32;
-/// Requests handled at once in the whole process.
-pub const MAX_IN_FLIGHT: usize = 512;
 
 /// How connections are limited, timed out and drained.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
     /// The most connections served at once.
     pub max_connections: usize,
+    /// The most connections served at once from one source ([`Source`]); `usize::MAX`: no cap.
+    pub max_connections_per_source: usize,
     /// Request headers must arrive within this; a connection without a request in progress
     /// for this long is shut down.
     pub header: Duration,
@@ -78,22 +83,19 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let slots = Arc::new(Semaphore::new(timeouts.max_connections));
-    let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let sources = Places::new(timeouts.max_connections_per_source);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
-                    Ok(slot) => {
-                        let service = Counted::new(router.clone(), in_flight.clone(), timeouts.body);
+                Ok((stream, peer)) => match admit(&slots, &sources, peer) {
+                    Some(slot) => {
+                        let service = Counted::new(router.clone(), timeouts.body, peer);
                         connections.spawn(connection(stream, service, timeouts, stop_rx.clone(), slot));
                     }
-                    // Over --max-connections: closed at once, before a byte is read.
-                    Err(_) => {
-                        tracing::debug!("connection refused: --max-connections reached");
-                        drop(stream);
-                    }
+                    // Over a cap: closed at once, before a byte is read.
+                    None => drop(stream),
                 },
                 // Out of file descriptors and the like: back off rather than spin.
                 Err(e) => {
@@ -126,19 +128,67 @@ pub async fn serve(
     }
 }
 
+/// Where a connection comes from, for `--max-connections-per-source`: its IPv4 address, or the
+/// /64 network of its IPv6 address (one host is usually given a whole /64, and could otherwise
+/// open each connection from an address of its own). An IPv4 address mapped into IPv6 (a
+/// listener on `[::]`) is its IPv4 address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Source(IpAddr);
+
+impl Source {
+    /// The source of a connection from `peer`.
+    pub fn of(peer: SocketAddr) -> Self {
+        match peer.ip().to_canonical() {
+            IpAddr::V6(v6) => {
+                let network = u128::from(v6) & !((1u128 << 64) - 1);
+                Self(IpAddr::V6(Ipv6Addr::from(network)))
+            }
+            v4 => Self(v4),
+        }
+    }
+}
+
+/// A connection's places: one of `--max-connections`, and one of its source's; both given back
+/// when it closes.
+struct Slot {
+    _global: OwnedSemaphorePermit,
+    _source: Place<Source>,
+}
+
+/// The places of a connection just accepted from `peer`, or `None` when it is over
+/// `--max-connections` or over its source's cap (it is then closed before a byte is read).
+fn admit(slots: &Arc<Semaphore>, sources: &Places<Source>, peer: SocketAddr) -> Option<Slot> {
+    let source = Source::of(peer);
+    let Ok(global) = slots.clone().try_acquire_owned() else {
+        tracing::debug!("connection refused: --max-connections reached");
+        return None;
+    };
+    let Some(place) = sources.enter(source) else {
+        tracing::debug!(source = %source.0, "connection refused: --max-connections-per-source reached");
+        return None;
+    };
+    Some(Slot { _global: global, _source: place })
+}
+
 async fn connection(
     stream: TcpStream,
     service: Counted,
     timeouts: Timeouts,
     mut stop: watch::Receiver<bool>,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
 ) {
     let activity = Arc::new(Activity::new());
     let streams = service.streams.clone();
     let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(timeouts.header);
-    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS);
+    // hyper's header limits above the service's own (crate::head), so that the service's problem
+    // answers a request between the two, not hyper's bare 431.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(timeouts.header).max_headers(HYPER_MAX_HEADERS);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_header_list_size(HYPER_H2_MAX_HEADER_LIST);
     let conn = builder.serve_connection_with_upgrades(io, TowerToHyperService::new(service));
     tokio::pin!(conn);
     let mut stopping = *stop.borrow();
@@ -223,7 +273,6 @@ impl Streams {
 /// Ends one stream when dropped (the response head was produced, or the request was dropped).
 struct StreamGuard {
     streams: Arc<Streams>,
-    _turn: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for StreamGuard {
@@ -234,20 +283,20 @@ impl Drop for StreamGuard {
     }
 }
 
-/// The router, counting the requests in progress on its connection and taking a turn from
-/// the process-wide [`MAX_IN_FLIGHT`] before each.
+/// The router, counting the requests in progress on its connection. Each request carries the
+/// connection's peer address (axum's `ConnectInfo`).
 #[derive(Clone)]
 struct Counted {
     router: axum::Router,
     streams: Arc<Streams>,
-    in_flight: Arc<Semaphore>,
     body_timeout: Duration,
+    peer: SocketAddr,
 }
 
 impl Counted {
-    fn new(router: axum::Router, in_flight: Arc<Semaphore>, body_timeout: Duration) -> Self {
+    fn new(router: axum::Router, body_timeout: Duration, peer: SocketAddr) -> Self {
         let streams = Streams { active: AtomicU64::new(0), quiet: Activity::new(), ended: tokio::sync::Notify::new() };
-        Self { router, streams: Arc::new(streams), in_flight, body_timeout }
+        Self { router, streams: Arc::new(streams), body_timeout, peer }
     }
 }
 
@@ -267,14 +316,13 @@ where
     fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
         self.streams.active.fetch_add(1, Ordering::Relaxed);
         self.streams.quiet.touch();
-        let mut guard = StreamGuard { streams: self.streams.clone(), _turn: None };
-        let (router, in_flight) = (self.router.clone(), self.in_flight.clone());
+        let guard = StreamGuard { streams: self.streams.clone() };
+        let router = self.router.clone();
         // The whole body must arrive within --body-timeout of the request's headers.
         let deadline = Instant::now() + self.body_timeout;
-        let req = req.map(|body| axum::body::Body::new(DeadlineBody::new(axum::body::Body::new(body), deadline)));
+        let mut req = req.map(|body| axum::body::Body::new(DeadlineBody::new(axum::body::Body::new(body), deadline)));
+        req.extensions_mut().insert(axum::extract::ConnectInfo(self.peer));
         Box::pin(async move {
-            // Closed only if the process is shutting down; then the request runs without a turn.
-            guard._turn = in_flight.acquire_owned().await.ok();
             let response = tower::ServiceExt::oneshot(router, req).await;
             drop(guard);
             response
@@ -353,5 +401,37 @@ impl AsyncWrite for Tracked {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_is_an_ipv4_address_or_an_ipv6_64() {
+        let of = |s: &str| Source::of(s.parse().expect("a socket address"));
+        assert_eq!(of("10.0.0.1:1000"), of("10.0.0.1:2000"));
+        assert_ne!(of("10.0.0.1:1000"), of("10.0.0.2:1000"));
+        assert_eq!(of("[::ffff:10.0.0.1]:1000"), of("10.0.0.1:1"), "an IPv4-mapped address is its IPv4 address");
+        assert_eq!(of("[2001:db8:1:2:aaaa::1]:1"), of("[2001:db8:1:2:bbbb::9]:2"), "one /64");
+        assert_ne!(of("[2001:db8:1:2::1]:1"), of("[2001:db8:1:3::1]:1"));
+    }
+
+    #[test]
+    fn each_source_holds_at_most_its_cap_and_gets_its_places_back() {
+        let slots = Arc::new(Semaphore::new(3));
+        let sources = Places::new(2);
+        let (a, b) = ("10.0.0.1:1".parse().expect("addr"), "10.0.0.2:1".parse().expect("addr"));
+        let a1 = admit(&slots, &sources, a).expect("a's first");
+        let a2 = admit(&slots, &sources, a).expect("a's second");
+        assert!(admit(&slots, &sources, a).is_none(), "a's third is over the per-source cap");
+        assert_eq!(slots.available_permits(), 1, "a refused connection gives its global place back");
+        let b1 = admit(&slots, &sources, b).expect("b is served");
+        assert!(admit(&slots, &sources, b).is_none(), "over --max-connections");
+        drop((a1, b1));
+        assert!(admit(&slots, &sources, a).is_some(), "a place given back is taken again");
+        drop(a2);
+        assert_eq!(sources.keys(), 0, "sources with nothing open are forgotten");
     }
 }

@@ -1,7 +1,7 @@
 //! What is stored: a 4xx is a decision and is replayed, a 5xx and a refused token are not, a GET
 //! ignores the key, and a retry of a long-running operation attaches to it.
 
-use crate::profile::Req;
+use crate::profile::{Req, Switches};
 
 use super::{Ctx, Step, fail, na};
 
@@ -54,6 +54,14 @@ pub(super) async fn not_stored(ctx: &mut Ctx<'_>) -> Step<()> {
             };
             let key = ctx.key();
             let first = ctx.send(&req, Some(&key)).await?;
+            if first.is_success() {
+                return Err(na(format!(
+                    "{} answered {}, not a 5xx: this target has no failure to show here{}",
+                    req.describe(),
+                    first.status,
+                    Switches::say(ctx.profile.switches.server_error)
+                )));
+            }
             if first.status < 500 {
                 return Err(fail(format!("{} answered {}, not 5xx", req.describe(), first.summary())));
             }

@@ -72,14 +72,18 @@ pub(crate) enum Defect {
     ProtectGet,
     /// Deleting a worker forgets the records that created it.
     ForgetOnDelete,
-    /// `Repeatability-Request-ID` is not read.
+    /// `Repeatability-Request-ID` is not read: the feature is off (its vectors are `n/a`).
     NoRepeatability,
+    /// `Repeatability-Request-ID` keys records of its own, not the ones `Idempotency-Key` names.
+    RepeatabilityOwnScope,
     /// `Repeatability-First-Sent` is not checked against the retention.
     RepeatabilityNoExpiry,
     /// No `Repeatability-Result` on the answers.
     NoRepeatabilityResult,
-    /// The body's `request_id` is not read.
+    /// The body's `request_id` is not read: the feature is off (its vectors are `n/a`).
     BodyKeyIgnored,
+    /// The body's `request_id` keys records of its own, not the ones `Idempotency-Key` names.
+    BodyKeyOwnScope,
     /// Two different keys on one request: the header's wins.
     TwoKeysHeaderWins,
 }
@@ -110,10 +114,10 @@ pub(crate) const ALL: [Defect; 30] = [
     Defect::Store401,
     Defect::ProtectGet,
     Defect::ForgetOnDelete,
-    Defect::NoRepeatability,
+    Defect::RepeatabilityOwnScope,
     Defect::RepeatabilityNoExpiry,
     Defect::NoRepeatabilityResult,
-    Defect::BodyKeyIgnored,
+    Defect::BodyKeyOwnScope,
     Defect::TwoKeysHeaderWins,
 ];
 
@@ -276,7 +280,7 @@ fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>
         if age > RETENTION && !fx.has(Defect::RepeatabilityNoExpiry) {
             return Err((StatusCode::PRECONDITION_FAILED, "repeatability-expired"));
         }
-        found = Some(id);
+        found = Some(if fx.has(Defect::RepeatabilityOwnScope) { format!("rr:{id}") } else { id });
     }
     if !fx.has(Defect::BodyKeyIgnored)
         && let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body)
@@ -285,6 +289,7 @@ fn other_key(fx: &Fx, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>
         match &found {
             Some(f) if f != k && !fx.has(Defect::TwoKeysHeaderWins) => return Err(invalid()),
             Some(_) => {}
+            None if fx.has(Defect::BodyKeyOwnScope) => found = Some(format!("body:{k}")),
             None => found = Some(k.clone()),
         }
     }
@@ -538,10 +543,12 @@ fn must_fail(d: Defect) -> &'static [&'static str] {
         Defect::Store401 => &["not-stored-401"],
         Defect::ProtectGet => &["get-ignores-key"],
         Defect::ForgetOnDelete => &["replay-after-delete"],
-        Defect::NoRepeatability => &["repeatability-same-record", "repeatability-expired", "repeatability-two-keys"],
+        Defect::RepeatabilityOwnScope => &["repeatability-same-record"],
         Defect::RepeatabilityNoExpiry => &["repeatability-expired"],
         Defect::NoRepeatabilityResult => &["repeatability-same-record", "repeatability-expired"],
-        Defect::BodyKeyIgnored => &["body-key-same-record", "body-key-two-keys"],
+        Defect::BodyKeyOwnScope => &["body-key-same-record"],
+        // Not defects: the features are off, and their vectors n/a (see below).
+        Defect::NoRepeatability | Defect::BodyKeyIgnored => &[],
         Defect::TwoKeysHeaderWins => &["repeatability-two-keys", "body-key-two-keys"],
     }
 }
@@ -582,6 +589,29 @@ async fn every_vector_fails_against_at_least_one_defect() {
     }
     let uncaught: Vec<String> = kit::vector_ids().into_iter().filter(|id| !caught.contains_key(id)).collect();
     assert!(uncaught.is_empty(), "vectors no defect makes fail: {uncaught:?}");
+}
+
+/// Issue 45: a target that has the other key sources off (it refuses a request keyed only by one
+/// of them as keyless) gets `n/a` for their vectors, with the reason and the profile's switch,
+/// and fails nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn other_key_sources_switched_off_are_na_not_failures() {
+    let url = serve(&[Defect::NoRepeatability, Defect::BodyKeyIgnored]).await;
+    let run = kit::run(&url, "leasebroker", &TOKENS).await;
+    assert!(run.failed().is_empty(), "failed: {:?}\n{}", run.failed(), run.stdout);
+    let reasons = run.reasons();
+    for (prefix, source, switch) in [
+        ("repeatability-", "Repeatability-Request-ID", "--key-sources repeatability"),
+        ("body-key-", "request_id", "--key-sources request-id"),
+    ] {
+        let off: Vec<_> = reasons.iter().filter(|(id, _)| id.starts_with(prefix)).collect();
+        assert!(!off.is_empty(), "{prefix}");
+        for (id, (result, reason)) in off {
+            assert_eq!(result, "n/a", "{id}: {reason}");
+            assert!(reason.contains(source) && reason.contains(switch), "{id}: {reason}");
+        }
+    }
+    assert_eq!(run.code, Some(0));
 }
 
 /// A target that replays without the profile's replay header and shares records between

@@ -30,6 +30,19 @@ impl Run {
             .collect()
     }
 
+    /// Each vector's result and reason (empty for a pass), by id.
+    pub(crate) fn reasons(&self) -> BTreeMap<String, (String, String)> {
+        self.report["vectors"]
+            .as_array()
+            .expect("vectors")
+            .iter()
+            .map(|v| {
+                let (id, result) = (v["id"].as_str().expect("id"), v["result"].as_str().expect("result"));
+                (id.to_owned(), (result.to_owned(), v["reason"].as_str().unwrap_or_default().to_owned()))
+            })
+            .collect()
+    }
+
     pub(crate) fn failed(&self) -> Vec<String> {
         self.results().into_iter().filter(|(_, r)| r == "fail").map(|(id, _)| id).collect()
     }

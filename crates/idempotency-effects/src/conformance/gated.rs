@@ -20,6 +20,12 @@ pub enum Step {
     Stamp,
     /// [`Ledger::adopt`].
     Adopt,
+    /// [`Ledger::release`].
+    Release,
+    /// [`Ledger::due`] (a reaper's tick, after it began).
+    Due,
+    /// [`Ledger::take_for_rollback`] (a reaper that holds the record's claim).
+    TakeForRollback,
     /// A delay before [`Ledger::decide`] (a queue for a connection), not a gate.
     DelayDecide(Duration),
     /// The first [`Ledger::decide`]'s answer comes back this long after the ledger took it (a
@@ -113,8 +119,9 @@ impl Ledger for Gated {
     async fn record(&self, op_id: &str, intent_id: &str, id: &str, state: IntentState) -> Result<String, LedgerError> {
         self.inner.record(op_id, intent_id, id, state).await
     }
-    async fn release(&self, intent_id: &str) -> Result<bool, LedgerError> {
-        self.inner.release(intent_id).await
+    async fn release(&self, intent_id: &str, sent_at: i64) -> Result<bool, LedgerError> {
+        self.at(Step::Release).await;
+        self.inner.release(intent_id, sent_at).await
     }
     async fn finish(&self, op_id: &str, now: i64) -> Result<(), LedgerError> {
         self.inner.finish(op_id, now).await
@@ -126,12 +133,14 @@ impl Ledger for Gated {
         self.inner.intents(op_id).await
     }
     async fn due(&self, now: i64, limit: u32) -> Result<Vec<OperationRow>, LedgerError> {
+        self.at(Step::Due).await;
         self.inner.due(now, limit).await
     }
     async fn put_off(&self, op_id: &str, at: i64) -> Result<(), LedgerError> {
         self.inner.put_off(op_id, at).await
     }
     async fn take_for_rollback(&self, op_id: &str, seen: i64) -> Result<bool, LedgerError> {
+        self.at(Step::TakeForRollback).await;
         self.inner.take_for_rollback(op_id, seen).await
     }
     async fn intent(&self, intent_id: &str) -> Result<Option<Intent>, LedgerError> {

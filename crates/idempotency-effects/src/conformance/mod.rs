@@ -68,19 +68,24 @@ pub(crate) async fn fresh_op(store: &dyn Store, kind: &str) -> (Claim, Operation
         Endpoint::new("POST", "/v1/things"),
         IdempotencyKey::try_from(format!("k-{}", RecordId::random().to_hex()).as_str()).expect("valid key"),
     );
-    let now = idempotency::now();
-    let req = ClaimRequest {
-        scope,
-        fingerprint: Fingerprint::from_stored("sha256:00"),
-        now,
-        expires_at: now + chrono::Duration::hours(24),
-    };
-    match store.claim(req).await.expect("claim") {
+    match store.claim(claim_request(scope)).await.expect("claim") {
         ClaimOutcome::Owned(claim) => {
             let op = Operation::of(claim.record(), kind);
             (claim, op)
         }
         ClaimOutcome::Existing(r) => panic!("a fresh key has a record: {r:?}"),
+    }
+}
+
+/// A claim of `scope` now, the record kept for 24 hours.
+pub(crate) fn claim_request(scope: Scope) -> ClaimRequest {
+    let now = idempotency::now();
+    ClaimRequest {
+        scope,
+        fingerprint: Fingerprint::from_stored("sha256:00"),
+        now,
+        in_flight_ttl: Duration::from_secs(300),
+        expires_at: now + chrono::Duration::hours(24),
     }
 }
 
@@ -133,6 +138,10 @@ macro_rules! ledger_conformance_suite {
                 the_sweep_spares_what_the_service_owns_and_counts_a_lost_undo_once,
                 an_idempotent_call_is_sent_again_without_waiting,
                 an_operation_keeps_its_subject,
+                a_paused_refusal_never_releases_a_newer_send,
+                the_reaper_claims_the_record_at_the_time_of_the_reclaim,
+                a_record_the_reaper_cannot_remove_is_removed_on_a_later_tick,
+                a_retention_too_long_to_add_neither_panics_nor_wraps,
             );
         }
     };

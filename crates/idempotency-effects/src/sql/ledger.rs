@@ -117,10 +117,10 @@ impl Ledger for SqlLedger {
         })
     }
 
-    async fn release(&self, intent_id: &str) -> Result<bool, LedgerError> {
+    async fn release(&self, intent_id: &str, sent_at: i64) -> Result<bool, LedgerError> {
         on_pool!(self, p => {
-            Ok(sqlx::query("UPDATE fx_intents SET state = 'failed' WHERE intent_id = $1 AND state = 'pending'")
-                .bind(intent_id).execute(p).await?.rows_affected() == 1)
+            Ok(sqlx::query("UPDATE fx_intents SET state = 'failed' WHERE intent_id = $1 AND state = 'pending' AND sent_at = $2")
+                .bind(intent_id).bind(sent_at).execute(p).await?.rows_affected() == 1)
         })
     }
 

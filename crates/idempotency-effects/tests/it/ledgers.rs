@@ -33,7 +33,7 @@ forward! {
     stamp(op_id: &str, intent_id: &str, seen: i64, ahead: Duration) -> Result<Option<i64>, LedgerError>;
     adopt(op_id: &str, intent_id: &str, candidate: &str) -> Result<String, LedgerError>;
     record(op_id: &str, intent_id: &str, id: &str, state: IntentState) -> Result<String, LedgerError>;
-    release(intent_id: &str) -> Result<bool, LedgerError>;
+    release(intent_id: &str, sent_at: i64) -> Result<bool, LedgerError>;
     finish(op_id: &str, now: i64) -> Result<(), LedgerError>;
     operation(op_id: &str) -> Result<Option<OperationRow>, LedgerError>;
     intents(op_id: &str) -> Result<Vec<Intent>, LedgerError>;

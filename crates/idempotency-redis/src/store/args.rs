@@ -9,7 +9,7 @@ use crate::codec::{encode_ts, expiry_millis};
 use crate::store::RedisStore;
 
 /// The claim script's arguments: record id, fingerprint, now, expires_at, expires_at in epoch
-/// milliseconds, principal, endpoint, key (see [`crate::scripts::CLAIM`]).
+/// milliseconds, principal, endpoint, key, stale cutoff (see [`crate::scripts::CLAIM`]).
 pub(super) struct ClaimArgs<'a> {
     fresh: &'a Record,
     /// The scope as the record's fields keep it ([`idempotency::stored_component`]): its key is
@@ -19,10 +19,12 @@ pub(super) struct ClaimArgs<'a> {
     now: String,
     eat: String,
     pub(super) eat_ms: String,
+    cutoff: String,
 }
 
 impl<'a> ClaimArgs<'a> {
-    /// The arguments that claim `req`'s key as `fresh` when it is free.
+    /// The arguments that claim `req`'s key as `fresh` (made by `req.new_record()`, so expiring
+    /// no earlier than the claim plus the in-flight TTL) when it is free.
     pub(super) fn new(req: &'a ClaimRequest, fresh: &'a Record) -> Self {
         let s = &req.scope;
         Self {
@@ -30,12 +32,13 @@ impl<'a> ClaimArgs<'a> {
             stored: [s.principal.as_str(), s.endpoint.as_str(), s.key.as_str()].map(idempotency::stored_component),
             rid: fresh.record_id.to_hex(),
             now: encode_ts(req.now),
-            eat: encode_ts(req.expires_at),
-            eat_ms: expiry_millis(req.expires_at).to_string(),
+            eat: encode_ts(fresh.expires_at),
+            eat_ms: expiry_millis(fresh.expires_at).to_string(),
+            cutoff: stale_cutoff(req.now, req.in_flight_ttl),
         }
     }
 
-    pub(super) fn args(&self) -> [&[u8]; 8] {
+    pub(super) fn args(&self) -> [&[u8]; 9] {
         let [principal, endpoint, key] = &self.stored;
         [
             self.rid.as_bytes(),
@@ -46,6 +49,7 @@ impl<'a> ClaimArgs<'a> {
             principal.as_bytes(),
             endpoint.as_bytes(),
             key.as_bytes(),
+            self.cutoff.as_bytes(),
         ]
     }
 }

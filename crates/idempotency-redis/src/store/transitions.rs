@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Scope, Store,
-    StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
+    Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use redis::Value;
 
@@ -83,7 +83,8 @@ impl Store for RedisStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let expires_at = req.record_expires_at();
         let next = record
             .generation
             .checked_add(1)
@@ -115,15 +116,25 @@ impl Store for RedisStore {
             }
             return Err(e);
         }
+        self.index_record(&record.scope, &eat_ms).await;
         Ok(Some(claim))
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[encode_ts(now).as_bytes()]).await
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        let expires_at = renewal.record_expires_at();
+        let (at, eat, eat_ms) = (encode_ts(renewal.now), encode_ts(expires_at), expiry_millis(expires_at).to_string());
+        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()])
+            .await?;
+        // The index follows the record's new expiry, so an attempt that outlives its claim-time
+        // expiry is still counted.
+        self.index_record(claim.scope(), &eat_ms).await;
+        Ok(())
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("remove", &self.scripts.remove, claim, &[]).await
+        self.fenced("remove", &self.scripts.remove, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
+        Ok(())
     }
 
     async fn complete(
@@ -134,12 +145,14 @@ impl Store for RedisStore {
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
         self.fenced("complete", &self.scripts.complete, claim, &args.args()).await?;
+        self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
         self.announce(claim).await;
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         self.fenced("fail", &self.scripts.fail, claim, &[]).await?;
+        self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
         self.announce(claim).await;
         Ok(())
     }
@@ -151,8 +164,9 @@ impl Store for RedisStore {
     }
 
     /// Deletes nothing and returns 0: every record's key expires by itself at its
-    /// `expires_at` (`PEXPIREAT`, moved by `complete` and by a `reclaim` that extends it), and
-    /// Redis removes expired keys on its own. There is no index to sweep, and none is needed.
+    /// `expires_at` (`PEXPIREAT`, moved by `complete`, and by a `reclaim` or `heartbeat` that
+    /// extends it), and Redis removes expired keys on its own. There is no index to sweep, and
+    /// none is needed.
     async fn sweep_expired(&self, _now: Timestamp, _batch: u32) -> Result<u64, StoreError> {
         Ok(0)
     }
@@ -180,6 +194,8 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    /// Trims the principal's index of what expired, then counts what is left: the records
+    /// that were claimed, reclaimed or completed, less those that failed or are gone since.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,

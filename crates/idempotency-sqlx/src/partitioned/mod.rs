@@ -51,7 +51,7 @@ use async_trait::async_trait;
 use chrono::NaiveDate;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
+    RecordQuery, Renewal, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -90,6 +90,7 @@ pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
         "migrations/postgres-partitioned",
         "20261201000001_records_by_day.sql",
         "20261202000001_record_id_index.sql",
+        "20261210000001_claim_spares_live_claims.sql",
     ))
     .expect("the file names are checked by a test");
     m.dangerous_set_table_name(PARTITIONED_MIGRATIONS_TABLE);
@@ -121,7 +122,8 @@ impl PartitionedPostgresStore {
     /// Connects to `url` with a pool of up to 10 connections ([`crate::postgres_pool_options`]).
     /// Does not create the table; call [`PartitionedPostgresStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let pool = crate::postgres_pool_options(MAX_CONNECTIONS).connect(url).await.map_err(db_error)?;
+        let pool =
+            crate::connect_postgres(url, crate::postgres_pool_options(MAX_CONNECTIONS)).await.map_err(db_error)?;
         Ok(Self::from_pool(pool))
     }
 
@@ -235,7 +237,7 @@ fn sqlstate(e: &sqlx::Error) -> Option<&str> {
     }
 }
 
-const CLAIM: &str = "SELECT * FROM idempotency_claim_by_day($1, $2, $3, $4, $5, $6, $7)";
+const CLAIM: &str = "SELECT * FROM idempotency_claim_by_day($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The read and the fenced transitions, shared with the plain table.
 const SQL: FencedSql = fenced_sql!("idempotency_records_by_day", record_columns);
@@ -275,15 +277,18 @@ impl Store for PartitionedPostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let fresh = req.new_record();
         let pool = &self.pool;
-        let (req_ref, id) = (&req, fresh.record_id.as_bytes().as_slice());
+        let (req_ref, id, expires_at) = (&req, fresh.record_id.as_bytes().as_slice(), fresh.expires_at);
+        // NULL when no claim can be that old: `started_at <= NULL` is never true.
+        let cutoff = stale_cutoff(req.now, req.in_flight_ttl);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let row = self
-                .settle(Some(req.expires_at), move || {
+                .settle(Some(expires_at), move || {
                     bind_scope(CLAIM, &req_ref.scope)
                         .bind(id)
                         .bind(req_ref.fingerprint.as_str())
                         .bind(req_ref.now)
-                        .bind(req_ref.expires_at)
+                        .bind(expires_at)
+                        .bind(cutoff)
                         .fetch_optional(pool)
                 })
                 .await?;
@@ -297,7 +302,8 @@ impl Store for PartitionedPostgresStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let ReclaimRequest { record, now, in_flight_ttl, expires_at } = req;
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let expires_at = req.record_expires_at();
         let pool = &self.pool;
         // NULL when no claim can be that old: `started_at <= NULL` is never true.
         let cutoff = stale_cutoff(now, in_flight_ttl);
@@ -336,17 +342,25 @@ impl Store for PartitionedPostgresStore {
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced_write(SQL.fail, claim, None).await?;
+        self.fenced_write(SQL.fail, claim).await?;
         self.announcements.announce(&self.pool, &claim.record().scope);
         Ok(())
     }
 
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.fenced_write(SQL.heartbeat, claim, Some(now)).await
+    /// Moves the row to another day's partition when the renewed expiry falls on a later day.
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        let (pool, r) = (&self.pool, claim.record());
+        let expires_at = renewal.record_expires_at();
+        let done = self
+            .settle(Some(expires_at), move || {
+                bind_fence(SQL.heartbeat, r).bind(renewal.now).bind(expires_at).execute(pool)
+            })
+            .await?;
+        fenced(done.rows_affected(), claim)
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced_write(SQL.remove, claim, None).await
+        self.fenced_write(SQL.remove, claim).await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
@@ -371,21 +385,15 @@ impl Store for PartitionedPostgresStore {
         Ok(())
     }
 
-    /// A range scan of the primary key, whose first column is the principal.
+    /// As [`crate::PostgresStore`] counts, on this layout's table.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM idempotency_records_by_day WHERE principal = $1 AND expires_at > $2",
-        )
-        .bind(stored_component(principal.as_str()))
-        .bind(now)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| self.space.db_error(e))?;
-        Ok(Some(u64::try_from(n).unwrap_or(0)))
+        const COUNT: &str = "SELECT count(*) FROM idempotency_records_by_day \
+                             WHERE principal = $1 AND expires_at > $2 AND state <> 'failed'";
+        crate::postgres::count_stored(&self.pool, &self.space, COUNT, principal, now).await
     }
 
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
@@ -416,19 +424,10 @@ crate::admin::admin_methods!(
 );
 
 impl PartitionedPostgresStore {
-    /// `fail`, `heartbeat` and `remove`: fenced by the claim's generation; none moves a row.
-    async fn fenced_write(&self, sql: &'static str, claim: &Claim, now: Option<Timestamp>) -> Result<(), StoreError> {
+    /// `fail` and `remove`: fenced by the claim's generation; neither moves a row.
+    async fn fenced_write(&self, sql: &'static str, claim: &Claim) -> Result<(), StoreError> {
         let (pool, r) = (&self.pool, claim.record());
-        let done = self
-            .settle(None, move || {
-                let q = bind_fence(sql, r);
-                match now {
-                    Some(now) => q.bind(now),
-                    None => q,
-                }
-                .execute(pool)
-            })
-            .await?;
+        let done = self.settle(None, move || bind_fence(sql, r).execute(pool)).await?;
         fenced(done.rows_affected(), claim)
     }
 }

@@ -19,6 +19,7 @@ use crate::deadline::{bounded, timed_out};
 use crate::expires::with_expiry;
 use crate::headers::PREFERENCE_APPLIED;
 use crate::problem::{Rejection, rejection_response};
+use crate::quota::PassesRecordLimit;
 use crate::release::Releases;
 use crate::replay::replay;
 
@@ -59,13 +60,19 @@ where
     let mut poll = cfg.wait_poll.0.min(cfg.wait_poll.1);
     let mut races = 0u32;
     let mut claim_next = true;
-    let mut reserved = false;
-    if let Some(limit) = &cfg.record_limit {
+    // When this request took a place under the record limit (given back if it creates none).
+    let mut reserved = None;
+    if let Some(limit) = cfg.record_limit.as_ref().filter(|_| p.parts.extensions.get::<PassesRecordLimit>().is_none()) {
         match bounded(&cfg, "count", limit.reserve(store.as_ref(), &p.scope.principal, now())).await {
-            Ok(true) => reserved = true,
-            // At the limit only a key the principal already holds is answered (replay, resume).
+            Ok(true) => reserved = Some(tokio::time::Instant::now()),
+            // At the limit only a key the principal already holds is answered (replay, resume);
+            // a failed one holds nothing, and running it again would make one record more.
             Ok(false) => match bounded(&cfg, "get", store.get(&p.scope)).await {
-                Ok(Some(record)) if !record.is_expired(now()) => claim_next = false,
+                Ok(Some(record))
+                    if !record.is_free(now(), cfg.in_flight_ttl) && record.state != RecordState::Failed =>
+                {
+                    claim_next = false
+                }
                 Ok(_) => {
                     let retry_after = crate::quota::RETRY_AFTER;
                     return Ok(rejection_response(&cfg, Rejection::TooManyRecords { retry_after }));
@@ -92,12 +99,16 @@ where
                 scope: p.scope.clone(),
                 fingerprint: p.fingerprint.clone(),
                 now: t,
+                in_flight_ttl: cfg.in_flight_ttl,
                 expires_at: idempotency::later(t, cfg.retention),
             };
             match bounded(&cfg, "claim", store.claim(req)).await {
                 Ok(ClaimOutcome::Owned(claim)) => return Box::pin(own(p, claim, Run::Executed)).await,
                 Ok(ClaimOutcome::Existing(record)) => {
-                    release(&cfg, &p.scope, &mut reserved);
+                    // A failed record keeps the place: running it again makes it count again.
+                    if record.state != RecordState::Failed {
+                        release(&cfg, &p.scope, &mut reserved);
+                    }
                     record
                 }
                 Err(e) => {
@@ -111,7 +122,7 @@ where
             }
         } else {
             match bounded(&cfg, "get", store.get(&p.scope)).await {
-                Ok(Some(record)) if !record.is_expired(t) => record,
+                Ok(Some(record)) if !record.is_free(t, cfg.in_flight_ttl) => record,
                 // Swept or expired since we looked: the key is free, claim it afresh.
                 Ok(_) => {
                     races += 1;
@@ -231,10 +242,10 @@ fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
 }
 
 /// Gives back the record place this request reserved, once: it created no record.
-fn release(cfg: &Config, scope: &Scope, reserved: &mut bool) {
-    if std::mem::take(reserved)
+fn release(cfg: &Config, scope: &Scope, reserved: &mut Option<tokio::time::Instant>) {
+    if let Some(at) = reserved.take()
         && let Some(limit) = &cfg.record_limit
     {
-        limit.release(&scope.principal);
+        limit.release(&scope.principal, at);
     }
 }

@@ -1,5 +1,6 @@
 //! Recording the end of an attempt in the store: `complete` with its response (retried in the
-//! background when the store fails) or `fail` (released later when the store does not take it).
+//! background when the store fails; left in flight when every retry fails) or `fail` (released
+//! later when the store does not take it).
 
 use std::sync::Arc;
 
@@ -14,9 +15,11 @@ use crate::release::Releases;
 
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
 /// with backoff in a task of its own, so the client is answered at once; the claim is renewed
-/// while it retries. If every retry fails, the record is released (failed) as soon as the store
-/// answers again ([`Releases`]), and the next retry runs the handler again, which resumes
-/// through its sub-keys.
+/// while it retries. If every retry fails, the record stays in flight (SPEC 1.5): its client was
+/// answered as final, so the handler must not run again at once (a retry that follows a lost
+/// answer would run it a second time). Nobody renews the claim any more, so the first retry after
+/// the in-flight TTL takes it over and runs the handler again, which resumes through its
+/// sub-keys.
 ///
 /// Returns the error when the store wrote the completion but its replicas did not acknowledge
 /// it ([`StoreError::is_not_acknowledged`]): nothing is retried (the write is in the store
@@ -81,14 +84,11 @@ pub(super) async fn complete(
             Err(StoreError::Fenced { generation }) => {
                 tracing::warn!(generation, "a newer attempt took the key over while the response was being stored")
             }
-            Err(e) => {
-                tracing::error!(
-                    error = %ErrorChain(&e),
-                    "storing the response failed on every retry; the record is released when the store answers, \
-                     and the next retry runs the handler again"
-                );
-                Releases::push(&cfg, claim, "the response could not be stored");
-            }
+            Err(e) => tracing::error!(
+                error = %ErrorChain(&e),
+                "storing the response failed on every retry; the record stays in flight, and the first retry after \
+                 the in-flight TTL runs the handler again (resuming through its sub-keys)"
+            ),
         }
     };
     // Counted like a detached handler, so a shutdown drain waits for the response to be stored.
@@ -100,8 +100,13 @@ pub(super) async fn complete(
 /// take it, the claim is queued for release as soon as the store answers again
 /// ([`Releases`]).
 pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
+    let sent = tokio::time::Instant::now();
     match bounded(cfg, "fail", cfg.store.fail(claim)).await {
         Ok(()) => {
+            // A failed record holds nothing that counts against the record limit.
+            if let Some(limit) = &cfg.record_limit {
+                limit.release(&claim.scope().principal, sent);
+            }
             // A waiter takes the record over and runs the handler itself.
             cfg.waiters.wake(claim.scope());
             tracing::info!(why, "attempt failed; a retry runs the handler again")

@@ -10,7 +10,7 @@ use axum::routing::post;
 use http::StatusCode;
 use idempotency::faulty::{FaultyStore, Op};
 use idempotency::{MemoryStore, RecordState, Store};
-use idempotency_tower::IdempotencyLayer;
+use idempotency_tower::{DEFAULT_RETENTION, IdempotencyLayer};
 
 use crate::fixture::*;
 
@@ -273,10 +273,13 @@ mod slow_handlers {
     use super::*;
 
     /// The handler runs three times the TTL while retries arrive: it runs once, every retry
-    /// meanwhile is `409 request-in-progress`, and afterwards the retry replays.
-    async fn a_handler_slower_than_the_ttl_runs_once(store: Arc<dyn Store>) {
+    /// meanwhile is `409 request-in-progress`, and afterwards the retry replays. With a
+    /// `retention` shorter than the handler (issue 45 item 2), the retries after it also find the
+    /// record in flight: its claim's heartbeats renew its expiry.
+    async fn a_handler_slower_than_the_ttl_runs_once(store: Arc<dyn Store>, retention: Duration) {
         let ttl = Duration::from_secs(1);
-        let (app, calls) = counting_route("/v1/slow", 3 * ttl, builder_for_p(store).in_flight_ttl(ttl).build());
+        let layer = builder_for_p(store).in_flight_ttl(ttl).retention(retention).build();
+        let (app, calls) = counting_route("/v1/slow", 3 * ttl, layer);
         let a2 = app.clone();
         let first = tokio::spawn(async move { send(&a2, post_key("/v1/slow", "k1")).await });
         wait_until("the handler started", Duration::from_secs(60), async || calls.load(Ordering::SeqCst) == 1).await;
@@ -296,6 +299,7 @@ mod slow_handlers {
         }
         assert!(busy >= 5, "only {busy} retries overlapped the handler");
         assert!(latest_busy > 2 * ttl, "no retry arrived after the TTL ({latest_busy:?}): the test proves nothing");
+        assert!(latest_busy > retention.min(2 * ttl), "no retry arrived after the retention: the test proves nothing");
         let first = first.await.expect("task");
         assert_eq!((first.status, first.replayed(), first.text()), (StatusCode::CREATED, false, "call 0"));
         let replay = send(&app, post_key("/v1/slow", "k1")).await;
@@ -303,27 +307,55 @@ mod slow_handlers {
         assert_eq!(calls.load(Ordering::SeqCst), 1, "one execution");
     }
 
+    /// A retention just longer than the 1 s TTL, and shorter than the 3 s handler.
+    const SHORT_RETENTION: Duration = Duration::from_millis(1500);
+
+    async fn sqlite_store(dir: &tempfile::TempDir) -> Arc<dyn Store> {
+        let store = idempotency_sqlx::SqliteStore::connect(dir.path().join("idem.db").to_str().expect("path"))
+            .await
+            .expect("open");
+        store.migrate().await.expect("migrate");
+        Arc::new(store)
+    }
+
+    async fn postgres_store(db: &idempotency_sqlx::testing::TestDatabase) -> Arc<dyn Store> {
+        let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        Arc::new(store)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn memory() {
-        a_handler_slower_than_the_ttl_runs_once(Arc::new(MemoryStore::new())).await;
+        a_handler_slower_than_the_ttl_runs_once(Arc::new(MemoryStore::new()), DEFAULT_RETENTION).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqlite() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = idempotency_sqlx::SqliteStore::connect(dir.path().join("idem.db").to_str().expect("path"))
-            .await
-            .expect("open");
-        store.migrate().await.expect("migrate");
-        a_handler_slower_than_the_ttl_runs_once(Arc::new(store)).await;
+        a_handler_slower_than_the_ttl_runs_once(sqlite_store(&dir).await, DEFAULT_RETENTION).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres() {
         let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
-        let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
-        store.migrate().await.expect("migrate");
-        a_handler_slower_than_the_ttl_runs_once(Arc::new(store)).await;
+        a_handler_slower_than_the_ttl_runs_once(postgres_store(&db).await, DEFAULT_RETENTION).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory_with_a_retention_shorter_than_the_handler() {
+        a_handler_slower_than_the_ttl_runs_once(Arc::new(MemoryStore::new()), SHORT_RETENTION).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_with_a_retention_shorter_than_the_handler() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        a_handler_slower_than_the_ttl_runs_once(sqlite_store(&dir).await, SHORT_RETENTION).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_with_a_retention_shorter_than_the_handler() {
+        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        a_handler_slower_than_the_ttl_runs_once(postgres_store(&db).await, SHORT_RETENTION).await;
     }
 
     /// A claim that nobody renews (its heartbeats fail, as a dead process's would) still goes
@@ -370,11 +402,31 @@ mod slow_handlers {
 
 mod expiry {
     use super::*;
+    use idempotency_tower::BuildError;
+
+    /// SPEC 1.3: a retention that is not longer than the in-flight TTL is refused, by a typed
+    /// error naming both (a record in flight lives at least the TTL anyway, and a dead attempt's
+    /// record must outlive its claim for the retry after the TTL to resume it).
+    #[test]
+    fn a_retention_not_longer_than_the_in_flight_ttl_is_refused() {
+        for (retention, ttl) in [(2, 60), (60, 60)] {
+            let (retention, in_flight_ttl) = (Duration::from_secs(retention), Duration::from_secs(ttl));
+            let built = builder(&store()).retention(retention).in_flight_ttl(in_flight_ttl).try_build();
+            assert_eq!(built.err(), Some(BuildError::RetentionNotLongerThanInFlightTtl { retention, in_flight_ttl }));
+        }
+        let refused = builder(&store()).retention(Duration::from_secs(2)).in_flight_ttl(Duration::from_secs(60));
+        let message = refused.try_build().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("retention (2s)") && message.contains("in-flight TTL (60s)"), "{message}");
+        let legal = builder(&store()).retention(Duration::from_secs(61)).in_flight_ttl(Duration::from_secs(60));
+        assert!(legal.try_build().is_ok());
+        assert!(builder(&store()).try_build().is_ok(), "the defaults: 24 h and 5 min");
+    }
 
     #[tokio::test]
     async fn after_retention_the_sweeper_frees_the_key() {
         let store = store();
-        let (app, calls) = counting_app(builder(&store).retention(Duration::from_millis(100)).build());
+        let layer = builder(&store).in_flight_ttl(Duration::from_millis(50)).retention(Duration::from_millis(100));
+        let (app, calls) = counting_app(layer.build());
         send(&app, post_req("/v1/things", Some("k1"), "{}")).await;
         assert!(send(&app, post_req("/v1/things", Some("k1"), "{}")).await.replayed());
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -410,32 +462,39 @@ mod failed_completion {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
-    /// SPEC 3.1: when every retry of the completion fails, the record is not left in flight for
-    /// the in-flight TTL (5 minutes by default): it is released as soon as the store takes a
-    /// `fail`, and the next retry runs the handler again (a real handler resumes through its
-    /// sub-keys), this time storing its response.
+    /// SPEC 1.5, issue 45 item 8: when every retry of the completion fails, the record stays in
+    /// flight. Its client was answered as final, so the handler must not run again at once (a
+    /// lost answer's retry would then run it a second time); a retry gets `409` until the claim
+    /// goes stale, and the retry after the TTL resumes (a real handler through its sub-keys).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn when_every_retry_fails_the_record_is_released_once_the_store_answers() {
+    async fn when_every_retry_fails_the_record_stays_in_flight_until_its_ttl() {
         let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-        // The first completion and both retries fail, and so do the first releases.
-        store.fail_next(Op::Complete, 3);
-        store.fail_always(Op::Fail);
-        let built = builder_for_p(store.clone()).completion_retries(2, Duration::from_millis(10)).build();
+        store.fail_always(Op::Complete);
+        let ttl = Duration::from_secs(1);
+        let built = builder_for_p(store.clone())
+            .completion_retries(2, Duration::from_millis(10))
+            .in_flight_ttl(ttl)
+            .retention(2 * ttl)
+            .build();
+        let detached = built.detached();
         let (app, calls) = counting_route("/v1/things", Duration::ZERO, built);
-        assert_eq!(send(&app, post_key("/v1/things", "k1")).await.status, StatusCode::CREATED);
-        wait_until("every retry ran", Duration::from_secs(60), async || store.calls(Op::Complete) >= 3).await;
-        wait_until("a release was tried", Duration::from_secs(60), async || store.injected(Op::Fail) >= 2).await;
+        let first = send(&app, post_key("/v1/things", "k1")).await;
+        assert_eq!((first.status, first.text()), (StatusCode::CREATED, "call 0"), "answered as final");
+        detached.close();
+        tokio::time::timeout(Duration::from_secs(60), detached.wait()).await.expect("the retries end");
+        assert_eq!(store.calls(Op::Complete), 3, "the completion and its two retries");
+
         let s = scope("/v1/things", "k1");
         let record = store.inner().get(&s).await.expect("get").expect("record");
-        assert_eq!(record.state, RecordState::InFlight, "the store refuses every write of it");
-        // While the store refuses: the key is busy, the handler does not run again.
+        assert_eq!((record.state, store.calls(Op::Fail)), (RecordState::InFlight, 0), "not released: in flight");
         let busy = send(&app, post_key("/v1/things", "k1")).await;
         assert_eq!(busy.problem_type(), "/problems/request-in-progress");
-        assert_eq!((calls.load(Ordering::SeqCst), store.calls(Op::Complete)), (1, 3), "bounded: no more completions");
-        // The store answers again: the record is released long before its 5-minute TTL.
-        store.heal(Op::Fail);
-        wait_until("the record is released", Duration::from_secs(60), async || {
-            store.inner().get(&s).await.expect("get").is_some_and(|r| r.state == RecordState::Failed)
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler does not run again while the claim is live");
+
+        // Nobody renews the claim: after the TTL the next retry takes it over and runs again.
+        store.heal(Op::Complete);
+        wait_until("the claim is stale", Duration::from_secs(60), async || {
+            idempotency::now() >= record.started_at + chrono::Duration::from_std(ttl).expect("ttl")
         })
         .await;
         let resumed = send(&app, post_key("/v1/things", "k1")).await;
@@ -621,9 +680,9 @@ mod outage {
         async fn heartbeat(
             &self,
             c: &idempotency::Claim,
-            now: idempotency::Timestamp,
+            renewal: idempotency::Renewal,
         ) -> Result<(), idempotency::StoreError> {
-            let out = self.inner.heartbeat(c, now).await;
+            let out = self.inner.heartbeat(c, renewal).await;
             self.heard(out).await
         }
         async fn remove(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {

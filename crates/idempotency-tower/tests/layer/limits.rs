@@ -128,3 +128,72 @@ mod hostile {
         assert_eq!(calls.load(Ordering::SeqCst), 0);
     }
 }
+
+/// The per-principal record limit counts what a principal stores (SPEC 3.2): a refusal that
+/// stored nothing leaves nothing that counts, and a request marked [`PassesRecordLimit`] is
+/// never refused.
+mod record_limit {
+    use std::sync::atomic::AtomicBool;
+
+    use axum::Router;
+    use axum::routing::post;
+    use idempotency_tower::PassesRecordLimit;
+
+    use super::*;
+
+    /// `POST /v1/things`: `503` while `refuse` is set (a failed record), else `201`. A request
+    /// with `x-passes: yes` is marked [`PassesRecordLimit`], as a service marks the delete of a
+    /// principal's own resource.
+    fn app(limit: u64, refuse: Arc<AtomicBool>) -> Router {
+        let layer = builder_for_p(store()).max_records_per_principal(Some(limit)).build();
+        let handler = move || {
+            let refuse = refuse.load(Ordering::SeqCst);
+            async move { if refuse { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED } }
+        };
+        let mark = |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            if req.headers().contains_key("x-passes") {
+                req.extensions_mut().insert(PassesRecordLimit);
+            }
+            next.run(req).await
+        };
+        Router::new().route("/v1/things", post(handler)).layer(layer).layer(axum::middleware::from_fn(mark))
+    }
+
+    #[tokio::test]
+    async fn refusals_that_stored_nothing_leave_the_limit_untouched() {
+        let refuse = Arc::new(AtomicBool::new(true));
+        let app = app(2, refuse.clone());
+        for i in 0..10 {
+            let r = send(&app, post_key("/v1/things", &format!("refused-{i}"))).await;
+            assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "refusal {i}: {}", r.text());
+        }
+        refuse.store(false, Ordering::SeqCst);
+        for key in ["a", "b"] {
+            let r = send(&app, post_key("/v1/things", key)).await;
+            assert_eq!(r.status, StatusCode::CREATED, "{key}: {}", r.text());
+        }
+        let over = send(&app, post_key("/v1/things", "c")).await;
+        assert_eq!(over.status, StatusCode::TOO_MANY_REQUESTS, "{}", over.text());
+        assert_eq!(over.problem_type(), "/problems/too-many-requests");
+    }
+
+    #[tokio::test]
+    async fn at_the_limit_a_failed_key_is_refused_and_a_marked_request_passes() {
+        let refuse = Arc::new(AtomicBool::new(true));
+        let app = app(1, refuse.clone());
+        assert_eq!(send(&app, post_key("/v1/things", "failed")).await.status, StatusCode::SERVICE_UNAVAILABLE);
+        refuse.store(false, Ordering::SeqCst);
+        assert_eq!(send(&app, post_key("/v1/things", "stored")).await.status, StatusCode::CREATED);
+        // At the limit: its stored key replays; its failed key would make one record more.
+        let replay = send(&app, post_key("/v1/things", "stored")).await;
+        assert_eq!((replay.status, replay.replayed()), (StatusCode::CREATED, true));
+        for key in ["failed", "new"] {
+            let r = send(&app, post_key("/v1/things", key)).await;
+            assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{key}: {}", r.text());
+        }
+        let mut marked = post_key("/v1/things", "marked");
+        marked.headers_mut().insert("x-passes", HeaderValue::from_static("yes"));
+        let r = send(&app, marked).await;
+        assert_eq!((r.status, r.replayed()), (StatusCode::CREATED, false), "{}", r.text());
+    }
+}

@@ -298,7 +298,7 @@ mod announced {
     use async_trait::async_trait;
     use idempotency::{
         Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-        RecordQuery, Scope, StoreError, StoredResponse, Timestamp,
+        RecordQuery, Renewal, Scope, StoreError, StoredResponse, Timestamp,
     };
 
     use super::*;
@@ -320,8 +320,8 @@ mod announced {
         async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
             self.inner.reclaim(req).await
         }
-        async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-            self.inner.heartbeat(claim, now).await
+        async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+            self.inner.heartbeat(claim, renewal).await
         }
         async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
             self.inner.remove(claim).await

@@ -199,7 +199,7 @@ mod outcomes {
         async fn heartbeat(
             &self,
             _: &idempotency::Claim,
-            _: idempotency::Timestamp,
+            _: idempotency::Renewal,
         ) -> Result<(), idempotency::StoreError> {
             Err(down())
         }
@@ -263,9 +263,9 @@ mod outcomes {
         async fn heartbeat(
             &self,
             c: &idempotency::Claim,
-            t: idempotency::Timestamp,
+            renewal: idempotency::Renewal,
         ) -> Result<(), idempotency::StoreError> {
-            DownStore.heartbeat(c, t).await
+            DownStore.heartbeat(c, renewal).await
         }
         async fn remove(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
             DownStore.remove(c).await

@@ -237,7 +237,7 @@ pub async fn long_scopes_are_stored_apart(fx: Fixture) {
     let b = scope_with(&principal, &format!("{path}b"), &key);
 
     let ca = owned(&*fx.store, request(&a, &fp("a"), t)).await;
-    fx.store.heartbeat(&ca, t + Span::seconds(1)).await.expect("heartbeat");
+    fx.store.heartbeat(&ca, renewal(t + Span::seconds(1))).await.expect("heartbeat");
     fx.store.complete(&ca, &response(201, b"a"), t + Span::hours(1)).await.expect("complete");
     let ra = existing(&*fx.peer, request(&a, &fp("a"), t)).await;
     assert_eq!(ra.scope, a, "the record of a long scope carries that scope whole");

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 
 use crate::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Principal, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-    RecordQuery, Scope, Store, StoreError, StoredResponse, Timestamp,
+    RecordQuery, Renewal, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 /// A store that keeps a guard (a temp dir, a test database, a cluster, a key prefix to clean up)
@@ -58,8 +58,8 @@ impl<S: Store, G: Send + Sync + 'static> Store for Holding<S, G> {
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         self.store.reclaim(req).await
     }
-    async fn heartbeat(&self, claim: &Claim, now: Timestamp) -> Result<(), StoreError> {
-        self.store.heartbeat(claim, now).await
+    async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
+        self.store.heartbeat(claim, renewal).await
     }
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
         self.store.remove(claim).await

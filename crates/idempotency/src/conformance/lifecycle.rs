@@ -139,8 +139,7 @@ pub async fn expiry_frees_the_key_by_the_day(fx: Fixture) {
 
     // Expired: absent to a claim before any sweep. The new record lives until tomorrow.
     let at = t + Span::seconds(61);
-    let renewed =
-        ClaimRequest { scope: unswept.clone(), fingerprint: fp("b"), now: at, expires_at: now() + Span::days(1) };
+    let renewed = ClaimRequest { expires_at: now() + Span::days(1), ..request(&unswept, &fp("b"), at) };
     let again = owned(&*fx.peer, renewed).await;
     assert_ne!(again.record().record_id, first_ids[1]);
     assert_eq!(again.generation(), 1);
@@ -199,11 +198,7 @@ pub async fn reclaim_extends_expiry(fx: Fixture) {
     let t = now();
     let retention = Span::hours(1);
     let scope = fresh_scope();
-    let first = owned(
-        &*fx.store,
-        ClaimRequest { scope: scope.clone(), fingerprint: fp("a"), now: t, expires_at: t + retention },
-    )
-    .await;
+    let first = owned(&*fx.store, ClaimRequest { expires_at: t + retention, ..request(&scope, &fp("a"), t) }).await;
     fx.store.fail(&first).await.expect("fail");
     let old_expiry = t + retention;
 
@@ -261,9 +256,9 @@ pub async fn heartbeat_keeps_a_claim_live(fx: Fixture) {
     let t = now();
     let claim = owned(&*fx.store, request(&scope, &fp("a"), t)).await;
     let beat = t + Span::seconds(200);
-    fx.peer.heartbeat(&claim, beat).await.expect("heartbeat");
+    fx.peer.heartbeat(&claim, renewal(beat)).await.expect("heartbeat");
     // An older heartbeat (another replica's clock) does not move it back.
-    fx.store.heartbeat(&claim, t + Span::seconds(100)).await.expect("heartbeat");
+    fx.store.heartbeat(&claim, renewal(t + Span::seconds(100))).await.expect("heartbeat");
     let r = fx.store.get(&scope).await.expect("get").expect("row");
     assert_eq!((r.state, r.generation, r.started_at, r.created_at), (RecordState::InFlight, 1, beat, t));
 
@@ -312,22 +307,25 @@ pub async fn heartbeat_is_fenced(fx: Fixture) {
         .await
         .expect("reclaim")
         .expect("stale");
-    let late = fx.store.heartbeat(&slow, stale + Span::seconds(1)).await;
+    let late = fx.store.heartbeat(&slow, renewal(stale + Span::seconds(1))).await;
     assert!(matches!(late, Err(StoreError::Fenced { generation: 1 })), "{late:?}");
     assert_eq!(fx.store.get(&scope).await.expect("get").expect("row").started_at, stale, "nothing written");
-    fx.peer.heartbeat(&newer, stale + Span::seconds(2)).await.expect("the current claim renews");
+    fx.peer.heartbeat(&newer, renewal(stale + Span::seconds(2))).await.expect("the current claim renews");
 
     fx.peer.complete(&newer, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
-    assert!(matches!(fx.store.heartbeat(&newer, stale + Span::seconds(3)).await, Err(StoreError::Fenced { .. })));
+    assert!(matches!(
+        fx.store.heartbeat(&newer, renewal(stale + Span::seconds(3))).await,
+        Err(StoreError::Fenced { .. })
+    ));
 
     let failed = owned(&*fx.store, request(&fresh_scope(), &fp("a"), t)).await;
     fx.store.fail(&failed).await.expect("fail");
-    assert!(matches!(fx.store.heartbeat(&failed, t).await, Err(StoreError::Fenced { .. })));
+    assert!(matches!(fx.store.heartbeat(&failed, renewal(t)).await, Err(StoreError::Fenced { .. })));
 
     let gone_scope = fresh_scope();
     let gone = owned(&*fx.store, request(&gone_scope, &fp("a"), t)).await;
     fx.store.remove(&gone).await.expect("remove");
-    assert!(matches!(fx.store.heartbeat(&gone, t).await, Err(StoreError::Fenced { .. })));
+    assert!(matches!(fx.store.heartbeat(&gone, renewal(t)).await, Err(StoreError::Fenced { .. })));
     assert!(fx.store.get(&gone_scope).await.expect("get").is_none(), "a fenced heartbeat must not recreate the row");
 }
 
@@ -388,11 +386,11 @@ pub async fn counts_a_principals_live_records(fx: Fixture) {
         owned(&*fx.store, request(&scope_with(&alice, "/v1/workers", &format!("k{i}")), &fp("a"), t)).await;
     }
     owned(&*fx.store, request(&scope_with(&bob, "/v1/workers", "k0"), &fp("a"), t)).await;
+    // In flight for a second: its TTL is shorter than that, so it expires with its retention.
     let short = ClaimRequest {
-        scope: scope_with(&alice, "/v1/workers", "short"),
-        fingerprint: fp("a"),
-        now: t,
+        in_flight_ttl: Duration::from_millis(500),
         expires_at: t + Span::seconds(1),
+        ..request(&scope_with(&alice, "/v1/workers", "short"), &fp("a"), t)
     };
     owned(&*fx.store, short).await;
     existing(&*fx.store, request(&scope_with(&alice, "/v1/workers", "k0"), &fp("a"), t)).await;
@@ -400,4 +398,45 @@ pub async fn counts_a_principals_live_records(fx: Fixture) {
     assert_eq!(count(fx.peer.clone(), alice.clone(), t).await, Some(4), "the other handle counts the same");
     assert_eq!(count(fx.store.clone(), alice, t + Span::seconds(2)).await, Some(3), "the expired one is not counted");
     assert_eq!(count(fx.peer.clone(), bob, t).await, Some(1));
+}
+
+/// `count_records` counts what a principal stores: records completed or in flight. A failed one
+/// stored nothing and does not count, nor does a removed or a forgotten one; a failed record
+/// taken over counts again while its new attempt lives. Both handles count the same.
+pub async fn counts_only_what_a_principal_stores(fx: Fixture) {
+    let t = now();
+    let alice = unique("alice");
+    let count = |store: Arc<dyn Store>| {
+        let principal = Principal::new(alice.clone());
+        async move { store.count_records(&principal, t).await.expect("count") }
+    };
+    let Some(none) = count(fx.store.clone()).await else { return };
+    assert_eq!(none, 0);
+    let claim = |key: &str| owned(&*fx.store, request(&scope_with(&alice, "/v1/workers", key), &fp("a"), t));
+    let in_flight = claim("in-flight").await;
+    let completed = claim("completed").await;
+    fx.store.complete(&completed, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete");
+    let failed = claim("failed").await;
+    fx.store.fail(&failed).await.expect("fail");
+    assert_eq!(count(fx.store.clone()).await, Some(2), "a failed record stored nothing");
+    assert_eq!(count(fx.peer.clone()).await, Some(2), "the other handle counts the same");
+
+    // A failed record taken over counts again; failed again, it stops.
+    let found = existing(&*fx.peer, request(failed.scope(), &fp("a"), t)).await;
+    let reclaim = ReclaimRequest { record: &found, now: t, in_flight_ttl: TTL, expires_at: t + Span::hours(1) };
+    let again = fx.peer.reclaim(reclaim).await.expect("reclaim").expect("a failed record is reclaimed");
+    assert_eq!(count(fx.store.clone()).await, Some(3), "a live attempt counts");
+    fx.peer.fail(&again).await.expect("fail");
+    assert_eq!(count(fx.store.clone()).await, Some(2));
+
+    // An attempt that fails, a removed record and a forgotten one count no more.
+    fx.store.fail(&in_flight).await.expect("fail");
+    let removed = claim("removed").await;
+    assert_eq!(count(fx.peer.clone()).await, Some(2));
+    fx.store.remove(&removed).await.expect("remove");
+    assert_eq!(count(fx.peer.clone()).await, Some(1));
+    let forgotten = fx.peer.forget(&completed.record().record_id).await.expect("forget");
+    assert!(matches!(forgotten, crate::Forget::Forgotten(_)), "{forgotten:?}");
+    assert_eq!(count(fx.store.clone()).await, Some(0));
+    assert_eq!(count(fx.peer.clone()).await, Some(0));
 }

@@ -27,7 +27,7 @@ use chrono::Duration as Span;
 
 use crate::{
     ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Principal, ReclaimRequest,
-    RecordState, Scope, Store, StoreError, StoredBody, StoredResponse, Timestamp, now,
+    RecordState, Renewal, Scope, Store, StoreError, StoredBody, StoredResponse, Timestamp, now,
 };
 
 pub use crate::faulty::{FaultyStore, InjectedFault, Op};
@@ -36,12 +36,14 @@ pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
 pub use port::{HeldPort, free_port_with, free_ports};
+pub use retention::*;
 
 mod claims;
 mod holding;
 mod lifecycle;
 mod operating;
 mod port;
+mod retention;
 
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.
@@ -82,7 +84,18 @@ pub(super) fn fp(s: &str) -> Fingerprint {
 }
 
 pub(super) fn request(scope: &Scope, fingerprint: &Fingerprint, at: Timestamp) -> ClaimRequest {
-    ClaimRequest { scope: scope.clone(), fingerprint: fingerprint.clone(), now: at, expires_at: at + Span::hours(24) }
+    ClaimRequest {
+        scope: scope.clone(),
+        fingerprint: fingerprint.clone(),
+        now: at,
+        in_flight_ttl: TTL,
+        expires_at: at + Span::hours(24),
+    }
+}
+
+/// A renewal at `at` by an attempt whose retention is a day, like [`request`]'s.
+pub(super) fn renewal(at: Timestamp) -> Renewal {
+    Renewal { now: at, in_flight_ttl: TTL, expires_at: at + Span::hours(24) }
 }
 
 pub(super) fn response(status: u16, body: &[u8]) -> StoredResponse {
@@ -203,6 +216,11 @@ macro_rules! store_conformance_suite {
                 forget_spares_in_flight_and_frees_the_key,
                 foreign_cursor_is_refused,
                 counts_a_principals_live_records,
+                an_in_flight_record_outlives_a_short_retention,
+                a_heartbeat_renews_the_expiry_of_an_in_flight_record,
+                a_reclaim_keeps_the_record_for_at_least_the_ttl,
+                a_live_claim_is_never_replaced_past_its_expiry,
+                counts_only_what_a_principal_stores,
                 $($expiry,)*
             );
         }

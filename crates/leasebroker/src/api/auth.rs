@@ -12,15 +12,20 @@ use subtle::ConstantTimeEq;
 use super::*;
 
 pub(super) fn unauthorized() -> Response {
-    let mut r = Problem::new(
-        StatusCode::UNAUTHORIZED,
-        problems::UNAUTHORIZED,
-        "Unauthorized",
-        "a valid bearer token is required",
-    )
-    .into_response();
+    unauthorized_because("a valid bearer token is required")
+}
+
+/// `401` with `detail`. A token valid only for the other kind of route gets it too (SPEC 3.2 and
+/// 7 name no other status), with a detail that says so instead of calling the token invalid.
+fn unauthorized_because(detail: &'static str) -> Response {
+    let mut r = Problem::new(StatusCode::UNAUTHORIZED, problems::UNAUTHORIZED, "Unauthorized", detail).into_response();
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     r
+}
+
+/// Whether `digest` is the admin token's, compared in constant time.
+fn is_admin(state: &AppState, digest: &[u8; 32]) -> bool {
+    state.admin_token.is_some_and(|known| bool::from(known.ct_eq(digest)))
 }
 
 pub(super) fn bearer(headers: &HeaderMap) -> Option<[u8; 32]> {
@@ -60,6 +65,10 @@ pub(crate) async fn authenticate(State(state): State<AppState>, mut req: Request
             req.extensions_mut().insert(p);
             next.run(req).await
         }
+        None if is_admin(&state, &digest) => unauthorized_because(
+            "this is the admin token: it is valid for /admin and the console, not for /v1 routes, which take a \
+             tenant's token",
+        ),
         None => unauthorized(),
     }
 }
@@ -95,11 +104,16 @@ pub const ADMIN_PRINCIPAL: &str = "admin";
 /// The bearer check of `/admin`: the admin token (whose requests run as [`ADMIN_PRINCIPAL`]),
 /// else `401`.
 pub(crate) async fn authenticate_admin(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    match (state.admin_token, bearer(req.headers())) {
-        (Some(known), Some(digest)) if bool::from(known.ct_eq(&digest)) => {
-            req.extensions_mut().insert(Principal::new(ADMIN_PRINCIPAL));
-            next.run(req).await
-        }
-        _ => unauthorized(),
+    let Some(digest) = bearer(req.headers()) else { return unauthorized() };
+    if is_admin(&state, &digest) {
+        req.extensions_mut().insert(Principal::new(ADMIN_PRINCIPAL));
+        return next.run(req).await;
+    }
+    match principal_for(state.tokens.iter(), &digest) {
+        Some(_) => unauthorized_because(
+            "this is a tenant's token: it is valid for /v1 routes, not for /admin routes, which take the admin \
+             token",
+        ),
+        None => unauthorized(),
     }
 }

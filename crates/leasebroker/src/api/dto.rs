@@ -86,8 +86,10 @@ pub fn fleet_from_counts(counts: Counts, vms_running: usize) -> Fleet {
 
 /// `GET /v1/workers` query.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Page size, 1-500 (default 100).
+    #[param(minimum = 1, maximum = 500, default = 100)]
     pub limit: Option<u32>,
     /// The previous page's `next_cursor`.
     pub cursor: Option<String>,

@@ -10,7 +10,7 @@ use idempotency::Principal;
 use idempotency_tower::{IdempotencyContext, Problem};
 use leasebroker_api::problems;
 
-use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError};
+use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError, is_worker_id};
 use leasebroker_api::ResolveOperation;
 
 use super::problems::parse_json;
@@ -77,7 +77,7 @@ pub async fn get_worker(
 
 /// Lists the caller's workers, a page at a time.
 #[utoipa::path(get, path = "/v1/workers", tag = "workers", params(ListQuery),
-    responses((status = 200, body = WorkerPage), (status = 400, description = "Bad limit"), (status = 401, description = "Unauthorized")),
+    responses((status = 200, body = WorkerPage), (status = 400, description = "A bad limit or cursor"), (status = 401, description = "Unauthorized")),
     security(("bearer" = [])))]
 pub async fn list_workers(
     State(state): State<AppState>,
@@ -90,6 +90,10 @@ pub async fn list_workers(
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")).into());
+    }
+    // A cursor is the last worker id of a page; anything else would read as an empty last page.
+    if q.cursor.as_deref().is_some_and(|c| !is_worker_id(c)) {
+        return Err(invalid("cursor is not a cursor this listing gave out".into()).into());
     }
     let rows = state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await?;
     let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();

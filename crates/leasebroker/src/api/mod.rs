@@ -3,6 +3,8 @@
 //!
 //! - [`dto`]: what the API shows (workers, pages, the fleet);
 //! - `auth`: bearer tokens, the admin token, the per-principal rate limit;
+//! - `shares`: each principal's requests in progress, the process's turns, and the delete that
+//!   passes the record limit;
 //! - `problems`: errors as bounded problem+json, JSON bodies parsed without quoting them;
 //! - `handlers`: one function per route.
 
@@ -21,6 +23,7 @@ pub mod dto;
 mod handlers;
 mod problems;
 mod records;
+mod shares;
 
 pub use auth::ADMIN_PRINCIPAL;
 pub(crate) use auth::{authenticate, authenticate_admin, rate_limit};
@@ -28,6 +31,8 @@ pub use dto::*;
 pub use handlers::*;
 pub use problems::{ApiError, MAX_DETAIL, json_error_detail};
 pub use records::*;
+pub use shares::{MAX_IN_FLIGHT, Shares};
+pub(crate) use shares::{admin_share, console_share, own_deletes_pass, tenant_share};
 
 /// Shared state of the handlers, behind one `Arc`: axum clones the state for every middleware
 /// and handler of every request, and the services inside hold several clients (a clone of each
@@ -69,6 +74,9 @@ pub struct AppStateInner {
     pub hypervisor: HypervisorClient,
     /// The per-principal limit on mutating requests (`--rate-limit`), if any.
     pub rate_limiter: Option<Arc<PrincipalRateLimiter>>,
+    /// Each principal's requests in progress (`--max-concurrent-per-principal`) and the
+    /// process's turns.
+    pub shares: Shares,
     /// The audit trail of operators' actions on records.
     pub audit: crate::audit::Audit,
     /// Whether the stores answer, for requests that wait on them too long.

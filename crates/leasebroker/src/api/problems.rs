@@ -207,11 +207,17 @@ pub(crate) fn store_outage(e: &sqlx::Error) -> bool {
 /// connections), 57P01-57P03 (shutdown, crash, cannot connect now), 57014 (statement timeout),
 /// 25006 (a read-only transaction: the host is a standby, as after a failover), 55000 (what a
 /// new connection gets from a database that does not accept connections now), 40001 and 40P01
-/// (serialization failure, deadlock: retryable).
+/// (serialization failure, deadlock: retryable), 55P03 (a lock not granted within
+/// `lock_timeout`: another session holds it, perhaps a stopped replica's) and 25P03 (this
+/// session sat idle in its transaction past `idle_in_transaction_session_timeout`, as a stopped
+/// replica's does: the server ended it, and nothing of it was committed).
 fn postgres_outage(code: &str) -> bool {
     code.starts_with("08")
         || code.starts_with("53")
-        || matches!(code, "57P01" | "57P02" | "57P03" | "57014" | "25006" | "55000" | "40001" | "40P01")
+        || matches!(
+            code,
+            "57P01" | "57P02" | "57P03" | "57014" | "25006" | "55000" | "40001" | "40P01" | "55P03" | "25P03"
+        )
 }
 
 /// SQLite: BUSY (5), LOCKED (6), IOERR (10), FULL (13), CANTOPEN (14), and their extended codes.

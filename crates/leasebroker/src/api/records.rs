@@ -50,6 +50,7 @@ pub fn admin_record(r: &StoredRecord, body: bool) -> Record {
 
 /// `GET /admin/v1/records` query.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct RecordsQuery {
     /// `in_flight`, `failed` or `completed`.
     pub state: Option<String>,
@@ -59,6 +60,7 @@ pub struct RecordsQuery {
     /// `7d`): with `state=in_flight`, the attempts that are stuck.
     pub older_than: Option<String>,
     /// Page size, 1-500 (default 100).
+    #[param(minimum = 1, maximum = 500, default = 100)]
     pub limit: Option<u32>,
     /// The previous page's `next_cursor`.
     pub cursor: Option<String>,
@@ -66,6 +68,7 @@ pub struct RecordsQuery {
 
 /// `GET /admin/v1/records/{id}` query.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct RecordQueryParams {
     /// `true`: include the stored response body.
     pub body: Option<String>,

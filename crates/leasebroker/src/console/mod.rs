@@ -3,7 +3,9 @@
 //! - Login with the admin token through a form (`/console/login`); a tenant's token is refused.
 //!   A login starts a server-side session ([`session`]): the browser holds only a random session
 //!   id, in an `HttpOnly; SameSite=Strict; Path=/console` cookie (`Secure` behind a TLS proxy
-//!   that sends `X-Forwarded-Proto: https`), never the token.
+//!   that sends `X-Forwarded-Proto: https`), never the token. Sign-ins are throttled per source
+//!   address ([`throttle`]: ten at once, one more every six seconds, `429` beyond), and each one
+//!   refused for a wrong token is logged with its source.
 //! - Every form posts the session's CSRF token in a hidden field, compared in constant time; a
 //!   POST whose `Origin` is another origin, or whose `Sec-Fetch-Site` says another site sent it,
 //!   is refused too (403).
@@ -20,7 +22,9 @@
 //! `Content-Security-Policy` says so to the browser.
 
 use axum::extract::rejection::{FormRejection, QueryRejection};
-use axum::extract::{Form, Path, Query, State};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use axum::extract::{ConnectInfo, Form, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -34,18 +38,23 @@ use crate::api::{ADMIN_PRINCIPAL, AppState, ForgetError, RecordsQuery, fleet_sna
 pub mod chart;
 mod pages;
 pub mod session;
+pub mod throttle;
 
 pub use chart::OutcomeHistory;
 pub use session::Sessions;
+pub use throttle::LoginThrottle;
 
 /// How many rows each overview table shows.
 const ROWS: u32 = 50;
 
-/// The console's own state: its sessions and the outcome history its chart draws.
+/// The console's own state: its sessions, the sign-in budget of each source, and the outcome
+/// history its chart draws.
 #[derive(Debug, Clone, Default)]
 pub struct Console {
     /// Logged-in sessions.
     pub sessions: Sessions,
+    /// Sign-in attempts per source address.
+    pub logins: LoginThrottle,
     /// Samples of the outcome counters.
     pub history: OutcomeHistory,
 }
@@ -186,11 +195,24 @@ struct LoginForm {
 async fn login(
     State(state): State<AppState>,
     Extension(console): Extension<Console>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     headers: HeaderMap,
     form: Result<Form<LoginForm>, FormRejection>,
 ) -> Response {
     if cross_site(&headers) {
         return forbidden("this form was posted from another site");
+    }
+    // Throttled before the token is looked at: a right guess past the budget is refused too.
+    let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |Extension(ConnectInfo(addr))| addr.ip());
+    if let Err(throttled) = console.logins.attempt(source) {
+        if throttled.first {
+            tracing::warn!(%source, "console: sign-ins throttled: too many attempts from this source");
+        }
+        let wait = throttled.retry_after;
+        let why = format!("too many sign-in attempts from your address: try again in {wait} s");
+        let mut r = page(StatusCode::TOO_MANY_REQUESTS, pages::login(Some(&why), state.admin_token.is_some()));
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
+        return r;
     }
     let token = form.map(|Form(f)| f.token).unwrap_or_default();
     // Only the admin token, compared in constant time; a tenant's token is no admin's.
@@ -199,11 +221,11 @@ async fn login(
         _ => false,
     };
     if !admitted {
-        tracing::warn!("console: a login with a wrong token was refused");
+        tracing::warn!(%source, "console: a login with a wrong token was refused");
         return page(StatusCode::UNAUTHORIZED, pages::login(Some("wrong token"), state.admin_token.is_some()));
     }
     let (id, _) = console.sessions.start();
-    tracing::info!(target: "leasebroker::audit", actor = ADMIN_PRINCIPAL, action = "console-login", "audit: an operator signed in to the console");
+    tracing::info!(target: "leasebroker::audit", actor = ADMIN_PRINCIPAL, action = "console-login", %source, "audit: an operator signed in to the console");
     let mut r = Redirect::to("/console").into_response();
     if let Ok(v) = HeaderValue::from_str(&session::set_cookie(&id, over_tls(&headers))) {
         r.headers_mut().insert(header::SET_COOKIE, v);

@@ -6,6 +6,7 @@
 use std::fmt::{self, Display, Write as _};
 
 use idempotency::{Record, RecordPage, RecordState};
+use leasebroker_api::text::needs_escape;
 
 use crate::activity::Action;
 use crate::api::Fleet;
@@ -15,22 +16,26 @@ use crate::domain::{LiveOperation, WorkerRow};
 /// The stylesheet, served by the binary at `/console/console.css`.
 pub(super) const CSS: &str = include_str!("console.css");
 
-/// Text escaped for HTML content and double- or single-quoted attribute values.
+/// Text escaped for HTML content and double- or single-quoted attribute values; control
+/// characters and bidirectional overrides are written as visible `\uXXXX`, as `lbctl` prints
+/// them ([`leasebroker_api::text`]), so a label cannot reorder or hide what the page shows.
 pub(super) struct E<'a>(pub(super) &'a str);
 
 impl Display for E<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut rest = self.0;
-        while let Some(i) = rest.find(['&', '<', '>', '"', '\'']) {
+        while let Some(i) = rest.find(|c: char| matches!(c, '&' | '<' | '>' | '"' | '\'') || needs_escape(c)) {
             f.write_str(&rest[..i])?;
-            f.write_str(match rest.as_bytes()[i] {
-                b'&' => "&amp;",
-                b'<' => "&lt;",
-                b'>' => "&gt;",
-                b'"' => "&quot;",
-                _ => "&#39;",
-            })?;
-            rest = &rest[i + 1..];
+            let c = rest[i..].chars().next().unwrap_or_default();
+            match c {
+                '&' => f.write_str("&amp;")?,
+                '<' => f.write_str("&lt;")?,
+                '>' => f.write_str("&gt;")?,
+                '"' => f.write_str("&quot;")?,
+                '\'' => f.write_str("&#39;")?,
+                _ => write!(f, "\\u{:04x}", u32::from(c))?,
+            }
+            rest = &rest[i + c.len_utf8()..];
         }
         f.write_str(rest)
     }
@@ -388,6 +393,7 @@ mod tests {
             "&lt;a href=&quot;x&quot; title=&#39;y&#39;&gt;&amp;amp;&lt;/a&gt;"
         );
         assert_eq!(E("plain ünïcode").to_string(), "plain ünïcode");
+        assert_eq!(E("\u{202e}gpj.exe <b>\u{1b}[1m").to_string(), "\\u202egpj.exe &lt;b&gt;\\u001b[1m");
     }
 
     #[test]

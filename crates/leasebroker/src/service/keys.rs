@@ -79,6 +79,12 @@ pub fn public_id(prefix: &str, sub: &SubKey) -> String {
     format!("{prefix}-{}", &hex[..16.min(hex.len())])
 }
 
+/// Whether `id` has the form [`public_id`] gives a worker's id: `wkr-` and hex digits.
+pub fn is_worker_id(id: &str) -> bool {
+    id.strip_prefix("wkr-")
+        .is_some_and(|hex| !hex.is_empty() && hex.len() <= 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// The kinds of leasebroker's operations, as the effect ledger stores them (`fx_operations.kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {

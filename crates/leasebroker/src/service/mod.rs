@@ -58,7 +58,7 @@ pub use effects::{Boot, DeleteVm, Reboot, TAG_PREFIX};
 pub(crate) use effects::{call_error, effect_failed};
 pub use error::ServiceError;
 pub use hook::{Hook, Step};
-pub use keys::{CreateKeys, OpKind, RequestRecord, public_id};
+pub use keys::{CreateKeys, OpKind, RequestRecord, is_worker_id, public_id};
 
 /// The workers service.
 #[derive(Debug, Clone)]

@@ -266,6 +266,58 @@ async fn the_console_shows_what_tenants_sent_escaped() {
     assert!(records.contains("&lt;script&gt;alert(&#39;key&#39;)&lt;/script&gt;"), "the key, escaped:\n{records}");
 }
 
+/// Issue 45: a label's bidirectional override (U+202E) and control characters reach the page
+/// as visible `\uXXXX` escapes, as `lbctl` prints them, never as characters that reorder or
+/// hide the text around them.
+#[tokio::test]
+async fn the_console_escapes_bidirectional_overrides_and_control_characters() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_logged(&sqlite_url(&dir), &[]);
+    let base = lb.url.as_str();
+    let body = json!({"image": "worker-base:2025.11", "cpu": 1, "memory_gb": 1,
+                      "labels": {"owner": "\u{202e}gpj.exe", "note": "a\u{1b}[31mred\u{7}"}});
+    let created = create(base, TOKEN, "bidi-label-1", &body).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&created.body));
+    let (cookie, _) = sign_in(base).await;
+    let overview = text(&get(base, "/console", Some(&cookie)).await);
+    for c in ['\u{202e}', '\u{1b}', '\u{7}'] {
+        assert!(!overview.contains(c), "U+{:04X} reached the page unescaped", u32::from(c));
+    }
+    assert!(overview.contains("owner=\\u202egpj.exe"), "the override, escaped:\n{overview}");
+    assert!(overview.contains("note=a\\u001b[31mred\\u0007"), "the controls, escaped:\n{overview}");
+}
+
+/// Issue 45: sign-ins are throttled per source address (every attempt counts, so a right token
+/// guessed after the budget is spent is refused too), and a refused one is logged with its
+/// source.
+#[tokio::test]
+async fn console_sign_ins_are_throttled_per_source_and_failures_logged_with_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve_logged(&sqlite_url(&dir), &[]);
+    let base = lb.url.as_str();
+    let mut statuses = Vec::new();
+    for i in 0..12 {
+        let r = post_form(base, "/console/login", None, &[("token", &format!("wrong-{i}"))], &[]).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS {
+            let wait = r.headers.get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+            assert!(wait.is_some_and(|w| w >= 1), "a Retry-After in seconds: {:?}", r.headers);
+            assert!(text(&r).contains(r#"name="token""#), "the form again, with why");
+        }
+        statuses.push(r.status.as_u16());
+    }
+    assert_eq!(&statuses[..10], &[401; 10], "{statuses:?}");
+    assert_eq!(&statuses[10..], &[429; 2], "{statuses:?}");
+    let right = post_form(base, "/console/login", None, &[("token", ADMIN)], &[]).await;
+    assert_eq!(right.status, StatusCode::TOO_MANY_REQUESTS, "throttled before the token is looked at");
+    assert!(right.headers.get(SET_COOKIE).is_none());
+
+    let line = lb.wait_for_line(&["a login with a wrong token was refused", "source=127.0.0.1"]);
+    assert!(!line.contains("wrong-0"), "the token tried is never logged: {line}");
+    lb.wait_for_line(&["sign-ins throttled", "source=127.0.0.1"]);
+    let refused = lb.log().lines().filter(|l| l.contains("a login with a wrong token was refused")).count();
+    assert_eq!(refused, 10, "one line per refused token, none per throttled attempt");
+}
+
 #[tokio::test]
 async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor() {
     let dir = tempfile::tempdir().expect("tempdir");

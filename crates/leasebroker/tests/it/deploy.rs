@@ -141,6 +141,43 @@ async fn the_rules_and_the_dashboard_name_only_metrics_the_service_exports() {
     }
 }
 
+/// Issue 45: every counter an alert reads with `increase(...)` or `rate(...)` is on `/metrics` at
+/// zero from the start, so the first event after a start is an increase Prometheus can see (a
+/// series that appears at 1 has no earlier sample to increase from). So are the other counters of
+/// what went wrong and was cleaned up: records swept, each kind of rollback.
+#[tokio::test]
+async fn the_counters_alerts_read_are_on_metrics_at_zero_from_the_start() {
+    let rules = read("deploy/prometheus/leasebroker-alerts.yml");
+    let re = regex::Regex::new(r"(?:increase|rate)\(\s*([a-z_]+)(\{[^}]*\})?\[").expect("regex");
+    let mut wanted: Vec<String> =
+        re.captures_iter(&rules).map(|c| format!("{}{}", &c[1], c.get(2).map_or("", |m| m.as_str()))).collect();
+    assert!(wanted.len() >= 3, "{wanted:?}");
+    wanted.push("idempotency_records_swept_total".into());
+    for resource in ["operation", "vm", "lease", "node"] {
+        wanted.push(format!(r#"leasebroker_reaper_rolled_back_total{{resource="{resource}"}}"#));
+    }
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = serve(&sqlite_url(&dir), &[]);
+    let page = reqwest::get(format!("{}/metrics", lb.url)).await.expect("metrics").text().await.expect("text");
+    for series in &wanted {
+        // `name value`, or `name{labels} value` whose labels include the wanted ones.
+        let (name, labels) =
+            series.split_once('{').map_or((series.as_str(), ""), |(n, l)| (n, l.trim_end_matches('}')));
+        let line = page.lines().find(|l| {
+            let Some(rest) = l.strip_prefix(name) else { return false };
+            if labels.is_empty() {
+                rest.starts_with(' ') || rest.starts_with('{')
+            } else {
+                rest.starts_with('{')
+                    && labels.split(',').all(|m| rest.split('}').next().unwrap_or_default().contains(m.trim()))
+            }
+        });
+        let line = line.unwrap_or_else(|| panic!("{series} is not on /metrics of a fresh server:\n{page}"));
+        assert!(line.ends_with(" 0"), "{series} starts at zero: {line}");
+    }
+}
+
 /// The words of a command line (no quoting is used in these files).
 fn words(line: &str) -> Vec<String> {
     line.split_whitespace().map(str::to_owned).collect()

@@ -686,17 +686,25 @@ mod racing_attempts {
             IdempotencyKey::try_from("racing-1").expect("key"),
         );
         RequestRecord::new(
-            ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record(),
+            ClaimRequest {
+                scope,
+                fingerprint: Fingerprint::from_stored("sha256:"),
+                now,
+                in_flight_ttl: Duration::ZERO,
+                expires_at: now,
+            }
+            .new_record(),
         )
     }
 
-    /// A live claim, taken now in `store`, on `POST path` by `principal` with `key` (it expires
-    /// in an hour).
+    /// A live claim, taken now in `store`, on `POST path` by `principal` with `key`, stale after
+    /// `in_flight_ttl` without a heartbeat (it expires in an hour).
     async fn claimed(
         store: &std::sync::Arc<dyn idempotency::Store>,
         principal: &str,
         path: &str,
         key: &str,
+        in_flight_ttl: Duration,
     ) -> idempotency::Claim {
         let now = idempotency::now();
         let scope = Scope::new(
@@ -708,6 +716,7 @@ mod racing_attempts {
             scope,
             fingerprint: Fingerprint::from_stored("sha256:"),
             now,
+            in_flight_ttl,
             expires_at: now + chrono::Duration::hours(1),
         };
         let outcome = store.claim(request).await.expect("claim");
@@ -773,6 +782,7 @@ mod racing_attempts {
                 scope,
                 fingerprint: Fingerprint::from_stored("sha256:"),
                 now,
+                in_flight_ttl: Duration::from_secs(1),
                 expires_at: now + chrono::Duration::hours(1),
             })
             .await
@@ -916,6 +926,7 @@ mod racing_attempts {
             scope,
             fingerprint: Fingerprint::from_stored("sha256:"),
             now,
+            in_flight_ttl: Duration::from_secs(1),
             expires_at: now + chrono::Duration::hours(1),
         };
         let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
@@ -1019,7 +1030,7 @@ mod racing_attempts {
         .expect("operations");
 
         let store = rig.db.idempotency_store();
-        let claim = claimed(&store, "alice", "/v1/workers", "victim-1").await;
+        let claim = claimed(&store, "alice", "/v1/workers", "victim-1", Duration::from_secs(1)).await;
         let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
@@ -1157,7 +1168,8 @@ mod racing_attempts {
         let rig = rig().await;
         let (firmware, bmc) = redfish_firmware(&rig, hook).await;
         let store = rig.db.idempotency_store();
-        let claim = claimed(&store, "admin", "/admin/v1/nodes/node-0002/firmware", "held-flash").await;
+        let path = "/admin/v1/nodes/node-0002/firmware";
+        let claim = claimed(&store, "admin", path, "held-flash", Duration::from_secs(300)).await;
         let op = RequestRecord::new(claim.record().clone());
         let tag = op.derive("flash").as_str().to_owned();
         let a1 = held_past_its_window(&firmware, &op, "node-0002", &mut held).await;

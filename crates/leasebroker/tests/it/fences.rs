@@ -115,9 +115,11 @@ async fn a_queue_for_the_database_never_turns_a_create_into_a_503() {
         ADMIN,
         "--pool-nodes",
         "128",
-        // One principal's 128 creates at once are over the default rate limit: this test is
-        // about the database's queue, not the rate limit.
+        // One principal's 128 creates at once are over the default rate limit and its default
+        // share of requests in progress: this test is about the database's queue, not those.
         "--rate-limit",
+        "0",
+        "--max-concurrent-per-principal",
         "0",
     ]);
     let body = json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4});

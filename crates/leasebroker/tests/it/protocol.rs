@@ -36,7 +36,7 @@ fn expires(r: &Reply) -> SystemTime {
 
 /// Starts a create with `key` in the background and waits until its record is in flight (the
 /// admin records API says so).
-async fn create_in_flight(base: &str, key: &str) -> tokio::task::JoinHandle<Reply> {
+pub(crate) async fn create_in_flight(base: &str, key: &str) -> tokio::task::JoinHandle<Reply> {
     let slow = tokio::spawn({
         let (base, key) = (base.to_owned(), key.to_owned());
         async move { create(&base, TOKEN, &key, &worker_body()).await }

@@ -5,6 +5,7 @@
 mod database;
 mod failover;
 mod outage;
+mod paused;
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -466,7 +467,10 @@ async fn a_flood_of_keys_from_one_principal_leaves_another_untouched_and_expires
     // Without the per-principal rate limit, which would otherwise refuse most of the flood.
     // Retention long enough that Bob's record is still there when he replays it however slowly
     // the flood runs on a loaded machine; the sweep is then waited for, not slept for.
-    let lb = serve(&sqlite_url(&dir), &["--retention", "8s", "--sweep-interval", "1s", "--rate-limit", "0"]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &["--retention", "8s", "--in-flight-ttl", "4s", "--sweep-interval", "1s", "--rate-limit", "0"],
+    );
     let base = lb.url.clone();
     let bobs = create(&base, OTHER, "shared-0", &worker_body()).await;
     assert_eq!(bobs.status, StatusCode::CREATED);

@@ -129,8 +129,23 @@ impl Proc {
 
     /// Sends SIGTERM (a graceful shutdown), without waiting.
     pub(crate) fn sigterm(&self) {
+        self.signal(rustix::process::Signal::TERM);
+    }
+
+    /// Stops it (SIGSTOP), as a frozen VM or a long pause would: it keeps its connections and
+    /// answers nothing until [`Proc::sigcont`].
+    pub(crate) fn sigstop(&self) {
+        self.signal(rustix::process::Signal::STOP);
+    }
+
+    /// Resumes it after [`Proc::sigstop`].
+    pub(crate) fn sigcont(&self) {
+        self.signal(rustix::process::Signal::CONT);
+    }
+
+    fn signal(&self, signal: rustix::process::Signal) {
         let pid = rustix::process::Pid::from_raw(i32::try_from(self.child.id()).expect("a pid")).expect("a pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+        rustix::process::kill_process(pid, signal).unwrap_or_else(|e| panic!("{signal:?}: {e}"));
     }
 
     /// Sends SIGTERM and waits (up to two minutes) for the exit code.

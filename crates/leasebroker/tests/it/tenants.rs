@@ -597,8 +597,10 @@ fn create_attempt(domain: &leasebroker::domain::Domain, i: usize) -> idempotency
     let now = idempotency::now();
     let key = IdempotencyKey::try_from(format!("k-{i}").as_str()).expect("key");
     let scope = Scope::new(Principal::new("alice"), Endpoint::new("POST", "/v1/workers"), key);
+    let fingerprint = Fingerprint::from_stored("sha256:");
     let mut record =
-        ClaimRequest { scope, fingerprint: Fingerprint::from_stored("sha256:"), now, expires_at: now }.new_record();
+        ClaimRequest { scope, fingerprint, now, in_flight_ttl: std::time::Duration::ZERO, expires_at: now }
+            .new_record();
     record.record_id = idempotency::RecordId::from_hex(&format!("{i:032x}")).expect("record id");
     idempotency_effects::Effects::new(domain.ledger()).attempt(&idempotency_effects::Operation::of(&record, "create"))
 }

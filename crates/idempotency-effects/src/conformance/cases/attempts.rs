@@ -200,6 +200,42 @@ pub async fn a_definite_refusal_releases_and_the_retry_sends_at_once(f: Fixture)
     assert_eq!(ds.with_tag(&tag), vec![done.id().to_owned()]);
 }
 
+/// A definite refusal releases only the send it answered. An attempt whose call was refused
+/// (a 4xx) pauses right before it releases the intent; meanwhile the settle window of that send
+/// passes and a newer attempt sends again, its answer lost (it may still land). The old
+/// attempt wakes and releases: the newer send must stay pending under its own stamp, so the
+/// next retry waits out its settle window instead of sending a third time at once.
+pub async fn a_paused_refusal_never_releases_a_newer_send(f: Fixture) {
+    let ds = Arc::new(Downstream::new("thing", false));
+    let (_claim, op) = fresh_op(&*f.store, "create").await;
+    let tag = op.derive("thing").to_string();
+    let gated = Gated::new(f.ledger.clone(), Step::Release);
+    let paused = {
+        let (op, ds, gated) = (op.clone(), ds.clone(), gated.clone());
+        tokio::spawn(async move {
+            let attempt = Effects::new(gated).settle(SETTLE).attempt(&op);
+            attempt.run(&*ds, |t| async { ds.send_refused(t) }).await
+        })
+    };
+    gated.reached().await;
+    wait_out_settle().await;
+    let newer = effects(&f.peer).attempt(&op).run(&*ds, |t| async { ds.send_dropped(t) }).await;
+    assert!(matches!(newer, Err(EffectError::Ambiguous(_))), "the newer attempt sends again: {newer:?}");
+    let resent = f.peer.intent(&tag).await.unwrap().expect("the intent");
+    gated.release();
+    let woke = paused.await.expect("task");
+    assert!(matches!(woke, Err(EffectError::Refused(_))), "{woke:?}");
+    let after = f.ledger.intent(&tag).await.unwrap().expect("the intent");
+    assert_eq!(
+        (after.state, after.sent_at),
+        (IntentState::Pending, resent.sent_at),
+        "the old attempt's refusal released the newer send"
+    );
+    let next = effects(&f.ledger).attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
+    assert!(matches!(next, Err(EffectError::Settling { .. })), "the next retry sent at once: {next:?}");
+    assert_eq!(ds.sends(), 2, "the refused call and the newer one; nothing inside the newer one's window");
+}
+
 /// The ledger answers 1.5 s late (a queue for a connection, a busy writer) with a send stamp
 /// 1 s ahead: the stamp is taken once the transaction holds its lock, so the call still goes
 /// out (hole 4: a stamp taken before the wait answered 503).

@@ -173,7 +173,7 @@ pub async fn the_reaper_waits_for_a_live_claim_and_the_settle_window(f: Fixture)
         vec![ds.clone() as Arc<dyn Effect>],
         ReaperConfig { in_flight_ttl: Duration::from_secs(3600), ..reaper_config() },
     )
-    .compensate(released.clone());
+    .service(released.clone());
     // Held by a live claim (its TTL is an hour): put off, nothing undone.
     f.ledger.put_off(op.id(), 0).await.unwrap();
     let pass = reaper.tick().await.unwrap();
@@ -206,7 +206,7 @@ pub async fn the_reaper_waits_for_a_live_claim_and_the_settle_window(f: Fixture)
 struct Released(std::sync::Mutex<Vec<String>>);
 
 #[async_trait::async_trait]
-impl crate::Compensate for Released {
+impl crate::Abandoned for Released {
     async fn release(&self, op: &crate::OperationRow) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         self.0.lock().unwrap().push(op.op_id.clone());
         Ok(())

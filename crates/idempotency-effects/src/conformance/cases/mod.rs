@@ -7,9 +7,11 @@ use crate::{Ledger, Mark, ReaperConfig};
 
 mod attempts;
 mod background;
+mod reaping;
 
 pub use attempts::*;
 pub use background::*;
+pub use reaping::*;
 
 fn reaper_config() -> ReaperConfig {
     ReaperConfig {

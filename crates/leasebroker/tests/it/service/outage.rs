@@ -363,8 +363,10 @@ async fn metric_count(base: &str, series: &str) -> u64 {
 }
 
 /// The records on Redis: it dies while creates run and stays down past every retry of their
-/// completions, then comes back with its data. With the default in-flight TTL, every retry
-/// resumes at once (the records were released when Redis answered again), one VM per key.
+/// completions, then comes back with its data. The records stay in flight (their clients were
+/// answered as final, SPEC 1.5), and nobody renews their claims once the retries end: every
+/// retry after the in-flight TTL (5 s here, shorter than the retries) resumes the same worker,
+/// one VM per key.
 #[tokio::test]
 async fn creates_whose_records_redis_lost_for_a_while_resume_when_it_returns() {
     if !idempotency_redis::testing::have_redis_binaries() {
@@ -375,7 +377,10 @@ async fn creates_whose_records_redis_lost_for_a_while_resume_when_it_returns() {
     let mut redis = DurableRedis::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&["--latency-ms", "1500"]);
-    let lb = serve(&sqlite_url(&dir), &["--record-store", &redis.url(), "--hypervisor-url", &hv.url]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &["--record-store", &redis.url(), "--hypervisor-url", &hv.url, "--in-flight-ttl", "5s"],
+    );
     let base = lb.url.clone();
     let warm = create(&base, TOKEN, "rd-warm", &worker_body()).await;
     assert_eq!(warm.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&warm.body));
