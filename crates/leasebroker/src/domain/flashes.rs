@@ -278,7 +278,9 @@ impl Domain {
     }
 
     /// Ends an `uncertain` operation as an operator found the machine: `succeeded`, or `failed`
-    /// (with the reason as its error); `reason` is kept either way. The node is free again.
+    /// (with the reason as its error); `reason` is kept either way. The node is free again. A
+    /// flash the BMC was never seen to take and that the operator found done is counted as taken
+    /// then (the fleet's `firmware_flashes_total`).
     pub async fn resolve_flash(&self, op_id: &str, succeeded: bool, reason: &str, now: i64) -> Result<Resolved> {
         let (state, error) = if succeeded {
             ("succeeded", None)
@@ -286,9 +288,18 @@ impl Domain {
             ("failed", Some(format!("resolved as failed by an operator: {reason}")))
         };
         let changed = with_pool!(&self.db, p => {
-            sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, resolution = $4, finished_at = $5 \
-                         WHERE op_id = $1 AND state = 'uncertain'")
-                .bind(op_id).bind(state).bind(error).bind(reason).bind(now).execute(p).await?.rows_affected() == 1
+            let mut tx = p.begin().await?;
+            let taken = sqlx::query("UPDATE lb_flash_operations SET intent = 'accepted' \
+                                     WHERE op_id = $1 AND state = 'uncertain' AND intent <> 'accepted' AND $2")
+                .bind(op_id).bind(succeeded).execute(&mut *tx).await?.rows_affected();
+            if taken == 1 {
+                sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'flashes'").execute(&mut *tx).await?;
+            }
+            let changed = sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, resolution = $4, finished_at = $5 \
+                                       WHERE op_id = $1 AND state = 'uncertain'")
+                .bind(op_id).bind(state).bind(error).bind(reason).bind(now).execute(&mut *tx).await?.rows_affected();
+            tx.commit().await?;
+            changed == 1
         });
         Ok(match self.flash_operation(op_id).await? {
             Some(row) if changed => Resolved::Resolved(row),

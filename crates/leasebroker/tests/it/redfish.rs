@@ -573,6 +573,8 @@ async fn an_unreadable_flash_ends_uncertain_holds_the_node_and_an_operator_resol
     assert_eq!((again.status, again.problem_type().as_str()), (StatusCode::CONFLICT, "operation-not-uncertain"));
     assert_eq!(again.json()["operation_id"], uncertain.as_str());
     assert_eq!(operation(&lb.url, &uncertain).await.json()["state"], "succeeded");
+    let f = fleet(&lb.url).await;
+    assert_eq!(f["firmware_flashes_total"].as_i64(), Some(1), "the operator found it done: the BMC took it: {f}");
     let line = lb.wait_for_line(&["resolve-operation", &uncertain]);
     assert!(line.contains("the BMC's web page shows 5.0.0") && line.contains("res-1"), "{line}");
 
@@ -581,4 +583,6 @@ async fn an_unreadable_flash_ends_uncertain_holds_the_node_and_an_operator_resol
     let running = resolve(&lb.url, ADMIN, &next, Some("res-3"), &found).await;
     assert_eq!(running.problem_type(), "operation-not-uncertain", "{}", running.json());
     assert_eq!(flashes_and_bricked(&hv.url).await, (2, 0, 0));
+    assert_eq!(until_ended(&lb.url, &next).await["state"], "succeeded");
+    assert_eq!(fleet(&lb.url).await["firmware_flashes_total"].as_i64(), Some(2), "as many as the BMC took");
 }
