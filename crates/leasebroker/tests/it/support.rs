@@ -197,6 +197,11 @@ pub(crate) fn start(args: &[&str]) -> Proc {
 }
 
 pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {
+    serve_with_env(db, extra, &[])
+}
+
+/// [`serve`] with `env` set (`RUST_LOG` among it, to read what it logs).
+pub(crate) fn serve_with_env(db: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut args = vec![
         "serve",
         "--listen",
@@ -213,7 +218,7 @@ pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {
         "16",
     ];
     args.extend_from_slice(extra);
-    start(&args)
+    Proc::start(&args, env)
 }
 
 pub(crate) fn sim(extra: &[&str]) -> Proc {
