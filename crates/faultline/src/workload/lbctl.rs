@@ -56,7 +56,8 @@ impl Workload {
                         let _ = child.wait().await;
                         let err = stderr.await.unwrap_or_default();
                         add(&self.counters.attempts, count_attempts(&err));
-                        let ended = if kill_after.is_none() { "still running: killed" } else { "killed (a planned fault)" };
+                        let ended =
+                            if kill_after.is_none() { "still running: killed" } else { "killed (a planned fault)" };
                         note_run(log, started, replica, &err, Some(ended));
                         if kill_after.is_none() {
                             return Outcome::Failed(format!("lbctl still running after {limit:?}"));

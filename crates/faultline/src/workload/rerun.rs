@@ -81,8 +81,8 @@ struct Answer {
 
 impl Workload {
     /// Sends every operation that gave up again with its key (protected clients; a naive client
-    /// has none to send), at most 8 at a time, each with at least a real
-    /// caller's retry budget (10 min), and learns from the answers (a create's worker, a delete done) as from any
+    /// has none to send), at most 8 at a time, each with at least a real caller's retry budget
+    /// (10 min), and learns from the answers (a create's worker, a delete done) as from any
     /// operation's. `stored` is the service's record of each key before the reruns.
     pub async fn rerun_gave_up(&self, stored: &HashMap<String, StoredAnswer>) -> Vec<Rerun> {
         let gave_up = self.ledger().gave_up.clone();
