@@ -19,14 +19,14 @@ ADMIN = "tok-admin-77c1e0a9d4f2"
 REPO = Path(__file__).resolve().parents[3]
 
 
-def binary() -> Path:
-    """``$LEASEBROKER_BIN``, else the workspace's debug build. Missing: the test is skipped, loudly,
-    and fails under ``CI=true``."""
-    explicit = os.environ.get("LEASEBROKER_BIN")
+def binary(name: str = "leasebroker", variable: str = "LEASEBROKER_BIN") -> Path:
+    """The workspace binary ``name``: ``$variable``, else the workspace's debug build. Missing: the
+    test is skipped, loudly, and fails under ``CI=true``."""
+    explicit = os.environ.get(variable)
     target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
-    path = Path(explicit) if explicit else target / "debug" / "leasebroker"
+    path = Path(explicit) if explicit else target / "debug" / name
     if not path.is_file():
-        reason = f"leasebroker binary not found at {path} (build it: cargo build -p leasebroker)"
+        reason = f"{name} binary not found at {path} (build it: cargo build -p {name})"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         print(f"SKIPPED: {reason}", file=sys.stderr)

@@ -9,17 +9,17 @@ import { fileURLToPath } from "node:url";
 export const TOKEN = "tok-alice-5a8d1c7e90b3";
 export const ADMIN = "tok-admin-77c1e0a9d4f2";
 // build/test/leasebroker.js -> the workspace root
-const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
+export const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
 
 /**
- * `$LEASEBROKER_BIN`, else the workspace's debug build; `undefined` (with the reason) when missing.
- * A missing binary skips the test loudly, and fails it under `CI=true`.
+ * The workspace binary `name`: `$variable`, else the workspace's debug build; `undefined` (with the
+ * reason) when missing. A missing binary skips the test loudly, and fails it under `CI=true`.
  */
-export function binary(): { path: string } | { missing: string } {
+export function binary(name = "leasebroker", variable = "LEASEBROKER_BIN"): { path: string } | { missing: string } {
   const target = process.env["CARGO_TARGET_DIR"] ?? join(REPO, "target");
-  const path = process.env["LEASEBROKER_BIN"] ?? join(target, "debug", "leasebroker");
+  const path = process.env[variable] ?? join(target, "debug", name);
   if (existsSync(path)) return { path };
-  const missing = `leasebroker binary not found at ${path} (build it: cargo build -p leasebroker)`;
+  const missing = `${name} binary not found at ${path} (build it: cargo build -p ${name})`;
   if (process.env["CI"] === "true") throw new Error(missing);
   console.error(`SKIPPED: ${missing}`);
   return { missing };

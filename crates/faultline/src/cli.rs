@@ -71,6 +71,11 @@ pub struct Scenario {
     /// it on the same port.
     #[arg(long, default_value_t = 0)]
     pub server_kills: u32,
+    /// How long a killed replica stays down before it is started again (as a supervisor's restart
+    /// delay, or a machine that takes a while to come back, would keep it). Its proxy resets
+    /// every connection meanwhile.
+    #[arg(long, default_value = "0s", value_parser = parse::duration)]
+    pub server_down: Duration,
     /// Hypervisor simulator: probability that a mutating call fails before doing anything.
     #[arg(long, default_value_t = 0.0, value_parser = parse::probability)]
     pub hv_fail_before: f64,
@@ -219,8 +224,10 @@ pub struct Scenario {
     /// The SDK clients' timeout per attempt; the "gives up mid-flight" fault holds a response past it.
     #[arg(long, default_value = "1s", value_parser = parse::duration)]
     pub attempt_timeout: Duration,
-    /// Retry budget of one logical operation.
-    #[arg(long, default_value = "60s", value_parser = parse::duration)]
+    /// Retry budget of one logical operation, through the SDK and through lbctl: a real caller's,
+    /// the default of lbctl's `--max-elapsed` and of the SDK's `RetryPolicy`. An operation that
+    /// spends it is sent again with its key once the faults are over.
+    #[arg(long, default_value = "10m", value_parser = parse::duration)]
     pub op_max_elapsed: Duration,
     /// Passed to the servers as --in-flight-ttl.
     #[arg(long, default_value = "2s", value_parser = parse::duration)]
@@ -341,17 +348,20 @@ mod tests {
             "4s",
             "--postgres-restarts",
             "2",
+            "--server-down",
+            "8s",
         ])
         .unwrap();
         let Command::Run(r) = cli.command else { panic!("run") };
         let s = r.scenario;
         assert_eq!((s.hv_slow, s.hv_slow_ms, s.hv_refuse, s.abandon), (0.1, 1500, 0.05, 0.1));
         assert_eq!((s.abandon_after, s.hypervisor_settle), (Duration::from_secs(2), Some(Duration::from_secs(4))));
-        assert_eq!(s.postgres_restarts, 2);
-        // Off by default.
+        assert_eq!((s.postgres_restarts, s.server_down), (2, Duration::from_secs(8)));
+        // Off by default; a killed replica comes back at once; a real caller's retry budget.
         let Command::Run(r) = Cli::try_parse_from(["faultline", "run"]).unwrap().command else { panic!("run") };
         let s = r.scenario;
         assert_eq!((s.hv_slow, s.hv_refuse, s.abandon, s.postgres_restarts), (0.0, 0.0, 0.0, 0));
+        assert_eq!((s.server_down, s.op_max_elapsed), (Duration::ZERO, Duration::from_secs(600)));
         assert!(Cli::try_parse_from(["faultline", "run", "--abandon", "1.1"]).is_err());
     }
 

@@ -168,6 +168,16 @@ pub struct ServeConfig {
     pub dir: PathBuf,
 }
 
+/// How a replica's start went: the processes that exited (or never got ready) before one did,
+/// and why the last of them did not start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Started {
+    /// Processes started in vain first.
+    pub failed_starts: u32,
+    /// Why the last of them did not start.
+    pub last_failure: Option<String>,
+}
+
 /// One `leasebroker serve` process, on the same port across restarts.
 #[derive(Debug)]
 pub struct Replica {
@@ -203,12 +213,14 @@ impl Replica {
         format!("http://{}", self.addr)
     }
 
-    async fn spawn(&mut self) -> anyhow::Result<()> {
+    /// Starts the process and waits until it listens. A process that exits first (a port not free
+    /// yet after a SIGKILL, a database that does not answer: `serve` does not start without its
+    /// database) is started again, up to 20 times, a quarter of a second apart.
+    async fn spawn(&mut self) -> anyhow::Result<Started> {
         let c = &self.config;
         let log = c.dir.join(format!("replica-{}.log", self.index));
-        // A port just freed by a SIGKILL is normally free at once; retry briefly in case it is not.
         let mut last = None;
-        for _ in 0..20 {
+        for failed_starts in 0..20 {
             let mut command = Command::new(&c.binary);
             command.args(["serve", "--listen", &self.addr.to_string(), "--database", &c.database]);
             for p in &c.principals {
@@ -223,7 +235,8 @@ impl Replica {
                 Ok((process, addr)) if self.addr.port() == 0 || addr == self.addr => {
                     self.addr = addr;
                     self.process = Some(process);
-                    return Ok(());
+                    let last_failure = last.map(|e: anyhow::Error| format!("{e:#}"));
+                    return Ok(Started { failed_starts, last_failure });
                 }
                 Ok((_, addr)) => bail!("replica {} listens on {addr}, not {}", self.index, self.addr),
                 Err(e) => {
@@ -235,24 +248,29 @@ impl Replica {
         Err(last.unwrap_or_else(|| anyhow!("no attempt made"))).with_context(|| format!("replica {}", self.index))
     }
 
-    /// SIGKILLs the process (no drain, no cleanup: whatever it was doing is cut off) and starts it
-    /// again on the same port.
-    pub async fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+    /// SIGKILLs the process: no drain, no cleanup, whatever it was doing is cut off.
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
         if let Some(mut p) = self.process.take() {
             p.child.start_kill().context("SIGKILL")?;
             p.child.wait().await.context("waiting for the killed replica")?;
         }
         self.restarts += 1;
+        Ok(())
+    }
+
+    /// Starts the killed process again on the same port.
+    pub async fn start_again(&mut self) -> anyhow::Result<Started> {
         self.spawn().await
     }
 
     /// Pauses the process with SIGSTOP for `pause`, then resumes it with SIGCONT: it keeps its
     /// sockets and its in-memory state but runs nothing, as a frozen VM or a long GC pause would,
-    /// so the claims it holds go stale and its attempts wake after others went on. Returns
-    /// whether there was a process to pause.
-    pub async fn pause_for(&mut self, pause: Duration) -> anyhow::Result<bool> {
+    /// so the claims it holds go stale and its attempts wake after others went on. `stopped` is
+    /// called once it is stopped. Returns whether there was a process to pause.
+    pub async fn pause_for(&mut self, pause: Duration, stopped: impl FnOnce()) -> anyhow::Result<bool> {
         let Some(pid) = self.pid() else { return Ok(false) };
         signal(pid, Signal::STOP)?;
+        stopped();
         self.pauses += 1;
         tokio::time::sleep(pause).await;
         signal(pid, Signal::CONT)?;

@@ -13,6 +13,9 @@
 //! their claims. Then it waits out the servers' abandon window and their inventory sweep, reads
 //! the ground truth (the fleet, the simulator's counters and VMs, the BMCs, every worker) and
 //! checks that nothing was duplicated, lost or left held, and that nothing runs that nobody owns.
+//! An operation whose client spent its retry budget is sent again with its key once the faults
+//! are over, and must be answered what the service stored for it; the report says why it gave up,
+//! attempt by attempt, against the run's [`timeline`] of kills, pauses and database restarts.
 //!
 //! The same workload runs twice: with clients that keep one key per logical operation (the SDK,
 //! `lbctl --op-id`), where every invariant must hold, and with naive clients that make a fresh
@@ -36,5 +39,6 @@ pub mod pg;
 pub mod proxy;
 pub mod report;
 pub mod run;
+pub mod timeline;
 pub mod verify;
 pub mod workload;

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::proxy::ProxyCounts;
 use crate::verify::{Damage, Invariant, ServerCounters, SimStats};
-use crate::workload::ClientKind;
+use crate::workload::{ClientKind, Rerun};
 
 /// The set-up of a run.
 #[derive(Debug, Clone, Serialize)]
@@ -37,6 +37,8 @@ pub struct Setup {
     pub bmc: crate::cli::BmcMode,
     /// Server kills asked for.
     pub server_kills: u32,
+    /// How long a killed replica stayed down before it was started again, in milliseconds.
+    pub server_down_ms: u64,
     /// Simulator fail-before probability.
     pub hv_fail_before: f64,
     /// Simulator fail-after probability.
@@ -71,6 +73,8 @@ pub struct Setup {
     pub abandon_ops: Vec<crate::workload::OpKind>,
     /// The servers' `--abandon-after`, in milliseconds (absent when not passed).
     pub abandon_after_ms: Option<u64>,
+    /// Each operation's retry budget, in milliseconds.
+    pub op_max_elapsed_ms: u64,
     /// Database restarts asked for.
     pub postgres_restarts: u32,
     /// On an HA PostgreSQL (`--postgres-ha`): its replication, `sync` or `async`.
@@ -105,7 +109,8 @@ impl Faults {
     }
 }
 
-/// How the logical operations ended.
+/// How the logical operations ended (`succeeded`, `refused`, `failed` and `abandoned` add up to
+/// the operations; the successes by kind include those of the reruns).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Outcomes {
     /// Success.
@@ -114,6 +119,9 @@ pub struct Outcomes {
     pub refused: u64,
     /// Gave up or anything else.
     pub failed: u64,
+    /// Of those, sent again with their key once the faults were over: completed (a success or a
+    /// clean refusal).
+    pub rerun_completed: u64,
     /// The client walked away for good.
     pub abandoned: u64,
     /// Successful creates.
@@ -176,6 +184,12 @@ pub struct RunReport {
     pub failures: Vec<String>,
     /// The first refusal reasons.
     pub refusals: Vec<String>,
+    /// The operations that gave up (the first 50; their count is `outcomes.failed`): why,
+    /// attempt by attempt, and what their rerun with the same key was answered.
+    pub gave_up: Vec<Rerun>,
+    /// What the run did to the replicas and the database, and when (from the start of the
+    /// workload, as the attempts' times).
+    pub timeline: Vec<String>,
     /// Listed workers whose VM does not run, and what the clients know of each.
     pub workers_without_vm: Vec<String>,
     /// VMs running that no worker runs on (`vm_id (tag)`), after the inventory sweep's time.
@@ -200,11 +214,9 @@ type Row = (&'static str, Box<dyn Fn(&RunReport) -> String>);
 /// A charted metric: its name, its value for a run, its colour.
 type Metric = (&'static str, fn(&RunReport) -> i64, RGBColor);
 
-/// The table of a set of runs, one column each.
-pub fn table(runs: &[RunReport]) -> String {
-    let header: Vec<String> =
-        runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
-    let rows: Vec<Row> = vec![
+/// Table rows: the set-up, the operations and the attempts.
+fn setup_rows() -> Vec<Row> {
+    vec![
         (
             "database / replicas",
             Box::new(|r| match r.setup.postgres_ha {
@@ -232,6 +244,12 @@ pub fn table(runs: &[RunReport]) -> String {
         ("operations", Box::new(|r| r.setup.ops.to_string())),
         ("  via lbctl processes", Box::new(|r| r.outcomes.via_lbctl.to_string())),
         ("attempts (HTTP requests)", Box::new(|r| r.attempts.to_string())),
+    ]
+}
+
+/// Table rows: the faults made.
+fn fault_rows() -> Vec<Row> {
+    vec![
         ("faults injected", Box::new(|r| r.faults.total().to_string())),
         ("  (a) never reached server", Box::new(|r| r.faults.never_reached.to_string())),
         ("  (b) response lost after work", Box::new(|r| r.faults.response_lost.to_string())),
@@ -263,6 +281,12 @@ pub fn table(runs: &[RunReport]) -> String {
                 format!("{}ms/{settle}", r.setup.hypervisor_timeout_ms)
             }),
         ),
+    ]
+}
+
+/// Table rows: how the operations ended and what the service did.
+fn outcome_rows() -> Vec<Row> {
+    vec![
         (
             "succeeded / refused / failed",
             Box::new(|r| format!("{}/{}/{}", r.outcomes.succeeded, r.outcomes.refused, r.outcomes.failed)),
@@ -287,6 +311,12 @@ pub fn table(runs: &[RunReport]) -> String {
             }),
         ),
         ("workers active (server)", Box::new(|r| r.fleet.workers_active.to_string())),
+    ]
+}
+
+/// Table rows: what was duplicated, lost or left running, and the invariants.
+fn damage_rows() -> Vec<Row> {
+    vec![
         ("PHANTOM WORKERS", Box::new(|r| r.damage.phantom_workers.to_string())),
         ("lost workers", Box::new(|r| r.damage.lost_workers.to_string())),
         (
@@ -322,7 +352,11 @@ pub fn table(runs: &[RunReport]) -> String {
                 )
             }),
         ),
-        ("FAILED OPS (gave up)", Box::new(|r| r.outcomes.failed.to_string())),
+        (
+            "FAILED OPS (gave up) / then completed on rerun with their key",
+            Box::new(|r| format!("{}/{}", r.outcomes.failed, r.outcomes.rerun_completed)),
+        ),
+        ("  reruns not answered the stored response", Box::new(|r| r.damage.reruns_not_stored_answer.to_string())),
         (
             "invariants",
             Box::new(|r| {
@@ -331,7 +365,14 @@ pub fn table(runs: &[RunReport]) -> String {
             }),
         ),
         ("elapsed (workload / total)", Box::new(|r| format!("{:.1}s/{:.1}s", r.workload_secs, r.elapsed_secs))),
-    ];
+    ]
+}
+
+/// The table of a set of runs, one column each.
+pub fn table(runs: &[RunReport]) -> String {
+    let header: Vec<String> =
+        runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
+    let rows: Vec<Row> = [setup_rows(), fault_rows(), outcome_rows(), damage_rows()].into_iter().flatten().collect();
     let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
     let cells: Vec<Vec<String>> = rows.iter().map(|(_, f)| runs.iter().map(f).collect()).collect();
     let width = |i: usize| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0);
@@ -372,6 +413,30 @@ pub fn broken(runs: &[RunReport]) -> String {
                 i.expected,
                 i.actual
             );
+        }
+    }
+    out
+}
+
+/// The operations that gave up, each with its attempts and its rerun: empty when none did.
+pub fn gave_up(runs: &[RunReport]) -> String {
+    let mut out = String::new();
+    for r in runs.iter().filter(|r| !r.gave_up.is_empty()) {
+        let _ = writeln!(out, "  {} @{}:", r.clients.name(), r.setup.client_fault_rate);
+        for g in &r.gave_up {
+            let _ = writeln!(out, "    {}: {}", g.what, g.reason);
+            for a in &g.attempts {
+                let _ = writeln!(out, "      {a}");
+            }
+            let matched = match g.matched {
+                Some(true) => ", the stored response",
+                Some(false) => ", NOT THE STORED RESPONSE",
+                None => "",
+            };
+            let _ = writeln!(out, "      rerun (stored before: {}): {}{matched}", g.stored_before, g.answer);
+        }
+        if !r.timeline.is_empty() {
+            let _ = writeln!(out, "    the run's timeline: {}", r.timeline.join("; "));
         }
     }
     out

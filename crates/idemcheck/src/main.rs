@@ -1,9 +1,11 @@
 //! `idemcheck`: checks any HTTP API that claims `Idempotency-Key` support against data-file
 //! vectors (`conformance/vectors/`), one rule each, under a profile (`ietf-draft`, `stripe`,
-//! `leasebroker`). See the crate README.
+//! `leasebroker`); `idemcheck client -- COMMAND` checks an HTTP client's idempotent retries
+//! against a scripted API. See the crate README.
 
 mod checks;
 mod client;
+mod clientcheck;
 mod profile;
 mod report;
 mod vectors;
@@ -40,6 +42,10 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         vectors: Option<PathBuf>,
     },
+    /// Checks an HTTP client: serves a scripted API on loopback and runs COMMAND once per
+    /// scenario (it makes one logical POST to $IDEMCHECK_URL/v1/things through the client under
+    /// test); one line per scenario, then `N passed, M failed`; exits 0 only when none failed.
+    Client(clientcheck::ClientArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -79,11 +85,11 @@ struct RunArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let runtime = || tokio::runtime::Runtime::new().map_err(|e| format!("cannot start the runtime: {e}"));
     let result = match cli.command {
         Command::List { profile, vectors } => list(profile.as_deref(), vectors),
-        Command::Run(args) => tokio::runtime::Runtime::new()
-            .map_err(|e| format!("cannot start the runtime: {e}"))
-            .and_then(|rt| rt.block_on(run(args))),
+        Command::Run(args) => runtime().and_then(|rt| rt.block_on(run(args))),
+        Command::Client(args) => runtime().and_then(|rt| rt.block_on(clientcheck::run(args))),
     };
     match result {
         Ok(code) => code,

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::RoutingInfo;
-use redis::{Cmd, RedisError, Value};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, Pipeline, RedisError, Value};
 
 #[cfg(doc)]
 use crate::options::RedisStoreOptions;
@@ -29,6 +29,9 @@ pub(crate) struct Cluster {
     /// well) then takes no lock.
     unanswered: AtomicBool,
     connect_timeout: Duration,
+    /// Set when a call lost its connection or the connection was replaced: the client then
+    /// talks to its nodes over new connections (see [`crate::policy`]).
+    lost: Arc<AtomicBool>,
 }
 
 impl Cluster {
@@ -36,6 +39,7 @@ impl Cluster {
         client: ClusterClient,
         reconnect_after: Duration,
         connect_timeout: Duration,
+        lost: Arc<AtomicBool>,
     ) -> Result<Arc<Self>, RedisError> {
         let connection = client.get_async_connection().await?;
         Ok(Arc::new(Self {
@@ -44,18 +48,29 @@ impl Cluster {
             health: Mutex::new(Health::new(reconnect_after)),
             unanswered: AtomicBool::new(false),
             connect_timeout,
+            lost,
         }))
     }
 
-    /// The current connection (for calls that must go over one connection: a transition and
-    /// its `WAIT`; watch each call with [`Cluster::watch`]).
-    pub(crate) fn connection(&self) -> ClusterConnection {
+    /// The current connection (watch each call made on it with [`Cluster::watch`]).
+    fn connection(&self) -> ClusterConnection {
         self.current.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// A watch for one call, to report how it ended ([`Watch::ended`]; dropped: no answer).
-    pub(crate) fn watch(self: &Arc<Self>) -> Watch {
+    fn watch(self: &Arc<Self>) -> Watch {
         Watch { cluster: Some(self.clone()), started: Instant::now() }
+    }
+
+    /// Sends `pipe` to the node that serves `route`, all of it on that node's one connection
+    /// (a retry after a lost connection, or a redirection, sends all of it again, together);
+    /// each command's reply, an error reply as [`Value::ServerError`].
+    pub(crate) async fn pipeline(self: &Arc<Self>, pipe: &Pipeline, route: Route) -> Result<Vec<Value>, RedisError> {
+        let (mut connection, watch) = (self.connection(), self.watch());
+        let to = SingleNodeRoutingInfo::SpecificNode(route);
+        let reply = connection.route_pipeline(pipe.clone(), 0, pipe.len(), to).await;
+        watch.ended(&reply);
+        reply
     }
 
     /// Sends `cmd` as `routing` says, on the current connection.
@@ -102,6 +117,7 @@ impl Cluster {
             let ok = match fresh {
                 Ok(Ok(connection)) => {
                     *cluster.current.write().unwrap_or_else(PoisonError::into_inner) = connection;
+                    cluster.lost.store(true, Ordering::Relaxed);
                     tracing::warn!("the Redis Cluster connection was replaced");
                     true
                 }
@@ -133,15 +149,11 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    pub(crate) fn ended(mut self, reply: &Result<Value, RedisError>) {
+    fn ended<T>(mut self, reply: &Result<T, RedisError>) {
         let Some(cluster) = self.cluster.take() else { return };
         match reply {
-            Err(e)
-                if e.is_timeout()
-                    || e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.kind() == redis::ErrorKind::ClusterConnectionNotFound =>
-            {
+            Err(e) if crate::conn::is_connection_error(e) => {
+                cluster.lost.store(true, Ordering::Relaxed);
                 cluster.unanswered(self.started);
             }
             _ => cluster.answered(),

@@ -1,15 +1,17 @@
-//! Connecting: one server or a cluster, and the check that no primary evicts keys.
+//! Connecting to one server or a cluster, and sending commands: to the primary of a key (a
+//! transition and its `WAIT` as one pipeline), to a node, or to every primary.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike as _, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{Cmd, ErrorKind, RedisError, Value};
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, Value};
 
 use crate::cluster::Cluster;
-use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions, UnverifiedPolicy};
+use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions};
 
 /// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
 /// client, which follows slot moves, replaced when it stops answering). Both multiplex their
@@ -24,17 +26,44 @@ pub(crate) enum Conn {
 pub(crate) struct Managers {
     all: Vec<ConnectionManager>,
     next: AtomicUsize,
+    /// Set when a call lost its connection: its manager then makes a new one.
+    lost: Arc<AtomicBool>,
 }
 
 impl Managers {
     fn pick(&self) -> ConnectionManager {
         self.all[self.next.fetch_add(1, Ordering::Relaxed) % self.all.len()].clone()
     }
+
+    /// Notes a reply: a lost connection sets [`Managers::lost`].
+    fn seen<T>(&self, reply: Result<T, RedisError>) -> Result<T, RedisError> {
+        if let Err(e) = &reply
+            && is_connection_error(e)
+        {
+            self.lost.store(true, Ordering::Relaxed);
+        }
+        reply
+    }
+}
+
+/// Whether `e` says the call got no answer from its node: its connection was lost, refused or
+/// timed out (the client makes a new one), or there is none to the node.
+pub(crate) fn is_connection_error(e: &RedisError) -> bool {
+    e.is_timeout()
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.kind() == ErrorKind::ClusterConnectionNotFound
 }
 
 impl Conn {
-    /// Connects to one server (`redis://`) or a cluster ([`CLUSTER_SCHEME`]) as `options` say.
-    pub(crate) async fn open(url: &str, options: &RedisStoreOptions) -> Result<Self, ConnectError> {
+    /// Connects to one server (`redis://`) or a cluster ([`CLUSTER_SCHEME`]) as `options` say;
+    /// `lost` is set whenever a call loses its connection or the cluster connection is replaced.
+    pub(crate) async fn open(
+        url: &str,
+        options: &RedisStoreOptions,
+        lost: Arc<AtomicBool>,
+    ) -> Result<Self, ConnectError> {
         Ok(if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
             let nodes = cluster_nodes(rest)?;
             let mut builder = ClusterClient::builder(nodes);
@@ -49,7 +78,8 @@ impl Conn {
                 .max_retry_wait(500)
                 .build()
                 .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
-            let cluster = Cluster::connect(client, options.cluster_reconnect_after, options.connect_timeout).await;
+            let cluster =
+                Cluster::connect(client, options.cluster_reconnect_after, options.connect_timeout, lost).await;
             Conn::Cluster(cluster.map_err(ConnectError::Unreachable)?)
         } else {
             let client = match &options.root_certificates {
@@ -66,7 +96,7 @@ impl Conn {
                 let manager = client.get_connection_manager_with_config(config.clone()).await;
                 all.push(manager.map_err(ConnectError::Unreachable)?);
             }
-            Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0) }))
+            Conn::Server(Arc::new(Managers { all, next: AtomicUsize::new(0), lost }))
         })
     }
 
@@ -86,53 +116,82 @@ impl Conn {
             .map_err(|e| ConnectError::InvalidUrl(e.to_string()))
     }
 
-    /// One connection to the primary of `key`, for a transition and the `WAIT` after it: `WAIT`
-    /// counts the replicas that have the last write made on its own connection, so both must go
-    /// over the same one.
-    pub(crate) fn pin(&self, key: &str) -> Pinned {
+    /// Sends `pipe` to the primary of `key`, all of it over one connection, and returns each
+    /// command's reply (an error reply as [`Value::ServerError`]): a transition's script and the
+    /// `WAIT` after it, which counts the writes of the connection that sends it. On a cluster,
+    /// a retry after a lost connection or a redirection sends the whole pipeline again, together.
+    pub(crate) async fn on_primary_of(&self, key: &str, pipe: &Pipeline) -> Result<Vec<Value>, RedisError> {
         match self {
-            Conn::Server(c) => Pinned::Server(c.pick()),
-            Conn::Cluster(c) => {
-                Pinned::Cluster(c.clone(), c.connection(), Route::with_key(key.as_bytes(), SlotAddr::Master))
-            }
+            Conn::Server(c) => c.seen(c.pick().req_packed_commands(pipe, 0, pipe.len()).await),
+            Conn::Cluster(c) => c.pipeline(pipe, Route::with_key(key.as_bytes(), SlotAddr::Master)).await,
         }
     }
 
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         match self {
-            Conn::Server(c) => cmd.query_async(&mut c.pick()).await,
+            Conn::Server(c) => c.seen(cmd.query_async(&mut c.pick()).await),
             Conn::Cluster(c) => c.query(cmd).await,
         }
     }
 
-    /// Runs `cmd` on every primary, each on its own connection; each node's reply or error.
-    /// `Err` only when the server, or every node of a cluster, is unreachable.
+    /// Runs `cmd` on every primary, each on its own connection, all at once, each bounded by
+    /// `each` when given; each node's reply or error. `Err` only when the server, or every node
+    /// of a cluster, is unreachable.
     ///
-    /// On a cluster the primaries are those that serve slots in `CLUSTER SLOTS`, each asked by
-    /// address: the client's own fan-out silently skips a node it has no connection to, and a
-    /// command routed by slot falls back to another node when the slot's node has none.
+    /// On a cluster the primaries are those that serve slots in `CLUSTER SLOTS` (asked of a
+    /// primary: a replica that does not answer must not hold it up), each asked by address: the
+    /// client's own fan-out silently skips a node it has no connection to, and a command routed
+    /// by slot falls back to another node when the slot's node has none.
     pub(crate) async fn on_every_primary(
         &self,
         cmd: &Cmd,
+        each: Option<Duration>,
     ) -> Result<Vec<(String, Result<Value, RedisError>)>, RedisError> {
         match self {
-            Conn::Server(c) => match cmd.query_async::<Value>(&mut c.pick()).await {
-                Err(e) if e.kind() == ErrorKind::Io || e.is_timeout() => Err(e),
-                reply => Ok(vec![("server".to_owned(), reply)]),
-            },
+            Conn::Server(c) => {
+                let ask = || bounded(each, async { c.seen(cmd.query_async::<Value>(&mut c.pick()).await) });
+                let mut reply = ask().await;
+                // A manager whose connection was lost makes a new one after the error: ask again,
+                // each manager once, so that a lost connection is not taken for a server down.
+                for _ in 0..c.all.len() {
+                    match &reply {
+                        Err(e) if is_connection_error(e) && !e.is_timeout() => reply = ask().await,
+                        _ => break,
+                    }
+                }
+                match reply {
+                    Err(e) if is_connection_error(&e) => Err(e),
+                    reply => Ok(vec![("server".to_owned(), reply)]),
+                }
+            }
             Conn::Cluster(c) => {
-                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
-                let mut replies = vec![];
-                for (host, port) in primaries(slots)? {
+                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random_primary()).await?;
+                let asked = primaries(slots)?.into_iter().map(|(host, port)| async move {
                     let node = format!("{host}:{port}");
                     let by_address = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-                    replies.push((node, c.route(cmd, by_address).await));
-                }
-                Ok(replies)
+                    (node, bounded(each, c.route(cmd, by_address)).await)
+                });
+                Ok(futures::future::join_all(asked).await)
             }
         }
     }
+}
+
+/// `call`'s reply, or a timeout error after `each` when given.
+async fn bounded(
+    each: Option<Duration>,
+    call: impl Future<Output = Result<Value, RedisError>>,
+) -> Result<Value, RedisError> {
+    match each {
+        None => call.await,
+        Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+            Err(RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "the node did not answer in time")))
+        }),
+    }
+}
+
+fn random_primary() -> RoutingInfo {
+    RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary)
 }
 
 /// A node to send a command to: the one server, or a cluster primary by address.
@@ -149,8 +208,7 @@ impl Conn {
         match self {
             Conn::Server(_) => Ok(vec![Node::Server]),
             Conn::Cluster(c) => {
-                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
-                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random).await?;
+                let slots = c.route(&redis::cmd("CLUSTER").arg("SLOTS").clone(), random_primary()).await?;
                 let mut all = primaries(slots)?;
                 all.sort();
                 Ok(all.into_iter().map(|(h, p)| Node::Primary(h, p)).collect())
@@ -167,29 +225,6 @@ impl Conn {
                 c.route(cmd, by_address).await
             }
             _ => self.query(cmd).await,
-        }
-    }
-}
-
-/// One connection to one key's primary (see [`Conn::pin`]).
-pub(crate) enum Pinned {
-    Server(ConnectionManager),
-    Cluster(Arc<Cluster>, redis::cluster_async::ClusterConnection, Route),
-}
-
-impl Pinned {
-    /// Sends `cmd` to the key's primary.
-    pub(crate) async fn query(&mut self, cmd: &Cmd) -> Result<Value, RedisError> {
-        match self {
-            Pinned::Server(c) => cmd.query_async(c).await,
-            Pinned::Cluster(cluster, c, route) => {
-                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*route));
-                let watch = cluster.watch();
-                let reply = c.route_command(cmd.clone(), to).await;
-                watch.ended(&reply);
-                // A routed command's error reply comes back as a value.
-                reply.and_then(Value::extract_error)
-            }
         }
     }
 }
@@ -219,72 +254,17 @@ fn primaries(reply: Value) -> Result<Vec<(String, u16)>, RedisError> {
 }
 
 impl Conn {
-    /// Reads every primary's `maxmemory-policy` and refuses any policy but `noeviction`
-    /// ([`ConnectError::EvictingPolicy`]); where it cannot be read, `unverified` decides.
-    pub(crate) async fn check_eviction_policy(&self, unverified: UnverifiedPolicy) -> Result<(), ConnectError> {
-        let config = self
-            .on_every_primary(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"))
-            .await
-            .map_err(ConnectError::Unreachable)?;
-        let mut unread = vec![];
-        for (node, reply) in config {
-            match reply.map(config_policy) {
-                Ok(Some(policy)) => refuse_evicting(node, policy)?,
-                Ok(None) => unread.push((node, "no maxmemory-policy in the reply".to_owned())),
-                Err(e) => unread.push((node, e.to_string())),
-            }
-        }
-        if unread.is_empty() {
-            return Ok(());
-        }
-        // CONFIG is refused somewhere: INFO memory carries the policy too, and is allowed more
-        // often (managed services that rename CONFIG keep INFO).
-        let mut info =
-            self.on_every_primary(redis::cmd("INFO").arg("memory")).await.map_err(ConnectError::Unreachable)?;
-        for (node, config_error) in unread {
-            let reply = match info.iter().position(|(n, _)| *n == node) {
-                Some(i) => info.swap_remove(i).1.map_err(|e| e.to_string()),
-                None => Err("the node did not answer".to_owned()),
-            };
-            match reply.map(info_policy) {
-                Ok(Some(policy)) => {
-                    tracing::info!(node, %config_error, "CONFIG GET refused; read maxmemory-policy from INFO");
-                    refuse_evicting(node, policy)?
-                }
-                Ok(None) | Err(_) if unverified == UnverifiedPolicy::Warn => {
-                    tracing::warn!(
-                        node,
-                        %config_error,
-                        "cannot read maxmemory-policy (CONFIG GET and INFO refused, or the node is unreachable): \
-                         cannot verify that this Redis node never evicts idempotency records"
-                    );
-                }
-                Ok(None) => {
-                    return Err(ConnectError::UnverifiedPolicy {
-                        node,
-                        config: config_error,
-                        info: "no maxmemory_policy in the reply".to_owned(),
-                    });
-                }
-                Err(info) => return Err(ConnectError::UnverifiedPolicy { node, config: config_error, info }),
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Conn {
     /// Whether every primary has `WAITAOF` (Redis 7.2 or later) and runs with `appendonly yes`,
     /// read from `INFO`: then a write can wait for the append-only files too. Where `INFO` does
     /// not say, `WAIT` it is.
     pub(crate) async fn every_primary_has_waitaof(&self) -> Result<bool, RedisError> {
-        let replies = self.on_every_primary(redis::cmd("INFO").arg("server").arg("persistence")).await?;
+        let replies = self.on_every_primary(redis::cmd("INFO").arg("server").arg("persistence"), None).await?;
         Ok(!replies.is_empty()
             && replies.into_iter().all(|(_, reply)| reply.ok().and_then(info_text).is_some_and(|t| has_waitaof(&t))))
     }
 }
 
-fn info_text(v: Value) -> Option<String> {
+pub(crate) fn info_text(v: Value) -> Option<String> {
     match v {
         Value::BulkString(b) => Some(String::from_utf8_lossy(&b).into_owned()),
         Value::VerbatimString { text, .. } => Some(text),
@@ -320,23 +300,6 @@ fn cluster_nodes(rest: &str) -> Result<Vec<String>, ConnectError> {
     Ok(nodes)
 }
 
-fn config_policy(v: Value) -> Option<String> {
-    let items = match v {
-        Value::Array(items) => items,
-        Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
-        _ => return None,
-    };
-    match items.as_slice() {
-        [_, Value::BulkString(p)] => Some(String::from_utf8_lossy(p).into_owned()),
-        _ => None,
-    }
-}
-
-fn info_policy(v: Value) -> Option<String> {
-    let text = info_text(v)?;
-    text.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:").map(|p| p.trim().to_owned()))
-}
-
 /// Whether an `INFO memory` reply says the server refuses writes for lack of memory: with
 /// `maxmemory` set, Redis refuses a write (`OOM`, under `noeviction`) when `used_memory` less
 /// the buffers it does not count (`mem_not_counted_for_evict`) exceeds it. `false` when the
@@ -356,10 +319,6 @@ pub(crate) fn info_out_of_memory(v: &Value) -> bool {
         }
         _ => false,
     }
-}
-
-fn refuse_evicting(node: String, policy: String) -> Result<(), ConnectError> {
-    if policy == "noeviction" { Ok(()) } else { Err(ConnectError::EvictingPolicy { node, policy }) }
 }
 
 #[cfg(test)]
@@ -383,19 +342,5 @@ mod tests {
         assert!(!has_waitaof("redis_version:7.2.4\naof_enabled:0"));
         assert!(!has_waitaof("redis_version:7.0.15\naof_enabled:1"));
         assert!(!has_waitaof("aof_enabled:1"));
-    }
-
-    #[test]
-    fn policies_are_read_from_config_and_info_replies() {
-        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        assert_eq!(
-            config_policy(Value::Array(vec![bulk("maxmemory-policy"), bulk("noeviction")])).as_deref(),
-            Some("noeviction")
-        );
-        assert_eq!(config_policy(Value::Array(vec![])), None);
-        let info = bulk("# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n");
-        assert_eq!(info_policy(info).as_deref(), Some("allkeys-lru"));
-        assert!(refuse_evicting("n".into(), "noeviction".into()).is_ok());
-        assert!(matches!(refuse_evicting("n".into(), "volatile-lfu".into()), Err(ConnectError::EvictingPolicy { .. })));
     }
 }

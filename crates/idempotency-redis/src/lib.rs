@@ -35,7 +35,9 @@
 //! (its async cluster client, which follows `MOVED`/`ASK` and refreshes the slot map), both
 //! multiplexing their callers over their connections, on tokio (on a single server the store
 //! takes [`DEFAULT_CONNECTIONS`] connection managers in turn; see
-//! [`RedisStoreOptions::connections`]). `fred` would serve too;
+//! [`RedisStoreOptions::connections`]; with [`RedisStoreOptions::replicas`] the transitions get
+//! connections of their own, see [Replica acknowledgement](#replica-acknowledgement)). `fred`
+//! would serve too;
 //! redis-rs was chosen because it is the client most Rust users of Redis already have, its
 //! cluster routing is explicit enough to ask each primary by address (the eviction check and
 //! `ping` need that), and its `Script` type computes the digests that `EVALSHA` names.
@@ -88,9 +90,16 @@
 //! on several managed services) from `INFO memory`; where both are refused, or a cluster's
 //! primary does not answer, it refuses to connect ([`ConnectError::UnverifiedPolicy`]) unless
 //! told to only warn
-//! ([`UnverifiedPolicy::Warn`]). The check runs at connect only: a policy changed later, or a
-//! primary added to the cluster later, is not seen. With `noeviction` a full server refuses
-//! writes (`OOM`): claims then fail as unavailable, which is never taken as ownership.
+//! ([`UnverifiedPolicy::Warn`]). It reads them again whenever a call lost its connection or the
+//! cluster connection was replaced (the client then talks to a node over a new connection: maybe
+//! a server restarted with another configuration, or a replica promoted by a failover), before
+//! the next transition: a primary that evicts then fails every transition as unavailable, with
+//! the same error naming it and its policy, and the policy is read again at most once a second
+//! until it is `noeviction` (test: `wait::the_eviction_policy_is_read_again_when_a_connection_is_made_again`).
+//! A primary that does not answer that check holds up no transition (its own fail by
+//! themselves) and is asked again in the background. A policy changed on a server whose
+//! connections all stay up is not seen. With `noeviction` a full server refuses writes (`OOM`):
+//! claims then fail as unavailable, which is never taken as ownership.
 //!
 //! # Durability: what each guarantee needs from Redis
 //!
@@ -112,9 +121,15 @@
 //! # Replica acknowledgement
 //!
 //! With [`RedisStoreOptions::replicas`]`(N)` (leasebroker: `--record-store-replicas N`, with
-//! `--record-store-replica-timeout T`) every transition that writes is followed, on the same
-//! connection to the record's primary, by `WAIT N T` (by `WAITAOF 1 N T` when every primary runs
-//! Redis 7.2 or later with `appendonly yes`, read from `INFO` at connect). When fewer than `N`
+//! `--record-store-replica-timeout T`) every transition that writes is followed by `WAIT N T`
+//! (by `WAITAOF 1 N T` when every primary runs Redis 7.2 or later with `appendonly yes`, read
+//! from `INFO` at connect). `WAIT` counts the replicas that have the last write of the
+//! connection that sends it, so the script and its `WAIT` go to the record's primary as one
+//! pipeline over one connection; a retry of the cluster client (after a lost connection, or a
+//! redirection) sends both again, together. A `WAIT` sent alone over a connection that wrote
+//! nothing is answered at once with every replica still linked, however far behind (test:
+//! `wait::a_connection_cut_after_the_claim_script_acknowledges_nothing`, a proxy that cuts the
+//! connection right after the claim script's reply). When fewer than `N`
 //! replicas acknowledge within `T`, the transition fails as
 //! [`StoreError::Unavailable`](idempotency::StoreError::Unavailable) caused by
 //! [`idempotency::NotAcknowledged`] (the service answers `503 store-unavailable` with
@@ -129,13 +144,34 @@
 //!   finds the claim and resumes after it goes stale;
 //! - `fail`, `heartbeat` and `remove` fail as unavailable, as any store error.
 //!
+//! A script sent again after its reply was lost (the cluster client does so after an I/O error;
+//! the layer retries a completion) finds the record as its first run left it and writes
+//! nothing, so the `WAIT` after it counts nothing. Such a run is the caller's own: a claim's
+//! record with its record id, a completion by its claim with its very response (another
+//! response is fenced: a completed record is final), a `fail` by its claim. It is acknowledged
+//! only after a `WAIT` that follows a write of the record (a script that re-writes its
+//! generation unchanged), and a `WAIT` that already found too few replicas stands (test:
+//! `wait::a_completion_sent_again_after_its_reply_was_lost_is_the_callers_own`). A claim or
+//! reclaim whose call fails after its script may have run (its reply lost or late) is taken
+//! back in a task of its own, fenced on its record id, so that it does not hold its key in
+//! flight.
+//!
+//! `WAIT` blocks the connection that sends it until the replicas answer or `T` passes, so a
+//! shard whose replica does not answer would hold up every command queued behind its
+//! transitions on that shard's connection. The transitions therefore have connections of their
+//! own (one more per node), and reads, the per-principal index and count, announcements and
+//! `ping` keep the others: a refusal for lack of acknowledgement concerns the keys of the shard
+//! that cannot acknowledge, and keys on the other shards are served as usual (tests:
+//! `partial::a_shard_whose_replica_is_paused_fails_only_its_own_keys`, the shard that holds the
+//! principal's index, its replica paused, kept busy by eight tasks; leasebroker's
+//! `one_redis_shard_without_its_replica_refuses_only_its_own_keys`).
+//!
 //! What it does not do: `WAIT` makes a write durable on `N` replicas, not consensus. A failover
 //! that promotes a replica which did not acknowledge (Redis picks the replica with the most data,
 //! so with one replica per primary this is the acknowledging one) can still lose it, and a
-//! replay of a record another process wrote is answered without waiting again. A replica that
-//! reconnects between the write and the `WAIT` (the connection dropped and the manager made a
-//! new one) is counted against the new connection's offset; the window is one round trip. With
-//! 0 (the default) the store sends no `WAIT`, as before.
+//! replay of a record another process wrote is answered without waiting again (a claim that
+//! finds a record still sends its `WAIT`, which cannot be known unneeded before the script's
+//! answer; it is ignored). With 0 (the default) the store sends no `WAIT`, as before.
 //!
 //! # A Redis Cluster
 //!
@@ -144,8 +180,13 @@
 //! unavailable (never as ownership), after [`RedisStoreOptions::cluster_retries`] retries, and
 //! records on the other primaries keep working, provided the cluster keeps serving without full
 //! slot coverage: set `cluster-require-full-coverage no`, or every node refuses every command
-//! (`CLUSTERDOWN`) once the dead primary is marked failed. [`Store::ping`](idempotency::Store::ping)
-//! asks every primary, so a readiness probe reports a cluster with a dead primary as not ready.
+//! (`CLUSTERDOWN`) once the dead primary is marked failed (test:
+//! `partial::a_shard_whose_primary_is_down_fails_only_its_own_keys`).
+//! [`Store::ping`](idempotency::Store::ping) asks every primary at once, each within a second,
+//! and reports the store ready while at least one of them answers and takes writes: the store
+//! answers for the keys of those, and a readiness probe that took every replica of a service
+//! out of its load balancer for one shard would stop them too. Each primary that fails is
+//! logged, by address, at every ping; with none left the store is not ready.
 //!
 //! After a failover the cluster client reconnects to the lost node and refreshes its slot map by
 //! itself, within seconds. In two long fault runs one process's client did not: a slot refresh
@@ -163,17 +204,24 @@
 //! given with [`RedisStoreOptions::root_certificates_pem`]. [`Store::ping`](idempotency::Store::ping)
 //! reports a server that refuses writes for lack of memory as not ready: one over its
 //! `maxmemory` (`INFO memory`), or one that refused a write with `OOM` since the last claim that
-//! succeeded. [`Store::count_records`](idempotency::Store::count_records) reads a sorted set per
-//! principal (`PREFIXprincipal:<sha256>`, members the record keys scored by expiry): a claim, a
-//! reclaim and a completion add their record (at its expiry), a failure, a remove and a forget
-//! take it out, so it counts what the SQL stores count (records completed or in flight, not
-//! failed). Written with plain commands after each transition, not atomically with it (Redis 7.0
-//! or later for its expiry); a record it misses is not counted until its next transition.
+//! succeeded (on a cluster: not ready when every primary is so, or does not answer; see
+//! [A Redis Cluster](#a-redis-cluster)). [`Store::count_records`](idempotency::Store::count_records)
+//! reads a sorted set per principal (`PREFIXprincipal:<sha256>`, members the record keys scored
+//! by expiry): a claim, a reclaim, a renewal and a completion add their record (at its expiry),
+//! a failure, a remove and a forget take it out, so it counts what the SQL stores count (records
+//! completed or in flight, not failed). Written with plain commands after each transition, not
+//! atomically with it (Redis 7.0 or later for its expiry); a record it misses is not counted
+//! until its next transition. The set is one key, on one shard, while the principal's records
+//! are on all of them: a transition waits at most half a second for its index write (which goes
+//! on after it), and a count its primary does not answer within a second is `None` (the record
+//! limit is not enforced for that call) rather than an error that would refuse every key of the
+//! principal.
 //!
 //! # Waiting for a record in flight
 //!
 //! `complete` and `fail` announce that a record left `in_flight`: once the script has run they
-//! `PUBLISH` the record's [`change_tag`](idempotency::change_tag) on the prefix's channel
+//! `PUBLISH`, in a task of their own (the channel's node may be another shard, one that does not
+//! answer), the record's [`change_tag`](idempotency::change_tag) on the prefix's channel
 //! ([`changes_channel`], `PREFIXrecord-changes`), and [`Store::changes`](idempotency::Store::changes)
 //! subscribes to it on a connection of its own. So a request of another process that waits for
 //! the record (`Prefer: wait`, in `idempotency-tower`) is woken as soon as it is stored instead
@@ -189,8 +237,9 @@
 //! [`StoreError::Unavailable`](idempotency::StoreError::Unavailable); a value of the wrong type
 //! at a record's key, or a hash that does not decode, is
 //! [`StoreError::Corrupt`](idempotency::StoreError::Corrupt). A reply lost after the server
-//! applied a script (a timeout) leaves the write in place: a claim retried then sees its own
-//! record as existing, a completion retried is fenced; neither is ever a second owner.
+//! applied a script (a timeout) leaves the write in place: a claim whose call failed so is taken
+//! back (see [Replica acknowledgement](#replica-acknowledgement)), a completion retried is
+//! recognised as its caller's own; neither is ever a second owner.
 
 #![warn(missing_docs)]
 
@@ -200,6 +249,7 @@ mod cluster;
 mod codec;
 mod conn;
 mod options;
+mod policy;
 mod scripts;
 mod store;
 #[cfg(feature = "testing")]

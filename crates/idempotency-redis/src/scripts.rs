@@ -112,6 +112,23 @@ redis.call('DEL', KEYS[1])
 return all
 ";
 
+/// Re-writes a record's generation, unchanged, when the record has the record id (`ARGV[1]`),
+/// generation (`ARGV[2]`) and state (`ARGV[3]`) given, and each field named in `ARGV[4..]`
+/// (pairs: field, value) holds that value; returns 1, or 0 (nothing written). For a transition
+/// whose script ran twice (its reply was lost and it was sent again) and whose second run found
+/// the record as its first run left it, and so wrote nothing: `WAIT` counts the replicas that
+/// have the last write of its own connection, so the wait after this write covers the record as
+/// it is.
+pub(crate) const TOUCH: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'gen', 'st')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= ARGV[3] then return 0 end
+for i = 4, #ARGV - 1, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'gen', ARGV[2])
+return 1
+";
+
 /// The scripts with their SHA1 digests, computed once per store.
 #[derive(Debug)]
 pub(crate) struct Scripts {
@@ -122,6 +139,7 @@ pub(crate) struct Scripts {
     pub heartbeat: Lua,
     pub remove: Lua,
     pub forget: Lua,
+    pub touch: Lua,
 }
 
 impl Scripts {
@@ -134,6 +152,7 @@ impl Scripts {
             heartbeat: Lua::new(HEARTBEAT),
             remove: Lua::new(REMOVE),
             forget: Lua::new(FORGET),
+            touch: Lua::new(TOUCH),
         }
     }
 }

@@ -9,8 +9,12 @@
 //! println!("records go to {}", cluster.url()); // redis+cluster://127.0.0.1:P1,...
 //! ```
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal, kill_process};
@@ -112,6 +116,26 @@ impl Node {
         pid.is_none_or(|pid| {
             i32::try_from(pid).ok().and_then(Pid::from_raw).is_some_and(|pid| kill_process(pid, which).is_ok())
         })
+    }
+
+    /// On a replica: stops applying its primary's stream, and so acknowledging writes, for
+    /// `span` (`CLIENT PAUSE <ms> WRITE`), while it answers every command that does not write at
+    /// once: a replica that lags, where [`Node::pause`] is one that answers nothing.
+    /// [`Node::unpause_writes`] ends it early.
+    ///
+    /// # Panics
+    /// When the node refuses it.
+    pub fn pause_writes(&self, span: Duration) {
+        let ms = u64::try_from(span.as_millis()).unwrap_or(u64::MAX);
+        ::redis::cmd("CLIENT").arg("PAUSE").arg(ms).arg("WRITE").exec(&mut self.connection()).expect("client pause");
+    }
+
+    /// Ends [`Node::pause_writes`].
+    ///
+    /// # Panics
+    /// When the node refuses it.
+    pub fn unpause_writes(&self) {
+        ::redis::cmd("CLIENT").arg("UNPAUSE").exec(&mut self.connection()).expect("client unpause");
     }
 
     /// `INFO replication` of the node, or an empty string when it does not answer.
@@ -335,6 +359,33 @@ impl Cluster {
         }
     }
 
+    /// Puts a [`CutProxy`] in front of primary `i`: the node announces the proxy's port to the
+    /// cluster (`cluster-announce-port`; its bus port stays its own), so a client that learns the
+    /// topology from the cluster reaches it through the proxy, and [`Cluster::owner_of`] names
+    /// the proxy's port for its slots. Returns once every node's `CLUSTER SLOTS` says so.
+    ///
+    /// # Panics
+    /// When the node refuses the setting, or the cluster does not learn it within 30 s.
+    pub fn proxy_primary(&self, i: usize) -> CutProxy {
+        let node = &self.nodes[i];
+        let proxy = CutProxy::start(node.port);
+        let mut con = node.connection();
+        for (name, port) in [("cluster-announce-bus-port", node.port + 10_000), ("cluster-announce-port", proxy.port)] {
+            ::redis::cmd("CONFIG").arg("SET").arg(name).arg(port).exec(&mut con).expect("config set");
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let announced = format!("{}", proxy.port);
+        while !self.nodes.iter().chain(&self.replicas).filter(|n| n.is_alive()).all(|n| {
+            let slots: ::redis::Value =
+                ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut n.connection()).unwrap_or(::redis::Value::Nil);
+            format!("{slots:?}").contains(&format!("int({announced})"))
+        }) {
+            assert!(Instant::now() < deadline, "the cluster did not learn the proxy's port for primary {i}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        proxy
+    }
+
     /// `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3` (the primaries).
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
@@ -363,6 +414,114 @@ impl Cluster {
         }
         panic!("slot {slot} is not served")
     }
+}
+
+/// Where [`CutProxy`] cuts the next connection that sends a script (`EVALSHA` or `EVAL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Passes the server's next reply on, then closes the connection: the client has the
+    /// script's answer, and whatever it sends after it goes over a new connection.
+    AfterScriptReply,
+    /// Closes the connection instead of passing the server's next reply on: the script ran, and
+    /// its answer is lost.
+    InsteadOfScriptReply,
+}
+
+/// A TCP proxy on loopback in front of one Redis node: it passes everything through, and once
+/// armed ([`CutProxy::arm`]) cuts the next connection that sends a script, right after or
+/// instead of the server's reply ([`Cut`]). For the faults between a transition's script and
+/// the `WAIT` after it. Stops accepting when dropped.
+#[derive(Debug)]
+pub struct CutProxy {
+    /// The port it listens on (127.0.0.1).
+    pub port: u16,
+    armed: Arc<Mutex<Option<Cut>>>,
+    cuts: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl CutProxy {
+    /// Listens on a free port and forwards each connection to `127.0.0.1:upstream`.
+    ///
+    /// # Panics
+    /// When it cannot listen.
+    pub fn start(upstream: u16) -> CutProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let proxy = CutProxy { port, armed: Arc::default(), cuts: Arc::default(), stop: Arc::default() };
+        let (armed, cuts, stop) = (proxy.armed.clone(), proxy.cuts.clone(), proxy.stop.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let (Ok(client), Ok(server)) = (client, TcpStream::connect(("127.0.0.1", upstream))) else { continue };
+                let (armed, cuts) = (armed.clone(), cuts.clone());
+                std::thread::spawn(move || relay(client, server, &armed, &cuts));
+            }
+        });
+        proxy
+    }
+
+    /// Cuts the next connection that sends a script, as `cut` says; once.
+    pub fn arm(&self, cut: Cut) {
+        *self.armed.lock().unwrap_or_else(|e| e.into_inner()) = Some(cut);
+    }
+
+    /// How many connections it has cut.
+    pub fn cuts(&self) -> u64 {
+        self.cuts.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Relays one connection both ways until either side closes it, cutting it as `armed` says.
+fn relay(client: TcpStream, server: TcpStream, armed: &Mutex<Option<Cut>>, cuts: &AtomicU64) {
+    let script_sent = Arc::new(AtomicBool::new(false));
+    let (Ok(mut from_client), Ok(mut to_server)) = (client.try_clone(), server.try_clone()) else { return };
+    let sent = script_sent.clone();
+    let upstream = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n @ 1..) = from_client.read(&mut buf) {
+            let chunk = &buf[..n];
+            let names = [&b"\r\nEVALSHA\r\n"[..], &b"\r\nEVAL\r\n"[..]];
+            if names.iter().any(|name| chunk.windows(name.len()).any(|w| w == *name)) {
+                // Before it reaches the server, so its reply finds the mark.
+                sent.store(true, Ordering::SeqCst);
+            }
+            if to_server.write_all(chunk).is_err() {
+                break;
+            }
+        }
+        let _ = to_server.shutdown(Shutdown::Both);
+        let _ = from_client.shutdown(Shutdown::Both);
+    });
+    let (mut from_server, mut to_client) = (server, client);
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n @ 1..) = from_server.read(&mut buf) {
+        let cut = if script_sent.swap(false, Ordering::SeqCst) {
+            armed.lock().unwrap_or_else(|e| e.into_inner()).take()
+        } else {
+            None
+        };
+        if cut == Some(Cut::InsteadOfScriptReply) || to_client.write_all(&buf[..n]).is_err() {
+            cuts.fetch_add(u64::from(cut.is_some()), Ordering::Relaxed);
+            break;
+        }
+        if cut == Some(Cut::AfterScriptReply) {
+            cuts.fetch_add(1, Ordering::Relaxed);
+            break;
+        }
+    }
+    let _ = to_client.shutdown(Shutdown::Both);
+    let _ = from_server.shutdown(Shutdown::Both);
+    let _ = upstream.join();
 }
 
 /// One call of one of the store's scripts, exactly as the store sends it

@@ -174,6 +174,10 @@ use common::{request, response, scope};
 
 #[path = "stores/failover.rs"]
 mod failover;
+#[path = "stores/partial.rs"]
+mod partial;
+#[path = "stores/wait.rs"]
+mod wait;
 
 fn cached_scripts(con: &mut ::redis::Connection) -> u64 {
     let info: String = ::redis::cmd("INFO").arg("memory").query(con).expect("info");
@@ -251,7 +255,7 @@ async fn cluster_keys_spread_over_every_primary() {
 }
 
 /// A primary killed mid-run: every call for a record it holds fails (never "you own this
-/// request"), records on the other two keep working, and `ping` reports the cluster unready.
+/// request"), records on the other two keep working, and `ping` reports the cluster ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_dead_primary_fails_its_keys_and_spares_the_others() {
     let Some(cluster) = support::cluster().await else { return };
@@ -354,7 +358,9 @@ async fn cluster_dead_primary_fails_its_keys_and_spares_the_others() {
     assert!(on_victim > 0 && on_victim < work.len(), "{on_victim} of {} keys on the victim", work.len());
     assert!(dead_errors >= on_victim, "{dead_errors} errors for {on_victim} keys on the dead primary");
     assert!(live_ok >= 2 * (work.len() - on_victim), "{live_ok} successes on the live primaries");
-    assert!(store.ping().await.is_err(), "ping must report a dead primary");
+    // Two primaries of three serve their keys: the store answers, and a readiness probe that
+    // took the service out of its load balancer would stop those keys too (issue 45, item 4).
+    store.ping().await.expect("ready while other primaries answer");
 }
 
 /// A server that may evict keys is refused, with an error naming its policy: read with `CONFIG

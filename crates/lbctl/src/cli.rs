@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use leasebroker_client::{NodeId, OperationId, RecordId, WorkerId};
+use leasebroker_client::{NodeId, OperationId, RecordId, Resolution, WorkerId};
 
 /// The command line.
 #[derive(Debug, Parser)]
@@ -13,7 +13,8 @@ use leasebroker_client::{NodeId, OperationId, RecordId, WorkerId};
     version,
     about = "Provision and manage leasebroker workers and flash node firmware, safely retried",
     after_help = "Exit codes: 0 success, 1 local failure, 2 usage, 3 refused (4xx), 4 key reused with a \
-                  different request, 5 gave up retrying, 6 unauthorized, 7 the followed operation failed."
+                  different request, 5 gave up retrying, 6 unauthorized, 7 the followed operation failed \
+                  or ended uncertain."
 )]
 pub struct Cli {
     /// The leasebroker base URL.
@@ -54,7 +55,7 @@ pub enum Command {
     /// Node firmware: flash (admin token).
     #[command(subcommand)]
     Firmware(FirmwareCommand),
-    /// Long-running operations such as firmware flashes: get, wait (admin token).
+    /// Long-running operations such as firmware flashes: get, wait, resolve (admin token).
     #[command(subcommand)]
     Operations(OperationsCommand),
     /// Idempotency records: list, get, forget (admin token).
@@ -150,10 +151,31 @@ pub enum OperationsCommand {
     /// Polls about once a second (longer when the server asks with Retry-After), showing a
     /// spinner with the operation's id, state and elapsed time on a terminal and one plain line
     /// per state change otherwise. A poll that fails is retried within --max-elapsed.
-    #[command(after_help = "Exits 0 when the operation succeeded and 7 when it failed.")]
+    #[command(after_help = "Exits 0 when the operation succeeded, and 7 when it failed or ended uncertain \
+                            (then `lbctl operations resolve` ends it once the machine is checked).")]
     Wait {
         /// The server's operation id (op-...), as a flash printed it.
         op_id: OperationId,
+    },
+    /// End an `uncertain` operation as you found the machine (admin token): prints the operation.
+    ///
+    /// An operation is `uncertain` when its flash was sent and what came of it cannot be read
+    /// (the BMC keeps no task for it and serves no firmware inventory); its node takes no other
+    /// flash until it is resolved. The server writes an audit line with the reason. An operation
+    /// in another state is refused (exit 3, `operation-not-uncertain`).
+    Resolve {
+        /// The server's operation id (op-...).
+        #[arg(value_name = "OP_ID")]
+        id: OperationId,
+        /// How the machine was found: `succeeded` (it runs the version) or `failed`.
+        #[arg(long, value_parser = parse_resolution)]
+        state: Resolution,
+        /// What was found, and how (1 to 500 characters).
+        #[arg(long)]
+        reason: String,
+        /// The operation's identity across retries and reruns.
+        #[command(flatten)]
+        op: OpArgs,
     },
 }
 
@@ -225,6 +247,10 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
         Some(_) => Err(format!("label {s:?} has an empty key; expected K=V")),
         None => Err(format!("label {s:?} has no '='; expected K=V")),
     }
+}
+
+fn parse_resolution(s: &str) -> Result<Resolution, String> {
+    s.parse().map_err(|e: leasebroker_api::InvalidRequest| e.message().to_owned())
 }
 
 fn parse_op_id(s: &str) -> Result<String, String> {

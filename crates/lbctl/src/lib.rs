@@ -20,11 +20,15 @@
 //! retry or a rerun with the same key gets that same operation back instead of a second flash.
 //! `--wait`, and `operations wait OP_ID`, follow the operation to its end with a spinner on a
 //! terminal (one plain line per state change otherwise) and print its final JSON;
-//! `operations get OP_ID` prints it once.
+//! `operations get OP_ID` prints it once. An operation that ends `uncertain` (its flash was sent
+//! and what came of it cannot be read) is ended by an operator who checked the machine:
+//! `operations resolve OP_ID --state succeeded|failed --reason R` (one key for its retries, as
+//! every mutating command).
 //!
 //! Exit codes (SPEC 4): 0 success, 1 local failure (journal, TLS, unexpected response), 2 usage,
 //! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized,
-//! 7 the followed operation ended without success (`failed`).
+//! 7 the followed operation ended without success (`failed`, or `uncertain`: not known to have
+//! succeeded, with a line naming the resolve command).
 //!
 //! ```
 //! use clap::Parser;
@@ -46,7 +50,7 @@ use leasebroker_client::journal::{Journal, JournalError};
 use leasebroker_client::retry::{Attempt, AttemptOutcome, Retrier, RetryPolicy};
 use leasebroker_client::{
     Client, CreateWorker, Error, FlashFirmware, Mutation, OPERATION_CONFLICT, OpKey, Operation, OperationId,
-    OperationState, RecordFilter,
+    OperationState, RecordFilter, ResolveOperation,
 };
 
 mod cli;
@@ -76,7 +80,8 @@ pub enum Exit {
     GaveUp = 5,
     /// The token was refused (401/403).
     Unauthorized = 6,
-    /// The operation followed by `--wait` or `operations wait` ended without success.
+    /// The operation followed by `--wait` or `operations wait` ended without success (`failed`,
+    /// or `uncertain`).
     OperationFailed = 7,
 }
 
@@ -284,6 +289,9 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
             return Ok(client.get_operation(&op_id).await?.body.to_vec());
         }
         Command::Operations(OperationsCommand::Wait { op_id }) => return follow(&client, &op_id).await,
+        Command::Operations(OperationsCommand::Resolve { id, state, reason, op }) => {
+            (Mutation::ResolveOperation { op_id: id, request: ResolveOperation::new(state, reason) }, op.op_id, false)
+        }
         Command::Records(RecordsCommand::List { state, principal, older_than, limit, cursor }) => {
             let filter = RecordFilter { state, principal, older_than, limit, cursor };
             return Ok(client.list_records(&filter).await?.body.to_vec());
@@ -306,7 +314,8 @@ pub async fn execute(cli: Cli) -> Result<Vec<u8>, Failure> {
     follow(&client, &accepted.id).await
 }
 
-/// Follows operation `id` to its end: its final JSON, or exit 7 with that JSON when it failed.
+/// Follows operation `id` to its end: its final JSON, or exit 7 with that JSON when it failed or
+/// ended uncertain (the line then says how to resolve it).
 async fn follow(client: &Client, id: &OperationId) -> Result<Vec<u8>, Failure> {
     let mut progress = Progress::start(id, Display::for_stderr());
     let done = client.wait_operation(id, |op| progress.observe(op)).await?;
@@ -318,6 +327,11 @@ async fn follow(client: &Client, id: &OperationId) -> Result<Vec<u8>, Failure> {
     let reason = match (&op.state, &op.error) {
         (OperationState::Failed, Some(error)) => format!("operation {id} failed: {error}"),
         (OperationState::Failed, None) => format!("operation {id} failed (the server gave no reason)"),
+        (OperationState::Uncertain, error) => format!(
+            "operation {id} ended uncertain: {}; check the machine, then `lbctl operations resolve {id} --state \
+             succeeded|failed --reason TEXT`",
+            error.as_deref().unwrap_or("what came of it cannot be read")
+        ),
         (state, _) => format!("operation {id} ended {state}, not succeeded"),
     };
     Err(Failure { exit: Exit::OperationFailed, message: reason, stdout: done.body.to_vec() })

@@ -776,7 +776,9 @@ fn the_help_texts_name_the_firmware_and_operations_commands() {
         assert!(flash.contains(needle), "{needle} missing: {flash}");
     }
     let ops = help(&["operations"]);
-    assert!(ops.contains("get") && ops.contains("wait"), "{ops}");
+    assert!(ops.contains("get") && ops.contains("wait") && ops.contains("resolve"), "{ops}");
+    let resolve = help(&["operations", "resolve"]);
+    assert!(resolve.contains("--state") && resolve.contains("--reason") && resolve.contains("uncertain"), "{resolve}");
     assert!(help(&["operations", "wait"]).contains("OP_ID"));
 }
 
@@ -800,6 +802,7 @@ fn scripted_operation(states: &'static [&'static str]) -> (String, std::sync::Ar
             let (error, finished) = match state {
                 "running" | "verifying" => ("null", "null"),
                 "failed" => (r#""the BMC refused the image""#, r#""2026-11-30T21:00:03Z""#),
+                "uncertain" => (r#""the BMC serves no firmware inventory""#, r#""2026-11-30T21:00:03Z""#),
                 _ => ("null", r#""2026-11-30T21:00:03Z""#),
             };
             let body = format!(
@@ -842,6 +845,86 @@ fn an_operation_state_this_lbctl_does_not_know_is_followed_until_it_ends() {
     assert_eq!(json(&out)["state"], "cancelled");
     assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(stderr(&out).contains("ended cancelled, not succeeded"), "{}", stderr(&out));
+}
+
+#[test]
+fn wait_on_an_uncertain_operation_exits_7_and_names_the_resolve_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, polls) = scripted_operation(&["running", "uncertain"]);
+    let out = run(&url, &dir.path().join("j.db"), &["--token", ADMIN, "operations", "wait", "op-scripted"]);
+    assert_exit(&out, 7);
+    assert_eq!(json(&out)["state"], "uncertain");
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 2, "an uncertain operation ends the wait");
+    let lines = stderr_lines(&out);
+    let last = lines.last().expect("a reason line");
+    assert!(
+        last.starts_with("lbctl: operation op-scripted ended uncertain: the BMC serves no firmware inventory")
+            && last.contains("lbctl operations resolve op-scripted --state succeeded|failed --reason"),
+        "{lines:?}"
+    );
+}
+
+/// End to end against a Redfish BMC like sushy-tools' (no task list, no payload, no inventory)
+/// that loses the answer to every flash: the flash's outcome cannot be read, so `--wait` ends on
+/// `uncertain` (exit 7, naming the resolve command); `operations resolve` ends it as the operator
+/// found the machine, and a second resolve is refused (exit 3).
+#[test]
+fn an_uncertain_flash_is_resolved_with_operations_resolve() {
+    let sim = testkit::sim(&[
+        "--bmc",
+        "redfish",
+        "--redfish-systems",
+        "64",
+        "--redfish-terse",
+        "--redfish-no-payload",
+        "--redfish-no-task-list",
+        "--redfish-no-inventory",
+        "--fail-after",
+        "1",
+    ]);
+    let bmc = format!("redfish+{}", sim.url);
+    let server = Server::start(&[
+        "--hypervisor-url",
+        &sim.url,
+        "--bmc-url",
+        &bmc,
+        "--hypervisor-timeout",
+        "1s",
+        "--hypervisor-settle",
+        "2s",
+        "--operation-poll",
+        "100ms",
+    ]);
+    let out = run_owned(&server.url, &server.journal(), &flash("node-0006", &["--op-id", "fw-uncertain", "--wait"]));
+    assert_exit(&out, 7);
+    let op = json(&out);
+    let id = op["id"].as_str().unwrap().to_owned();
+    assert_eq!(op["state"], "uncertain", "{op}");
+    let lines = stderr_lines(&out);
+    let last = lines.last().expect("a reason line");
+    assert!(last.contains(&format!("lbctl operations resolve {id} --state succeeded|failed")), "{lines:?}");
+
+    let resolve = |reason: &str| {
+        let args = ["--token", ADMIN, "operations", "resolve", &id, "--state", "failed", "--reason", reason];
+        run(&server.url, &server.journal(), &args)
+    };
+    let resolved = resolve("the BMC still runs 1.0 after a power cycle");
+    assert_exit(&resolved, 0);
+    let resolved = json(&resolved);
+    assert_eq!(resolved["state"], "failed", "{resolved}");
+    assert!(resolved["error"].as_str().is_some_and(|e| e.contains("still runs 1.0")), "{resolved}");
+    let got = run(&server.url, &server.journal(), &["--token", ADMIN, "operations", "get", &id]);
+    assert_eq!(json(&got)["state"], "failed");
+
+    let again = resolve("a second look");
+    assert_exit(&again, 3);
+    assert!(stderr(&again).contains("operation-not-uncertain"), "{}", stderr(&again));
+    let bad = run(
+        &server.url,
+        &server.journal(),
+        &["--token", ADMIN, "operations", "resolve", &id, "--state", "running", "--reason", "x"],
+    );
+    assert_exit(&bad, 2);
 }
 
 /// A server that answers every request with `status` and `body` as given, byte for byte.

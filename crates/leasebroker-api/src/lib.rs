@@ -16,7 +16,9 @@ pub use ids::{
     InvalidNodeId, InvalidOperationId, InvalidRecordId, InvalidWorkerId, NodeId, OperationId, RecordId, WorkerId,
     is_path_id,
 };
-pub use operations::{FlashFirmware, MAX_VERSION, Operation, OperationKind, OperationState};
+pub use operations::{
+    FlashFirmware, MAX_REASON, MAX_VERSION, Operation, OperationKind, OperationState, Resolution, ResolveOperation,
+};
 pub use records::{Record, RecordPage};
 pub use sim::SimStats;
 pub use workers::{

@@ -135,14 +135,100 @@ open_enum!(
         Succeeded = "succeeded",
         /// The work ended without success; [`Operation::error`] says why.
         Failed = "failed",
+        /// The work was sent and what came of it cannot be read ([`Operation::error`] says
+        /// why): nothing more happens until an operator checks the machine and resolves it
+        /// (`POST /admin/v1/operations/{op_id}/resolve`), and its node takes no other flash.
+        Uncertain = "uncertain",
     }
 );
 
 impl OperationState {
     /// Whether this is one of the known final states (`succeeded`, `failed`). An unknown state
-    /// is not known to be final: see [`Operation::is_finished`].
+    /// is not known to be final: see [`Operation::is_finished`]; nor is `uncertain`, which an
+    /// operator resolves to one of them.
     pub fn is_terminal(&self) -> bool {
         matches!(self, OperationState::Succeeded | OperationState::Failed)
+    }
+}
+
+/// How an operator found the machine of an `uncertain` operation: the `state` of
+/// [`ResolveOperation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Resolution {
+    /// The machine runs the version: the operation succeeded.
+    Succeeded,
+    /// It does not: the operation failed.
+    Failed,
+}
+
+impl Resolution {
+    /// The operation's state after it: `succeeded` or `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resolution::Succeeded => "succeeded",
+            Resolution::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for Resolution {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Resolution {
+    type Err = InvalidRequest;
+
+    fn from_str(s: &str) -> Result<Self, InvalidRequest> {
+        match s {
+            "succeeded" => Ok(Resolution::Succeeded),
+            "failed" => Ok(Resolution::Failed),
+            _ => Err(InvalidRequest(format!(
+                "state must be succeeded or failed, got {:?}",
+                s.chars().take(32).collect::<String>()
+            ))),
+        }
+    }
+}
+
+/// The longest reason an operator gives when resolving an operation, in characters.
+pub const MAX_REASON: usize = 500;
+
+/// `POST /admin/v1/operations/{op_id}/resolve` body: ends an `uncertain` operation as the
+/// operator found the machine.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ResolveOperation {
+    /// `succeeded` (the machine runs the version) or `failed`.
+    pub state: Resolution,
+    /// What the operator found, and how: 1 to 500 characters, no control characters.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(min_length = 1, max_length = 500, example = "the BMC shows 2.4.1 after a power cycle")
+    )]
+    pub reason: String,
+}
+
+impl ResolveOperation {
+    /// Resolves as `state`, for `reason`.
+    pub fn new(state: Resolution, reason: impl Into<String>) -> Self {
+        ResolveOperation { state, reason: reason.into() }
+    }
+
+    /// Checks the reason.
+    pub fn validate(&self) -> Result<(), InvalidRequest> {
+        let n = self.reason.chars().count();
+        if self.reason.trim().is_empty() || n > MAX_REASON {
+            return Err(InvalidRequest(format!("reason must be 1 to {MAX_REASON} characters, not blank, got {n}")));
+        }
+        if self.reason.chars().any(char::is_control) {
+            return Err(InvalidRequest("reason may not hold control characters".into()));
+        }
+        Ok(())
     }
 }
 
@@ -159,9 +245,9 @@ pub struct Operation {
     pub node_id: NodeId,
     /// The firmware version it writes.
     pub version: String,
-    /// `running`, `succeeded` or `failed`.
+    /// `running`, `succeeded`, `failed` or `uncertain`.
     pub state: OperationState,
-    /// Why it failed; null otherwise.
+    /// Why it failed, or why its outcome is uncertain; null otherwise.
     #[serde(default)]
     pub error: Option<String>,
     /// When it was accepted: RFC 3339, UTC, microseconds.
@@ -175,11 +261,13 @@ pub struct Operation {
 }
 
 impl Operation {
-    /// Whether the operation has ended: its state is `succeeded` or `failed`, or a state this
-    /// side does not know together with a `finished_at` (a newer server's final state).
+    /// Whether the operation has come to its end by itself: its state is `succeeded` or
+    /// `failed`, or `uncertain` (nothing more happens until an operator resolves it), or a state
+    /// this side does not know together with a `finished_at` (a newer server's final state).
     pub fn is_finished(&self) -> bool {
         match self.state {
             OperationState::Other(_) => self.finished_at.is_some(),
+            OperationState::Uncertain => true,
             ref state => state.is_terminal(),
         }
     }

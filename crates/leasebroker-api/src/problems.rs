@@ -56,9 +56,14 @@ pub const WORKER_DELETED: &str = "worker-deleted";
 /// `409`: a flash of a node that a worker holds, without `"force": true`.
 pub const NODE_IN_USE: &str = "node-in-use";
 
-/// `409`, never retried: another operation already runs on the node; the problem's extension
-/// member `operation_id` names it (and `Link` points at it).
+/// `409`, never retried: another operation already runs on the node, or ended `uncertain` there
+/// (until an operator resolves it); the problem's extension member `operation_id` names it (and
+/// `Link` points at it).
 pub const OPERATION_CONFLICT: &str = "operation-conflict";
+
+/// `409`, never retried: a resolve of an operation that is not `uncertain` (it runs, or it ended
+/// already); the problem's extension member `operation_id` names it.
+pub const OPERATION_NOT_UNCERTAIN: &str = "operation-not-uncertain";
 
 /// `409`: an admin asked to forget a record whose request is still running.
 pub const RECORD_IN_FLIGHT: &str = "record-in-flight";

@@ -14,7 +14,8 @@ use crate::journal::RequestFingerprint;
 use crate::records::{Record, RecordFilter, RecordId, RecordPage};
 use crate::retry::{HttpResponse, OpKey, Retrier};
 use crate::types::{
-    CreateWorker, FlashFirmware, Fleet, NodeId, Operation, OperationId, RebootResult, Worker, WorkerId, WorkerPage,
+    CreateWorker, FlashFirmware, Fleet, NodeId, Operation, OperationId, RebootResult, ResolveOperation, Worker,
+    WorkerId, WorkerPage,
 };
 
 /// How often [`Client::wait_operation`] polls unless the server asks otherwise (`Retry-After`).
@@ -62,6 +63,13 @@ pub enum Mutation {
     },
     /// `DELETE /admin/v1/records/{id}`.
     ForgetRecord(RecordId),
+    /// `POST /admin/v1/operations/{id}/resolve`.
+    ResolveOperation {
+        /// The `uncertain` operation.
+        op_id: OperationId,
+        /// The body.
+        request: ResolveOperation,
+    },
 }
 
 impl Mutation {
@@ -82,6 +90,11 @@ impl Mutation {
                 (Method::POST, format!("/admin/v1/nodes/{node_id}/firmware"), Some(body))
             }
             Mutation::ForgetRecord(id) => (Method::DELETE, format!("/admin/v1/records/{id}"), None),
+            Mutation::ResolveOperation { op_id, request } => {
+                // A lowercase name and a string: serializing cannot fail and is deterministic.
+                let body = serde_json::to_vec(request).unwrap_or_default();
+                (Method::POST, format!("/admin/v1/operations/{op_id}/resolve"), Some(body))
+            }
         }
     }
 
@@ -318,9 +331,24 @@ impl Client {
         self.get(self.url(&format!("/admin/v1/operations/{id}"))?).await?.decoded()
     }
 
-    /// Polls `GET /admin/v1/operations/{id}` until the operation has ended
-    /// ([`Operation::is_finished`]) and returns its last state, `succeeded` or `failed` alike: a
-    /// failed operation is an answer, not an error of this call.
+    /// `POST /admin/v1/operations/{id}/resolve` with `key` on every attempt; needs a client made
+    /// with the admin token. Ends an `uncertain` operation as the operator found the machine
+    /// (`succeeded` or `failed`, and why); the server writes an audit line. An operation in any
+    /// other state is [`Error::Refused`] (409, problem `operation-not-uncertain`).
+    pub async fn resolve_operation(
+        &self,
+        id: &OperationId,
+        request: &ResolveOperation,
+        key: &OpKey,
+    ) -> Result<Response<Operation>, Error> {
+        let mutation = Mutation::ResolveOperation { op_id: id.clone(), request: request.clone() };
+        self.mutate(&mutation, key).await?.decoded()
+    }
+
+    /// Polls `GET /admin/v1/operations/{id}` until the operation has come to its end
+    /// ([`Operation::is_finished`]) and returns its last state, `succeeded`, `failed` or
+    /// `uncertain` alike: an operation that did not succeed is an answer, not an error of this
+    /// call.
     ///
     /// The first poll goes out at once; then one every [`ClientBuilder::poll_interval`] (1 s by
     /// default), or as long as the server asks with `Retry-After` (held between 100 ms and 60 s).
@@ -338,7 +366,10 @@ impl Client {
     /// let node = "node-0007".parse().expect("a valid node id");
     /// let accepted = admin.flash_firmware(&node, &FlashFirmware::new("2.1.0"), &OpKey::new_v4()).await?;
     /// let done = admin.wait_operation(&accepted.value.id, |op| eprintln!("{}: {}", op.id, op.state)).await?;
-    /// assert!(matches!(done.value.state, OperationState::Succeeded | OperationState::Failed));
+    /// assert!(matches!(
+    ///     done.value.state,
+    ///     OperationState::Succeeded | OperationState::Failed | OperationState::Uncertain
+    /// ));
     /// # Ok(()) }
     /// ```
     pub async fn wait_operation<F>(&self, id: &OperationId, mut on_poll: F) -> Result<Response<Operation>, Error>

@@ -16,5 +16,6 @@ pub use records::{InvalidRecordId, Record, RecordFilter, RecordId, RecordPage};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{
     CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, InvalidWorkerState, NodeId,
-    Operation, OperationId, OperationKind, OperationState, RebootResult, Worker, WorkerId, WorkerPage, WorkerState,
+    Operation, OperationId, OperationKind, OperationState, RebootResult, Resolution, ResolveOperation, Worker,
+    WorkerId, WorkerPage, WorkerState,
 };

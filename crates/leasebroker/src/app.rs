@@ -22,7 +22,7 @@ use crate::background::Background;
 use crate::config::{ConfigError, KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
-use crate::firmware::{Firmware, Watcher};
+use crate::firmware::{Firmware, WatchSettings, Watcher};
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::redfish::RedfishBmc;
 use crate::hypervisor::sim::{SimConfig, Simulator};
@@ -188,10 +188,14 @@ impl Application {
         let watcher = Watcher::new(
             domain.clone(),
             hypervisor.clone(),
+            store.clone(),
             watcher_name(),
-            args.operation_poll,
-            args.hypervisor_settle,
-            args.abandon_after,
+            WatchSettings {
+                poll: args.operation_poll,
+                settle: args.hypervisor_settle,
+                abandon_after: args.abandon_after,
+                in_flight_ttl: args.in_flight_ttl,
+            },
         );
         background.every("watcher", args.operation_poll, watcher);
 
@@ -212,6 +216,7 @@ impl Application {
                 domain: domain.clone(),
                 hypervisor: hypervisor.clone(),
                 settle: args.hypervisor_settle,
+                hook: Default::default(),
             },
             workers: Workers {
                 domain,

@@ -96,8 +96,8 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_TIMEOUT", default_value = "10s", value_parser = parse::duration)]
     pub hypervisor_timeout: Duration,
 
-    /// How long a sent hypervisor call may still take effect after its caller gave up (at least
-    /// the timeout). Until it has passed since the last call was sent, a retry that finds nothing
+    /// How long a sent hypervisor call may still take effect after its caller gave up (longer
+    /// than the timeout). Until it has passed since the last call was sent, a retry that finds nothing
     /// answers 503 + Retry-After instead of calling again.
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_SETTLE", default_value = "30s", value_parser = parse::duration)]
     pub hypervisor_settle: Duration,
@@ -345,10 +345,10 @@ impl ServeArgs {
                 humantime::format_duration(self.in_flight_ttl)
             ));
         }
-        if self.hypervisor_settle < self.hypervisor_timeout {
+        if self.hypervisor_settle <= self.hypervisor_timeout {
             return Err(format!(
-                "--hypervisor-settle ({}) must be at least --hypervisor-timeout ({}): a call may take effect \
-                 until its timeout, so a shorter settle window would let a retry call twice",
+                "--hypervisor-settle ({}) must be longer than --hypervisor-timeout ({}): a call may take effect \
+                 until its timeout, so a settle window no longer than it would let a retry call twice",
                 humantime::format_duration(self.hypervisor_settle),
                 humantime::format_duration(self.hypervisor_timeout)
             ));
@@ -412,6 +412,14 @@ pub struct SimArgs {
     /// Redfish: answer a `SimpleUpdate` with `204` and the task's `Location`, no body.
     #[arg(long, env = "LEASEBROKER_REDFISH_TERSE")]
     pub redfish_terse: bool,
+    /// Redfish: serve no task list (`TaskService/Tasks` answers 404; each task and monitor is
+    /// still served), as sushy-tools.
+    #[arg(long, env = "LEASEBROKER_REDFISH_NO_TASK_LIST")]
+    pub redfish_no_task_list: bool,
+    /// Redfish: serve no firmware inventory (`UpdateService/FirmwareInventory` answers 404), as
+    /// sushy-tools.
+    #[arg(long, env = "LEASEBROKER_REDFISH_NO_INVENTORY")]
+    pub redfish_no_inventory: bool,
 }
 
 /// `serve --key-sources`: a source of the request's key besides `Idempotency-Key`.
@@ -640,7 +648,7 @@ mod tests {
     }
 
     #[test]
-    fn settle_defaults_and_must_cover_the_timeout() {
+    fn settle_defaults_and_must_outlast_the_timeout() {
         let serve = |args: &[&str]| {
             let Command::Serve(s) = Cli::try_parse_from([&["leasebroker", "serve"], args].concat()).unwrap().command
             else {
@@ -651,12 +659,15 @@ mod tests {
         let s = serve(&[]);
         assert_eq!((s.hypervisor_settle, s.abandon_after), (Duration::from_secs(30), Duration::from_secs(3600)));
         assert!(s.validate().is_ok());
-        assert!(serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "2s"]).validate().is_ok());
+        assert!(serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "2001ms"]).validate().is_ok());
+        for settle in ["1s", "2s"] {
+            let err = serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", settle]).validate().unwrap_err();
+            assert!(err.contains("--hypervisor-settle") && err.contains("--hypervisor-timeout"), "{err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
         let err = serve(&["--retention", "2s", "--in-flight-ttl", "60s"]).validate().unwrap_err();
         assert!(err.contains("--retention (2s)") && err.contains("--in-flight-ttl (1m)"), "{err}");
         assert!(serve(&["--retention", "1m", "--in-flight-ttl", "60s"]).validate().is_err(), "equal is refused too");
         assert!(serve(&["--retention", "61s", "--in-flight-ttl", "60s"]).validate().is_ok());
-        let err = serve(&["--hypervisor-timeout", "2s", "--hypervisor-settle", "1s"]).validate().unwrap_err();
-        assert!(err.contains("--hypervisor-settle") && err.contains("--hypervisor-timeout"), "{err}");
     }
 }

@@ -71,6 +71,7 @@ pub(crate) fn sqlite_migrator() -> Migrator {
         "0006_operation_marks.sql",
         "0030_record_audit.sql",
         "0031_effect_ledger.sql",
+        "0032_flash_uncertain.sql",
     ))
 }
 
@@ -86,6 +87,7 @@ pub(crate) fn postgres_migrator() -> Migrator {
         "0006_operation_marks.sql",
         "0030_record_audit.sql",
         "0031_effect_ledger.sql",
+        "0032_flash_uncertain.sql",
     ))
 }
 

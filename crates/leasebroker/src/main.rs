@@ -92,6 +92,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     one_machine: args.redfish_one_machine,
                     keep_payload: !args.redfish_no_payload,
                     terse: args.redfish_terse,
+                    list_tasks: !args.redfish_no_task_list,
+                    inventory: !args.redfish_no_inventory,
                 }),
             };
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")

@@ -33,7 +33,8 @@ pub const REAPER_BACKLOG: &str = "leasebroker_reaper_backlog_operations";
 pub const RECORDS_STUCK_IN_FLIGHT: &str = "leasebroker_records_stuck_in_flight";
 
 /// Counter: long-running operations that ended, labelled `kind` (`firmware-flash`) and
-/// `outcome` (`succeeded`, `failed`).
+/// `outcome` (`succeeded`, `failed`, `uncertain`: sent, and what came of it cannot be read; an
+/// operator resolves it).
 pub const OPERATIONS_TOTAL: &str = "leasebroker_operations_total";
 /// Counter: operations a watcher started following (a lease taken that another watcher did not
 /// hold). With several replicas, their sum is the number of operations followed, once each.
@@ -98,4 +99,5 @@ pub fn start_at_zero() {
     }
     metrics::counter!(idempotency_tower::REQUESTS_TOTAL, "outcome" => "store_unavailable").increment(0);
     metrics::counter!(HTTP_RESPONSES_TOTAL, "code" => "429").increment(0);
+    metrics::counter!(OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => "uncertain").increment(0);
 }

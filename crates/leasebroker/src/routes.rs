@@ -70,6 +70,7 @@ pub fn router(state: AppState, idempotency: IdempotencyLayer, console: crate::co
         .routes(routes!(api::fleet))
         .routes(routes!(api::flash_firmware))
         .routes(routes!(api::get_operation))
+        .routes(routes!(api::resolve_operation))
         .routes(routes!(api::list_records))
         .routes(routes!(api::get_record, api::forget_record))
         .layer(idempotency)

@@ -33,7 +33,13 @@ pub fn start(args: &[&str]) -> Proc {
 /// Starts `leasebroker serve` on the database `db` with the kit's tokens, a pool of
 /// [`POOL_NODES`] nodes unless `extra` sets `--pool-nodes`, and `extra`.
 pub fn serve(db: &str, extra: &[&str]) -> Proc {
-    Launch::serve(db, &with_pool_nodes(POOL_NODES, extra)).start()
+    serve_with_env(db, extra, &[])
+}
+
+/// [`serve`] with `env` set (`RUST_LOG` among it, to read what it logs).
+pub fn serve_with_env(db: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let launch = Launch::serve(db, &with_pool_nodes(POOL_NODES, extra));
+    env.iter().fold(launch, |l, (k, v)| l.env(k, v)).start()
 }
 
 /// Starts the standalone hypervisor simulator with `extra`.

@@ -9,15 +9,18 @@ use rand::Rng;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use crate::cluster::Replica;
+use crate::cluster::{Replica, Started};
 use crate::pg::LocalCluster;
 use crate::proxy::Proxy;
+use crate::timeline::Happening;
 use crate::workload::Workload;
 
 /// Kills a random replica `kills` times, at evenly spread points of the workload, each time while
-/// it has a request open, and restarts it on the same port. Returns the kills made.
+/// it has a request open, and after `down` restarts it on the same port. Each kill and each
+/// restart goes on the workload's timeline. Returns the kills made.
 pub(super) async fn kill_replicas(
     kills: u32,
+    down: Duration,
     ops: u64,
     workload: Arc<Workload>,
     replicas: Arc<Mutex<Vec<Replica>>>,
@@ -35,7 +38,12 @@ pub(super) async fn kill_replicas(
         while proxies[victim].stats.active_upstream.load(Ordering::Relaxed) == 0 && Instant::now() < wait_until {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        replicas.lock().await[victim].kill_and_restart().await?;
+        let mut replicas = replicas.lock().await;
+        replicas[victim].kill().await?;
+        workload.timeline.note(Happening::Killed(victim));
+        tokio::time::sleep(down).await;
+        let Started { failed_starts, last_failure } = replicas[victim].start_again().await?;
+        workload.timeline.note(Happening::Ready { replica: victim, failed_starts, last_failure });
         done += 1;
     }
     Ok(done)
@@ -58,8 +66,10 @@ pub(super) async fn restart_database(
         }
         let mut cluster = cluster.lock().await;
         cluster.stop().await?;
+        workload.timeline.note(Happening::DatabaseStopped);
         tokio::time::sleep(down).await;
         cluster.start_again().await?;
+        workload.timeline.note(Happening::DatabaseStarted);
         cluster.restarts += 1;
         done += 1;
     }
@@ -91,7 +101,9 @@ pub(super) async fn pause_replicas(
         while proxies[victim].stats.active_upstream.load(Ordering::Relaxed) == 0 && Instant::now() < wait_until {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        if replicas.lock().await[victim].pause_for(pause).await? {
+        let timeline = &workload.timeline;
+        if replicas.lock().await[victim].pause_for(pause, || timeline.note(Happening::Paused(victim))).await? {
+            timeline.note(Happening::Resumed(victim));
             done += 1;
         }
     }

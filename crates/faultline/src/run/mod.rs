@@ -73,6 +73,10 @@ pub async fn main(cli: Cli) -> anyhow::Result<bool> {
     }
     let protected_passed = runs.iter().filter(|r| r.clients == ClientKind::Protected).all(|r| r.passed);
     println!("{}", report::table(&runs));
+    let gave_up = report::gave_up(&runs);
+    if !gave_up.is_empty() {
+        println!("operations that gave up, attempt by attempt, and their reruns:\n{gave_up}");
+    }
     let broken = report::broken(&runs);
     if !broken.is_empty() {
         println!("broken invariants:\n{broken}");

@@ -9,12 +9,31 @@ use anyhow::{Context, anyhow};
 
 use super::{Damage, Invariant, Reader};
 use crate::cluster::ADMIN_TOKEN;
+use crate::workload::StoredAnswer;
 
 impl Reader {
     /// The state of every record the service holds, by key (`GET /admin/v1/records`, page by
     /// page, every principal's).
     pub async fn record_states(&self) -> anyhow::Result<HashMap<String, String>> {
         Ok(self.all_records().await?.into_iter().map(|r| (r.key, r.state)).collect())
+    }
+
+    /// What the service holds for each of `keys` that it has a record of: the record's state
+    /// and, when completed, its stored response (`GET /admin/v1/records/{id}?body=true`).
+    pub async fn stored_answers(&self, keys: &[String]) -> anyhow::Result<HashMap<String, StoredAnswer>> {
+        if keys.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let mut out = HashMap::new();
+        for record in self.all_records().await?.into_iter().filter(|r| keys.contains(&r.key)) {
+            let url = format!("{}/admin/v1/records/{}?body=true", self.replicas[0], record.id);
+            let full: leasebroker_client::Record = self.get(&url, ADMIN_TOKEN).await?.unwrap_or(record);
+            let hex = full.response_body_encoding.as_deref() == Some("hex");
+            let answer =
+                StoredAnswer { state: full.state, status: full.response_status, body: full.response_body, hex };
+            out.insert(full.key, answer);
+        }
+        Ok(out)
     }
 
     /// Every record the service holds (`GET /admin/v1/records`, page by page, every

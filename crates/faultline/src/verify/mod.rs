@@ -4,14 +4,16 @@
 //! A [`Reader`] reads the servers and the simulator directly (no proxy, no faults) into a
 //! [`GroundTruth`]. Each family of invariants has its check, which states its [`Invariant`]s and
 //! counts its [`Damage`]: the workers and what they hold ([`check`]), the flashes
-//! ([`check_flashes`]), nothing runs that nobody owns ([`check_owners`]) and nothing acknowledged
-//! is lost ([`check_acknowledged`]).
+//! ([`check_flashes`]), nothing runs that nobody owns ([`check_owners`]), nothing acknowledged
+//! is lost ([`check_acknowledged`]) and every operation ends, a rerun with its key answering
+//! what the service stored for it ([`check_reruns`]).
 
 mod acknowledged;
 mod flashes;
 mod outcome;
 mod owners;
 mod reader;
+mod reruns;
 mod truth;
 mod workers;
 
@@ -21,5 +23,6 @@ pub use leasebroker_api::SimStats;
 pub use outcome::{Damage, Invariant};
 pub use owners::{PLANTED_PREFIX, check_owners, flash_keys};
 pub use reader::{Bmcs, Reader, Vms};
+pub use reruns::{NOT_COMPLETED, NOT_THE_STORED_ANSWER, check_reruns};
 pub use truth::{GroundTruth, ServerCounters};
 pub use workers::{check, workers_without_vm};

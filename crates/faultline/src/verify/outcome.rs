@@ -64,4 +64,8 @@ pub struct Damage {
     pub acknowledged_records_lost: u64,
     /// Accepted flash operations (`202`) that cannot be found at the end.
     pub acknowledged_flash_ops_lost: u64,
+    /// Operations that gave up or failed and did not complete when sent again with their key.
+    pub failed_ops_not_completed: u64,
+    /// Reruns whose answer was not the response the service had stored for their key.
+    pub reruns_not_stored_answer: u64,
 }

@@ -30,9 +30,12 @@ impl Reader {
                     .get::<Operation>(&format!("{}/admin/v1/operations/{op}", self.replicas[0]), ADMIN_TOKEN)
                     .await?
                     .is_some_and(|op| {
+                        // An uncertain operation holds its flash too, until an operator resolves it.
                         matches!(
                             op.state,
-                            leasebroker_client::OperationState::Succeeded | leasebroker_client::OperationState::Running
+                            leasebroker_client::OperationState::Succeeded
+                                | leasebroker_client::OperationState::Running
+                                | leasebroker_client::OperationState::Uncertain
                         )
                     }),
                 None => false,

@@ -14,41 +14,17 @@ impl Workload {
     /// Runs the operation through real lbctl processes, killing some with SIGKILL after a random
     /// delay and running them again (with the same `--op-id` when protected) until one exits with a
     /// final code.
-    pub(super) async fn via_lbctl(&self, op: &Op, index: u64) -> Outcome {
+    pub(super) async fn via_lbctl(&self, op: &Op, index: u64, log: &mut OpLog) -> Outcome {
         let deadline = Instant::now() + self.config.op_max_elapsed;
-        let op_id = format!("{}-op-{index}", self.config.run_tag);
+        if self.config.kind == ClientKind::Protected {
+            log.op_id = Some(format!("{}-op-{index}", self.config.run_tag));
+        }
         let mut kills = 0;
         for _ in 0..LBCTL_MAX_RUNS {
             let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-            let mut command = Command::new(&self.config.lbctl);
-            let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
-            command.args(["--url", base, "--journal"]).arg(&self.config.journal);
-            command.args(["--max-elapsed", &format!("{}ms", remaining.as_millis()), "-v"]);
-            let token = match op {
-                Op::Create { principal, index } => {
-                    command.args(["workers", "create", "--image", "worker-base:2025.11", "--cpu", "2"]);
-                    command.args(["--memory-gb", "4", "--label", &format!("faultline-op={index}")]);
-                    &self.config.principals[*principal].token
-                }
-                Op::Reboot { principal, id } => {
-                    command.args(["workers", "reboot", id.as_str()]);
-                    &self.config.principals[*principal].token
-                }
-                Op::Delete { principal, id } => {
-                    command.args(["workers", "delete", id.as_str()]);
-                    &self.config.principals[*principal].token
-                }
-                Op::Flash { node, version } => {
-                    // Forced, like the SDK's flashes (see `sdk::body`).
-                    command.args(["firmware", "flash", node, "--version", version, "--force"]);
-                    crate::cluster::ADMIN_TOKEN
-                }
-            };
-            if self.config.kind == ClientKind::Protected {
-                command.args(["--op-id", &op_id]);
-            }
-            command.env("LBCTL_TOKEN", token);
-            command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+            let replica = self.pick();
+            let mut command = self.lbctl_command(op, replica, remaining, log.op_id.as_deref());
+            let started = self.timeline.now();
             let mut child = match command.spawn() {
                 Ok(child) => child,
                 Err(e) => return Outcome::Failed(format!("cannot start lbctl: {e}")),
@@ -80,6 +56,9 @@ impl Workload {
                         let _ = child.wait().await;
                         let err = stderr.await.unwrap_or_default();
                         add(&self.counters.attempts, count_attempts(&err));
+                        let ended =
+                            if kill_after.is_none() { "still running: killed" } else { "killed (a planned fault)" };
+                        note_run(log, started, replica, &err, Some(ended));
                         if kill_after.is_none() {
                             return Outcome::Failed(format!("lbctl still running after {limit:?}"));
                         }
@@ -92,6 +71,7 @@ impl Workload {
             let out = stdout.await.unwrap_or_default();
             let err = stderr.await.unwrap_or_default();
             add(&self.counters.attempts, count_attempts(&err));
+            note_run(log, started, replica, &err, None);
             let err_line = String::from_utf8_lossy(&err).lines().last().unwrap_or_default().to_owned();
             return match status.ok().and_then(|s| s.code()) {
                 Some(0) => {
@@ -111,6 +91,49 @@ impl Workload {
             };
         }
         Outcome::Failed(format!("lbctl ran {LBCTL_MAX_RUNS} times without a final exit code"))
+    }
+
+    /// An lbctl process for `op` on `replica`'s proxy with this retry budget, `-v` (each attempt
+    /// on stderr) and, when given, `--op-id`; its output piped, killed when dropped.
+    pub(super) fn lbctl_command(&self, op: &Op, replica: usize, budget: Duration, op_id: Option<&str>) -> Command {
+        let mut command = Command::new(&self.config.lbctl);
+        command.args(["--url", &self.config.endpoints[replica], "--journal"]).arg(&self.config.journal);
+        command.args(["--max-elapsed", &format!("{}ms", budget.as_millis()), "-v"]);
+        let token = match op {
+            Op::Create { principal, index } => {
+                command.args(["workers", "create", "--image", "worker-base:2025.11", "--cpu", "2"]);
+                command.args(["--memory-gb", "4", "--label", &format!("faultline-op={index}")]);
+                &self.config.principals[*principal].token
+            }
+            Op::Reboot { principal, id } => {
+                command.args(["workers", "reboot", id.as_str()]);
+                &self.config.principals[*principal].token
+            }
+            Op::Delete { principal, id } => {
+                command.args(["workers", "delete", id.as_str()]);
+                &self.config.principals[*principal].token
+            }
+            Op::Flash { node, version } => {
+                // Forced, like the SDK's flashes (see `sdk::body`).
+                command.args(["firmware", "flash", node, "--version", version, "--force"]);
+                crate::cluster::ADMIN_TOKEN
+            }
+        };
+        if let Some(op_id) = op_id {
+            command.args(["--op-id", op_id]);
+        }
+        command.env("LBCTL_TOKEN", token);
+        command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+        command
+    }
+}
+
+/// Notes one lbctl process run in `log`: its attempts, the key it named, how faultline ended it.
+fn note_run(log: &mut OpLog, started: Duration, replica: usize, stderr: &[u8], ended: Option<&str>) {
+    let stderr = String::from_utf8_lossy(stderr);
+    log.lbctl_run(started, replica, &stderr, ended);
+    if log.key.is_none() {
+        log.key = key_of(&stderr).map(str::to_owned);
     }
 }
 

@@ -9,17 +9,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use leasebroker_client::retry::{Retrier, RetryPolicy};
+use leasebroker_client::retry::RetryPolicy;
 use leasebroker_client::{OPERATION_CONFLICT, Operation, OperationId, RebootResult, Worker, WorkerId};
 use rand::Rng;
 use serde::Serialize;
 
 use crate::cluster::Principal;
+use crate::timeline::{AttemptNote, Timeline};
 
 mod lbctl;
+mod rerun;
 mod sdk;
+mod trace;
 
+pub use rerun::{Rerun, StoredAnswer};
 use sdk::decode;
+use trace::OpLog;
 
 /// Share of operations that reboot a worker (when one is free), and that delete one.
 const REBOOT_SHARE: f64 = 0.2;
@@ -80,7 +85,7 @@ pub enum OpKind {
 
 /// One logical operation.
 #[derive(Debug, Clone)]
-enum Op {
+pub(crate) enum Op {
     Create {
         principal: usize,
         index: u64,
@@ -107,6 +112,16 @@ impl Op {
             Op::Reboot { .. } => OpKind::Reboot,
             Op::Delete { .. } => OpKind::Delete,
             Op::Flash { .. } => OpKind::Flash,
+        }
+    }
+
+    /// `create op 12`, `reboot W`, `delete W`, `flash node-0003`.
+    fn what(&self) -> String {
+        match self {
+            Op::Create { index, .. } => format!("create op {index}"),
+            Op::Reboot { id, .. } => format!("reboot {id}"),
+            Op::Delete { id, .. } => format!("delete {id}"),
+            Op::Flash { node, .. } => format!("flash {node}"),
         }
     }
 }
@@ -175,6 +190,40 @@ pub struct Ledger {
     /// Every key a success (`2xx`) was answered to, with what it was: the service must still hold
     /// its record, completed, at the end (the keys are fresh UUIDs: one record each).
     pub acknowledged: Vec<Acknowledged>,
+    /// Every operation that gave up or failed otherwise, with its key and its attempts.
+    pub gave_up: Vec<GaveUp>,
+}
+
+/// An operation that gave up (or failed otherwise): why, attempt by attempt, and what it takes to
+/// send it again with its key.
+#[derive(Debug, Clone)]
+pub struct GaveUp {
+    pub(crate) op: Op,
+    /// The logical operation's index.
+    pub index: u64,
+    /// Run through lbctl processes (else through the SDK).
+    pub via_lbctl: bool,
+    /// Its `Idempotency-Key`, when the client named it.
+    pub key: Option<String>,
+    /// Its lbctl `--op-id` (protected lbctl operations).
+    pub op_id: Option<String>,
+    /// The client's last word.
+    pub reason: String,
+    /// Each attempt: when it ended, to which replica, what came of it.
+    pub attempts: Vec<AttemptNote>,
+}
+
+impl GaveUp {
+    /// `create op 12 via lbctl (op id protected-0.3-op-12, key K)`.
+    pub fn what(&self) -> String {
+        let via = if self.via_lbctl { "lbctl" } else { "the SDK" };
+        let mut names = Vec::new();
+        if let Some(op_id) = &self.op_id {
+            names.push(format!("op id {op_id}"));
+        }
+        names.push(format!("key {}", self.key.as_deref().unwrap_or("not named")));
+        format!("{} (op {}) via {via} ({})", self.op.what(), self.index, names.join(", "))
+    }
 }
 
 /// A key a client was answered a success (`2xx`) for.
@@ -217,6 +266,9 @@ pub struct Counters {
     pub lbctl_kills: AtomicU64,
     /// Operations whose client walked away for good.
     pub abandoned: AtomicU64,
+    /// Operations that gave up (or failed otherwise) and, sent again with their key at the end,
+    /// completed (a success or a clean refusal).
+    pub rerun_completed: AtomicU64,
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -261,13 +313,14 @@ pub struct WorkloadConfig {
 pub struct Workload {
     config: WorkloadConfig,
     http: reqwest::Client,
-    retrier: Retrier,
-    single: Retrier,
     policy: RetryPolicy,
     /// The clients' view.
     pub ledger: Mutex<Ledger>,
     /// The counters.
     pub counters: Arc<Counters>,
+    /// What the run did to the replicas and the database, and when (the attempts' times count
+    /// from its start).
+    pub timeline: Arc<Timeline>,
 }
 
 impl Workload {
@@ -285,28 +338,18 @@ impl Workload {
             .with_max_elapsed(config.op_max_elapsed)
             .with_delays(Duration::from_millis(50), Duration::from_secs(2))
             .with_attempt_timeout(config.attempt_timeout);
-        let hook = {
-            let counters = counters.clone();
-            move |_: &leasebroker_client::retry::Attempt<'_>| add(&counters.attempts, 1)
-        };
-        let retrier = Retrier::new(policy).on_attempt(hook.clone());
-        let single = Retrier::new(policy.with_max_attempts(1)).on_attempt(hook);
-        Ok(Workload { config, http, retrier, single, policy, ledger: Mutex::new(Ledger::default()), counters })
+        let (ledger, timeline) = (Mutex::new(Ledger::default()), Arc::new(Timeline::new()));
+        Ok(Workload { config, http, policy, ledger, counters, timeline })
     }
 
-    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+    /// The clients' view, locked.
+    pub fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
         self.ledger.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Notes that a success was answered for `key` (operation `op`).
     fn acknowledged(&self, op: &Op, key: &str) {
-        let what = match op {
-            Op::Create { index, .. } => format!("create op {index}"),
-            Op::Reboot { id, .. } => format!("reboot {id}"),
-            Op::Delete { id, .. } => format!("delete {id}"),
-            Op::Flash { node, .. } => format!("flash {node}"),
-        };
-        self.ledger().acknowledged.push(Acknowledged { key: key.to_owned(), what });
+        self.ledger().acknowledged.push(Acknowledged { key: key.to_owned(), what: op.what() });
     }
 
     /// Runs logical operation `index`: picks its kind, runs it to the end, records the outcome.
@@ -334,18 +377,25 @@ impl Workload {
             let abandon = abandon && self.config.abandon_ops.contains(&op.kind());
             (op, via_lbctl, abandon)
         };
+        let mut log = OpLog::default();
         let outcome = if via_lbctl {
             add(&self.counters.lbctl_ops, 1);
-            self.via_lbctl(&op, index).await
+            self.via_lbctl(&op, index, &mut log).await
         } else if abandon {
             self.abandoning(&op).await
         } else {
-            self.via_sdk(&op).await
+            self.via_sdk(&op, &mut log).await
         };
+        if let Outcome::Failed(reason) = &outcome {
+            let (key, op_id, attempts) = (log.key.clone(), log.op_id.clone(), log.attempts());
+            let gave_up = GaveUp { op: op.clone(), index, via_lbctl, key, op_id, reason: reason.clone(), attempts };
+            self.ledger().gave_up.push(gave_up);
+        }
         self.record(op, outcome);
         add(&self.counters.ops_done, 1);
     }
 
+    /// Counts how the operation ended and learns from it.
     fn record(&self, op: Op, outcome: Outcome) {
         let c = &self.counters;
         match &outcome {
@@ -354,6 +404,12 @@ impl Workload {
             Outcome::Failed(_) => add(&c.failed, 1),
             Outcome::Abandoned => add(&c.abandoned, 1),
         }
+        self.learn(op, outcome);
+    }
+
+    /// Updates the clients' view with what an operation (or its rerun) was told.
+    fn learn(&self, op: Op, outcome: Outcome) {
+        let c = &self.counters;
         let mut ledger = self.ledger();
         match (op, outcome) {
             (Op::Create { principal, index }, Outcome::Created(worker)) => {
@@ -421,7 +477,11 @@ impl Workload {
                     Outcome::Failed(r) => Some((true, r)),
                     _ => None,
                 };
+                let failed = reason.as_ref().is_some_and(|(failed, _)| *failed);
                 match op {
+                    // A protected reboot that gave up is sent again with its key at the end: until
+                    // then whether it happened is not known, so no other operation takes the worker.
+                    Op::Reboot { .. } if failed && self.config.kind == ClientKind::Protected => {}
                     // The worker is still there: it may be rebooted or deleted later.
                     Op::Reboot { principal, id } => ledger.idle.push((principal, id)),
                     Op::Delete { id, .. } => {

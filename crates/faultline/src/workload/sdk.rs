@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use leasebroker_client::retry::Retrier;
+use leasebroker_client::retry::{Retrier, RetryPolicy};
 use leasebroker_client::{CreateWorker, Error, OpKey};
 use rand::Rng;
 use reqwest::RequestBuilder;
@@ -23,7 +23,7 @@ impl Workload {
         let hang_up = Duration::from_millis(rand::rng().random_range(ABANDON_WINDOW_MS));
         let once = Retrier::new(self.policy.with_max_attempts(1).with_attempt_timeout(hang_up));
         add(&self.counters.attempts, 1);
-        match once.send(Some(&key), || self.request(op, &body)).await {
+        match once.send(Some(&key), || self.request(op, &body, self.pick())).await {
             Ok(response) => {
                 self.acknowledged(op, key.as_str());
                 decode(op, &response.body)
@@ -33,9 +33,30 @@ impl Workload {
         }
     }
 
-    /// One attempt's request, to a replica picked at random.
-    pub(super) fn request(&self, op: &Op, body: &[u8]) -> RequestBuilder {
-        let base = &self.config.endpoints[rand::rng().random_range(0..self.config.endpoints.len())];
+    /// A replica picked at random (the index of its proxy).
+    pub(super) fn pick(&self) -> usize {
+        rand::rng().random_range(0..self.config.endpoints.len())
+    }
+
+    /// A retrier with `policy` whose attempts are counted and noted in `log`.
+    pub(super) fn traced(&self, policy: RetryPolicy, log: &OpLog) -> Retrier {
+        let (counters, timeline, log) = (self.counters.clone(), self.timeline.clone(), log.clone());
+        Retrier::new(policy).on_attempt(move |attempt| {
+            add(&counters.attempts, 1);
+            log.ended(attempt, &timeline);
+        })
+    }
+
+    /// One attempt's request to `replica`, noted in `log`.
+    pub(super) fn noted_request(&self, op: &Op, body: &[u8], log: &OpLog) -> RequestBuilder {
+        let replica = self.pick();
+        log.sending(replica, &self.timeline);
+        self.request(op, body, replica)
+    }
+
+    /// One attempt's request to `replica`.
+    pub(super) fn request(&self, op: &Op, body: &[u8], replica: usize) -> RequestBuilder {
+        let base = &self.config.endpoints[replica];
         let (request, principal) = match op {
             Op::Create { principal, .. } => (
                 self.http
@@ -58,15 +79,17 @@ impl Workload {
         request.bearer_auth(&self.config.principals[principal].token).header(ACCEPT, "application/json")
     }
 
-    pub(super) async fn via_sdk(&self, op: &Op) -> Outcome {
+    pub(super) async fn via_sdk(&self, op: &Op, log: &mut OpLog) -> Outcome {
         let body = Self::body(op);
         let result = match self.config.kind {
             ClientKind::Protected => {
                 // One key for the logical operation, made before the first attempt.
                 let key = OpKey::new_v4();
-                self.retrier.send(Some(&key), || self.request(op, &body)).await.map(|r| (r, key))
+                log.key = Some(key.to_string());
+                let retrier = self.traced(self.policy, log);
+                retrier.send(Some(&key), || self.noted_request(op, &body, log)).await.map(|r| (r, key))
             }
-            ClientKind::Naive => self.naive_send(op, &body).await,
+            ClientKind::Naive => self.naive_send(op, &body, log).await,
         };
         match result {
             Ok((response, key)) => {
@@ -86,12 +109,14 @@ impl Workload {
         &self,
         op: &Op,
         body: &[u8],
+        log: &OpLog,
     ) -> Result<(leasebroker_client::retry::HttpResponse, OpKey), Error> {
         let start = Instant::now();
         let mut cap = self.policy.min_delay;
+        let single = self.traced(self.policy.with_max_attempts(1), log);
         loop {
             let key = OpKey::new_v4();
-            match self.single.send(Some(&key), || self.request(op, body)).await {
+            match single.send(Some(&key), || self.noted_request(op, body, log)).await {
                 Err(Error::GaveUp { last, attempts, .. }) => {
                     let jitter = Duration::from_millis(rand::rng().random_range(0..=cap.as_millis() as u64));
                     let wait = last.retry_after().map_or(jitter, |asked| asked.max(jitter));

@@ -1,5 +1,5 @@
 //! The replica acknowledgement: what each write waits for (`WAIT`, or `WAITAOF` where every
-//! primary has it), chosen at connect, and the wait itself on the write's own connection.
+//! primary has it), chosen at connect, and what the reply of the wait sent with a write says.
 
 use std::time::Duration;
 
@@ -7,7 +7,7 @@ use idempotency::{NotAcknowledged, StoreError};
 use redis::Value;
 
 use super::{RedisStore, redis_error};
-use crate::conn::{Conn, Pinned};
+use crate::conn::Conn;
 use crate::options::{ConnectError, RedisStoreOptions};
 
 impl RedisStore {
@@ -18,18 +18,29 @@ impl RedisStore {
         self.ack.as_ref().map(|a| (a.replicas, a.aof))
     }
 
-    /// After a write on `conn`: `WAIT` (or `WAITAOF`) for the configured replicas; fewer in
-    /// time is [`StoreError::Unavailable`] caused by [`NotAcknowledged`]. Without
-    /// [`RedisStoreOptions::replicas`], nothing.
-    pub(super) async fn acknowledged(&self, conn: &mut Pinned, what: &'static str) -> Result<(), StoreError> {
+    /// Whether a write was acknowledged: `reply` is that of the `WAIT` (or `WAITAOF`) sent after
+    /// it on its connection; fewer replicas than configured is [`StoreError::Unavailable`]
+    /// caused by [`NotAcknowledged`]. Without [`RedisStoreOptions::replicas`], always.
+    pub(super) fn acknowledged(&self, what: &'static str, reply: Option<Value>) -> Result<(), StoreError> {
         let Some(ack) = &self.ack else { return Ok(()) };
-        let reply = conn.query(&ack.command()).await.map_err(redis_error)?;
+        let reply = reply
+            .ok_or_else(|| StoreError::Corrupt(format!("no {} reply after the {what}", ack.command_name())))?
+            .extract_error()
+            .map_err(redis_error)?;
         let acknowledged = ack.replicas_in(&reply)?;
         if acknowledged >= i64::from(ack.replicas) {
             return Ok(());
         }
         tracing::warn!(what, acknowledged, wanted = ack.replicas, "a write was not acknowledged by enough replicas");
         Err(StoreError::unavailable(NotAcknowledged { what, acknowledged, wanted: ack.replicas, timeout: ack.timeout }))
+    }
+}
+
+impl RedisStore {
+    /// Whether `reply` is that of a wait that counted fewer replicas than configured.
+    pub(super) fn too_few(&self, reply: Option<&Value>) -> bool {
+        let Some(ack) = &self.ack else { return false };
+        reply.is_some_and(|r| ack.replicas_in(r).is_ok_and(|n| n < i64::from(ack.replicas)))
     }
 }
 
@@ -65,7 +76,8 @@ impl Ack {
         if self.aof { "WAITAOF" } else { "WAIT" }
     }
 
-    fn command(&self) -> redis::Cmd {
+    /// The command sent after each write, in the same pipeline.
+    pub(super) fn command(&self) -> redis::Cmd {
         let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut cmd = redis::cmd(self.command_name());
         if self.aof {

@@ -62,8 +62,12 @@ pub(super) struct Fence {
 
 impl Fence {
     pub(super) fn new(claim: &Claim) -> Self {
-        let r = claim.record();
-        Self { rid: r.record_id.to_hex(), generation: r.generation.to_string() }
+        Self::of(claim.record())
+    }
+
+    /// The fence of `record` as it was claimed.
+    pub(super) fn of(record: &Record) -> Self {
+        Self { rid: record.record_id.to_hex(), generation: record.generation.to_string() }
     }
 
     pub(super) fn args(&self) -> [&[u8]; 2] {

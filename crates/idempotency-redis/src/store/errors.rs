@@ -16,6 +16,12 @@ pub(super) struct OutOfMemory {
     pub(super) node: String,
 }
 
+/// A record this call wrote changed before the call could wait for its replicas (it expired,
+/// or another attempt took it over).
+#[derive(Debug, thiserror::Error)]
+#[error("the record this call wrote changed before its replicas were asked for it")]
+pub(super) struct ChangedBeforeWait;
+
 /// A Redis error as a store error: a value of the wrong type at a record's key, or a record the
 /// claim script found damaged, is corruption; everything else means the store is unavailable.
 pub(crate) fn redis_error(e: RedisError) -> StoreError {

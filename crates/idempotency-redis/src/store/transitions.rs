@@ -1,19 +1,22 @@
 //! The [`Store`] transitions: each one script on the record's key, then the replicas' wait.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
-    Scope, Store, StoreError, StoredResponse, Timestamp,
+    Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, RecordState,
+    Renewal, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use redis::Value;
 
 use super::args::{ClaimArgs, CompleteArgs, stale_cutoff};
-use super::errors::{OOM_REMEMBERED, OutOfMemory};
-use super::index::principal_index;
-use super::{RedisStore, redis_error};
+use super::errors::{ChangedBeforeWait, OOM_REMEMBERED, OutOfMemory};
+use super::{Leaves, RedisStore, redis_error};
 use crate::codec::{decode_record, encode_ts, expiry_millis, hash_fields};
+
+/// How long `ping` waits for each primary.
+const PING_EACH: Duration = Duration::from_secs(1);
 
 impl RedisStore {
     /// Claims `req`'s key with `fresh` as the record to insert when the key is free.
@@ -27,28 +30,72 @@ impl RedisStore {
         let args = ClaimArgs::new(req, &fresh);
         let eat_ms = args.eat_ms.clone();
         let key = self.key_of(&req.scope);
-        let mut conn = self.conn.pin(&key);
-        match self.eval_on(&mut conn, &self.scripts.claim, &key, &args.args()).await? {
-            Value::Int(1) => {}
+        let sent = match self.run(&self.scripts.claim, &key, &args.args(), true).await {
+            Ok(sent) => sent,
+            Err(e) => {
+                // Its reply lost or late (a timeout): the script may have run, or run yet.
+                drop(self.take_back(Undo::Remove, Claim::new(fresh)));
+                return Err(e);
+            }
+        };
+        let ack = match sent.reply {
+            Value::Int(1) => sent.ack,
             reply => match record_reply(reply)? {
-                Some(record) if is_own(&record, &fresh) => {}
+                // The second run wrote nothing, so the `WAIT` after it (over a new connection,
+                // when the first was lost) counted nothing: wait again after a write of it.
+                Some(record) if is_own(&record, &fresh) && self.ack.is_some() => {
+                    let leaves = Leaves { state: RecordState::InFlight, fields: &[] };
+                    let again = self.again(&key, &fresh, leaves, sent.ack).await?;
+                    again.ok_or_else(|| StoreError::unavailable(ChangedBeforeWait))?
+                }
+                Some(record) if is_own(&record, &fresh) => None,
                 Some(record) => return Ok(ClaimOutcome::Existing(of_scope(record, &req.scope))),
                 None => {
                     return Err(StoreError::Corrupt("the claim script returned neither ownership nor a record".into()));
                 }
             },
-        }
+        };
         let claim = Claim::new(fresh);
-        if let Err(e) = self.acknowledged(&mut conn, "claim").await {
-            if let Err(undo) = self.fenced_then("remove", &self.scripts.remove, &claim, &[], false).await {
-                tracing::warn!(error = %idempotency::ErrorChain(&undo),
-                    "an unacknowledged claim could not be removed; it holds its key until its claim goes stale");
-            }
+        if let Err(e) = self.acknowledged("claim", ack) {
+            let _ = self.take_back(Undo::Remove, claim).await;
             return Err(e);
         }
         *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.index_record(&req.scope, &eat_ms).await;
         Ok(ClaimOutcome::Owned(claim))
+    }
+}
+
+/// How a claim that is not to be taken is taken back.
+#[derive(Debug, Clone, Copy)]
+enum Undo {
+    /// A new claim is removed: a retry finds the key free rather than in flight.
+    Remove,
+    /// A reclaim is marked failed under its new generation, so the next retry reclaims it at
+    /// once rather than after the in-flight TTL.
+    Fail,
+}
+
+impl RedisStore {
+    /// Takes back `claim`, written (or maybe written: its reply was lost) by a call that fails:
+    /// fenced on its record id and generation, so only this call's own record is touched, and
+    /// without waiting for the replicas. In a task of its own, which a caller that stops waiting
+    /// (the layer bounds every store call) does not cut short; sent after the call's own script
+    /// on a connection that is still up, so it runs after it.
+    fn take_back(&self, how: Undo, claim: Claim) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let (what, lua) = match how {
+                Undo::Remove => ("remove", &store.scripts.remove),
+                Undo::Fail => ("fail", &store.scripts.fail),
+            };
+            match store.fenced(what, lua, &claim, &[], None, false).await {
+                Ok(()) => tracing::info!(?how, "a claim that was not taken is taken back"),
+                Err(StoreError::Fenced { .. }) => {}
+                Err(e) => tracing::warn!(error = %idempotency::ErrorChain(&e), ?how,
+                    "a claim that was not taken could not be taken back; it holds its key until it goes stale"),
+            }
+        })
     }
 }
 
@@ -85,11 +132,11 @@ impl Store for RedisStore {
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
         let expires_at = req.record_expires_at();
-        let next = record
+        let taken = record
             .generation
             .checked_add(1)
             .ok_or_else(|| StoreError::Corrupt(format!("generation {} cannot grow", record.generation)))?;
-        let (rid, generation, next) = (record.record_id.to_hex(), record.generation.to_string(), next.to_string());
+        let (rid, generation, next) = (record.record_id.to_hex(), record.generation.to_string(), taken.to_string());
         let (at, cutoff, eat) = (encode_ts(now), stale_cutoff(now, in_flight_ttl), encode_ts(expires_at));
         let eat_ms = expiry_millis(expires_at).to_string();
         let args: [&[u8]; 7] = [
@@ -102,18 +149,21 @@ impl Store for RedisStore {
             next.as_bytes(),
         ];
         let key = self.key_of(&record.scope);
-        let mut conn = self.conn.pin(&key);
-        let reply = self.eval_on(&mut conn, &self.scripts.reclaim, &key, &args).await?;
-        let Some(claim) = record_reply(reply)?.map(|r| Claim::new(of_scope(r, &record.scope))) else {
+        let sent = match self.run(&self.scripts.reclaim, &key, &args, true).await {
+            Ok(sent) => sent,
+            Err(e) => {
+                // The script may have run: the record, reclaimed by this call, under `taken`.
+                let mut reclaimed = record.clone();
+                reclaimed.generation = taken;
+                drop(self.take_back(Undo::Fail, Claim::new(reclaimed)));
+                return Err(e);
+            }
+        };
+        let Some(claim) = record_reply(sent.reply)?.map(|r| Claim::new(of_scope(r, &record.scope))) else {
             return Ok(None);
         };
-        if let Err(e) = self.acknowledged(&mut conn, "reclaim").await {
-            // Not taken: marked failed under the new generation, so the next retry reclaims it
-            // at once rather than after the in-flight TTL.
-            if let Err(undo) = self.fenced_then("fail", &self.scripts.fail, &claim, &[], false).await {
-                tracing::warn!(error = %idempotency::ErrorChain(&undo),
-                    "an unacknowledged reclaim could not be undone; it holds its key until its claim goes stale");
-            }
+        if let Err(e) = self.acknowledged("reclaim", sent.ack) {
+            let _ = self.take_back(Undo::Fail, claim.clone()).await;
             return Err(e);
         }
         self.index_record(&record.scope, &eat_ms).await;
@@ -123,8 +173,8 @@ impl Store for RedisStore {
     async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let expires_at = renewal.record_expires_at();
         let (at, eat, eat_ms) = (encode_ts(renewal.now), encode_ts(expires_at), expiry_millis(expires_at).to_string());
-        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &[at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()])
-            .await?;
+        let args = [at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()];
+        self.fenced("heartbeat", &self.scripts.heartbeat, claim, &args, None, true).await?;
         // The index follows the record's new expiry, so an attempt that outlives its claim-time
         // expiry is still counted.
         self.index_record(claim.scope(), &eat_ms).await;
@@ -132,11 +182,15 @@ impl Store for RedisStore {
     }
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("remove", &self.scripts.remove, claim, &[]).await?;
+        self.fenced("remove", &self.scripts.remove, claim, &[], None, true).await?;
         self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
         Ok(())
     }
 
+    /// A completion whose script ran twice for this call (its reply was lost and it was sent
+    /// again) finds the record completed by this very claim with this very response: that is
+    /// this call's own, and waits for the replicas as the first run would have, instead of being
+    /// fenced. Another response for a completed record is fenced: a completed record is final.
     async fn complete(
         &self,
         claim: &Claim,
@@ -144,16 +198,21 @@ impl Store for RedisStore {
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
         let args = CompleteArgs::new(response, expires_at);
-        self.fenced("complete", &self.scripts.complete, claim, &args.args()).await?;
+        let args = args.args();
+        let [status, headers, body, encoding, ..] = args;
+        let fields = [("rs", status), ("rh", headers), ("rb", body), ("re", encoding)];
+        let completed = Leaves { state: RecordState::Completed, fields: &fields };
+        self.fenced("complete", &self.scripts.complete, claim, &args, Some(completed), true).await?;
         self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
-        self.announce(claim).await;
+        self.announce(claim);
         Ok(())
     }
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
-        self.fenced("fail", &self.scripts.fail, claim, &[]).await?;
+        let failed = Leaves { state: RecordState::Failed, fields: &[] };
+        self.fenced("fail", &self.scripts.fail, claim, &[], Some(failed), true).await?;
         self.unindex_record(&claim.scope().principal, &self.key_of(claim.scope())).await;
-        self.announce(claim).await;
+        self.announce(claim);
         Ok(())
     }
 
@@ -164,54 +223,62 @@ impl Store for RedisStore {
     }
 
     /// Deletes nothing and returns 0: every record's key expires by itself at its
-    /// `expires_at` (`PEXPIREAT`, moved by `complete`, and by a `reclaim` or `heartbeat` that
-    /// extends it), and Redis removes expired keys on its own. There is no index to sweep, and
-    /// none is needed.
+    /// `expires_at` (`PEXPIREAT`, moved by `complete` and by a `reclaim` that extends it), and
+    /// Redis removes expired keys on its own. There is no index to sweep, and none is needed.
     async fn sweep_expired(&self, _now: Timestamp, _batch: u32) -> Result<u64, StoreError> {
         Ok(0)
     }
 
-    /// `PING`; on a cluster every primary that serves slots must answer on its own
-    /// connection, so a cluster with an unreachable primary is reported unavailable.
-    /// Every primary answers `PING`, and none refuses writes for lack of memory: none is over
-    /// its `maxmemory` (`INFO memory`, where allowed), and no write was refused with `OOM` since
-    /// the last claim that succeeded (within [`OOM_REMEMBERED`]). A full server still answers
-    /// reads, but is not ready for requests that create records.
+    /// Whether the store answers: every primary is asked at once (`PING`, then `INFO memory`
+    /// where allowed), each within a second. Ready while at least one primary answers and
+    /// takes writes (not over its `maxmemory`), and no write was refused with `OOM` since the
+    /// last claim that succeeded (within [`OOM_REMEMBERED`]); a full server still answers reads,
+    /// but is not ready for requests that create records.
+    ///
+    /// On a cluster a primary that does not answer, or is full, fails the calls for its own keys
+    /// and the other primaries serve theirs: the store answers for most keys, and a probe that
+    /// took every replica of a service out of its load balancer for it would stop those keys
+    /// too. Such a primary is logged by address at each ping; the store is not ready when none
+    /// is left.
     async fn ping(&self) -> Result<(), StoreError> {
         let refused = *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner());
         if refused.is_some_and(|at| at.elapsed() < OOM_REMEMBERED) {
             return Err(StoreError::unavailable(OutOfMemory { node: "a primary".to_owned() }));
         }
-        for (_, reply) in self.conn.on_every_primary(&redis::cmd("PING")).await.map_err(redis_error)? {
-            reply.map_err(redis_error)?;
-        }
+        let pings = self.conn.on_every_primary(&redis::cmd("PING"), Some(PING_EACH)).await.map_err(redis_error)?;
         let info = redis::cmd("INFO").arg("memory").clone();
-        for (node, reply) in self.conn.on_every_primary(&info).await.map_err(redis_error)? {
-            if reply.is_ok_and(|v| crate::conn::info_out_of_memory(&v)) {
-                return Err(StoreError::unavailable(OutOfMemory { node }));
-            }
+        let info = self.conn.on_every_primary(&info, Some(PING_EACH)).await.map_err(redis_error)?;
+        let (mut ready, mut failed) = (0, None);
+        for (node, reply) in pings {
+            let full = info.iter().any(|(n, r)| *n == node && r.as_ref().is_ok_and(crate::conn::info_out_of_memory));
+            let failure = match reply.and_then(Value::extract_error) {
+                Err(e) => redis_error(e),
+                Ok(_) if full => StoreError::unavailable(OutOfMemory { node: node.clone() }),
+                Ok(_) => {
+                    ready += 1;
+                    continue;
+                }
+            };
+            tracing::warn!(node, error = %idempotency::ErrorChain(&failure), "a Redis primary fails its keys");
+            failed.get_or_insert(failure);
         }
-        Ok(())
+        match failed {
+            Some(e) if ready == 0 => Err(e),
+            _ => Ok(()),
+        }
     }
 
-    /// Trims the principal's index of what expired, then counts what is left: the records
-    /// that were claimed, reclaimed or completed, less those that failed or are gone since.
+    /// From the principal's index (see `index_record`: the records that were claimed, reclaimed
+    /// or completed, less those that failed or are gone since), on the index's primary. `None` when that
+    /// primary does not answer within a second: the index is on one shard and the
+    /// principal's keys on all of them, so the record limit is not enforced for the call rather
+    /// than every key of the principal refused for one shard's outage.
     async fn count_records(
         &self,
         principal: &idempotency::Principal,
         now: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let index = principal_index(&self.prefix, principal);
-        let now_ms = expiry_millis(now).to_string();
-        let mut trim = redis::cmd("ZREMRANGEBYSCORE");
-        trim.arg(&index).arg("-inf").arg(&now_ms);
-        self.conn.query(&trim).await.map_err(redis_error)?;
-        let mut count = redis::cmd("ZCARD");
-        count.arg(&index);
-        match self.conn.query(&count).await.map_err(redis_error)? {
-            Value::Int(n) => Ok(Some(u64::try_from(n).unwrap_or(0))),
-            other => Err(StoreError::Corrupt(format!("unexpected ZCARD reply {other:?}"))),
-        }
+        self.count_indexed(principal, now).await
     }
 
     /// `SCAN` over the prefix on each node in turn (see [`crate::admin`]).

@@ -12,7 +12,7 @@ use idempotency_redis::{RedisStore, RedisStoreOptions};
 use crate::common::{request, response, scope};
 use crate::support;
 
-fn wait_for_link(replica: &Node) {
+pub(crate) fn wait_for_link(replica: &Node) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !replica.replication_info().contains("master_link_status:up") {
         assert!(Instant::now() < deadline, "the replica did not link to its primary");
@@ -20,7 +20,7 @@ fn wait_for_link(replica: &Node) {
     }
 }
 
-async fn store_with(url: &str, prefix: &str, replicas: u32) -> RedisStore {
+pub(crate) async fn store_with(url: &str, prefix: &str, replicas: u32) -> RedisStore {
     let options = RedisStoreOptions::default()
         .prefix(prefix)
         .replicas(replicas)
@@ -29,7 +29,7 @@ async fn store_with(url: &str, prefix: &str, replicas: u32) -> RedisStore {
     RedisStore::connect_with(url, options).await.expect("connect")
 }
 
-fn not_acknowledged<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
+pub(crate) fn not_acknowledged<T: std::fmt::Debug>(r: &Result<T, StoreError>) -> bool {
     matches!(r, Err(e) if e.is_not_acknowledged())
 }
 
@@ -87,7 +87,7 @@ async fn a_replica_that_does_not_answer_fails_the_transition() {
 }
 
 /// A key under `prefix` whose slot `victim` serves.
-fn key_on(cluster: &Cluster, store: &RedisStore, victim: u16) -> Scope {
+pub(crate) fn key_on(cluster: &Cluster, store: &RedisStore, victim: u16) -> Scope {
     loop {
         let s = scope();
         if cluster.owner_of(&store.key_of(&s)) == victim {

@@ -68,7 +68,9 @@ where
             // At the limit only a key the principal already holds is answered (replay, resume);
             // a failed one holds nothing, and running it again would make one record more.
             Ok(false) => match bounded(&cfg, "get", store.get(&p.scope)).await {
-                Ok(Some(record)) if !record.is_free(now(), cfg.in_flight_ttl) && record.state != RecordState::Failed => {
+                Ok(Some(record))
+                    if !record.is_free(now(), cfg.in_flight_ttl) && record.state != RecordState::Failed =>
+                {
                     claim_next = false
                 }
                 Ok(_) => {

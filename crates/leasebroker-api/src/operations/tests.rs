@@ -112,3 +112,32 @@ fn versions() {
     assert!(ok("2.4.1") && ok("v2.4.1-rc1+build_7") && ok(&"9".repeat(64)));
     assert!(!ok("") && !ok(&"9".repeat(65)) && !ok("2.4 1") && !ok("2/4") && !ok("é") && !ok("a\nb"));
 }
+
+#[test]
+fn an_uncertain_operation_has_come_to_its_end_but_is_not_terminal() {
+    let mut op = with("state", "uncertain".into());
+    op["error"] = "the BMC serves no firmware inventory".into();
+    let op: Operation = serde_json::from_value(op).unwrap();
+    assert_eq!(op.state, OperationState::Uncertain);
+    assert!(op.is_finished(), "a wait ends on it");
+    assert!(!op.state.is_terminal(), "an operator resolves it");
+    assert_eq!(serde_json::to_value(&op).unwrap()["state"], "uncertain");
+}
+
+#[test]
+fn a_resolve_body_is_checked() {
+    let body: ResolveOperation = serde_json::from_str(r#"{"state":"succeeded","reason":"BMC shows 2.1"}"#).unwrap();
+    assert_eq!(body, ResolveOperation::new(Resolution::Succeeded, "BMC shows 2.1"));
+    assert!(body.validate().is_ok());
+    for bad in
+        [r#"{"state":"running","reason":"x"}"#, r#"{"state":"failed"}"#, r#"{"state":"failed","reason":"x","y":1}"#]
+    {
+        assert!(serde_json::from_str::<ResolveOperation>(bad).is_err(), "{bad}");
+    }
+    for reason in ["", "   ", "a\u{1b}[31m", &"r".repeat(MAX_REASON + 1)] {
+        assert!(ResolveOperation::new(Resolution::Failed, reason).validate().is_err(), "{reason:?}");
+    }
+    assert!(ResolveOperation::new(Resolution::Failed, "r".repeat(MAX_REASON)).validate().is_ok());
+    assert_eq!("failed".parse::<Resolution>(), Ok(Resolution::Failed));
+    assert!("running".parse::<Resolution>().is_err());
+}

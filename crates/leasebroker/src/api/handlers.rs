@@ -11,6 +11,7 @@ use idempotency_tower::{IdempotencyContext, Problem};
 use leasebroker_api::problems;
 
 use crate::service::{CreateWorker, FlashFirmware, RequestRecord, ServiceError, is_worker_id};
+use leasebroker_api::ResolveOperation;
 
 use super::problems::parse_json;
 use super::*;
@@ -202,6 +203,37 @@ pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<Stri
     }
 }
 
+/// Ends an `uncertain` operation as an operator found the machine.
+#[utoipa::path(post, path = "/admin/v1/operations/{op_id}/resolve", tag = "admin",
+    request_body = ResolveOperation,
+    params(("op_id" = String, Path, description = "Operation id"),
+           ("Idempotency-Key" = String, Header, description = "One key per logical operation, 1-128 visible ASCII")),
+    responses(
+        (status = 200, description = "Resolved: the operation, now succeeded or failed (replayed, with \
+         Idempotent-Replayed: true, to a retry with the same key); an audit line was written", body = dto::Operation),
+        (status = 400, description = "Malformed JSON, or a missing or invalid key", content_type = "application/problem+json"),
+        (status = 401, description = "Unauthorized (tenants too)", content_type = "application/problem+json"),
+        (status = 404, description = "No such operation", content_type = "application/problem+json"),
+        (status = 409, description = "The operation is not uncertain (operation-not-uncertain, naming it in \
+         operation_id), or the key was reused with another request, or is in progress", content_type = "application/problem+json"),
+        (status = 415, description = "Not JSON", content_type = "application/problem+json"),
+        (status = 422, description = "A state other than succeeded or failed, or an invalid reason",
+         content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])))]
+pub async fn resolve_operation(
+    State(state): State<AppState>,
+    Extension(actor): Extension<Principal>,
+    ctx: IdempotencyContext,
+    Path(op_id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ResolveOperation = parse_json(&headers, &body, state.body_key_field)?;
+    let row = state.firmware.resolve(&op_id, &req, actor.as_str(), ctx.key().as_str()).await?;
+    Ok(Json(dto::Operation::try_from(row)?).into_response())
+}
+
 /// Fleet counts, for operators and the fault harness.
 #[utoipa::path(get, path = "/admin/v1/fleet", tag = "admin",
     responses((status = 200, body = Fleet), (status = 401, description = "Unauthorized")),
@@ -237,7 +269,8 @@ const READYZ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 #[error("the store did not answer within {READYZ_TIMEOUT:?}")]
 struct PingTimedOut;
 
-/// The store answers.
+/// The store answers: for a Redis Cluster record store, at least one primary answers and takes
+/// writes (the others' keys get `503` per request; see the idempotency-redis crate docs).
 #[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
     // Bounded: a store that does not answer at all is not ready either (SPEC 3.1, within 5 s).

@@ -117,7 +117,19 @@ impl IntoResponse for ServiceError {
             Self::NoSuchOperation(_) => {
                 Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such operation", "no such operation")
             }
-            Self::OperationConflict(running) => return operation_conflict(&running),
+            Self::OperationConflict { op_id, uncertain } => return operation_conflict(&op_id, uncertain),
+            Self::OperationNotUncertain { op_id, state } => {
+                let detail =
+                    format!("operation {op_id} is {state}: only an uncertain operation is resolved by an operator");
+                return Problem::new(
+                    StatusCode::CONFLICT,
+                    problems::OPERATION_NOT_UNCERTAIN,
+                    "Operation not uncertain",
+                    detail,
+                )
+                .with_extension("operation_id", op_id)
+                .into_response();
+            }
             Self::Gone(_) => {
                 Problem::new(StatusCode::GONE, problems::WORKER_DELETED, "Worker deleted", self.to_string())
             }
@@ -213,19 +225,29 @@ fn sqlite_outage(code: &str) -> bool {
     code.parse::<u32>().is_ok_and(|sqlite| matches!(sqlite & 0xff, 5 | 6 | 10 | 13 | 14))
 }
 
-/// `409 operation-conflict`: another operation runs on the node. The problem names it in the
-/// extension member `operation_id` (RFC 9457 section 3.2), and `Link` points at it.
-fn operation_conflict(running: &str) -> Response {
-    let problem = Problem::new(
-        StatusCode::CONFLICT,
-        problems::OPERATION_CONFLICT,
-        "Another operation runs on this node",
-        format!(
-            "operation {running} is running on this node; follow it, or try again with a new key when it has ended"
-        ),
-    );
-    let mut r = problem.with_extension("operation_id", running).into_response();
-    if let Ok(link) = axum::http::HeaderValue::from_str(&format!("</admin/v1/operations/{running}>; rel=\"related\"")) {
+/// `409 operation-conflict`: another operation runs on the node, or ended `uncertain` there. The
+/// problem names it in the extension member `operation_id` (RFC 9457 section 3.2), and `Link`
+/// points at it.
+fn operation_conflict(op_id: &str, uncertain: bool) -> Response {
+    let (title, detail) = if uncertain {
+        (
+            "An uncertain operation holds this node",
+            format!(
+                "operation {op_id} on this node ended uncertain: whether its flash took cannot be read; check the \
+                 machine and resolve it (POST /admin/v1/operations/{op_id}/resolve) before flashing again"
+            ),
+        )
+    } else {
+        (
+            "Another operation runs on this node",
+            format!(
+                "operation {op_id} is running on this node; follow it, or try again with a new key when it has ended"
+            ),
+        )
+    };
+    let problem = Problem::new(StatusCode::CONFLICT, problems::OPERATION_CONFLICT, title, detail);
+    let mut r = problem.with_extension("operation_id", op_id).into_response();
+    if let Ok(link) = axum::http::HeaderValue::from_str(&format!("</admin/v1/operations/{op_id}>; rel=\"related\"")) {
         r.headers_mut().insert(header::LINK, link);
     }
     r

@@ -13,7 +13,7 @@ pub struct FlashRow {
     pub node_id: String,
     /// The firmware version.
     pub version: String,
-    /// `running`, `succeeded` or `failed`.
+    /// `running`, `succeeded`, `failed` or `uncertain`.
     pub state: String,
     /// Why it failed.
     pub error: Option<String>,
@@ -29,14 +29,39 @@ pub struct FlashRow {
     pub finished_at: Option<i64>,
     /// The operation's id in the effect ledger (the request's derived sub-key `op`).
     pub ledger_op: Option<String>,
+    /// Where the flash's task is followed on the BMC (a path, from the accepted `SimpleUpdate`'s
+    /// `Location` or a search by tag), on a Redfish BMC.
+    pub task_uri: Option<String>,
+    /// Why an operator resolved an `uncertain` operation as they did.
+    pub resolution: Option<String>,
 }
 
-from_row!(FlashRow { op_id, node_id, version, state, error, intent, tag, created_at, finished_at, ledger_op });
+from_row!(FlashRow {
+    op_id,
+    node_id,
+    version,
+    state,
+    error,
+    intent,
+    tag,
+    created_at,
+    finished_at,
+    ledger_op,
+    task_uri,
+    resolution
+});
 
 impl FlashRow {
-    /// Whether the operation ended.
+    /// Whether the operation's own course ended: succeeded, failed, or `uncertain` (which an
+    /// operator ends).
     pub fn is_finished(&self) -> bool {
         self.state != "running"
+    }
+
+    /// Whether the operation ended `uncertain`: nothing more is done for it until an operator
+    /// resolves it, and its node takes no other flash.
+    pub fn is_uncertain(&self) -> bool {
+        self.state == UNCERTAIN
     }
 
     /// Whether the BMC took the flash (or holds its tag).
@@ -45,12 +70,57 @@ impl FlashRow {
     }
 }
 
+/// The state of an operation whose outcome cannot be read.
+const UNCERTAIN: &str = "uncertain";
+
+/// How a flash operation ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FlashEnd {
+    /// The node runs the version.
+    Succeeded,
+    /// It did not take; why.
+    Failed(String),
+    /// What came of it cannot be read (why): the node stays fenced until an operator resolves it.
+    Uncertain(String),
+}
+
+impl FlashEnd {
+    /// The operation's state: `succeeded`, `failed` or `uncertain` (also the `outcome` label of
+    /// `leasebroker_operations_total`).
+    pub fn state(&self) -> &'static str {
+        match self {
+            Self::Succeeded => "succeeded",
+            Self::Failed(_) => "failed",
+            Self::Uncertain(_) => UNCERTAIN,
+        }
+    }
+
+    /// The operation's `error`: why it failed, or why its outcome is uncertain.
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Self::Succeeded => None,
+            Self::Failed(e) | Self::Uncertain(e) => Some(e),
+        }
+    }
+}
+
+/// What [`Domain::resolve_flash`] came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    /// The operation was `uncertain` and is resolved now: as it is now.
+    Resolved(FlashRow),
+    /// The operation is not `uncertain` (running, or ended already): as it is.
+    NotUncertain(FlashRow),
+    /// No such operation.
+    NoOperation,
+}
+
 /// What [`Domain::start_flash`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FlashStart {
     /// The operation of this request: created now, or by an earlier attempt.
     Operation(FlashRow),
-    /// Another operation runs on the node: this one was not created.
+    /// Another operation runs on the node, or ended `uncertain` there: this one was not created.
     Conflict(FlashRow),
     /// No such node in the pool.
     NoNode,
@@ -60,8 +130,8 @@ pub enum FlashStart {
 macro_rules! select {
     ($rest:literal) => {
         concat!(
-            "SELECT op_id, node_id, version, state, error, intent, tag, created_at, finished_at, ledger_op \
-             FROM lb_flash_operations ",
+            "SELECT op_id, node_id, version, state, error, intent, tag, created_at, finished_at, ledger_op, \
+             task_uri, resolution FROM lb_flash_operations ",
             $rest
         )
     };
@@ -82,10 +152,11 @@ impl Domain {
         }))
     }
 
-    /// The operation running on `node_id`, if any.
-    pub async fn running_flash_on(&self, node_id: &str) -> Result<Option<FlashRow>> {
+    /// The operation that holds `node_id`, if any: running, or ended `uncertain`.
+    pub async fn open_flash_on(&self, node_id: &str) -> Result<Option<FlashRow>> {
         Ok(with_pool!(&self.db, p => {
-            sqlx::query_as::<_, FlashRow>(select!("WHERE node_id = $1 AND state = 'running'")).bind(node_id).fetch_optional(p).await?
+            sqlx::query_as::<_, FlashRow>(select!("WHERE node_id = $1 AND state IN ('running', 'uncertain')"))
+                .bind(node_id).fetch_optional(p).await?
         }))
     }
 
@@ -99,8 +170,8 @@ impl Domain {
 
     /// Finds the operation `op_id` (its ledger operation `ledger_op`) or creates it, running,
     /// with its flash not sent yet. At most
-    /// one operation runs per node (a partial UNIQUE index): when another one runs there, this
-    /// one is not created and the running one is returned as a conflict.
+    /// one operation holds a node, running or `uncertain` (a partial UNIQUE index): when another
+    /// one holds it, this one is not created and that one is returned as a conflict.
     pub async fn start_flash(
         &self,
         op_id: &str,
@@ -132,7 +203,7 @@ impl Domain {
             match inserted {
                 Ok(_) => continue, // read back above: ours, or an overlapping attempt's
                 Err(e) if is_unique_violation(&e) => {
-                    if let Some(running) = self.running_flash_on(node_id).await?
+                    if let Some(running) = self.open_flash_on(node_id).await?
                         && running.op_id != op_id
                     {
                         return Ok(FlashStart::Conflict(running));
@@ -141,15 +212,16 @@ impl Domain {
                 Err(e) => return Err(e.into()),
             }
         }
-        match self.running_flash_on(node_id).await? {
+        match self.open_flash_on(node_id).await? {
             Some(running) => Ok(FlashStart::Conflict(running)),
             None => Err(DomainError::Db(sqlx::Error::RowNotFound)),
         }
     }
 
     /// Records that the BMC took the flash (it answered, or it holds the tag), counting the flash
-    /// once. Returns the row.
-    pub async fn accept_flash(&self, op_id: &str) -> Result<FlashRow> {
+    /// once, and where its task is followed when the BMC said (`task`, a path on the BMC).
+    /// Returns the row.
+    pub async fn accept_flash(&self, op_id: &str, task: Option<&str>) -> Result<FlashRow> {
         with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let changed = sqlx::query("UPDATE lb_flash_operations SET intent = 'accepted' \
@@ -158,19 +230,30 @@ impl Domain {
             if changed == 1 {
                 sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'flashes'").execute(&mut *tx).await?;
             }
+            if let Some(task) = task {
+                sqlx::query("UPDATE lb_flash_operations SET task_uri = $2 WHERE op_id = $1")
+                    .bind(op_id).bind(task).execute(&mut *tx).await?;
+            }
             tx.commit().await?;
         });
         self.flash_operation(op_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
     }
 
-    /// Ends a running operation whose flash was accepted: `succeeded`, or `failed` with `error`.
-    /// False when it had ended already.
-    pub async fn finish_flash(&self, op_id: &str, succeeded: bool, error: Option<&str>, now: i64) -> Result<bool> {
-        let state = if succeeded { "succeeded" } else { "failed" };
+    /// Sets (or, with `None`, forgets) where the flash's task is followed.
+    pub async fn follow_flash_task(&self, op_id: &str, task: Option<&str>) -> Result<()> {
+        with_pool!(&self.db, p => {
+            sqlx::query("UPDATE lb_flash_operations SET task_uri = $2 WHERE op_id = $1")
+                .bind(op_id).bind(task).execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Ends a running operation whose flash was accepted. False when it had ended already.
+    pub async fn finish_flash(&self, op_id: &str, end: &FlashEnd, now: i64) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, finished_at = $4 \
                          WHERE op_id = $1 AND state = 'running' AND intent = 'accepted'")
-                .bind(op_id).bind(state).bind(error).bind(now).execute(p).await?.rows_affected() == 1
+                .bind(op_id).bind(end.state()).bind(end.error()).bind(now).execute(p).await?.rows_affected() == 1
         }))
     }
 
@@ -179,25 +262,50 @@ impl Domain {
     /// its operation is taken for a rollback or finished, so no attempt can send it any more.
     /// False when the row moved on.
     pub async fn fail_unaccepted_flash(&self, op_id: &str, error: &str, now: i64) -> Result<bool> {
-        self.end_unaccepted_flash(op_id, false, Some(error), now).await
+        self.end_unaccepted_flash(op_id, &FlashEnd::Failed(error.to_owned()), now).await
     }
 
     /// Ends a running operation whose flash the BMC was never seen to take, fenced as
-    /// [`Domain::fail_unaccepted_flash`] is: `failed` with `error`, or `succeeded` when nothing
-    /// needed flashing (the node already runs the version). False when the row moved on.
-    pub async fn end_unaccepted_flash(
-        &self,
-        op_id: &str,
-        succeeded: bool,
-        error: Option<&str>,
-        now: i64,
-    ) -> Result<bool> {
-        let state = if succeeded { "succeeded" } else { "failed" };
+    /// [`Domain::fail_unaccepted_flash`] is: `failed`, `uncertain` (sent, and what came of it
+    /// cannot be read), or `succeeded` (nothing needed flashing, or the inventory shows the
+    /// version). False when the row moved on.
+    pub async fn end_unaccepted_flash(&self, op_id: &str, end: &FlashEnd, now: i64) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $4, error = $2, finished_at = $3 \
                          WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted'")
-                .bind(op_id).bind(error).bind(now).bind(state).execute(p).await?.rows_affected() == 1
+                .bind(op_id).bind(end.error()).bind(now).bind(end.state()).execute(p).await?.rows_affected() == 1
         }))
+    }
+
+    /// Ends an `uncertain` operation as an operator found the machine: `succeeded`, or `failed`
+    /// (with the reason as its error); `reason` is kept either way. The node is free again. A
+    /// flash the BMC was never seen to take and that the operator found done is counted as taken
+    /// then (the fleet's `firmware_flashes_total`).
+    pub async fn resolve_flash(&self, op_id: &str, succeeded: bool, reason: &str, now: i64) -> Result<Resolved> {
+        let (state, error) = if succeeded {
+            ("succeeded", None)
+        } else {
+            ("failed", Some(format!("resolved as failed by an operator: {reason}")))
+        };
+        let changed = with_pool!(&self.db, p => {
+            let mut tx = p.begin().await?;
+            let taken = sqlx::query("UPDATE lb_flash_operations SET intent = 'accepted' \
+                                     WHERE op_id = $1 AND state = 'uncertain' AND intent <> 'accepted' AND $2")
+                .bind(op_id).bind(succeeded).execute(&mut *tx).await?.rows_affected();
+            if taken == 1 {
+                sqlx::query("UPDATE lb_counters SET value = value + 1 WHERE name = 'flashes'").execute(&mut *tx).await?;
+            }
+            let changed = sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, resolution = $4, finished_at = $5 \
+                                       WHERE op_id = $1 AND state = 'uncertain'")
+                .bind(op_id).bind(state).bind(error).bind(reason).bind(now).execute(&mut *tx).await?.rows_affected();
+            tx.commit().await?;
+            changed == 1
+        });
+        Ok(match self.flash_operation(op_id).await? {
+            Some(row) if changed => Resolved::Resolved(row),
+            Some(row) => Resolved::NotUncertain(row),
+            None => Resolved::NoOperation,
+        })
     }
 
     /// Up to `limit` running operations whose flash the BMC has not been seen to take, in id

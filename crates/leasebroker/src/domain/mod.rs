@@ -83,7 +83,7 @@ macro_rules! from_row {
 }
 
 pub use create::{CreateStart, StartCreate};
-pub use flashes::{FlashRow, FlashStart};
+pub use flashes::{FlashEnd, FlashRow, FlashStart, Resolved};
 pub use nodes::{ALLOCATE_CAPPED_PG, ALLOCATE_CAPPED_SQLITE, ALLOCATE_PG, ALLOCATE_SQLITE};
 
 /// A node allocated to a worker.

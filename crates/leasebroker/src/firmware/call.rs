@@ -5,10 +5,10 @@ use async_trait::async_trait;
 use idempotency_effects::{CallError, Effect, Progress};
 
 use super::count_end;
-use super::settle::inventory_runs;
-use crate::domain::{Domain, DomainError, FlashRow};
+use super::settle::end_without_task;
+use crate::domain::{Domain, DomainError, FlashEnd, FlashRow};
 use crate::hypervisor::client::{BmcNode, BmcState, HypervisorClient};
-use crate::hypervisor::redfish::{RedfishBmc, TaskLookup, TaskOutcome};
+use crate::hypervisor::redfish::{Firmware, RedfishBmc, TaskLookup, TaskOutcome};
 use crate::service::{call_error, now_micros};
 
 /// A firmware flash as the effect ledger runs it: long-running (accepted with `202`, finished
@@ -31,7 +31,7 @@ impl Effect for FlashCall {
 
     async fn probe(&self, tag: &str) -> Result<Vec<String>, CallError> {
         let found = match self.hypervisor.redfish() {
-            Some(bmc) => !matches!(bmc.find_task(tag).await.map_err(call_error)?, TaskLookup::NotFound { .. }),
+            Some(bmc) => matches!(bmc.find_task(tag).await.map_err(call_error)?, TaskLookup::Found(_)),
             None => self.hypervisor.bmcs_by_tag(tag).await.map_err(call_error)? > 0,
         };
         Ok(found.then(|| self.node_id.clone().unwrap_or_default()).into_iter().collect())
@@ -58,7 +58,7 @@ impl Effect for FlashCall {
             });
         }
         if !row.is_accepted() {
-            self.domain.accept_flash(&row.op_id).await.map_err(unavailable)?;
+            self.domain.accept_flash(&row.op_id, None).await.map_err(unavailable)?;
         }
         let ended = match self.hypervisor.redfish() {
             Some(bmc) => self.poll_redfish(bmc, &row).await?,
@@ -66,78 +66,76 @@ impl Effect for FlashCall {
         };
         Ok(match ended {
             None => Progress::Running,
-            Some(Ok(())) => Progress::Done,
-            Some(Err(reason)) => Progress::Failed(reason),
+            Some(FlashEnd::Succeeded) => Progress::Done,
+            // Uncertain included: nothing more is done for it until an operator resolves it.
+            Some(end) => Progress::Failed(end.error().unwrap_or_default().to_owned()),
         })
     }
 }
 
 impl FlashCall {
     /// Ends the accepted operation `row`; counts and logs it when this call ended it.
-    async fn end(&self, row: &FlashRow, result: Result<(), String>) -> Result<Option<Result<(), String>>, CallError> {
-        let error = result.as_ref().err().map(String::as_str);
-        let ended = self
-            .domain
-            .finish_flash(&row.op_id, result.is_ok(), error, now_micros())
-            .await
-            .map_err(CallError::ambiguous)?;
+    async fn end(&self, row: &FlashRow, end: FlashEnd) -> Result<Option<FlashEnd>, CallError> {
+        let ended = self.domain.finish_flash(&row.op_id, &end, now_micros()).await.map_err(CallError::ambiguous)?;
         if ended {
-            count_end(result.is_ok());
-            let outcome = if result.is_ok() { "succeeded" } else { "failed" };
-            tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome, error, "operation ended");
+            count_end(&end);
+            tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome = end.state(), error = end.error(), "operation ended");
         }
-        Ok(Some(result))
+        Ok(Some(end))
     }
 
     /// The simulator's BMC: its state says how the flash went.
-    async fn poll_bmc(&self, row: &FlashRow) -> Result<Option<Result<(), String>>, CallError> {
+    async fn poll_bmc(&self, row: &FlashRow) -> Result<Option<FlashEnd>, CallError> {
         let Some(bmc) = self.hypervisor.bmc(&row.node_id).await.map_err(call_error)? else {
-            return self.end(row, Err("the BMC no longer knows the node".into())).await;
+            return self.end(row, FlashEnd::Failed("the BMC no longer knows the node".into())).await;
         };
         match outcome(row, &bmc) {
             None => Ok(None),
-            Some(Ok(())) => self.end(row, Ok(())).await,
+            Some(Ok(())) => self.end(row, FlashEnd::Succeeded).await,
             Some(Err(error)) => {
                 if bmc.state == BmcState::Bricked {
                     self.domain.note_bricked(&row.node_id, now_micros()).await.map_err(CallError::ambiguous)?;
                 }
-                self.end(row, Err(error)).await
+                self.end(row, FlashEnd::Failed(error)).await
             }
         }
     }
 
-    /// A Redfish BMC: the flash's task, found by its answer or by the tag; without one, the
-    /// firmware inventory once nothing can still change it.
-    async fn poll_redfish(&self, bmc: &RedfishBmc, row: &FlashRow) -> Result<Option<Result<(), String>>, CallError> {
-        let task = match bmc.find_task(&row.tag).await.map_err(call_error)? {
-            TaskLookup::Found(task) => task,
-            TaskLookup::NotFound { busy: true } => return Ok(None),
-            TaskLookup::NotFound { busy: false } => {
-                let runs = inventory_runs(bmc, row).await.map_err(call_error)?;
-                let absent = "the BMC keeps no task for this flash and the node does not run the version";
-                return self.end(row, if runs { Ok(()) } else { Err(absent.into()) }).await;
-            }
+    /// A Redfish BMC: the flash's task, where the operation row says (kept from the BMC's
+    /// answer, so any replica follows it) or found by the tag; without one, what the BMC's task
+    /// list and inventory say once nothing can still change it.
+    async fn poll_redfish(&self, bmc: &RedfishBmc, row: &FlashRow) -> Result<Option<FlashEnd>, CallError> {
+        let unavailable = |e: DomainError| CallError::ambiguous(e);
+        let task = match &row.task_uri {
+            Some(task) => task.clone(),
+            None => match bmc.find_task(&row.tag).await.map_err(call_error)? {
+                TaskLookup::Found(task) => {
+                    self.domain.follow_flash_task(&row.op_id, Some(&task)).await.map_err(unavailable)?;
+                    task
+                }
+                lookup => {
+                    return match end_without_task(bmc, row, &lookup).await.map_err(call_error)? {
+                        Some(end) => self.end(row, end).await,
+                        None => Ok(None),
+                    };
+                }
+            },
         };
         match bmc.task_outcome(&task).await.map_err(call_error)? {
             TaskOutcome::Running => Ok(None),
-            TaskOutcome::Succeeded => {
-                bmc.forget(&row.tag);
-                self.end(row, Ok(())).await
-            }
+            TaskOutcome::Succeeded => self.end(row, FlashEnd::Succeeded).await,
             TaskOutcome::Failed(reason) => {
                 // Some BMCs fail the task of an image the machine already runs: that is done.
-                let target = bmc.target(&row.node_id).await.map_err(call_error)?;
-                let runs = bmc.runs_version(&target, &row.node_id, &row.version).await.map_err(call_error)?;
-                bmc.forget(&row.tag);
+                let runs = bmc.runs_version(&row.node_id, &row.version).await.map_err(call_error)? == Firmware::Runs;
                 if runs {
                     tracing::info!(op_id = %row.op_id, reason, "the task failed, but the node runs the version");
                 }
-                self.end(row, if runs { Ok(()) } else { Err(reason) }).await
+                self.end(row, if runs { FlashEnd::Succeeded } else { FlashEnd::Failed(reason) }).await
             }
             TaskOutcome::Gone => {
                 // Its monitor is gone: look for the task by tag again next time, or read the
                 // inventory.
-                bmc.forget(&row.tag);
+                self.domain.follow_flash_task(&row.op_id, None).await.map_err(unavailable)?;
                 Ok(None)
             }
         }

@@ -9,9 +9,9 @@
 //!   the `202` at acceptance, so a retry while the flash runs, or after, replays that `202` at
 //!   once (the body shows the operation as it was then; `GET /admin/v1/operations/{id}` shows it
 //!   now).
-//! - **One running operation per node.** A partial UNIQUE index on the rows: a flash with another
-//!   key while one runs on the node answers `409 operation-conflict` naming the running one, and
-//!   never reaches the BMC.
+//! - **One open operation per node.** A partial UNIQUE index on the rows: a flash with another
+//!   key while one runs on the node, or ended `uncertain` there, answers `409 operation-conflict`
+//!   naming it, and never reaches the BMC.
 //! - **The BMC call is an effect of the effect ledger** (`idempotency-effects`, as boots and
 //!   reboots are): its tag is the derived sub-key `flash`; it is sent only by the attempt that
 //!   recorded its intent with its send stamp, or moved that stamp by compare-and-set; a retry that
@@ -26,23 +26,34 @@
 //!   sent or retried within `--abandon-after`, after taking its ledger operation for a rollback
 //!   (so no late attempt can send it).
 //! - **On a Redfish BMC** (`--bmc-url redfish+...`, [`crate::hypervisor::redfish`]) the tag rides in
-//!   the image URI, and a flash whose send was stamped is never sent again: a retry (or the
-//!   watcher) finds its task by the tag in the tasks' payloads; where the BMC keeps none, it
-//!   waits out the settle window and for the BMC to run no task, then reads the node's firmware
-//!   inventory (the version there: succeeded; absent: failed). The watcher follows the task
-//!   (`TaskState`, `TaskStatus`). A node that already runs the version is not flashed: its
-//!   operation succeeds at once, and a task that failed on a node that runs the version counts
-//!   as done.
+//!   the image URI, and a flash whose send was stamped is never sent again. Every read the flash
+//!   needs (the node's `Systems` member, whether it already runs the version) comes before the
+//!   decision to send; the send step is the `SimpleUpdate` POST alone, so the send stamp guards
+//!   the last network write. The task monitor's `Location` is kept with the operation in the
+//!   database, so any replica's watcher follows the same task. A flash whose answer was lost is
+//!   found by the tag in the tasks' payloads; where the BMC keeps none, once the settle window
+//!   has passed and no task runs, the node's firmware inventory decides (the version there:
+//!   succeeded; absent: failed). Where neither can be read (no task list, or no inventory), the
+//!   operation ends `uncertain`, never `failed` on a guess, and the node takes no other flash
+//!   until an operator resolves it (`POST /admin/v1/operations/{op_id}/resolve`). A node that
+//!   already runs the version is not flashed: its operation succeeds at once, and a task that
+//!   failed on a node that runs the version counts as done.
+//! - **Nothing is concluded under a live attempt.** The watcher leaves an operation alone while
+//!   an attempt holds its request's claim (in flight, not stale); and whoever concludes a flash
+//!   without a task (the watcher or a retry) first moves its send stamp by compare-and-set from
+//!   the value it decided on, so an attempt woken from a pause finds the stamp moved and sends
+//!   nothing, and one that moved it first makes the conclusion wait for its window.
 
 use crate::service::{RequestRecord, public_id};
 
 mod call;
 mod request;
+mod resolve;
 mod settle;
 mod watcher;
 
 pub use request::Firmware;
-pub use watcher::{WatchReport, Watcher};
+pub use watcher::{WatchReport, WatchSettings, Watcher};
 
 /// The sub-keys of one flash request: the operation's id and the BMC call's tag.
 fn keys(op: &RequestRecord) -> (String, String) {
@@ -67,7 +78,8 @@ pub fn operation_location(op_id: &str) -> String {
     format!("/admin/v1/operations/{op_id}")
 }
 
-fn count_end(succeeded: bool) {
-    let outcome = if succeeded { "succeeded" } else { "failed" };
+/// Counts an operation that ended, by its outcome (`succeeded`, `failed`, `uncertain`).
+fn count_end(end: &crate::domain::FlashEnd) {
+    let outcome = end.state();
     metrics::counter!(crate::metric::OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
 }

@@ -1,20 +1,21 @@
 //! The request side of a flash: [`Firmware`], which the firmware handler calls to start a flash
 //! or resume what an earlier attempt of its request did, up to the BMC's acceptance.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use idempotency::ErrorChain;
-use idempotency_effects::{Decided, EffectError, Effects, Intent, IntentState, Sent};
+use idempotency_effects::{Attempt, Decided, EffectError, Effects, IntentState, Sent};
 use leasebroker_api::{FlashFirmware, is_path_id};
 
 use super::call::FlashCall;
-use super::settle::{adopt, conclude_by_inventory, inventory_runs};
+use super::settle::{Pending, SettleError, settle_pending};
 use super::{count_end, keys};
-use crate::domain::{Domain, DomainError, FlashRow, FlashStart};
+use crate::domain::{Domain, DomainError, FlashEnd, FlashRow, FlashStart};
 use crate::hypervisor::client::{FlashRequest, HvError, HypervisorClient};
-use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup};
+use crate::hypervisor::redfish::{Firmware as Inventory, RedfishBmc, Target};
 use crate::metric::FLASHES_SENT_TOTAL;
-use crate::service::{RequestRecord, ServiceError, call_error, effect_failed, now_micros};
+use crate::service::{Hook, RequestRecord, ServiceError, Step, call_error, effect_failed, now_micros};
 
 /// The firmware service: starts flashes.
 #[derive(Debug, Clone)]
@@ -25,7 +26,13 @@ pub struct Firmware {
     pub hypervisor: HypervisorClient,
     /// How long a sent call may still take effect (`--hypervisor-settle`).
     pub settle: Duration,
+    /// What runs at the handler's named steps (nothing, outside tests).
+    pub hook: Hook,
 }
+
+/// What a flash's send step came to: the ledger's word, and where the BMC said its task is
+/// followed (Redfish).
+type SendResult = (Result<idempotency_effects::Outcome, EffectError>, Option<String>);
 
 impl Firmware {
     /// Whether a flash under `op` must be refused because a worker holds the node: it has not
@@ -70,60 +77,101 @@ impl Firmware {
         let ledger_op = attempt.operation().id().to_owned();
         let row = match self.domain.start_flash(&op_id, &ledger_op, node_id, &req.version, &tag, now_micros()).await? {
             FlashStart::Operation(row) => row,
-            FlashStart::Conflict(running) => {
-                tracing::info!(node_id, running = %running.op_id, "a flash with another key runs on the node; refused");
-                return Err(ServiceError::OperationConflict(running.op_id));
+            FlashStart::Conflict(open) => {
+                tracing::info!(node_id, open = %open.op_id, state = %open.state, "another key's flash holds the node; refused");
+                let uncertain = open.is_uncertain();
+                return Err(ServiceError::OperationConflict { op_id: open.op_id, uncertain });
             }
             FlashStart::NoNode => return Err(ServiceError::NoSuchNode(node_id.to_owned())),
         };
         if row.is_finished() || row.is_accepted() {
             return Ok(row);
         }
-        let effect = FlashCall {
-            hypervisor: self.hypervisor.clone(),
-            domain: self.domain.clone(),
-            node_id: Some(row.node_id.clone()),
-        };
-        let decided = match self.hypervisor.redfish() {
-            Some(bmc) => match self.before_redfish_send(bmc, req, &row, &attempt).await? {
-                Some(decided) => decided,
+        let sent = match self.hypervisor.redfish() {
+            Some(bmc) => match self.send_redfish(bmc, req, &row, &attempt).await? {
+                Some(sent) => sent,
                 None => return self.operation(&op_id).await,
             },
-            None => attempt.decide(&effect).await.map_err(|e| effect_failed(e, "BMC"))?,
+            None => self.send_native(req, &row, &attempt).await?,
         };
-        let hypervisor = &self.hypervisor;
-        let version = req.version.as_str();
-        let target_node = row.node_id.as_str();
+        self.after_send(&op_id, &attempt, sent).await?;
+        self.operation(&op_id).await
+    }
+
+    /// The simulator's BMC API (SPEC 3.4): the ledger's decision, then the flash call.
+    async fn send_native(
+        &self,
+        req: &FlashFirmware,
+        row: &FlashRow,
+        attempt: &Attempt,
+    ) -> Result<SendResult, ServiceError> {
+        let effect = self.effect(Some(row.node_id.clone()));
+        let decided = attempt.decide(&effect).await.map_err(|e| effect_failed(e, "BMC"))?;
+        let (hypervisor, node) = (&self.hypervisor, row.node_id.as_str());
         let sent = attempt
             .run_decided(&effect, decided, |tag| async move {
                 metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
-                match hypervisor.redfish() {
-                    Some(bmc) => {
-                        let target = bmc.target(target_node).await.map_err(call_error)?;
-                        bmc.flash(&target, version, &tag).await.map_err(call_error)?;
-                    }
-                    None => {
-                        let call = FlashRequest { version: version.to_owned(), tag };
-                        hypervisor.flash(target_node, &call).await.map_err(call_error)?;
-                    }
-                }
-                Ok(Sent::Accepted(target_node.to_owned()))
+                let call = FlashRequest { version: req.version.clone(), tag };
+                hypervisor.flash(node, &call).await.map_err(call_error)?;
+                Ok(Sent::Accepted(node.to_owned()))
             })
             .await;
+        Ok((sent, None))
+    }
+
+    /// A Redfish BMC: every read first (what an earlier attempt did, the node's `Systems`
+    /// member, whether it already runs the version), then the ledger's decision with its send
+    /// stamp, then the `SimpleUpdate` POST and nothing else, so the stamp guards the last
+    /// network write. `None` when the operation was settled without sending.
+    async fn send_redfish(
+        &self,
+        bmc: &RedfishBmc,
+        req: &FlashFirmware,
+        row: &FlashRow,
+        attempt: &Attempt,
+    ) -> Result<Option<SendResult>, ServiceError> {
+        let Some((target, decided)) = self.before_redfish_send(bmc, req, row, attempt).await? else {
+            return Ok(None);
+        };
+        self.hook.at(Step::FlashSend).await;
+        let effect = self.effect(Some(row.node_id.clone()));
+        let (task, version, node) = (Mutex::new(None), req.version.as_str(), row.node_id.as_str());
+        let (task_ref, domain, op_id) = (&task, &self.domain, row.op_id.as_str());
+        let sent = attempt
+            .run_decided(&effect, decided, |tag| async move {
+                metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
+                let followed = bmc.flash(&target, version, &tag).await.map_err(call_error)?;
+                // Kept before the ledger records the flash accepted: from then on any replica's
+                // watcher may take it, and must find where its task is.
+                if let Some(task) = &followed
+                    && let Err(e) = domain.follow_flash_task(op_id, Some(task)).await
+                {
+                    tracing::warn!(error = %ErrorChain(&e), op_id, "cannot keep where the flash's task is; kept on acceptance");
+                }
+                *task_ref.lock().unwrap_or_else(PoisonError::into_inner) = followed;
+                Ok(Sent::Accepted(node.to_owned()))
+            })
+            .await;
+        Ok(Some((sent, task.into_inner().unwrap_or_else(PoisonError::into_inner))))
+    }
+
+    /// Records what the send step came to: accepted (with where its task is followed), refused
+    /// (the operation fails), or an error to answer.
+    async fn after_send(&self, op_id: &str, attempt: &Attempt, (sent, task): SendResult) -> Result<(), ServiceError> {
         match sent {
             Ok(_) => {
-                self.domain.accept_flash(&op_id).await?;
-                finish(&attempt).await?;
+                self.domain.accept_flash(op_id, task.as_deref()).await?;
+                finish(attempt).await?;
             }
             Err(EffectError::Refused(e)) => match e.status() {
                 // The BMC refused: the operation fails, and the `202` says so.
                 Some(status) => {
                     tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC refused the flash");
-                    let error = format!("the BMC refused the flash (status {status})");
-                    if self.domain.fail_unaccepted_flash(&op_id, &error, now_micros()).await? {
-                        count_end(false);
+                    let end = FlashEnd::Failed(format!("the BMC refused the flash (status {status})"));
+                    if self.domain.end_unaccepted_flash(op_id, &end, now_micros()).await? {
+                        count_end(&end);
                     }
-                    finish(&attempt).await?;
+                    finish(attempt).await?;
                 }
                 // Never sent: the intent is released, a retry sends it without waiting.
                 None => {
@@ -135,7 +183,12 @@ impl Firmware {
             Err(EffectError::Finished | EffectError::RolledBack) => {}
             Err(e) => return Err(effect_failed(e, "BMC")),
         }
-        self.operation(&op_id).await
+        Ok(())
+    }
+
+    /// The flash's effect, for the ledger (`node_id`: what a probe by tag reports found).
+    fn effect(&self, node_id: Option<String>) -> FlashCall {
+        FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id }
     }
 
     /// The operation `op_id` as it is now.
@@ -144,16 +197,17 @@ impl Firmware {
     }
 
     /// On a Redfish BMC, what comes before the send (module docs): a flash sent by an earlier
-    /// attempt is never sent again, but found by its task or settled by the firmware inventory;
-    /// a node that already runs the version is not flashed. Returns the decided intent when the
-    /// flash is to be sent now, `None` when the operation was settled without sending.
+    /// attempt is never sent again, but found by its task or settled by what the BMC serves; a
+    /// node that already runs the version is not flashed. Every BMC read is done here, before
+    /// the decision. Returns the node's target and the decided intent when the flash is to be
+    /// sent now, `None` when the operation was settled without sending.
     async fn before_redfish_send(
         &self,
         bmc: &RedfishBmc,
         req: &FlashFirmware,
         row: &FlashRow,
-        attempt: &idempotency_effects::Attempt,
-    ) -> Result<Option<Decided>, ServiceError> {
+        attempt: &Attempt,
+    ) -> Result<Option<(Target, Decided)>, ServiceError> {
         let op_id = row.op_id.as_str();
         let ledger = self.domain.ledger();
         if let Some(intent) = ledger.intent(&row.tag).await.map_err(DomainError::from)? {
@@ -163,7 +217,7 @@ impl Firmware {
                     return Ok(None);
                 }
                 IntentState::Accepted | IntentState::Done => {
-                    self.domain.accept_flash(op_id).await?;
+                    self.domain.accept_flash(op_id, None).await?;
                     return Ok(None);
                 }
                 IntentState::Failed => {} // definitely not sent: sent again below
@@ -172,68 +226,59 @@ impl Firmware {
         let target = bmc.target(&row.node_id).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
         let ended = match &target {
             Target::NotListed { systems } => {
-                let error = format!("the BMC lists {systems} systems and none is {}", row.node_id);
-                Some((false, Some(error)))
+                Some(FlashEnd::Failed(format!("the BMC lists {systems} systems and none is {}", row.node_id)))
             }
             _ => {
-                let runs = bmc
-                    .runs_version(&target, &row.node_id, &req.version)
+                let seen = bmc
+                    .firmware(&target, &row.node_id, &req.version)
                     .await
                     .map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
-                if runs {
+                if seen == Inventory::Runs {
                     tracing::info!(op_id, "the node already runs this version; nothing to flash");
                 }
-                runs.then_some((true, None))
+                (seen == Inventory::Runs).then_some(FlashEnd::Succeeded)
             }
         };
-        if let Some((succeeded, error)) = ended {
-            if self.domain.end_unaccepted_flash(op_id, succeeded, error.as_deref(), now_micros()).await? {
-                count_end(succeeded);
+        if let Some(end) = ended {
+            if self.domain.end_unaccepted_flash(op_id, &end, now_micros()).await? {
+                count_end(&end);
             }
             return Ok(None);
         }
-        let effect = FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id: None };
-        match attempt.decide(&effect).await {
+        match attempt.decide(&self.effect(None)).await {
             // Another attempt sent it between the read above and this step: never twice.
             Ok(Decided::Existing(i)) if i.state == IntentState::Pending => {
                 Err(effect_failed(EffectError::Contended, "BMC"))
             }
-            Ok(decided) => Ok(Some(decided)),
+            Ok(decided) => Ok(Some((target, decided))),
             Err(EffectError::Finished | EffectError::RolledBack) => Ok(None),
             Err(e) => Err(effect_failed(e, "BMC")),
         }
     }
 
-    /// A Redfish flash an earlier attempt sent without learning what came of it: adopted when a
-    /// task carries its tag; otherwise, once the settle window passed and the BMC runs no task,
-    /// ended by the firmware inventory.
+    /// A Redfish flash an earlier attempt sent without learning what came of it
+    /// ([`settle_pending`]): adopted, ended, or an answer that says when to retry.
     async fn settle_redfish_pending(
         &self,
         bmc: &RedfishBmc,
         row: &FlashRow,
-        intent: &Intent,
+        intent: &idempotency_effects::Intent,
     ) -> Result<(), ServiceError> {
-        let lookup =
-            bmc.find_task(&row.tag).await.map_err(|e| bmc_unavailable(&e, "find the task of an earlier attempt"))?;
-        let TaskLookup::NotFound { busy } = lookup else {
-            tracing::info!(op_id = %row.op_id, "adopted the flash an earlier attempt sent: its task carries the tag");
-            adopt(&self.domain, row, intent).await?;
-            return Ok(());
-        };
-        self.effects().settling(intent).map_err(|e| effect_failed(e, "BMC"))?;
-        if busy {
-            return Err(ServiceError::upstream(
+        match settle_pending(&self.effects(), &self.domain, bmc, row, intent).await {
+            Ok(Pending::Adopted | Pending::Ended) => Ok(()),
+            Ok(Pending::Settling(e)) => Err(effect_failed(e, "BMC")),
+            Ok(Pending::Moved) => Err(effect_failed(EffectError::Contended, "BMC")),
+            Ok(Pending::Busy) => Err(ServiceError::upstream(
                 "the BMC still runs a task, which may be this flash; retry with the same key",
-            ));
+            )),
+            Err(SettleError::Bmc(e)) => Err(bmc_unavailable(&e, "read what became of an earlier attempt's flash")),
+            Err(SettleError::Domain(e)) => Err(e.into()),
         }
-        let runs = inventory_runs(bmc, row).await.map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
-        conclude_by_inventory(&self.domain, row, intent, runs).await?;
-        Ok(())
     }
 }
 
 /// Marks the flash's ledger operation finished (its accepted intent stays, for the watcher).
-async fn finish(attempt: &idempotency_effects::Attempt) -> Result<(), DomainError> {
+async fn finish(attempt: &Attempt) -> Result<(), DomainError> {
     match attempt.finish().await {
         Ok(()) | Err(EffectError::Finished | EffectError::RolledBack) => Ok(()),
         Err(e) => Err(e.into()),

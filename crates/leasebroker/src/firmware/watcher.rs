@@ -4,28 +4,44 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use idempotency::ErrorChain;
-use idempotency_effects::{Effect, IntentState, Mark, OperationRow};
+use idempotency::{ErrorChain, RecordState, Store};
+use idempotency_effects::{Effect, Effects, IntentState, Mark, OperationRow};
 
 use super::call::FlashCall;
 use super::count_end;
-use super::settle::{adopt, conclude_by_inventory, inventory_runs};
+use super::settle::{Pending, adopt, settle_pending};
 use crate::background::Pass;
-use crate::domain::{Domain, FlashRow};
+use crate::domain::{Domain, FlashEnd, FlashRow};
 use crate::hypervisor::client::HypervisorClient;
-use crate::hypervisor::redfish::TaskLookup;
 use crate::metric::OPERATION_WATCHES_TOTAL;
 use crate::service::{micros, now_micros};
 
 /// The watcher's settings and handles.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Watcher {
     /// The tables.
     pub domain: Domain,
     /// The hypervisor, whose API serves the BMCs too.
     pub hypervisor: HypervisorClient,
+    /// The idempotency store, to ask whether an attempt still holds a flash request's claim.
+    pub store: Arc<dyn Store>,
     /// This replica's name on the leases it holds (unique per process).
     pub name: String,
+    /// The durations it works by.
+    pub settings: WatchSettings,
+    /// Where the pass over unaccepted operations goes on from (the last op id it looked at).
+    pub cursor: Arc<Mutex<String>>,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher").field("name", &self.name).field("settings", &self.settings).finish_non_exhaustive()
+    }
+}
+
+/// The durations a [`Watcher`] works by.
+#[derive(Debug, Clone, Copy)]
+pub struct WatchSettings {
     /// How often each operation's BMC is polled (`--operation-poll`).
     pub poll: Duration,
     /// `--hypervisor-settle`.
@@ -33,8 +49,8 @@ pub struct Watcher {
     /// `--abandon-after`: an operation never accepted by the BMC, and not sent or retried for
     /// this long, fails.
     pub abandon_after: Duration,
-    /// Where the pass over unaccepted operations goes on from (the last op id it looked at).
-    pub cursor: Arc<Mutex<String>>,
+    /// `--in-flight-ttl`: how long an attempt's claim holds unrenewed.
+    pub in_flight_ttl: Duration,
 }
 
 /// Operations one pass reads at most (accepted ones, and unaccepted ones).
@@ -54,17 +70,16 @@ impl Watcher {
     pub fn new(
         domain: Domain,
         hypervisor: HypervisorClient,
+        store: Arc<dyn Store>,
         name: String,
-        poll: Duration,
-        settle: Duration,
-        abandon_after: Duration,
+        settings: WatchSettings,
     ) -> Self {
-        Self { domain, hypervisor, name, poll, settle, abandon_after, cursor: Arc::default() }
+        Self { domain, hypervisor, store, name, settings, cursor: Arc::default() }
     }
 
     /// How long a lease holds: several polls, so a live watcher always renews it in time.
     fn lease(&self) -> Duration {
-        (self.poll * 5).max(Duration::from_secs(10))
+        (self.settings.poll * 5).max(Duration::from_secs(10))
     }
 
     /// One pass: the accepted flashes this watcher holds or can take (the ledger's watcher),
@@ -113,50 +128,58 @@ impl Watcher {
     }
 
     /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
-    /// its attempt still runs. Adopts the flash when the BMC holds its tag; on Redfish, ends a
-    /// flash whose task nobody can find by the firmware inventory once no call can still land;
-    /// fails one that nobody sent (or retried) for `--abandon-after` and whose call cannot land,
-    /// after taking its ledger operation for a rollback, so no late attempt can send it.
+    /// its attempt still runs. Nothing is concluded while an attempt holds the request's claim
+    /// (it may be sending). Otherwise: adopts the flash when the BMC holds its tag; on Redfish,
+    /// ends a flash whose task nobody can find by what the BMC serves once no call can still
+    /// land ([`settle_pending`]); fails one that nobody sent (or retried) for `--abandon-after`
+    /// and whose call cannot land, after taking its ledger operation for a rollback, so no late
+    /// attempt can send it.
     async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
         let ledger = self.domain.ledger();
+        let op = match row.ledger_op.as_deref() {
+            Some(ledger_op) => ledger.operation(ledger_op).await?,
+            None => None,
+        };
+        if let Some(op) = &op
+            && self.attempt_holds(op).await?
+        {
+            return Ok(false);
+        }
         let intent = ledger.intent(&row.tag).await?;
         let now = now_micros();
         if let Some(intent) = &intent {
             match intent.state {
                 IntentState::Accepted | IntentState::Done => {
-                    self.domain.accept_flash(&row.op_id).await?; // its acceptance was cut short
+                    self.domain.accept_flash(&row.op_id, None).await?; // its acceptance was cut short
                     return Ok(false);
                 }
                 IntentState::Pending => {
+                    if let Some(bmc) = self.hypervisor.redfish() {
+                        // A Redfish flash is never sent twice: what the BMC serves decides.
+                        let effects = Effects::new(ledger.clone()).settle(self.settings.settle);
+                        let pending = settle_pending(&effects, &self.domain, bmc, row, intent).await?;
+                        return Ok(matches!(pending, Pending::Ended));
+                    }
                     let effect = FlashCall {
                         hypervisor: self.hypervisor.clone(),
                         domain: self.domain.clone(),
                         node_id: Some(row.node_id.clone()),
                     };
                     if !effect.probe(&row.tag).await?.is_empty() {
-                        adopt(&self.domain, row, intent).await?;
+                        adopt(&self.domain, row, intent, None).await?;
                         tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
                         return Ok(false);
                     }
-                    if now.saturating_sub(intent.sent_at) < micros(self.settle) {
+                    if now.saturating_sub(intent.sent_at) < micros(self.settings.settle) {
                         return Ok(false); // its call may still land
-                    }
-                    if let Some(bmc) = self.hypervisor.redfish() {
-                        // A Redfish flash is never sent twice: the inventory decides.
-                        let TaskLookup::NotFound { busy: false } = bmc.find_task(&row.tag).await? else {
-                            return Ok(false);
-                        };
-                        let runs = inventory_runs(bmc, row).await?;
-                        return Ok(conclude_by_inventory(&self.domain, row, intent, runs).await?);
                     }
                 }
                 IntentState::Failed => {}
             }
         }
         let Some(ledger_op) = row.ledger_op.as_deref() else { return Ok(false) };
-        let op = ledger.operation(ledger_op).await?;
         let last = op.as_ref().map_or(row.created_at, |o| o.last_attempt_at.max(row.created_at));
-        if now.saturating_sub(last) < micros(self.abandon_after) {
+        if now.saturating_sub(last) < micros(self.settings.abandon_after) {
             return Ok(false);
         }
         // Fence the operation before failing it: a late attempt then sends nothing.
@@ -168,14 +191,29 @@ impl Watcher {
         if !taken {
             return Ok(false); // an attempt ran a step since: look again later
         }
-        let error = "the flash never reached the BMC, and its request was not retried within --abandon-after";
-        let ended = self.domain.fail_unaccepted_flash(&row.op_id, error, now).await?;
+        let end = FlashEnd::Failed(
+            "the flash never reached the BMC, and its request was not retried within --abandon-after".into(),
+        );
+        let ended = self.domain.end_unaccepted_flash(&row.op_id, &end, now).await?;
         ledger.rolled_back(ledger_op, now_micros()).await?;
         if ended {
-            count_end(false);
+            count_end(&end);
             tracing::info!(op_id = %row.op_id, "failed an operation whose flash was never sent");
         }
         Ok(ended)
+    }
+
+    /// Whether an attempt holds the request of the ledger operation `op`: its idempotency record
+    /// is in flight under a claim that is not stale. Such an attempt may be sending the flash
+    /// right now, so nothing is concluded under it.
+    async fn attempt_holds(&self, op: &OperationRow) -> anyhow::Result<bool> {
+        let Ok(scope) = crate::reaper::scope_of(op) else { return Ok(false) }; // moved from before the ledger
+        let now = idempotency::now();
+        Ok(self.store.get(&scope).await?.is_some_and(|r| {
+            r.record_id.to_hex() == op.record_id
+                && r.state == RecordState::InFlight
+                && !r.is_stale(now, self.settings.in_flight_ttl)
+        }))
     }
 }
 

@@ -13,19 +13,19 @@
 //!
 //! - [`RedfishBmc::target`]: the `Systems` member whose `Id` or `Name` is the node id goes in
 //!   `Targets`; a BMC that serves one machine is flashed without `Targets`.
-//! - [`RedfishBmc::flash`]: `SimpleUpdate`, any `2xx` accepted; the `Location` (else the answer's
-//!   `@odata.id`) is remembered, by tag, as where the task is followed.
+//! - [`RedfishBmc::flash`]: `SimpleUpdate`, any `2xx` accepted, one request and nothing else (every
+//!   read it needs, [`RedfishBmc::target`], comes before); returns where the task is followed
+//!   (the `Location`, else the answer's `@odata.id`), as a path on the BMC, which the caller keeps
+//!   with the operation in its database.
 //! - [`RedfishBmc::find_task`]: the task whose payload carries the tag, or, in the same pass,
-//!   whether any task still runs.
+//!   whether any task still runs; or that the BMC lists no tasks at all.
 //! - [`RedfishBmc::task_outcome`]: `Completed` with `TaskStatus` `OK` (or `Warning`) succeeded;
 //!   `Exception`, `Killed`, `Cancelled` (or `Completed` + `Critical`) failed; anything else runs.
-//! - [`RedfishBmc::runs_version`]: what a caller reads when no task carries its tag (a BMC that
-//!   keeps no payload): once no task runs, whether the node's `FirmwareInventory` shows the
-//!   version.
+//! - [`RedfishBmc::firmware`]: what a caller reads when no task carries its tag (a BMC that
+//!   keeps no payload): whether the node's `FirmwareInventory` shows the version, or that the BMC
+//!   serves no inventory.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode, Url};
@@ -44,7 +44,8 @@ const TASKS: &str = "/redfish/v1/TaskService/Tasks";
 
 /// A Redfish service's BMC, for firmware flashes.
 ///
-/// Cheap to clone: clones share the connection pool and the tasks remembered by tag.
+/// Cheap to clone: clones share the connection pool. It keeps nothing of the flashes it sent:
+/// where a task is followed goes to the caller's database, so any replica can follow it.
 #[derive(Debug, Clone)]
 pub struct RedfishBmc {
     /// The hypervisor client's HTTP client with the key propagation: a flash carries its tag as
@@ -55,8 +56,6 @@ pub struct RedfishBmc {
     base: Url,
     /// Where the firmware images are: a flash's `ImageURI` is `IMAGES/VERSION?tag=T`.
     images: Url,
-    /// Where each flash's task is followed, by tag: learnt from a flash's answer or a search.
-    tasks: Arc<Mutex<HashMap<String, Url>>>,
 }
 
 /// Where a node's flash goes on a BMC.
@@ -76,14 +75,28 @@ pub enum Target {
 /// What [`RedfishBmc::find_task`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskLookup {
-    /// Where the flash's task is followed.
-    Found(Url),
+    /// Where the flash's task is followed: a path (and query) on the BMC.
+    Found(String),
     /// No task carries the tag; `busy`: another task still runs (which may be this flash, on a
     /// BMC that keeps no payload).
     NotFound {
         /// Whether any task on the BMC still runs.
         busy: bool,
     },
+    /// The BMC serves no task list (`404`, as sushy-tools): no task can be found by its tag,
+    /// and whether one still runs cannot be read.
+    Unlisted,
+}
+
+/// What a node's firmware inventory says of a version ([`RedfishBmc::firmware`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Firmware {
+    /// An item of the node shows the version.
+    Runs,
+    /// The BMC serves an inventory, and no item of the node shows the version.
+    Absent,
+    /// The BMC serves no firmware inventory (`404`): the version cannot be read.
+    NotServed,
 }
 
 /// What a flash's task says.
@@ -178,7 +191,7 @@ impl RedfishBmc {
         {
             return Err(invalid_images("an absolute URL a BMC can fetch from, without a query".to_owned()));
         }
-        Ok(Self { keyed: client.keyed().clone(), base, images, tasks: Arc::default() })
+        Ok(Self { keyed: client.keyed().clone(), base, images })
     }
 
     /// The `ImageURI` of `version`, carrying `tag`.
@@ -207,9 +220,11 @@ impl RedfishBmc {
         Ok(if systems.len() <= 1 { Target::OnlyMachine } else { Target::NotListed { systems: systems.len() } })
     }
 
-    /// Sends `SimpleUpdate` of `version` tagged `tag` to `target`. Any `2xx` is accepted; where
-    /// its task is followed (the `Location`, else the answer's `@odata.id`) is remembered.
-    pub async fn flash(&self, target: &Target, version: &str, tag: &str) -> Result<(), HvError> {
+    /// Sends `SimpleUpdate` of `version` tagged `tag` to `target`: that one request, no read
+    /// before it (the caller resolved `target` before it decided to send). Any `2xx` is accepted;
+    /// returns where its task is followed (the `Location`, else the answer's `@odata.id`), as a
+    /// path on the BMC, when the BMC said.
+    pub async fn flash(&self, target: &Target, version: &str, tag: &str) -> Result<Option<String>, HvError> {
         let mut body = json!({"ImageURI": self.image_uri(version, tag).as_str()});
         if let Target::System(system) = target {
             body["Targets"] = json!([system]);
@@ -217,40 +232,36 @@ impl RedfishBmc {
         let response = self.send(Method::POST, self.at(SIMPLE_UPDATE), Some(&body), Some(tag)).await?;
         let response = check_success(response).await?;
         let location = response.headers().get(reqwest::header::LOCATION).and_then(|v| v.to_str().ok());
-        let mut follow = location.and_then(|l| self.resolve(l));
+        let mut follow = location.and_then(on_bmc);
         // The body is optional: a flash the BMC accepted stays accepted whatever follows.
         if let Ok(answer) = response.json::<Resource>().await
             && follow.is_none()
         {
-            follow = answer.odata_id.as_deref().and_then(|id| self.resolve(id));
+            follow = answer.odata_id.as_deref().and_then(on_bmc);
         }
-        match follow {
-            Some(url) => self.remember(tag, url),
-            None => tracing::info!(tag, "the BMC took the flash without saying where its task is"),
+        if follow.is_none() {
+            tracing::info!(tag, "the BMC took the flash without saying where its task is");
         }
-        Ok(())
+        Ok(follow)
     }
 
-    /// Where the task of the flash tagged `tag` is followed: remembered from its answer, or the
-    /// task whose `Payload.JsonBody` carries the tag. When no task does (the BMC keeps no payload,
-    /// or never took the flash), whether any task still runs, read in the same pass.
+    /// The task whose `Payload.JsonBody` carries `tag`. When no task does (the BMC keeps no
+    /// payload, or never took the flash), whether any task still runs, read in the same pass;
+    /// [`TaskLookup::Unlisted`] when the BMC serves no task list.
     pub async fn find_task(&self, tag: &str) -> Result<TaskLookup, HvError> {
-        if let Some(url) = self.remembered(tag) {
-            return Ok(TaskLookup::Found(url));
-        }
+        let Some(tasks) = self.read(TASKS).await? else { return Ok(TaskLookup::Unlisted) };
         let mut busy = false;
         // Newest first: the flash looked for is most likely among the last tasks.
-        for member in self.members(TASKS).await?.iter().rev() {
+        for member in tasks.members.unwrap_or_default().iter().rev() {
             let fetched = match &member.odata_id {
                 Some(uri) if member.task_state.is_none() || member.payload.is_none() => self.read(uri).await?,
                 _ => None,
             };
             let task = fetched.as_ref().unwrap_or(member);
             if task.payload_tag().as_deref() == Some(tag)
-                && let Some(url) = member.odata_id.as_deref().and_then(|uri| self.resolve(uri))
+                && let Some(uri) = member.odata_id.as_deref().and_then(on_bmc)
             {
-                self.remember(tag, url.clone());
-                return Ok(TaskLookup::Found(url));
+                return Ok(TaskLookup::Found(uri));
             }
             // A member that is gone by now (or says nothing of its state) does not run.
             busy |= task.task_state.is_some() && outcome(task) == TaskOutcome::Running;
@@ -258,10 +269,12 @@ impl RedfishBmc {
         Ok(TaskLookup::NotFound { busy })
     }
 
-    /// Reads a task or its monitor. A monitor answers its operation's own status once it ended: a
-    /// `4xx` there is a failed flash. A `5xx` or a lost connection is an error (ask again later).
-    pub async fn task_outcome(&self, url: &Url) -> Result<TaskOutcome, HvError> {
-        let response = self.send(Method::GET, url.clone(), None, None).await?;
+    /// Reads a task or its monitor (`uri`, as [`RedfishBmc::flash`] or [`RedfishBmc::find_task`]
+    /// gave it). A monitor answers its operation's own status once it ended: a `4xx` there is a
+    /// failed flash. A `5xx` or a lost connection is an error (ask again later).
+    pub async fn task_outcome(&self, uri: &str) -> Result<TaskOutcome, HvError> {
+        let Some(url) = self.resolve(uri) else { return Ok(TaskOutcome::Gone) };
+        let response = self.send(Method::GET, url, None, None).await?;
         let status = response.status();
         if matches!(status, StatusCode::NOT_FOUND | StatusCode::GONE) {
             return Ok(TaskOutcome::Gone);
@@ -282,9 +295,10 @@ impl RedfishBmc {
 
     /// Whether the node's firmware inventory shows `version`: an item related to the node's
     /// system `target` (or named after the node) on a BMC of several systems, any item on a BMC
-    /// of one.
-    pub async fn runs_version(&self, target: &Target, node_id: &str, version: &str) -> Result<bool, HvError> {
-        for member in self.members(FIRMWARE_INVENTORY).await? {
+    /// of one; [`Firmware::NotServed`] when the BMC serves no inventory.
+    pub async fn firmware(&self, target: &Target, node_id: &str, version: &str) -> Result<Firmware, HvError> {
+        let Some(inventory) = self.read(FIRMWARE_INVENTORY).await? else { return Ok(Firmware::NotServed) };
+        for member in inventory.members.unwrap_or_default() {
             let item = match &member.odata_id {
                 Some(uri) if !member.is_expanded() => match self.read(uri).await? {
                     Some(item) => item,
@@ -304,23 +318,17 @@ impl RedfishBmc {
                 }
             };
             if relates && item.version.as_deref() == Some(version) {
-                return Ok(true);
+                return Ok(Firmware::Runs);
             }
         }
-        Ok(false)
+        Ok(Firmware::Absent)
     }
 
-    /// Forgets where the task of `tag` was followed (it is gone, or ended).
-    pub fn forget(&self, tag: &str) {
-        self.tasks.lock().unwrap_or_else(PoisonError::into_inner).remove(tag);
-    }
-
-    fn remember(&self, tag: &str, url: Url) {
-        self.tasks.lock().unwrap_or_else(PoisonError::into_inner).insert(tag.to_owned(), url);
-    }
-
-    fn remembered(&self, tag: &str) -> Option<Url> {
-        self.tasks.lock().unwrap_or_else(PoisonError::into_inner).get(tag).cloned()
+    /// Whether the node runs `version` (its `Systems` member read first): what comes before a
+    /// flash is sent, and what a failed task is checked against.
+    pub async fn runs_version(&self, node_id: &str, version: &str) -> Result<Firmware, HvError> {
+        let target = self.target(node_id).await?;
+        self.firmware(&target, node_id, version).await
     }
 
     /// `path` on the service.
@@ -332,16 +340,13 @@ impl RedfishBmc {
 
     /// A URI the BMC gave (absolute or a path), on the service's own host.
     fn resolve(&self, uri: &str) -> Option<Url> {
-        let (path, query) = match Url::parse(uri) {
-            Ok(absolute) => (absolute.path().to_owned(), absolute.query().map(str::to_owned)),
-            Err(_) if uri.starts_with('/') => match uri.split_once('?') {
-                Some((path, query)) => (path.to_owned(), Some(query.to_owned())),
-                None => (uri.to_owned(), None),
-            },
-            Err(_) => return None,
+        let relative = on_bmc(uri)?;
+        let (path, query) = match relative.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (relative.as_str(), None),
         };
-        let mut url = self.at(&path);
-        url.set_query(query.as_deref());
+        let mut url = self.at(path);
+        url.set_query(query);
         Some(url)
     }
 
@@ -397,6 +402,20 @@ impl RedfishBmc {
             Err(err) => tracing::debug!(%method, error = %err, "Redfish call failed"),
         }
         result.map_err(HvError::from_middleware)
+    }
+}
+
+/// A URI the BMC gave (absolute or a path) as a path and query on the BMC: its host (which may
+/// name another) and any user information dropped, so that what is kept names nothing but the
+/// resource and is always followed on the BMC's own host.
+fn on_bmc(uri: &str) -> Option<String> {
+    match Url::parse(uri) {
+        Ok(absolute) => Some(match absolute.query() {
+            Some(query) => format!("{}?{query}", absolute.path()),
+            None => absolute.path().to_owned(),
+        }),
+        Err(_) if uri.starts_with('/') => Some(uri.to_owned()),
+        Err(_) => None,
     }
 }
 
@@ -493,30 +512,46 @@ mod tests {
         assert_eq!(target, Target::System("/redfish/v1/Systems/A".into()), "found by Name");
         assert_eq!(bmc.target("node-0002").await.expect("systems"), Target::NotListed { systems: 2 });
 
-        bmc.flash(&target, "9", "t-9").await.expect("a 202 without a body, with basic authentication");
-        let TaskLookup::Found(task) = bmc.find_task("t-9").await.expect("tasks") else {
-            panic!("remembered from the Location")
-        };
-        assert_eq!(task.host_str(), Some("127.0.0.1"), "followed on the BMC's own host: {task}");
-        assert_eq!(task.path(), "/redfish/v1/TaskService/Tasks/7");
+        let task = bmc.flash(&target, "9", "t-9").await.expect("a 202 without a body, with basic authentication");
+        let task = task.expect("the Location");
+        assert_eq!(task, "/redfish/v1/TaskService/Tasks/7", "kept as a path: no other host, no credentials");
         assert_eq!(bmc.task_outcome(&task).await.expect("task"), TaskOutcome::Succeeded, "Completed, no TaskStatus");
-        let failed = bmc.task_outcome(&task.join("/monitors/8").expect("url")).await.expect("a 400");
+        let failed = bmc.task_outcome("/monitors/8").await.expect("a 400");
         assert_eq!(failed, TaskOutcome::Failed("the BMC's task monitor answered 400".into()));
-        let err = bmc.task_outcome(&task.join("/monitors/9").expect("url")).await.expect_err("a 503: ask again");
+        let err = bmc.task_outcome("https://elsewhere.example/monitors/9").await.expect_err("a 503: ask again");
         assert!(err.may_have_happened(), "{err:?}");
-        assert_eq!(bmc.task_outcome(&task.join("/monitors/10").expect("url")).await.expect("a 404"), TaskOutcome::Gone);
+        assert_eq!(bmc.task_outcome("/monitors/10").await.expect("a 404"), TaskOutcome::Gone);
 
-        let fresh = RedfishBmc::new(&url, TIMEOUT, None, "http://images.test/x").expect("client");
-        let TaskLookup::Found(found) = fresh.find_task("t-9").await.expect("tasks") else {
+        let TaskLookup::Found(found) = bmc.find_task("t-9").await.expect("tasks") else {
             panic!("by the tag in an expanded payload")
         };
-        assert_eq!(found.path(), "/redfish/v1/TaskService/Tasks/7");
-        let lookup = fresh.find_task("t-8").await.expect("tasks");
+        assert_eq!(found, "/redfish/v1/TaskService/Tasks/7");
+        let lookup = bmc.find_task("t-8").await.expect("tasks");
         assert_eq!(lookup, TaskLookup::NotFound { busy: true }, "task 7 runs, as listed");
 
-        assert!(bmc.runs_version(&target, "node-0001", "9").await.expect("inventory"), "related to system A");
-        assert!(!bmc.runs_version(&target, "node-0001", "10").await.expect("inventory"), "another system's item");
-        assert!(bmc.runs_version(&Target::OnlyMachine, "node-0001", "10").await.expect("inventory"));
+        assert_eq!(bmc.firmware(&target, "node-0001", "9").await.expect("inventory"), Firmware::Runs, "system A's");
+        assert_eq!(bmc.firmware(&target, "node-0001", "10").await.expect("inventory"), Firmware::Absent, "B's item");
+        assert_eq!(bmc.firmware(&Target::OnlyMachine, "node-0001", "10").await.expect("inventory"), Firmware::Runs);
+        assert_eq!(bmc.runs_version("node-0001", "9").await.expect("inventory"), Firmware::Runs);
+    }
+
+    /// A BMC like sushy-tools: no task list and no firmware inventory (both `404`). Neither is
+    /// read as empty: what they would say cannot be read.
+    #[tokio::test]
+    async fn a_bmc_without_a_task_list_or_an_inventory_says_so() {
+        let app = axum::Router::new()
+            .route(
+                "/redfish/v1/Systems",
+                get(|| async { Json(json!({"Members": [{"@odata.id": "/redfish/v1/Systems/u"}]})) }),
+            )
+            .route("/redfish/v1/Systems/u", get(|| async { Json(json!({"Id": "u", "Name": "node-0001"})) }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let bmc =
+            RedfishBmc::new(&format!("redfish+http://{addr}"), TIMEOUT, None, "http://images.test/x").expect("ok");
+        assert_eq!(bmc.find_task("t-1").await.expect("tasks"), TaskLookup::Unlisted);
+        assert_eq!(bmc.runs_version("node-0001", "1.0").await.expect("inventory"), Firmware::NotServed);
     }
 
     #[tokio::test]

@@ -150,6 +150,8 @@ struct SimState {
     stats: SimStats,
     bmcs: bmc::Bmcs,
     tasks: redfish::Tasks,
+    /// The Redfish `Systems` reads still to be slowed (`PUT /v1/faults/systems`).
+    systems_stall: redfish::Stall,
 }
 
 #[derive(Debug)]

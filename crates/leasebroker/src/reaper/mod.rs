@@ -49,6 +49,7 @@ mod operations;
 mod tick;
 
 use operations::Operations;
+pub(crate) use operations::scope_of;
 pub use tick::SweepAndReap;
 
 /// How long an in-flight record's attempt may go unrenewed before it counts as stuck (the

@@ -66,7 +66,7 @@ impl Abandoned for Operations {
 }
 
 /// The record scope an operation row names.
-pub(super) fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
+pub(crate) fn scope_of(op: &OperationRow) -> anyhow::Result<Scope> {
     let key = IdempotencyKey::try_from(op.idem_key.as_str()).map_err(|e| anyhow::anyhow!("stored key: {e}"))?;
     Ok(Scope::new(Principal::new(op.principal.as_str()), Endpoint::from_stored(op.endpoint.as_str()), key))
 }

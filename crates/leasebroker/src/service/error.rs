@@ -38,10 +38,23 @@ pub enum ServiceError {
     /// No such operation (404).
     #[error("no operation {0}")]
     NoSuchOperation(String),
-    /// Another operation runs on the node (409 `operation-conflict`, naming it): nothing was
-    /// sent.
-    #[error("operation {0} is running on this node; wait for it to end")]
-    OperationConflict(String),
+    /// Another operation runs on the node, or ended `uncertain` there (409
+    /// `operation-conflict`, naming it): nothing was sent.
+    #[error("operation {op_id} holds this node; wait for it to end")]
+    OperationConflict {
+        /// The operation that holds the node.
+        op_id: String,
+        /// Whether it ended `uncertain` (an operator resolves it) rather than running.
+        uncertain: bool,
+    },
+    /// A resolve of an operation that is not `uncertain` (409 `operation-not-uncertain`).
+    #[error("operation {op_id} is {state}, not uncertain")]
+    OperationNotUncertain {
+        /// The operation.
+        op_id: String,
+        /// Its state.
+        state: String,
+    },
     /// The database failed (500; not stored, so the retry runs again).
     #[error(transparent)]
     Database(#[from] DomainError),

@@ -20,6 +20,9 @@ pub enum Step {
     CreateAdopt,
     /// A reboot read its worker and is about to record its attempt.
     RebootDecide,
+    /// A Redfish flash did every read, recorded its intent with its send stamp, and is about to
+    /// send its `SimpleUpdate`.
+    FlashSend,
 }
 
 type HookFn = dyn Fn(Step) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync;

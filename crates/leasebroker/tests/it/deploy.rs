@@ -51,7 +51,7 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
     let rules = read("deploy/prometheus/leasebroker-alerts.yml");
     let tests = read("deploy/prometheus/leasebroker-alerts.test.yml");
     let alerts: Vec<&str> = rules.lines().filter_map(|l| l.trim().strip_prefix("- alert: ")).collect();
-    assert_eq!(alerts.len(), 6, "{alerts:?}");
+    assert_eq!(alerts.len(), 7, "{alerts:?}");
     for alert in alerts {
         let fired = format!("alertname: {alert}\n        exp_alerts:\n          - exp_labels:");
         assert!(tests.contains(&fired), "no unit test where {alert} fires");

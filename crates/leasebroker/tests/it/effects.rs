@@ -142,20 +142,27 @@ async fn a_reboot_whose_vm_is_gone_answers_404() {
     assert_eq!(sim_stats(&hv.url).await["reboots_total"], 0);
 }
 
-/// Item 1: a settle window shorter than the call timeout is refused at start.
+/// Item 1, and issue 45: a settle window no longer than the call timeout is refused at start
+/// (SPEC 1.5: it is longer than the call timeout), equal included: one line naming both, exit 2
+/// as a usage error.
 #[tokio::test]
-async fn a_settle_window_shorter_than_the_timeout_is_refused() {
+async fn a_settle_window_not_longer_than_the_timeout_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let out = std::process::Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
-        .args(["--hypervisor-timeout", "2s", "--hypervisor-settle", "1s"])
-        .output()
-        .expect("run");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "it started: {stderr}");
-    assert!(stderr.contains("--hypervisor-settle") && stderr.contains("at least --hypervisor-timeout"), "{stderr}");
-    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    for settle in ["1s", "2s"] {
+        let out = std::process::Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--database", &db])
+            .args(["--hypervisor-timeout", "2s", "--hypervisor-settle", settle])
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "settle {settle}: {stderr}");
+        assert!(
+            stderr.contains("--hypervisor-settle") && stderr.contains("longer than --hypervisor-timeout"),
+            "{stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
 }
 
 /// Item 1, the safety net: with a settle window set too short (equal to the timeout, shorter
@@ -171,7 +178,7 @@ async fn a_late_landing_past_a_short_settle_window_is_destroyed() {
             "--hypervisor-url",
             &hv.url,
             "--hypervisor-timeout",
-            "1s",
+            "900ms",
             "--hypervisor-settle",
             "1s",
             "--sweep-interval",
@@ -252,7 +259,7 @@ fn reaping_server(dir: &tempfile::TempDir, hv: &crate::support::Proc) -> crate::
         "--hypervisor-url",
         hv.url.as_str(),
         "--hypervisor-timeout",
-        "1s",
+        "900ms",
         "--hypervisor-settle",
         "1s",
         "--abandon-after",
@@ -357,7 +364,16 @@ async fn the_reaper_never_touches_a_finished_create_and_cleans_up_after_it() {
     let db = sqlite_url(&dir);
     let lb = serve(
         &db,
-        &["--hypervisor-timeout", "1s", "--hypervisor-settle", "1s", "--abandon-after", "1s", "--sweep-interval", "1s"],
+        &[
+            "--hypervisor-timeout",
+            "900ms",
+            "--hypervisor-settle",
+            "1s",
+            "--abandon-after",
+            "1s",
+            "--sweep-interval",
+            "1s",
+        ],
     );
     let done = create(&lb.url, TOKEN, "kept", &worker_body()).await;
     assert_eq!(done.status, StatusCode::CREATED);
@@ -527,7 +543,7 @@ async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
         "--hypervisor-url",
         hv.url.as_str(),
         "--hypervisor-timeout",
-        "1s",
+        "900ms",
         "--hypervisor-settle",
         "1s",
         "--abandon-after",
@@ -679,6 +695,33 @@ mod racing_attempts {
             }
             .new_record(),
         )
+    }
+
+    /// A live claim, taken now in `store`, on `POST path` by `principal` with `key`, stale after
+    /// `in_flight_ttl` without a heartbeat (it expires in an hour).
+    async fn claimed(
+        store: &std::sync::Arc<dyn idempotency::Store>,
+        principal: &str,
+        path: &str,
+        key: &str,
+        in_flight_ttl: Duration,
+    ) -> idempotency::Claim {
+        let now = idempotency::now();
+        let scope = Scope::new(
+            Principal::new(principal),
+            Endpoint::new("POST", path),
+            IdempotencyKey::try_from(key).expect("key"),
+        );
+        let request = ClaimRequest {
+            scope,
+            fingerprint: Fingerprint::from_stored("sha256:"),
+            now,
+            in_flight_ttl,
+            expires_at: now + chrono::Duration::hours(1),
+        };
+        let outcome = store.claim(request).await.expect("claim");
+        let idempotency::ClaimOutcome::Owned(claim) = outcome else { panic!("owned: {outcome:?}") };
+        claim
     }
 
     /// An earlier attempt's call failed without certainty (the intent stays pending): its settle
@@ -956,7 +999,7 @@ mod racing_attempts {
     /// settle window has passed: a row the reaper waits on never delays another.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_abandoned_create_is_rolled_back_behind_100_000_waiting_rows() {
-        use idempotency::{ClaimOutcome, Store};
+        use idempotency::Store;
         const WAITING: i64 = 100_000;
         let rig = rig().await;
         let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
@@ -987,20 +1030,7 @@ mod racing_attempts {
         .expect("operations");
 
         let store = rig.db.idempotency_store();
-        let now = idempotency::now();
-        let scope = Scope::new(
-            Principal::new("alice"),
-            Endpoint::new("POST", "/v1/workers"),
-            IdempotencyKey::try_from("victim-1").expect("key"),
-        );
-        let request = ClaimRequest {
-            scope,
-            fingerprint: Fingerprint::from_stored("sha256:"),
-            now,
-            in_flight_ttl: Duration::from_secs(1),
-            expires_at: now + chrono::Duration::hours(1),
-        };
-        let ClaimOutcome::Owned(claim) = store.claim(request).await.expect("claim") else { panic!("owned") };
+        let claim = claimed(&store, "alice", "/v1/workers", "victim-1", Duration::from_secs(1)).await;
         let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
@@ -1063,13 +1093,135 @@ mod racing_attempts {
         assert!(hv.get(&w.vm_id).await.expect("get").is_some(), "A1 ({late:?}) deleted the VM the worker runs on");
     }
 
+    /// A firmware service on the rig's database whose flashes go to a Redfish BMC like
+    /// sushy-tools' (no task list, no payload, no inventory: a flash whose answer is unknown
+    /// cannot be read), served in process, with `hook` at its named steps.
+    async fn redfish_firmware(rig: &Rig, hook: Hook) -> (leasebroker::firmware::Firmware, Simulator) {
+        use leasebroker::hypervisor::{RedfishBmc, RedfishOptions};
+        let options = RedfishOptions {
+            systems: 16,
+            keep_payload: false,
+            terse: true,
+            list_tasks: false,
+            inventory: false,
+            ..RedfishOptions::default()
+        };
+        let sim =
+            Simulator::new(SimConfig::default()).with_flash_time(Duration::from_millis(300)).with_redfish(options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("redfish+http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(leasebroker::hypervisor::serve(listener, sim.clone(), std::future::pending()));
+        // The call timeout (500 ms) is shorter than the rig's settle window (1 s).
+        let bmc = RedfishBmc::new(&url, Duration::from_millis(500), None, "http://images.test/fw").expect("bmc");
+        let firmware = leasebroker::firmware::Firmware {
+            domain: rig.workers.domain.clone(),
+            hypervisor: rig.workers.hypervisor.clone().with_redfish(bmc),
+            settle: rig.workers.settle,
+            hook,
+        };
+        (firmware, sim)
+    }
+
+    /// Waits (up to a minute) until the settle window has passed since the send stamp of the
+    /// flash tagged `tag`: a call sent under that stamp can no longer land.
+    async fn settled(domain: &Domain, tag: &str, settle: Duration) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let intent = domain.ledger().intent(tag).await.expect("read").expect("the flash's intent");
+            let since = idempotency::now().timestamp_micros() - intent.sent_at;
+            if since >= i64::try_from(settle.as_micros()).expect("micros") {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the settle window never passed: {intent:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Starts a flash of `node` under `op` that `held` holds at [`Step::FlashSend`] (its intent
+    /// recorded with its send stamp, its `SimpleUpdate` not sent), and returns once the settle
+    /// window has passed since that stamp.
+    async fn held_past_its_window(
+        firmware: &leasebroker::firmware::Firmware,
+        op: &RequestRecord,
+        node: &'static str,
+        held: &mut Held,
+    ) -> tokio::task::JoinHandle<Result<leasebroker::domain::FlashRow, leasebroker::service::ServiceError>> {
+        let a1 = {
+            let (firmware, op) = (firmware.clone(), op.clone());
+            let version = leasebroker::service::FlashFirmware::new("2.0");
+            tokio::spawn(async move { firmware.flash(node, &version, &op).await })
+        };
+        held.reached().await;
+        settled(&firmware.domain, op.derive("flash").as_str(), firmware.settle).await;
+        a1
+    }
+
+    /// Issue 45, item 1: an attempt recorded its flash with its send stamp and is held before the
+    /// `SimpleUpdate` (a frozen VM), its claim still live. The settle window passes, and the BMC
+    /// cannot say what came of the flash. The watcher must not conclude the operation while an
+    /// attempt holds its request's claim: the attempt may be sending. Released, the attempt
+    /// sends, and the operation is accepted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_watcher_concludes_nothing_while_an_attempt_holds_the_claim() {
+        use leasebroker::firmware::{WatchSettings, Watcher};
+        let (hook, mut held) = hold_first(Step::FlashSend);
+        let rig = rig().await;
+        let (firmware, bmc) = redfish_firmware(&rig, hook).await;
+        let store = rig.db.idempotency_store();
+        let path = "/admin/v1/nodes/node-0002/firmware";
+        let claim = claimed(&store, "admin", path, "held-flash", Duration::from_secs(300)).await;
+        let op = RequestRecord::new(claim.record().clone());
+        let tag = op.derive("flash").as_str().to_owned();
+        let a1 = held_past_its_window(&firmware, &op, "node-0002", &mut held).await;
+        let settings = WatchSettings {
+            poll: Duration::from_millis(100),
+            settle: rig.workers.settle,
+            abandon_after: Duration::from_secs(3600),
+            in_flight_ttl: Duration::from_secs(300),
+        };
+        let watcher =
+            Watcher::new(rig.workers.domain.clone(), firmware.hypervisor.clone(), store, "w".into(), settings);
+        watcher.run_once().await;
+        let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
+        assert_eq!(row.state, "running", "concluded under a live claim: {row:?}");
+
+        held.release.send(()).expect("release A1");
+        let accepted = a1.await.expect("A1").expect("the flash");
+        assert!(accepted.is_accepted() && !accepted.is_finished(), "{accepted:?}");
+        assert_eq!(bmc.stats().flashes_total, 1);
+    }
+
+    /// Issue 45, item 1, the retry path after a pause: an attempt recorded its flash with its send
+    /// stamp and is held before the `SimpleUpdate`, past its claim. A retry of the request waits
+    /// out the settle window, finds that the BMC cannot say what came of the flash, and ends the
+    /// operation `uncertain` (never `failed` on a guess), moving the send stamp first. The held
+    /// attempt wakes: it finds the stamp moved and sends nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_flash_waking_after_a_retry_concluded_sends_nothing() {
+        use leasebroker::service::FlashFirmware;
+        let (hook, mut held) = hold_first(Step::FlashSend);
+        let rig = rig().await;
+        let (firmware, bmc) = redfish_firmware(&rig, hook).await;
+        let op = operation("POST", "/admin/v1/nodes/node-0003/firmware");
+        let tag = op.derive("flash").as_str().to_owned();
+        let a1 = held_past_its_window(&firmware, &op, "node-0003", &mut held).await;
+        let retry = firmware.flash("node-0003", &FlashFirmware::new("2.0"), &op).await.expect("the retry's answer");
+        assert_eq!(retry.state, "uncertain", "{retry:?}");
+
+        held.release.send(()).expect("release A1");
+        let late = a1.await.expect("A1");
+        assert_eq!(bmc.stats().flashes_total, 0, "A1 ({late:?}) sent after the retry concluded");
+        let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
+        assert_eq!(row.state, "uncertain", "{row:?}");
+    }
+
     /// Issue 24, hole 3, the flash watcher: 500 running operations whose flash was never sent
     /// (their requests walked away; they wait out `--abandon-after`), older than a flash the BMC
     /// accepted just now. The watcher still follows the new one within two passes: it reads the
     /// least recently watched first, not the oldest 500.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_flash_watcher_reaches_a_new_flash_behind_500_waiting_ones() {
-        use leasebroker::firmware::{Firmware, Watcher};
+        use leasebroker::firmware::{Firmware, WatchSettings, Watcher};
         use leasebroker::service::FlashFirmware;
         let rig = rig().await;
         let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
@@ -1094,6 +1246,7 @@ mod racing_attempts {
             domain: rig.workers.domain.clone(),
             hypervisor: rig.workers.hypervisor.clone(),
             settle: rig.workers.settle,
+            hook: Hook::default(),
         };
         let op = operation("POST", "/admin/v1/nodes/node-0001/firmware");
         let flash = firmware
@@ -1104,10 +1257,14 @@ mod racing_attempts {
         let watcher = Watcher::new(
             rig.workers.domain.clone(),
             rig.workers.hypervisor.clone(),
+            rig.db.idempotency_store(),
             "watcher-1".into(),
-            Duration::from_millis(100),
-            rig.workers.settle,
-            Duration::from_secs(3600),
+            WatchSettings {
+                poll: Duration::from_millis(100),
+                settle: rig.workers.settle,
+                abandon_after: Duration::from_secs(3600),
+                in_flight_ttl: Duration::from_secs(300),
+            },
         );
         watcher.run_once().await;
         watcher.run_once().await;

@@ -78,7 +78,7 @@ async fn a_sweep_leaves_alone_what_another_service_booted_on_the_same_hypervisor
             "--sweep-interval",
             "1s",
             "--hypervisor-timeout",
-            "1s",
+            "900ms",
             "--hypervisor-settle",
             "1s",
         ],

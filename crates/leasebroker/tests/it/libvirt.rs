@@ -224,7 +224,7 @@ async fn a_domain_defined_but_never_started_by_a_cut_boot_is_started_when_the_re
     // the same database; the domain is then defined (not started) under that intent's tag.
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
-    let settle = ["--hypervisor-settle", "2s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "2s"];
+    let settle = ["--hypervisor-settle", "2s", "--in-flight-ttl", "1s", "--hypervisor-timeout", "1900ms"];
     let tag = pending_boot(&db, "lv-defined-1", &settle).await;
     let _cleanup = Cleanup(vec![tag.clone()]);
     let defined = format!("vm-{:016x}", rand::random::<u64>());

@@ -178,7 +178,7 @@ async fn max_wait_bounds_what_a_request_may_ask_for() {
 async fn thirty_two_waiters_attach_to_one_create_and_one_boot() {
     let hv: Proc = sim(&["--latency-ms", "3000"]);
     let dir = tempfile::tempdir().expect("tempdir");
-    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "30s"]);
+    let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "29s"]);
     let slow = create_in_flight(&lb.url, "wait-32").await;
     let waiters: Vec<_> = (0..32)
         .map(|_| {
@@ -205,7 +205,7 @@ async fn thirty_two_waiters_attach_to_one_create_and_one_boot() {
 async fn waiters_on_another_replica_attach_to_the_running_create() {
     let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv: Proc = sim(&["--latency-ms", "3000"]);
-    let args = ["--hypervisor-url", hv.url.as_str(), "--hypervisor-timeout", "30s"];
+    let args = ["--hypervisor-url", hv.url.as_str(), "--hypervisor-timeout", "29s"];
     let (a, b) = (serve(pg.url(), &args), serve(pg.url(), &args));
     let slow = create_in_flight(&a.url, "replicas-1").await;
     let waiters: Vec<_> = (0..16)

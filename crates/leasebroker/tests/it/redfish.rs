@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::flashes::{flash, flash_until_answered, flashes_and_bricked, until_ended};
-use crate::support::{Proc, Reply, fleet, http, serve, set_faults, sim, sqlite_url};
+use crate::flashes::{flash, flash_until_answered, flashes_and_bricked, operation, until_ended};
+use crate::support::{
+    ADMIN, Proc, Reply, TOKEN, fleet, http, send, serve, serve_with_env, set_faults, sim, sqlite_url,
+};
 
 const POLL: [&str; 2] = ["--operation-poll", "100ms"];
 
@@ -20,9 +22,20 @@ fn redfish_sim(extra: &[&str]) -> Proc {
 
 /// leasebroker with its VMs on `hv`'s hypervisor API and its flashes on `hv`'s Redfish service.
 fn broker(db: &str, hv: &Proc, extra: &[&str]) -> Proc {
-    let bmc = format!("redfish+{}", hv.url);
-    serve(db, &[&["--hypervisor-url", hv.url.as_str(), "--bmc-url", bmc.as_str(), POLL[0], POLL[1]], extra].concat())
+    broker_with_env(db, hv, extra, &[])
 }
+
+/// [`broker`] with `env` set.
+fn broker_with_env(db: &str, hv: &Proc, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let bmc = format!("redfish+{}", hv.url);
+    let args = [&["--hypervisor-url", hv.url.as_str(), "--bmc-url", bmc.as_str(), POLL[0], POLL[1]], extra].concat();
+    serve_with_env(db, &args, env)
+}
+
+/// A BMC shaped like sushy-tools': `204` with the task's `Location`, no task payload, no task
+/// list and no firmware inventory.
+const SUSHY_LIKE: [&str; 4] =
+    ["--redfish-terse", "--redfish-no-payload", "--redfish-no-task-list", "--redfish-no-inventory"];
 
 async fn redfish_get(sim: &str, path: &str) -> Value {
     http().get(format!("{sim}{path}")).send().await.expect("redfish").json().await.expect("json")
@@ -413,4 +426,163 @@ async fn two_replicas_on_postgres_flash_through_redfish_once_each() {
     let again = flash_until_answered(&b.url, "node-0001", "rf-replica-again", "7.0.0").await;
     assert_eq!(again.json()["state"], "succeeded", "{}", again.json());
     assert_eq!(flashes_and_bricked(&hv.url).await, (8, 0, 0));
+}
+
+/// Slows the simulator's next `reads` reads of `Systems` by `latency_ms` each.
+async fn stall_systems(sim: &str, latency_ms: u64, reads: u64) {
+    let r = http()
+        .put(format!("{sim}/v1/faults/systems"))
+        .json(&json!({"latency_ms": latency_ms, "reads": reads}))
+        .send()
+        .await
+        .expect("faults");
+    assert_eq!(r.status(), StatusCode::NO_CONTENT, "setting the Systems stall");
+}
+
+/// Issue 45, item 1: a BMC whose `Systems` listing stalls (each of the next four reads takes
+/// 3.5 s, under the 4 s call timeout). Every read a flash needs comes before its send stamp, so
+/// the `SimpleUpdate` leaves right after the stamp, and a second key's flash is refused while the
+/// first writes. (Before, the send step read `Systems` again after the stamp: the POST left two
+/// slow reads later, past the settle window; the watcher, finding no task, failed the operation
+/// and freed the node, and the second key's flash bricked it.)
+#[tokio::test]
+async fn a_stalling_systems_listing_never_lets_a_second_key_brick_the_node() {
+    let hv = redfish_sim(&["--flash-ms", "5000"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lb = broker(&sqlite_url(&dir), &hv, &["--hypervisor-timeout", "4s", "--hypervisor-settle", "4100ms"]);
+    stall_systems(&hv.url, 3500, 4).await;
+
+    let first = flash(&lb.url, "node-0003", "rf-stall-a", "3.1.0").await;
+    let op_id = op_id(&first);
+    let second = flash(&lb.url, "node-0003", "rf-stall-b", "3.2.0").await;
+    let ended = until_ended(&lb.url, &op_id).await;
+    let answers = format!("first: {}\nsecond: {}\nended: {ended}", first.json(), second.json());
+    assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0), "one flash, no machine bricked\n{answers}");
+    assert_eq!(first.json()["state"], "running", "{answers}");
+    assert_eq!(
+        (second.status, second.problem_type().as_str()),
+        (StatusCode::CONFLICT, "operation-conflict"),
+        "{answers}"
+    );
+    assert_eq!(second.json()["operation_id"], op_id.as_str());
+    assert_eq!((ended["state"].as_str(), &ended["error"]), (Some("succeeded"), &Value::Null), "{answers}");
+    assert_eq!(version(&hv.url, "node-0003").await, "3.1.0");
+}
+
+/// Issue 45, item 1: two replicas on one PostgreSQL database, a BMC like sushy-tools' (no task
+/// list, no payload, no inventory), no delay anywhere. The task monitor's `Location` is kept
+/// with the operation, so whichever replica's watcher takes the flash follows the task and every
+/// accepted flash succeeds. (Before, the sending replica kept the `Location` in memory only: the
+/// other replica's watcher found neither a task nor an inventory and failed the operation, 5 times
+/// in 10 in the issue's run.)
+#[tokio::test]
+async fn two_replicas_follow_the_task_of_a_bmc_without_a_task_list_or_an_inventory() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    let hv = redfish_sim(&[&["--flash-ms", "300"][..], &SUSHY_LIKE].concat());
+    let a = broker(pg.url(), &hv, &[]);
+    let b = broker(pg.url(), &hv, &[]);
+    let mut ops = vec![];
+    for i in 0..12 {
+        let base = if i % 2 == 0 { &a.url } else { &b.url };
+        let node = format!("node-{:04}", i + 1);
+        ops.push(op_id(&flash_until_answered(base, &node, &format!("rf-sushy-{i}"), "7.1.0").await));
+    }
+    let mut ends = vec![];
+    for op_id in &ops {
+        let ended = until_ended(&a.url, op_id).await;
+        ends.push(format!("{}: {}", ended["state"], ended["error"]));
+    }
+    assert!(ends.iter().all(|e| e.starts_with("\"succeeded\"")), "every accepted flash succeeds: {ends:#?}");
+    assert_eq!(flashes_and_bricked(&hv.url).await, (12, 0, 0));
+}
+
+/// `POST /admin/v1/operations/{op_id}/resolve` with `key` and `body`, as `token`.
+async fn resolve(base: &str, token: &str, op_id: &str, key: Option<&str>, body: &Value) -> Reply {
+    let url = format!("{base}/admin/v1/operations/{op_id}/resolve");
+    send(reqwest::Method::POST, &url, token, key, Some(body)).await
+}
+
+/// Issue 45, item 1 (SPEC 3.3a, 3.4): a flash whose answer was lost on a BMC like sushy-tools'
+/// (no task list, no payload, no inventory) cannot be read: once the settle window has passed it
+/// ends `uncertain`, never `failed` on a guess, and is never sent again. The node takes no other
+/// key's flash (`409 operation-conflict` naming it) until an operator resolves it; the resolve is
+/// keyed, audited, and refused (`409 operation-not-uncertain`) for an operation in any other
+/// state.
+#[tokio::test]
+async fn an_unreadable_flash_ends_uncertain_holds_the_node_and_an_operator_resolves_it() {
+    let hv = redfish_sim(&[&["--flash-ms", "500", "--fail-after", "1.0"][..], &SUSHY_LIKE].concat());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let audit = [("RUST_LOG", "warn,leasebroker::audit=info")];
+    let settle = ["--hypervisor-timeout", "1s", "--hypervisor-settle", "2s"];
+    let lb = broker_with_env(&sqlite_url(&dir), &hv, &settle, &audit);
+    let first = flash(&lb.url, "node-0005", "rf-unc-1", "5.0.0").await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "the answer was lost: {}", first.json());
+    set_faults(&hv.url, 0.0, 0.0, 0).await; // the BMC answers again: a second send would show
+
+    let uncertain = op_id(&flash_until_answered(&lb.url, "node-0005", "rf-unc-1", "5.0.0").await);
+    let op = until_ended(&lb.url, &uncertain).await;
+    assert_eq!(op["state"], "uncertain", "{op}");
+    assert!(op["error"].as_str().is_some_and(|e| e.contains("cannot be read")), "{op}");
+    assert!(op["finished_at"].is_string(), "{op}");
+    assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0), "never sent again");
+    let metrics = http().get(format!("{}/metrics", lb.url)).send().await.expect("metrics").text().await.expect("text");
+    assert!(
+        metrics.lines().any(|l| l.starts_with("leasebroker_operations_total")
+            && l.contains("outcome=\"uncertain\"")
+            && l.ends_with(" 1")),
+        "{metrics}"
+    );
+
+    // The node is held: another key's flash is refused and named, and never reaches the BMC.
+    let other = flash(&lb.url, "node-0005", "rf-unc-2", "5.0.1").await;
+    assert_eq!((other.status, other.problem_type().as_str()), (StatusCode::CONFLICT, "operation-conflict"));
+    assert_eq!(other.json()["operation_id"], uncertain.as_str());
+    assert!(other.json()["detail"].as_str().is_some_and(|d| d.contains("resolve")), "{}", other.json());
+    assert_eq!(flashes_and_bricked(&hv.url).await, (1, 0, 0));
+
+    // Resolving: admin token, a key, a known state and a reason.
+    let found = json!({"state": "succeeded", "reason": "the BMC's web page shows 5.0.0"});
+    assert_eq!(resolve(&lb.url, TOKEN, &uncertain, Some("res-t"), &found).await.status, StatusCode::UNAUTHORIZED);
+    let unkeyed = resolve(&lb.url, ADMIN, &uncertain, None, &found).await;
+    assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST, "{}", unkeyed.json());
+    let bad = [
+        json!({"state": "running", "reason": "x"}),
+        json!({"state": "failed", "reason": " "}),
+        json!({"state": "failed"}),
+    ];
+    for (i, bad) in bad.iter().enumerate() {
+        let r = resolve(&lb.url, ADMIN, &uncertain, Some(&format!("res-bad-{i}")), bad).await;
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {}", r.json());
+    }
+    let unknown = resolve(&lb.url, ADMIN, "op-00000000", Some("res-unknown"), &found).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert_eq!(operation(&lb.url, &uncertain).await.json()["state"], "uncertain", "nothing resolved it yet");
+
+    let resolved = resolve(&lb.url, ADMIN, &uncertain, Some("res-1"), &found).await;
+    assert_eq!(resolved.status, StatusCode::OK, "{}", resolved.json());
+    let body = resolved.json();
+    assert_eq!(
+        (body["id"].as_str(), body["state"].as_str(), &body["error"]),
+        (Some(uncertain.as_str()), Some("succeeded"), &Value::Null)
+    );
+    let replay = resolve(&lb.url, ADMIN, &uncertain, Some("res-1"), &found).await;
+    assert!(replay.replayed() && replay.body == resolved.body, "a retry with its key replays the 200");
+    let again =
+        resolve(&lb.url, ADMIN, &uncertain, Some("res-2"), &json!({"state": "failed", "reason": "changed my mind"}))
+            .await;
+    assert_eq!((again.status, again.problem_type().as_str()), (StatusCode::CONFLICT, "operation-not-uncertain"));
+    assert_eq!(again.json()["operation_id"], uncertain.as_str());
+    assert_eq!(operation(&lb.url, &uncertain).await.json()["state"], "succeeded");
+    let f = fleet(&lb.url).await;
+    assert_eq!(f["firmware_flashes_total"].as_i64(), Some(1), "the operator found it done: the BMC took it: {f}");
+    let line = lb.wait_for_line(&["resolve-operation", &uncertain]);
+    assert!(line.contains("the BMC's web page shows 5.0.0") && line.contains("res-1"), "{line}");
+
+    // Resolved, the node takes a flash again; a running or succeeded operation is not uncertain.
+    let next = op_id(&flash_until_answered(&lb.url, "node-0005", "rf-unc-3", "5.0.1").await);
+    let running = resolve(&lb.url, ADMIN, &next, Some("res-3"), &found).await;
+    assert_eq!(running.problem_type(), "operation-not-uncertain", "{}", running.json());
+    assert_eq!(flashes_and_bricked(&hv.url).await, (2, 0, 0));
+    assert_eq!(until_ended(&lb.url, &next).await["state"], "succeeded");
+    assert_eq!(fleet(&lb.url).await["firmware_flashes_total"].as_i64(), Some(2), "as many as the BMC took");
 }

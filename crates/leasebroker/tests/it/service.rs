@@ -152,7 +152,7 @@ async fn fail_before_leaks_nothing_and_the_retry_succeeds() {
     // The sim's 503 may have been an answer after the work: the retry waits out the settle window.
     let lb = serve(
         &sqlite_url(&dir),
-        &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "1s", "--hypervisor-settle", "1s"],
+        &["--hypervisor-url", &hv.url, "--hypervisor-timeout", "900ms", "--hypervisor-settle", "1s"],
     );
     set_faults(&hv.url, 1.0, 0.0, 0).await;
     let first = create(&lb.url, TOKEN, "fb-1", &worker_body()).await;

@@ -153,7 +153,7 @@ async fn a_tenant_s_stalled_uploads_get_429_beyond_its_share_and_never_hold_up_a
 async fn a_tenant_s_waiting_retries_get_429_beyond_its_share_and_never_hold_up_another() {
     let dir = tempfile::tempdir().expect("tempdir");
     // The hypervisor's call, and the connection it waits on, outlast the test.
-    let slow = ["--sim-latency-ms", "600000", "--hypervisor-timeout", "900s", "--hypervisor-settle", "900s"];
+    let slow = ["--sim-latency-ms", "600000", "--hypervisor-timeout", "899s", "--hypervisor-settle", "900s"];
     let slow = [&slow[..], &["--idle-timeout", "900s"]].concat();
     let lb = serve(&sqlite_url(&dir), &[&slow[..], &["--rate-limit", "0", "--max-wait", "300s"]].concat());
     let body = json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4});

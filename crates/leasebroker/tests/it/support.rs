@@ -6,6 +6,7 @@ pub(crate) use testkit::api::{
     Reply, assert_one_worker_node_and_lease, create, create_until_done, fleet, http, send, set_faults, sim_stats,
     worker_body,
 };
+pub(crate) use testkit::leasebroker::serve_with_env;
 pub(crate) use testkit::tokens::{ADMIN, ALICE as TOKEN, BOB as OTHER};
 pub(crate) use testkit::{Launch, Proc, serve, sim, sqlite_url, start};
 

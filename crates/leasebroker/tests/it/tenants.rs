@@ -532,7 +532,7 @@ async fn sigterm_waits_for_a_handler_whose_client_hung_up_and_a_retry_after_rest
     let dir = tempfile::tempdir().expect("tempdir");
     let db = sqlite_url(&dir);
     // Long enough for a busy machine to see the request in progress before it ends.
-    let mut lb = serve(&db, &["--sim-latency-ms", "8000", "--hypervisor-timeout", "60s", "--hypervisor-settle", "60s"]);
+    let mut lb = serve(&db, &["--sim-latency-ms", "8000", "--hypervisor-timeout", "59s", "--hypervisor-settle", "60s"]);
     let addr = lb.url.trim_start_matches("http://").to_owned();
     let body = json!({"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4}).to_string();
     let mut sock = tokio::net::TcpStream::connect(&addr).await.expect("connect");

@@ -299,7 +299,7 @@ async fn an_https_hypervisor_works_with_its_ca_and_an_untrusted_one_is_definite(
 /// `--bmc-url redfish+https://...` with `--bmc-ca-cert`: the same TLS as the hypervisor's.
 #[tokio::test]
 async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_definite() {
-    use crate::hypervisor::redfish::{RedfishBmc, Target, TaskLookup, TaskOutcome};
+    use crate::hypervisor::redfish::{Firmware, RedfishBmc, Target, TaskLookup, TaskOutcome};
     use crate::hypervisor::sim::RedfishOptions;
     let dir = tempfile::tempdir().expect("tempdir");
     let sim = Simulator::new(SimConfig::default())
@@ -311,14 +311,15 @@ async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_defi
     let bmc = RedfishBmc::new(&bmc_url, TIMEOUT, Some(&ca_file), images).expect("client");
     let target = bmc.target("node-0002").await.expect("systems over https");
     assert_eq!(target, Target::System("/redfish/v1/Systems/node-0002".into()));
-    bmc.flash(&target, "4.2", "tls-flash").await.expect("flash over https");
-    let TaskLookup::Found(task) = bmc.find_task("tls-flash").await.expect("tasks") else { panic!("remembered") };
+    let followed = bmc.flash(&target, "4.2", "tls-flash").await.expect("flash over https");
+    let TaskLookup::Found(task) = bmc.find_task("tls-flash").await.expect("tasks") else { panic!("by its tag") };
+    assert!(followed.is_some_and(|monitor| monitor.starts_with("/redfish/v1/TaskService/")), "a path on the BMC");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while bmc.task_outcome(&task).await.expect("task") == TaskOutcome::Running {
         assert!(tokio::time::Instant::now() < deadline, "the flash did not end");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(bmc.runs_version(&target, "node-0002", "4.2").await.expect("inventory"));
+    assert_eq!(bmc.runs_version("node-0002", "4.2").await.expect("inventory"), Firmware::Runs);
 
     let untrusted = RedfishBmc::new(&bmc_url, TIMEOUT, None, images).expect("client");
     let err = untrusted.flash(&target, "4.3", "tls-untrusted").await.expect_err("untrusted certificate");

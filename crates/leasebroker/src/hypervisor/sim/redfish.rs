@@ -17,6 +17,14 @@
 //!   `--redfish-no-payload` (as many BMCs do).
 //! - `GET /redfish/v1/TaskService/TaskMonitors/{id}`: `202` with the task while it runs, then
 //!   `200` with the task.
+//! - With `--redfish-no-task-list` the task collection answers `404` (its tasks and monitors are
+//!   still served), and with `--redfish-no-inventory` the firmware inventory does: together with
+//!   `--redfish-terse` and `--redfish-no-payload`, a BMC like sushy-tools', where a flash whose
+//!   monitor is unknown cannot be read at all.
+//! - Simulator extension: `PUT /v1/faults/systems` `{"latency_ms", "reads"}` slows the next
+//!   `reads` reads of `Systems` (the collection or a member; absent or 0: every read) by
+//!   `latency_ms` each: a BMC whose listing stalls, so a caller that reads it between deciding to
+//!   flash and flashing sends its flash late.
 //!
 //! The version flashed is the last path segment of `ImageURI`, the tag its `tag` query parameter.
 //! Faults apply to `SimpleUpdate` as to every mutating call; `GET /v1/stats` counts the flashes.
@@ -44,11 +52,65 @@ pub struct RedfishOptions {
     pub keep_payload: bool,
     /// Answer a `SimpleUpdate` with `204` and the task's `Location`, no body.
     pub terse: bool,
+    /// Whether `TaskService/Tasks` lists the tasks (sushy-tools serves no such collection).
+    pub list_tasks: bool,
+    /// Whether `UpdateService/FirmwareInventory` is served (sushy-tools serves none).
+    pub inventory: bool,
 }
 
 impl Default for RedfishOptions {
     fn default() -> Self {
-        Self { systems: 64, one_machine: false, keep_payload: true, terse: false }
+        Self { systems: 64, one_machine: false, keep_payload: true, terse: false, list_tasks: true, inventory: true }
+    }
+}
+
+/// The `Systems` reads still to be slowed, and by how much (`PUT /v1/faults/systems`).
+#[derive(Debug, Default)]
+pub(super) struct Stall {
+    latency: std::time::Duration,
+    /// `None`: every read.
+    reads: Option<u64>,
+}
+
+impl Stall {
+    /// How long the next read waits (counting it against the reads left).
+    fn take(&mut self) -> std::time::Duration {
+        match &mut self.reads {
+            Some(0) => std::time::Duration::ZERO,
+            Some(n) => {
+                *n -= 1;
+                self.latency
+            }
+            None => self.latency,
+        }
+    }
+}
+
+/// `PUT /v1/faults/systems` body.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StallBody {
+    latency_ms: u64,
+    #[serde(default)]
+    reads: u64,
+}
+
+/// `PUT /v1/faults/systems`: slows the next `reads` `Systems` reads (0: every one).
+async fn put_stall(State(sim): State<Simulator>, body: Result<Json<StallBody>, JsonRejection>) -> Response {
+    let Json(body) = match body {
+        Ok(body) => body,
+        Err(rejection) => return super::problem::json_rejection(rejection),
+    };
+    let latency = std::time::Duration::from_millis(body.latency_ms);
+    sim.state().systems_stall = Stall { latency, reads: (body.reads > 0).then_some(body.reads) };
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Waits out the `Systems` stall, if one is set.
+async fn stall(sim: &Simulator) {
+    let wait = sim.state().systems_stall.take();
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -191,6 +253,7 @@ pub(super) fn routes() -> Router<Simulator> {
         .route("/redfish/v1/TaskService/Tasks", get(tasks))
         .route("/redfish/v1/TaskService/Tasks/{id}", get(task))
         .route("/redfish/v1/TaskService/TaskMonitors/{id}", get(task_monitor))
+        .route("/v1/faults/systems", axum::routing::put(put_stall))
         .layer(axum::middleware::map_response(|mut response: Response| async move {
             response.headers_mut().insert("odata-version", HeaderValue::from_static("4.0"));
             response
@@ -244,6 +307,7 @@ async fn sessions() -> Json<Value> {
 }
 
 async fn systems(State(sim): State<Simulator>) -> Json<Value> {
+    stall(&sim).await;
     let ids = sim.redfish_options().system_ids();
     collection(
         &format!("{ROOT}/Systems"),
@@ -254,6 +318,7 @@ async fn systems(State(sim): State<Simulator>) -> Json<Value> {
 }
 
 async fn system(State(sim): State<Simulator>, Path(id): Path<String>) -> Response {
+    stall(&sim).await;
     if !sim.redfish_options().has_system(&id) {
         return missing(&format!("{ROOT}/Systems/{id}"));
     }
@@ -286,18 +351,24 @@ async fn update_service() -> Json<Value> {
     }))
 }
 
-async fn inventory(State(sim): State<Simulator>) -> Json<Value> {
-    let ids = sim.redfish_options().system_ids();
+async fn inventory(State(sim): State<Simulator>) -> Response {
+    let options = sim.redfish_options();
+    if !options.inventory {
+        return missing(&format!("{ROOT}/UpdateService/FirmwareInventory"));
+    }
+    let ids = options.system_ids();
     collection(
         &format!("{ROOT}/UpdateService/FirmwareInventory"),
         "SoftwareInventoryCollection",
         "Firmware Inventory Collection",
         ids.iter().map(|id| format!("{ROOT}/UpdateService/FirmwareInventory/{id}")),
     )
+    .into_response()
 }
 
 async fn inventory_member(State(sim): State<Simulator>, Path(id): Path<String>) -> Response {
-    if !sim.redfish_options().has_system(&id) {
+    let options = sim.redfish_options();
+    if !options.inventory || !options.has_system(&id) {
         return missing(&format!("{ROOT}/UpdateService/FirmwareInventory/{id}"));
     }
     let node = sim.state().bmcs.get(&id);
@@ -324,9 +395,13 @@ async fn task_service() -> Json<Value> {
     }))
 }
 
-async fn tasks(State(sim): State<Simulator>) -> Json<Value> {
+async fn tasks(State(sim): State<Simulator>) -> Response {
+    if !sim.redfish_options().list_tasks {
+        return missing(&format!("{ROOT}/TaskService/Tasks"));
+    }
     let count = sim.state().tasks.tasks.len() as u64;
     collection(&format!("{ROOT}/TaskService/Tasks"), "TaskCollection", "Task Collection", (1..=count).map(task_uri))
+        .into_response()
 }
 
 async fn task(State(sim): State<Simulator>, Path(id): Path<String>) -> Response {
@@ -576,6 +651,47 @@ mod tests {
         assert_eq!(get(&url, "/v1/bmc/node-0001").await.0, 404, "the native BMC API is not served beside it");
         assert_eq!(sim.stats().flashes_total, 0);
         assert_eq!(get(&url, "/redfish/v1/TaskService/Tasks").await.1["Members"], json!([]));
+    }
+
+    #[tokio::test]
+    async fn a_sushy_like_service_lists_no_tasks_and_serves_no_inventory_but_serves_each_task() {
+        let options = RedfishOptions { systems: 2, list_tasks: false, inventory: false, ..RedfishOptions::default() };
+        let sim = redfish(options);
+        let url = start(&sim).await;
+        let r =
+            update(&url, &json!({"ImageURI": image("1.5", "t-s"), "Targets": ["/redfish/v1/Systems/node-0002"]})).await;
+        assert_eq!(r.status(), 202);
+        assert_eq!(get(&url, "/redfish/v1/TaskService/Tasks").await.0, 404);
+        assert_eq!(get(&url, "/redfish/v1/UpdateService/FirmwareInventory").await.0, 404);
+        assert_eq!(get(&url, "/redfish/v1/UpdateService/FirmwareInventory/node-0002").await.0, 404);
+        assert_eq!(until_ended(&url, 1).await["TaskState"], "Completed", "its task is served");
+    }
+
+    #[tokio::test]
+    async fn a_stall_slows_the_next_systems_reads_only() {
+        let sim = redfish(RedfishOptions { systems: 2, ..RedfishOptions::default() });
+        let url = start(&sim).await;
+        let put = reqwest::Client::new()
+            .put(format!("{url}/v1/faults/systems"))
+            .json(&json!({"latency_ms": 400, "reads": 2}))
+            .send()
+            .await
+            .expect("put");
+        assert_eq!(put.status(), 204);
+        let timed = |path: &'static str| {
+            let url = url.clone();
+            async move {
+                let started = tokio::time::Instant::now();
+                assert_eq!(get(&url, path).await.0, 200);
+                started.elapsed()
+            }
+        };
+        assert!(timed("/redfish/v1/Systems").await >= Duration::from_millis(400));
+        assert!(timed("/redfish/v1/Systems/node-0001").await >= Duration::from_millis(400));
+        // The budget is spent: the next read is not held (it is not timed for speed: the stall
+        // state itself says so).
+        timed("/redfish/v1/Systems").await;
+        assert!(sim.state().systems_stall.take().is_zero());
     }
 
     #[tokio::test]

@@ -106,6 +106,100 @@ async fn a_redis_replica_that_does_not_acknowledge_answers_503_and_nothing_runs_
     assert_eq!(f["workers_active"].as_i64(), Some(3), "{f}");
 }
 
+/// Issue 45, item 4: one shard's trouble stays on that shard. The records on a Redis Cluster
+/// with a replica per primary and `--record-store-replicas 1`; the replica of one primary is
+/// paused (`SIGSTOP`): the primary that holds the principal's record index, the worst case.
+/// Creates sent together, six whose records live on that primary and six on the others: the six
+/// on the others answer `201`, the six on the paused replica's primary `503 store-unavailable`,
+/// and `/readyz` stays ready (two shards of three serve). Before the fix every create answered
+/// `503`: the transitions' `WAIT`s blocked the primary's one connection, and the principal's
+/// count and index, which every create reads and writes, queued behind them. Once the replica
+/// is back, the refused keys run, one boot each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
+    use idempotency::{Endpoint, IdempotencyKey, Principal, Scope};
+
+    if !have_redis() {
+        return;
+    }
+    let cluster =
+        tokio::task::spawn_blocking(|| testkit::redis::Cluster::start_with_replicas(1)).await.expect("cluster");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hv = sim(&[]);
+    let lb = serve(
+        &sqlite_url(&dir),
+        &["--hypervisor-url", &hv.url, "--record-store", &cluster.url(), "--record-store-replicas", "1"],
+    );
+    let base = lb.url.clone();
+    let run = idempotency::RecordId::random().to_hex();
+    let first = create(&base, TOKEN, &format!("shard-first-{run}"), &worker_body()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
+
+    // Where the service keeps a key's record: a store with its prefix names the Redis key.
+    let names = idempotency_redis::RedisStore::connect(&cluster.url()).await.expect("connect");
+    let record_key = |key: &str| {
+        let key = IdempotencyKey::try_from(key).expect("key");
+        names.key_of(&Scope::new(Principal::new("alice"), Endpoint::new("POST", "/v1/workers"), key))
+    };
+    let (victim, near, far) = tokio::task::block_in_place(|| {
+        let holds = |n: &testkit::redis::Node, pattern: &str| {
+            let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut n.connection()).expect("keys");
+            !keys.is_empty()
+        };
+        let first_on = cluster.owner_of(&record_key(&format!("shard-first-{run}")));
+        assert!(
+            cluster.nodes.iter().any(|n| n.port == first_on && holds(n, &record_key(&format!("shard-first-{run}")))),
+            "the first create's record is where its key says"
+        );
+        let victim = cluster.nodes.iter().position(|n| holds(n, "idempotency:principal:*")).expect("the index");
+        let (mut near, mut far) = (vec![], vec![]);
+        for i in 0.. {
+            if near.len() == 6 && far.len() == 6 {
+                break;
+            }
+            let key = format!("shard-{i}-{run}");
+            let side =
+                if cluster.owner_of(&record_key(&key)) == cluster.nodes[victim].port { &mut near } else { &mut far };
+            if side.len() < 6 {
+                side.push(key);
+            }
+        }
+        (victim, near, far)
+    });
+
+    cluster.replicas[victim].pause();
+    let sent: Vec<_> = near
+        .iter()
+        .chain(&far)
+        .map(|key| {
+            let (base, key) = (base.clone(), key.clone());
+            tokio::spawn(async move { create(&base, TOKEN, &key, &worker_body()).await })
+        })
+        .collect();
+    let mut answers = vec![];
+    for task in sent {
+        answers.push(task.await.expect("task"));
+    }
+    for (key, r) in far.iter().zip(&answers[near.len()..]) {
+        assert_eq!(r.status, StatusCode::CREATED, "{key}, on a healthy shard: {}", String::from_utf8_lossy(&r.body));
+    }
+    for (key, r) in near.iter().zip(&answers[..near.len()]) {
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{key}: {}", String::from_utf8_lossy(&r.body));
+        assert_store_unavailable(r);
+    }
+    let ready = http().get(format!("{base}/readyz")).send().await.expect("readyz").status();
+    assert_eq!(ready, StatusCode::OK, "two shards of three serve: ready");
+    cluster.replicas[victim].resume();
+    wait_for_link(&cluster.replicas[victim]);
+
+    for key in &near {
+        let r = create_until_done(&base, key, &worker_body(), Duration::from_secs(60)).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{key}: {}", String::from_utf8_lossy(&r.body));
+    }
+    let stats = sim_stats(&hv.url).await;
+    assert_eq!((stats["boots_total"].as_i64(), stats["duplicate_boot_tags"].as_i64()), (Some(13), Some(0)), "{stats}");
+}
+
 /// The service on a real HA PostgreSQL (three Patroni members, synchronous replication, HAProxy
 /// in front following the primary): a switchover and then a kill of the primary, each with
 /// creates in flight. While there is no primary, requests get `503` promptly and `/readyz` is
