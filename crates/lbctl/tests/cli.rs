@@ -1,49 +1,24 @@
 //! lbctl end to end: the real `lbctl` binary against the real `leasebroker` binary (its hypervisor
 //! simulator in process), each test with its own server, port, database and journal.
 //!
-//! The server binary is `$LEASEBROKER_BIN` if set, else `leasebroker` next to `lbctl` in the target
-//! directory, built once per test run with `cargo build -p leasebroker --bin leasebroker`.
+//! The server comes from the workspace's test kit (`testkit`): `$LEASEBROKER_BIN` if set, else
+//! `leasebroker` next to `lbctl` in the target directory, which `cargo nextest run --workspace`
+//! builds (the tests fail with one line saying so when it is missing).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use leasebroker_client::{Client, Fleet};
+use testkit::tokens::{ADMIN, ALICE as TOKEN};
 
-const TOKEN: &str = "tok-alice-4b9e2d7c1a";
-const ADMIN: &str = "tok-admin-6f3a8c0e5d";
-
-fn leasebroker_bin() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(bin) = std::env::var_os("LEASEBROKER_BIN") {
-            return PathBuf::from(bin);
-        }
-        let lbctl = Path::new(env!("CARGO_BIN_EXE_lbctl"));
-        let bin = lbctl.with_file_name(format!("leasebroker{}", std::env::consts::EXE_SUFFIX));
-        // Build (or bring up to date) the server: a stale binary would test yesterday's server.
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "leasebroker", "--bin", "leasebroker"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build for the leasebroker binary");
-        assert!(status.success(), "cannot build the leasebroker binary (set LEASEBROKER_BIN to use a built one)");
-        assert!(bin.exists(), "{} missing after the build", bin.display());
-        bin
-    })
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port")
-}
-
-/// A running `leasebroker serve`, killed on drop.
+/// A running `leasebroker serve` on a SQLite database in a directory of its own (where the
+/// journal goes too), killed on drop.
 struct Server {
-    child: Child,
+    /// Killed when the server is dropped, before its directory goes.
+    _proc: testkit::Proc,
     url: String,
     dir: tempfile::TempDir,
 }
@@ -51,34 +26,9 @@ struct Server {
 impl Server {
     fn start(extra: &[&str]) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("leasebroker.db");
-        let log = std::fs::File::create(dir.path().join("server.log")).expect("log file");
-        for _ in 0..3 {
-            let addr = free_addr();
-            let mut child = Command::new(leasebroker_bin())
-                .args(["serve", "--listen", &addr.to_string(), "--database", &format!("sqlite://{}", db.display())])
-                .args(["--token", &format!("{TOKEN}=alice"), "--admin-token", ADMIN])
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(log.try_clone().expect("log"))
-                .spawn()
-                .expect("spawn leasebroker");
-            // Generous: on a busy machine start-up (and SQLite migrations) can take a while.
-            let deadline = Instant::now() + Duration::from_secs(90);
-            while Instant::now() < deadline {
-                if healthy(addr) {
-                    return Server { child, url: format!("http://{addr}"), dir };
-                }
-                if child.try_wait().expect("poll server").is_some() {
-                    break; // exited: most likely the port was taken between probe and bind
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default();
-        panic!("leasebroker did not become healthy; its log:\n{log}");
+        let db = format!("sqlite://{}", dir.path().join("leasebroker.db").display());
+        let proc = testkit::Launch::serve(&db, extra).start();
+        Server { url: proc.url.clone(), _proc: proc, dir }
     }
 
     /// `GET /admin/v1/fleet` with the SDK and the admin token.
@@ -91,24 +41,6 @@ impl Server {
     fn journal(&self) -> PathBuf {
         self.dir.path().join("lbctl/journal.db")
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `GET /healthz` over a bare socket: 200 means the server is serving.
-fn healthy(addr: SocketAddr) -> bool {
-    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    if stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").is_err() {
-        return false;
-    }
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 200")
 }
 
 /// An `lbctl` command with nothing inherited from the caller's LBCTL_* environment.
@@ -233,7 +165,7 @@ fn a_bad_token_exits_6() {
 #[test]
 fn a_server_that_is_down_exits_5_within_max_elapsed() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("http://{}", free_addr());
+    let url = testkit::closed_url();
     let start = Instant::now();
     let out = run(&url, &dir.path().join("j.db"), &with(CREATE, &["--max-elapsed", "3s", "--op-id", "op-down", "-v"]));
     let elapsed = start.elapsed();
@@ -251,7 +183,7 @@ fn a_server_that_is_down_exits_5_within_max_elapsed() {
 fn a_server_that_cannot_be_reached_is_named_on_stderr_at_once() {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("http://{}", free_addr());
+    let url = testkit::closed_url();
     let mut child = lbctl(&url, &dir.path().join("j.db"), CREATE).spawn().expect("start lbctl");
     let stderr = child.stderr.take().expect("stderr");
     let (tx, rx) = std::sync::mpsc::channel();
@@ -932,54 +864,13 @@ fn wait_on_an_uncertain_operation_exits_7_and_names_the_resolve_command() {
     );
 }
 
-/// A standalone `leasebroker hypervisor-sim`, killed on drop.
-struct Sim {
-    child: Child,
-    url: String,
-}
-
-impl Sim {
-    fn start(extra: &[&str]) -> Sim {
-        for _ in 0..3 {
-            let addr = free_addr();
-            let mut child = Command::new(leasebroker_bin())
-                .args(["hypervisor-sim", "--listen", &addr.to_string()])
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn hypervisor-sim");
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while Instant::now() < deadline {
-                if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                    return Sim { child, url: format!("http://{addr}") };
-                }
-                if child.try_wait().expect("poll sim").is_some() {
-                    break; // the port was taken between probe and bind
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        panic!("hypervisor-sim did not start");
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// End to end against a Redfish BMC like sushy-tools' (no task list, no payload, no inventory)
 /// that loses the answer to every flash: the flash's outcome cannot be read, so `--wait` ends on
 /// `uncertain` (exit 7, naming the resolve command); `operations resolve` ends it as the operator
 /// found the machine, and a second resolve is refused (exit 3).
 #[test]
 fn an_uncertain_flash_is_resolved_with_operations_resolve() {
-    let sim = Sim::start(&[
+    let sim = testkit::sim(&[
         "--bmc",
         "redfish",
         "--redfish-systems",

@@ -1,6 +1,6 @@
 //! What the faultline tests share: the binaries, one run at a time, and reading the report.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -9,25 +9,10 @@ use serde_json::Value;
 /// One run at a time: each already keeps both cores busy.
 pub(crate) static SERIAL: Mutex<()> = Mutex::new(());
 
-/// `target/<profile>/`, where cargo put the faultline binary and the servers live next to it.
-pub(crate) fn target_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_faultline")).parent().expect("the binary has a directory").to_path_buf()
-}
-
-/// The leasebroker and lbctl binaries, built first if they are missing.
+/// The leasebroker and lbctl binaries the runs start, from the workspace's test kit (built by
+/// `cargo nextest run --workspace`; a missing one fails the test with one line saying so).
 pub(crate) fn servers() -> (PathBuf, PathBuf) {
-    let dir = target_dir();
-    let (leasebroker, lbctl) = (dir.join("leasebroker"), dir.join("lbctl"));
-    if !leasebroker.is_file() || !lbctl.is_file() {
-        let mut build = Command::new(env!("CARGO"));
-        build.args(["build", "-p", "leasebroker", "-p", "lbctl"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            build.arg("--release");
-        }
-        let status = build.status().expect("running cargo build");
-        assert!(status.success(), "cargo build -p leasebroker -p lbctl failed");
-    }
-    (leasebroker, lbctl)
+    (testkit::LEASEBROKER.path().to_path_buf(), testkit::LBCTL.path().to_path_buf())
 }
 
 /// Runs `faultline run` with the servers next to it, `--no-progress`, a temporary `--out` and

@@ -181,23 +181,17 @@ fn one_key_for_every_operation_fails_the_new_operation() {
 
 #[test]
 fn the_rust_sdk_passes_every_scenario() {
-    let adapter = Path::new(kit::BIN).with_file_name("examples").join("idemcheck_adapter");
-    if !available(&adapter, "cargo build -p leasebroker-client --example idemcheck_adapter") {
-        return;
-    }
+    let adapter = testkit::example("idemcheck_adapter");
     let run = check(&[], &[], &[adapter.to_str().expect("utf-8 path")]);
     assert_eq!((run.failed(), run.code), (BTreeSet::new(), Some(0)), "{}", run.stdout);
 }
 
 #[test]
 fn lbctl_passes_every_scenario() {
-    let lbctl = Path::new(kit::BIN).with_file_name("lbctl");
-    if !available(&lbctl, "cargo build -p lbctl") {
-        return;
-    }
+    let lbctl = testkit::LBCTL.path();
     let worker = std::fs::read_to_string(repo().join("conformance/clients/lbctl/worker.json")).expect("worker.json");
     let options = ["--path", "/v1/workers", "--answer", worker.trim()];
-    let run = check(&options, &[("LBCTL_BIN", &lbctl)], &["conformance/clients/lbctl/adapter"]);
+    let run = check(&options, &[("LBCTL_BIN", lbctl)], &["conformance/clients/lbctl/adapter"]);
     assert_eq!((run.failed(), run.code), (BTreeSet::new(), Some(0)), "{}", run.stdout);
 }
 

@@ -3,54 +3,15 @@
 //! provider is in flight, restarted on the same database, and the client retries with the same
 //! key: exactly one DNS record exists, counted by the provider.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
+use testkit::{Launch, Proc};
 
-/// A process started from one of this crate's examples, killed (SIGKILL) when dropped.
-struct Example {
-    child: Child,
-    url: String,
-}
-
-impl Example {
-    fn start(name: &str, args: &[&str], log: &std::path::Path) -> Example {
-        let exe = examples_dir().join(name);
-        assert!(exe.exists(), "{} is not built (cargo builds examples with the tests)", exe.display());
-        let stderr = std::fs::File::create(log).expect("log file");
-        let mut child = Command::new(&exe)
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", exe.display()));
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read the address");
-        let url =
-            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{name} printed {line:?}")).to_owned();
-        Example { child, url }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Example {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// `target/<profile>/examples`, beside the `deps` directory this test binary runs from.
-fn examples_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    exe.parent().and_then(|deps| deps.parent()).expect("target dir").join("examples")
+/// Starts this crate's example `name` with `args` (`RUST_LOG=info`, its log kept in `log`) and
+/// waits for its address; the process is killed (SIGKILL) when dropped.
+fn start_example(name: &str, args: &[&str], log: &std::path::Path) -> Proc {
+    Launch::of(testkit::example(name), args).env("RUST_LOG", "info").log_to(log).start()
 }
 
 async fn stats(http: &reqwest::Client, dns: &str) -> Value {
@@ -94,7 +55,7 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("dns.db");
     let db = db.to_str().expect("utf-8 path");
-    let _dns = Example::start("fake_dns", &["--create-delay-ms", "1500"], &dir.path().join("dns.log"));
+    let _dns = start_example("fake_dns", &["--create-delay-ms", "1500"], &dir.path().join("dns.log"));
     let dns = _dns.url.clone();
     let svc_args = [
         "--db",
@@ -110,7 +71,7 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
         "--sweep-interval",
         "1s",
     ];
-    let mut svc = Example::start("dns_records", &svc_args, &dir.path().join("svc-1.log"));
+    let mut svc = start_example("dns_records", &svc_args, &dir.path().join("svc-1.log"));
     let http = reqwest::Client::new();
 
     let first = tokio::spawn(create(&http, &svc.url, "rec-1").send());
@@ -119,11 +80,11 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
         assert!(tokio::time::Instant::now() < deadline, "the create never reached the provider");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    svc.kill(); // mid-call: the provider has the create, the service never hears back
+    svc.sigkill(); // mid-call: the provider has the create, the service never hears back
     assert!(first.await.expect("task").is_err(), "the first call died with the service");
     assert_eq!(stats(&http, &dns).await["creates"], 0, "killed before the create landed");
 
-    let svc = Example::start("dns_records", &svc_args, &dir.path().join("svc-2.log"));
+    let svc = start_example("dns_records", &svc_args, &dir.path().join("svc-2.log"));
     let (body, tries) = retry_until_created(&http, &svc.url, "rec-1", &dir.path().join("svc-2.log")).await;
     let s = stats(&http, &dns).await;
     assert_eq!((s["creates_received"].as_u64(), s["records"].as_u64()), (Some(1), Some(1)), "{s}");
@@ -180,7 +141,7 @@ async fn a_dns_service_killed_mid_call_and_restarted_makes_one_record() {
 async fn a_create_landing_after_its_rollback_is_removed_by_the_inventory_sweep() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("dns.db");
-    let _dns = Example::start("fake_dns", &["--hold-creates"], &dir.path().join("dns.log"));
+    let _dns = start_example("fake_dns", &["--hold-creates"], &dir.path().join("dns.log"));
     let dns = _dns.url.clone();
     let log = dir.path().join("svc.log");
     let args = [
@@ -199,7 +160,7 @@ async fn a_create_landing_after_its_rollback_is_removed_by_the_inventory_sweep()
         "--sweep-interval",
         "1s",
     ];
-    let svc = Example::start("dns_records", &args, &log);
+    let svc = start_example("dns_records", &args, &log);
     let http = reqwest::Client::new();
     let first = create(&http, &svc.url, "rec-1").send().await.expect("answers");
     assert_eq!(first.status(), 503, "the call timed out: it may still land");

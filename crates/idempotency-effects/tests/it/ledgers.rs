@@ -6,8 +6,8 @@ use std::sync::Arc;
 use idempotency::Store;
 use idempotency_effects::conformance::Fixture;
 use idempotency_effects::{Ledger, MemoryLedger, SqlLedger};
-use idempotency_sqlx::testing::TestDatabase;
 use idempotency_sqlx::{PostgresStore, SqliteStore};
+use testkit::postgres::TestDatabase;
 
 /// Keeps what a fixture lives in (a temp dir, a test database) alive as long as the handles.
 #[derive(Debug)]

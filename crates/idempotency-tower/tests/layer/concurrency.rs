@@ -318,7 +318,7 @@ mod slow_handlers {
         Arc::new(store)
     }
 
-    async fn postgres_store(db: &idempotency_sqlx::testing::TestDatabase) -> Arc<dyn Store> {
+    async fn postgres_store(db: &testkit::postgres::TestDatabase) -> Arc<dyn Store> {
         let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
         store.migrate().await.expect("migrate");
         Arc::new(store)
@@ -337,7 +337,7 @@ mod slow_handlers {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres() {
-        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let Some(db) = testkit::postgres::TestDatabase::create().await else { return };
         a_handler_slower_than_the_ttl_runs_once(postgres_store(&db).await, DEFAULT_RETENTION).await;
     }
 
@@ -354,7 +354,7 @@ mod slow_handlers {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_with_a_retention_shorter_than_the_handler() {
-        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let Some(db) = testkit::postgres::TestDatabase::create().await else { return };
         a_handler_slower_than_the_ttl_runs_once(postgres_store(&db).await, SHORT_RETENTION).await;
     }
 

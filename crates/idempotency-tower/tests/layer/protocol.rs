@@ -359,7 +359,7 @@ mod announced {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_waiter_in_another_process_is_woken_by_the_postgres_announcement() {
-        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let Some(db) = testkit::postgres::TestDatabase::create().await else { return };
         let connect = || async {
             let store = idempotency_sqlx::PostgresStore::connect(db.url()).await.expect("connect");
             store.migrate().await.expect("migrate");
@@ -373,7 +373,7 @@ mod announced {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_waiter_in_another_process_is_woken_by_the_partitioned_stores_announcement() {
-        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let Some(db) = testkit::postgres::TestDatabase::create().await else { return };
         let connect = || async {
             let store = idempotency_sqlx::PartitionedPostgresStore::connect(db.url()).await.expect("connect");
             store.migrate().await.expect("migrate");

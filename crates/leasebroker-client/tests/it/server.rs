@@ -138,8 +138,5 @@ async fn answer(state: Arc<Mutex<State>>, method: Method, uri: Uri, headers: Hea
 
 /// A port with nothing listening on it.
 pub(crate) fn closed_port_url() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    drop(listener);
-    format!("http://{addr}")
+    testkit::closed_url()
 }

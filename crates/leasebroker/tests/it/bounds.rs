@@ -3,7 +3,7 @@
 //! HTTP/2 without streams, the whole body's deadline), file modes and flashing a held node. Each
 //! starts the real `leasebroker` binary.
 //!
-//! `LEASEBROKER_BIN_UNDER_TEST` runs them against another build of the binary (for example the
+//! `LEASEBROKER_BIN` runs them against another build of the binary (for example the
 //! one before a fix, to see a test fail); by default they run the one this test build made.
 
 use std::process::{Command, Stdio};
@@ -13,23 +13,13 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::{Launch, Proc, bin};
+use crate::support::{Launch, Proc, bin, sqlite_url};
+pub(crate) use testkit::tokens::{ADMIN, ALICE, BOB};
 
-pub(crate) const ALICE: &str = "tok-alice-25b0c3e9d1f47a86";
-const BOB: &str = "tok-bob-25e8a1f3c6d09b47";
-pub(crate) const ADMIN: &str = "tok-admin-25c4f7a0e9b2d136";
-
-/// Starts `leasebroker serve` on a free port with the test tokens and `extra` flags.
+/// Starts `leasebroker serve` on a free port with the test tokens, a pool of 8 nodes unless
+/// `extra` sets `--pool-nodes`, and `extra`.
 pub(crate) fn serve(db: &str, extra: &[&str]) -> Proc {
-    let (alice, bob) = (format!("{ALICE}=alice"), format!("{BOB}=bob"));
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--database", db, "--token", &alice, "--token", &bob];
-    args.extend_from_slice(&["--admin-token", ADMIN, "--pool-nodes", "8"]);
-    args.extend_from_slice(extra);
-    Launch::new(&args).start()
-}
-
-fn sqlite_url(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("lb.db").display())
+    Launch::serve(db, &testkit::leasebroker::with_pool_nodes("8", extra)).start()
 }
 
 /// The idempotency records in the service's SQLite file.
@@ -243,16 +233,14 @@ async fn a_principal_at_its_record_limit_gets_429_and_its_own_keys_still_replay(
 
 #[tokio::test]
 async fn a_redis_out_of_memory_answers_503_per_request_and_readyz_says_not_ready() {
-    if !idempotency_redis::testing::have_redis_binaries() {
+    if !testkit::redis::have_redis_binaries() {
         assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
         eprintln!("SKIPPED: the Redis out-of-memory test: redis-server or redis-cli is not installed");
         return;
     }
     let redis_dir = tempfile::tempdir().expect("tempdir");
-    let node = idempotency_redis::testing::start_server(
-        redis_dir.path(),
-        &["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"],
-    );
+    let node =
+        testkit::redis::start_server(redis_dir.path(), &["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"]);
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = serve(
         &sqlite_url(&dir),

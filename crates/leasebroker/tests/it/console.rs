@@ -12,24 +12,10 @@ use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
-use crate::support::{ADMIN, Logged, Reply, TOKEN, create, send, sqlite_url, worker_body};
+use crate::support::{ADMIN, Launch, Logged, Reply, TOKEN, create, send, sqlite_url, worker_body};
 
 fn serve_logged(db: &str, extra: &[&str]) -> Logged {
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--database",
-        db,
-        "--token",
-        "tok-alice-5a8d1c7e90b3=alice",
-        "--admin-token",
-        ADMIN,
-        "--pool-nodes",
-        "16",
-    ];
-    args.extend_from_slice(extra);
-    Logged::start(&args, &[("RUST_LOG", "info")])
+    Launch::serve(db, &testkit::leasebroker::with_pool_nodes("16", extra)).env("RUST_LOG", "info").start()
 }
 
 /// A client that shows redirects instead of following them, and keeps no cookies.

@@ -537,7 +537,7 @@ async fn a_create_retried_after_its_worker_was_deleted_is_gone() {
 /// tag is booted twice.
 #[tokio::test]
 async fn the_reaper_and_late_retries_on_two_replicas_never_both_act() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = sim(&[]);
     let args = [
         "--hypervisor-url",
@@ -874,7 +874,7 @@ mod racing_attempts {
     /// The same on PostgreSQL, where the fence is a row lock rather than the one write lock.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_create_waking_after_its_worker_was_deleted_does_nothing_on_postgres() {
-        let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
         let (hook, held) = hold_first(Step::CreateDecide);
         let dir = tempfile::tempdir().expect("tempdir");
         stalled_create_case(rig_on(pg.url(), dir, hook).await, held).await;

@@ -234,7 +234,7 @@ async fn sigkill_while_the_bmc_call_is_in_flight_then_a_retry_flashes_once() {
 
 #[tokio::test]
 async fn two_replicas_never_watch_one_operation_twice() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = sim(&["--flash-ms", "1500"]);
     let args = ["--hypervisor-url", hv.url.as_str(), POLL[0], POLL[1]];
     let a = serve(pg.url(), &args);

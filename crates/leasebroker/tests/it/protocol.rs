@@ -203,7 +203,7 @@ async fn thirty_two_waiters_attach_to_one_create_and_one_boot() {
 /// hypervisor boots once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiters_on_another_replica_attach_to_the_running_create() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv: Proc = sim(&["--latency-ms", "3000"]);
     let args = ["--hypervisor-url", hv.url.as_str(), "--hypervisor-timeout", "29s"];
     let (a, b) = (serve(pg.url(), &args), serve(pg.url(), &args));

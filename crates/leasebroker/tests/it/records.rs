@@ -6,26 +6,10 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::support::{ADMIN, Logged, OTHER, Reply, TOKEN, create, fleet, send, sqlite_url, worker_body};
+use crate::support::{ADMIN, Launch, Logged, OTHER, Reply, TOKEN, create, fleet, send, sqlite_url, worker_body};
 
 fn serve_logged(db: &str, extra: &[&str]) -> Logged {
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--database",
-        db,
-        "--token",
-        "tok-alice-5a8d1c7e90b3=alice",
-        "--token",
-        "tok-bob-3e7f0a9c2d64b1=bob",
-        "--admin-token",
-        ADMIN,
-        "--pool-nodes",
-        "16",
-    ];
-    args.extend_from_slice(extra);
-    Logged::start(&args, &[("RUST_LOG", "info")])
+    Launch::serve(db, &testkit::leasebroker::with_pool_nodes("16", extra)).env("RUST_LOG", "info").start()
 }
 
 async fn admin_get(base: &str, path_and_query: &str) -> Reply {

@@ -400,7 +400,7 @@ impl Drop for Sushy {
 /// compare-and-set on PostgreSQL).
 #[tokio::test]
 async fn two_replicas_on_postgres_flash_through_redfish_once_each() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = redfish_sim(&["--flash-ms", "1500"]);
     let a = broker(pg.url(), &hv, &[]);
     let b = broker(pg.url(), &hv, &[]);
@@ -477,7 +477,7 @@ async fn a_stalling_systems_listing_never_lets_a_second_key_brick_the_node() {
 /// in 10 in the run.)
 #[tokio::test]
 async fn two_replicas_follow_the_task_of_a_bmc_without_a_task_list_or_an_inventory() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = redfish_sim(&[&["--flash-ms", "300"][..], &SUSHY_LIKE].concat());
     let a = broker(pg.url(), &hv, &[]);
     let b = broker(pg.url(), &hv, &[]);

@@ -195,7 +195,7 @@ async fn sigkill_mid_create_then_restart_and_retry_gives_one_of_everything() {
 
 #[tokio::test]
 async fn two_replicas_on_one_postgres_behave_as_one_service() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     two_replicas_behave_as_one_service(pg.url(), &[]).await;
 }
 
@@ -203,8 +203,8 @@ async fn two_replicas_on_one_postgres_behave_as_one_service() {
 /// three primaries started for the test.
 #[tokio::test]
 async fn two_replicas_with_records_on_a_redis_cluster_behave_as_one_service() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
-    if !idempotency_redis::testing::have_redis_binaries() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    if !testkit::redis::have_redis_binaries() {
         assert_ne!(
             std::env::var("CI").as_deref(),
             Ok("true"),
@@ -213,7 +213,7 @@ async fn two_replicas_with_records_on_a_redis_cluster_behave_as_one_service() {
         eprintln!("SKIPPED: the Redis Cluster test: redis-server or redis-cli is not installed");
         return;
     }
-    let cluster = tokio::task::spawn_blocking(idempotency_redis::testing::Cluster::start).await.expect("cluster");
+    let cluster = tokio::task::spawn_blocking(testkit::redis::Cluster::start).await.expect("cluster");
     two_replicas_behave_as_one_service(pg.url(), &["--record-store", &cluster.url()]).await;
     // The records are on the cluster, spread over its primaries, and not in PostgreSQL.
     let mut on_redis = 0;
@@ -248,13 +248,13 @@ async fn an_unusable_record_store_is_refused_at_start() {
     };
     let stderr = refused("memcached://127.0.0.1:11211".into());
     assert!(stderr.contains("--record-store") && stderr.contains("redis://"), "{stderr}");
-    if !idempotency_redis::testing::have_redis_binaries() {
+    if !testkit::redis::have_redis_binaries() {
         assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
         eprintln!("SKIPPED: the evicting-policy case: redis-server or redis-cli is not installed");
         return;
     }
     let redis_dir = tempfile::tempdir().expect("tempdir");
-    let node = idempotency_redis::testing::start_server(redis_dir.path(), &["--maxmemory-policy", "allkeys-lru"]);
+    let node = testkit::redis::start_server(redis_dir.path(), &["--maxmemory-policy", "allkeys-lru"]);
     let stderr = refused(node.url());
     assert!(stderr.contains("allkeys-lru"), "{stderr}");
 }

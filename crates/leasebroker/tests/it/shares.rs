@@ -10,7 +10,7 @@
 //!
 //! The floods come from addresses of their own on loopback (127.0.1.x, 127.0.0.2: any 127/8
 //! address is local on Linux), each under the per-source cap, so what each test shows is the
-//! bound it is about. `LEASEBROKER_BIN_UNDER_TEST` runs them against another build.
+//! bound it is about. `LEASEBROKER_BIN` runs them against another build.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -21,35 +21,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::bounds::{Reply, http, send};
-use crate::support::{Launch, Proc};
-
-const ALICE: &str = "tok-alice-45a1c7e9d2f30b68";
-const BOB: &str = "tok-bob-45b8e2f1a9c37d04";
-const ADMIN: &str = "tok-admin-45c3d9e0b7a2f615";
+use crate::bounds::{Reply, http, send, serve};
+use crate::support::{Proc, sqlite_url};
+use testkit::tokens::{ADMIN, ALICE, BOB};
 
 /// The default `--max-concurrent-per-principal`.
 const PER_PRINCIPAL: usize = 64;
 /// How many requests each flood sends: well past a principal's share, and past the 512
 /// requests the process handles at once.
 const FLOOD: usize = 600;
-
-/// `leasebroker serve` with alice's, bob's and the admin's tokens, and `extra` (the pool: 8 nodes
-/// unless `extra` says otherwise).
-fn serve(db: &str, extra: &[&str]) -> Proc {
-    let (alice, bob) = (format!("{ALICE}=alice"), format!("{BOB}=bob"));
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--database", db, "--token", &alice, "--token", &bob];
-    args.extend_from_slice(&["--admin-token", ADMIN]);
-    if !extra.contains(&"--pool-nodes") {
-        args.extend_from_slice(&["--pool-nodes", "8"]);
-    }
-    args.extend_from_slice(extra);
-    Launch::new(&args).start()
-}
-
-fn sqlite_url(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("lb.db").display())
-}
 
 fn json(r: &Reply) -> Value {
     serde_json::from_slice(&r.body).unwrap_or(Value::Null)

@@ -33,7 +33,7 @@ fn noise(bytes: usize) -> String {
 /// (2,704 bytes) and every such request answers `503`.
 #[tokio::test]
 async fn the_longest_scope_is_stored_in_postgres_and_replayed_and_paths_that_differ_at_the_end_are_two() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let (token, principal) = ("tok-long-principal-25a7c9e1", format!("team-{}", noise(1_500)));
     let lb = serve(pg.url(), &["--token", &format!("{token}={principal}"), "--rate-limit", "0"]);
     let client = http();
@@ -189,7 +189,7 @@ async fn a_full_sqlite_file_system_answers_503_for_the_write_and_readyz_says_not
 async fn a_full_postgres_tablespace_answers_503_for_the_write_and_readyz_says_not_ready() {
     use sqlx::Connection;
     let Some(fs) = TinyFs::mount("16m") else { return };
-    let Some(server) = idempotency_sqlx::testing::LocalServer::start() else { return };
+    let Some(server) = testkit::postgres::LocalServer::start() else { return };
     // The server runs as `postgres` when the test runs as root: the tablespace must be its own.
     let id = |flag: &str| -> Option<u32> {
         let out = Command::new("id").args([flag, "postgres"]).output().ok()?;
@@ -404,7 +404,7 @@ async fn retry_until_created(base: &str, key: &str, within: Duration) -> Duratio
 // Multi-threaded: the proxy's tasks run while `serve` blocks this thread waiting for the binary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_partition_that_drops_packets_is_answered_503_within_5_s_on_every_route() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let proxy = Partition::start("127.0.0.1:5432".parse().expect("addr")).await;
     let url = format!("postgres://postgres@127.0.0.1:{}/{}", proxy.port, pg.name());
     let lb = serve(&url, &["--rate-limit", "0"]);

@@ -9,8 +9,8 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::support::{Launch, Proc};
-
-const ALICE: &str = "tok-alice-tls-4f1e9a7c2b";
+use testkit::free_port;
+use testkit::tokens::ALICE;
 
 /// A CA and a server certificate for 127.0.0.1 it issued, as PEM files in `dir`: (CA, cert, key).
 fn generate_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, PathBuf) {
@@ -34,10 +34,7 @@ fn generate_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, 
 
 /// Starts `leasebroker serve`; its address, or its log when it would not start.
 fn serve(db: &str, extra: &[&str]) -> Result<(Proc, String), String> {
-    let token = format!("{ALICE}=alice");
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--database", db, "--token", &token];
-    args.extend_from_slice(extra);
-    let lb = Launch::new(&args).try_start()?;
+    let lb = Launch::serve(db, extra).try_start()?;
     let url = lb.url.clone();
     Ok((lb, url))
 }
@@ -55,13 +52,9 @@ async fn create_worker(base: &str, key: &str) -> StatusCode {
         .status()
 }
 
-fn free_port() -> u16 {
-    idempotency::conformance::free_ports(1)[0]
-}
-
 #[tokio::test]
 async fn records_go_to_redis_over_tls_with_a_private_ca_and_an_untrusted_one_is_refused() {
-    if !idempotency_redis::testing::have_redis_binaries() {
+    if !testkit::redis::have_redis_binaries() {
         assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
         eprintln!("SKIPPED: the Redis TLS test: redis-server or redis-cli is not installed");
         return;
@@ -69,7 +62,7 @@ async fn records_go_to_redis_over_tls_with_a_private_ca_and_an_untrusted_one_is_
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, cert, key) = generate_ca_and_server_cert(dir.path(), "redis-test-ca");
     let tls_port = free_port().to_string();
-    let node = idempotency_redis::testing::start_server(
+    let node = testkit::redis::start_server(
         dir.path(),
         &[
             "--tls-port",
@@ -97,14 +90,14 @@ async fn records_go_to_redis_over_tls_with_a_private_ca_and_an_untrusted_one_is_
 
     // Without the CA the server's certificate is not trusted: refused at start, in one line.
     let db2 = format!("sqlite://{}", dir.path().join("lb2.db").display());
-    let err = serve(&db2, &["--record-store", &store]).err().expect("started with an untrusted certificate");
+    let err = serve(&db2, &["--record-store", &store]).expect_err("started with an untrusted certificate");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("record store"), "{err}");
 }
 
 #[tokio::test]
 async fn postgres_over_tls_require_and_prefer_use_tls_and_verify_full_checks_the_ca() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let with = |params: &str| {
         let sep = if pg.url().contains('?') { '&' } else { '?' };
         format!("{}{sep}{params}", pg.url())
@@ -145,8 +138,7 @@ async fn postgres_over_tls_require_and_prefer_use_tls_and_verify_full_checks_the
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, _, _) = generate_ca_and_server_cert(dir.path(), "not-the-pg-ca");
     let err = serve(&with(&format!("sslmode=verify-full&sslrootcert={}", ca.display())), &[])
-        .err()
-        .expect("verify-full accepted a certificate its CA did not issue");
+        .expect_err("verify-full accepted a certificate its CA did not issue");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("PostgreSQL"), "{err}");
 }
@@ -160,7 +152,7 @@ async fn postgres_verify_full_with_a_private_ca_connects_and_a_wrong_ca_is_refus
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, cert, key) = generate_ca_and_server_cert(dir.path(), "pg-test-ca");
     let read = |p: &Path| std::fs::read_to_string(p).expect("read PEM");
-    let Some(server) = idempotency_sqlx::testing::LocalServer::start_with_tls(&read(&cert), &read(&key)) else {
+    let Some(server) = testkit::postgres::LocalServer::start_with_tls(&read(&cert), &read(&key)) else {
         return;
     };
     let url = |ca: &Path| format!("{}?sslmode=verify-full&sslrootcert={}", server.url("postgres"), ca.display());
@@ -183,7 +175,7 @@ async fn postgres_verify_full_with_a_private_ca_connects_and_a_wrong_ca_is_refus
     drop(lb);
 
     let (wrong, _, _) = generate_ca_and_server_cert(dir.path(), "not-the-pg-ca");
-    let err = serve(&url(&wrong), &[]).err().expect("verify-full accepted a certificate its CA did not issue");
+    let err = serve(&url(&wrong), &[]).expect_err("verify-full accepted a certificate its CA did not issue");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("PostgreSQL"), "{err}");
 }

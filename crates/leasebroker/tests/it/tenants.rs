@@ -11,42 +11,18 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::BIN;
-const ALICE: &str = "tok-alice-7f3c9e21b5d04a68";
-const BOB: &str = "tok-bob-1d8e6f0a3c5b7924";
-const ADMIN: &str = "tok-admin-90ab4c2e7d1f3865";
-
-use crate::support::{Launch, Proc};
+use crate::support::{BIN, Launch, Proc, sqlite_url};
+use testkit::tokens::{ADMIN, ALICE, BOB};
 
 /// Starts `leasebroker ARGS` (`RUST_LOG=info`) with `env`, and waits for its address.
 fn start_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     env.iter().fold(Launch::new(args).env("RUST_LOG", "info"), |l, (k, v)| l.env(k, v)).start()
 }
 
+/// `leasebroker serve` (`RUST_LOG=info`) with the test tokens, a pool of 40 nodes unless `extra`
+/// sets `--pool-nodes`, and `extra`.
 fn serve(db: &str, extra: &[&str]) -> Proc {
-    let alice = format!("{ALICE}=alice");
-    let bob = format!("{BOB}=bob");
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--database",
-        db,
-        "--token",
-        &alice,
-        "--token",
-        &bob,
-        "--admin-token",
-        ADMIN,
-        "--pool-nodes",
-        "40",
-    ];
-    args.extend_from_slice(extra);
-    start_env(&args, &[])
-}
-
-fn sqlite_url(dir: &tempfile::TempDir) -> String {
-    format!("sqlite://{}", dir.path().join("lb.db").display())
+    Launch::serve(db, &testkit::leasebroker::with_pool_nodes("40", extra)).env("RUST_LOG", "info").start()
 }
 
 fn http() -> reqwest::Client {
@@ -102,7 +78,7 @@ async fn quota_caps_concurrent_creates_and_a_refused_create_takes_nothing() {
 
 #[tokio::test]
 async fn quota_caps_concurrent_creates_on_postgres() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     // Two replicas on one database: the quota holds across processes.
     quota_case(pg.url(), 2).await;
 }
@@ -421,9 +397,7 @@ async fn hypervisor_addresses_and_error_bodies_never_reach_tenants_and_the_log_h
         assert!(!log.contains("hv-pass-canary"), "the log shows the hypervisor's password: {log}");
     }
     // Unreachable: the connection error names the address; the tenant never sees it.
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = closed.local_addr().expect("addr");
-    drop(closed);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], testkit::closed_port()));
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = serve(&sqlite_url(&dir), &["--hypervisor-url", &format!("http://{addr}/")]);
     let r = create(&lb.url, ALICE, "hv-2").await;
@@ -434,8 +408,8 @@ async fn hypervisor_addresses_and_error_bodies_never_reach_tenants_and_the_log_h
 #[tokio::test]
 async fn database_errors_never_reach_tenants_or_readyz() {
     use sqlx::Connection;
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
-    let admin_url = idempotency_sqlx::testing::postgres_server_url().expect("the server URL");
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    let admin_url = testkit::postgres::postgres_server_url().expect("the server URL");
     let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("connect");
     let name = pg.name().to_owned();
     let db = pg.url().to_owned();
@@ -646,7 +620,7 @@ async fn concurrent_allocations_case(url: &str) {
 
 #[tokio::test]
 async fn concurrent_allocations_never_overshoot_the_quota_on_postgres() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     concurrent_allocations_case(pg.url()).await;
 }
 
@@ -722,7 +696,7 @@ async fn concurrent_create_starts_case(url: &str) {
 
 #[tokio::test]
 async fn concurrent_create_starts_never_overshoot_the_quota_on_postgres() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     concurrent_create_starts_case(pg.url()).await;
 }
 
@@ -766,7 +740,7 @@ async fn explain_sqlite(pool: &sqlx::SqlitePool, sql: &str) -> String {
 #[tokio::test]
 async fn allocation_reads_the_free_node_index_on_postgres() {
     use leasebroker::db::Db;
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let db = Db::connect(pg.url()).await.expect("connect");
     db.migrate().await.expect("migrate");
     leasebroker::domain::Domain::new(db.clone()).seed_nodes(20_000, 1, 1).await.expect("seed");

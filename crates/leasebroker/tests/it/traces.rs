@@ -19,7 +19,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use reqwest::StatusCode;
 
-use crate::support::{ADMIN, Logged, TOKEN, create, send, worker_body};
+use crate::support::{Launch, Logged, TOKEN, create, send, worker_body};
 
 type Received = Arc<Mutex<Vec<ExportTraceServiceRequest>>>;
 
@@ -66,11 +66,11 @@ async fn grpc_collector() -> (String, Received) {
 }
 
 fn serve_traced(db: &str, otlp: &str, protocol: &str) -> Logged {
-    let args = ["serve", "--listen", "127.0.0.1:0", "--database", db, "--pool-nodes", "64"];
-    let args = [&args[..], &["--token", "tok-alice-5a8d1c7e90b3=alice", "--admin-token", ADMIN]].concat();
-    let args = [&args[..], &["--otlp-endpoint", otlp, "--otlp-protocol", protocol]].concat();
-    // tower_http's request lines (debug) are log lines inside a request.
-    Logged::start(&args, &[("RUST_LOG", "info,tower_http=debug"), ("OTEL_BSP_SCHEDULE_DELAY", "200")])
+    Launch::serve(db, &["--pool-nodes", "64", "--otlp-endpoint", otlp, "--otlp-protocol", protocol])
+        // tower_http's request lines (debug) are log lines inside a request.
+        .env("RUST_LOG", "info,tower_http=debug")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .start()
 }
 
 fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
@@ -154,9 +154,7 @@ async fn one_trace_per_request(otlp: &str, protocol: &str, got: Received) {
 #[tokio::test]
 async fn with_the_collector_down_every_request_is_answered_and_the_log_says_so_once() {
     // A port nothing listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let otlp = format!("http://{}", closed.local_addr().expect("addr"));
-    drop(closed);
+    let otlp = testkit::closed_url();
     let dir = tempfile::tempdir().expect("tempdir");
     let lb = serve_traced(&crate::support::sqlite_url(&dir), &otlp, "http/protobuf");
     for i in 0..20 {

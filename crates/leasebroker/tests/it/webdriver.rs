@@ -31,7 +31,7 @@ impl Drop for ChromeDriver {
 impl ChromeDriver {
     /// Starts `chromedriver` and waits (up to a minute) until its `/status` says it is ready.
     pub(crate) async fn start(binary: &str) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = testkit::free_port();
         let child = Command::new(binary)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())

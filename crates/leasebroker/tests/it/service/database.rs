@@ -13,8 +13,8 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_sqlx::testing::LocalServer;
 use reqwest::StatusCode;
+use testkit::postgres::LocalServer;
 
 use crate::support::*;
 

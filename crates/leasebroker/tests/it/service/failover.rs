@@ -2,7 +2,7 @@
 //! `--record-store-replicas 1` against a real primary and replica: a transition the replica
 //! does not acknowledge answers `503 store-unavailable`, runs no handler, and is not answered
 //! as final; its retry completes or replays once the replica answers. And the service on a real
-//! HA PostgreSQL (Patroni, etcd, HAProxy: `idempotency_sqlx::testing::ha`) through a switchover
+//! HA PostgreSQL (Patroni, etcd, HAProxy: `testkit::postgres::ha`) through a switchover
 //! and a kill of the primary.
 
 use std::time::{Duration, Instant};
@@ -12,7 +12,7 @@ use reqwest::StatusCode;
 use crate::support::*;
 
 fn have_redis() -> bool {
-    if idempotency_redis::testing::have_redis_binaries() {
+    if testkit::redis::have_redis_binaries() {
         return true;
     }
     assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
@@ -20,7 +20,7 @@ fn have_redis() -> bool {
     false
 }
 
-fn wait_for_link(replica: &idempotency_redis::testing::Node) {
+fn wait_for_link(replica: &testkit::redis::Node) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !replica.replication_info().contains("master_link_status:up") {
         assert!(Instant::now() < deadline, "the replica did not link to its primary");
@@ -41,11 +41,9 @@ async fn a_redis_replica_that_does_not_acknowledge_answers_503_and_nothing_runs_
         return;
     }
     let redis_dir = tempfile::tempdir().expect("tempdir");
-    let primary = idempotency_redis::testing::start_server(redis_dir.path(), &[]);
-    let replica = idempotency_redis::testing::start_server(
-        redis_dir.path(),
-        &["--replicaof", "127.0.0.1", &primary.port.to_string()],
-    );
+    let primary = testkit::redis::start_server(redis_dir.path(), &[]);
+    let replica =
+        testkit::redis::start_server(redis_dir.path(), &["--replicaof", "127.0.0.1", &primary.port.to_string()]);
     wait_for_link(&replica);
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&["--latency-ms", "3000"]);
@@ -124,9 +122,8 @@ async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
     if !have_redis() {
         return;
     }
-    let cluster = tokio::task::spawn_blocking(|| idempotency_redis::testing::Cluster::start_with_replicas(1))
-        .await
-        .expect("cluster");
+    let cluster =
+        tokio::task::spawn_blocking(|| testkit::redis::Cluster::start_with_replicas(1)).await.expect("cluster");
     let dir = tempfile::tempdir().expect("tempdir");
     let hv = sim(&[]);
     let lb = serve(
@@ -145,7 +142,7 @@ async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
         names.key_of(&Scope::new(Principal::new("alice"), Endpoint::new("POST", "/v1/workers"), key))
     };
     let (victim, near, far) = tokio::task::block_in_place(|| {
-        let holds = |n: &idempotency_redis::testing::Node, pattern: &str| {
+        let holds = |n: &testkit::redis::Node, pattern: &str| {
             let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut n.connection()).expect("keys");
             !keys.is_empty()
         };
@@ -210,7 +207,7 @@ async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
 /// replays its worker afterwards, and nothing was booted twice or leaked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_failover_answers_503_then_recovers_and_loses_nothing_acknowledged() {
-    use idempotency_sqlx::testing::ha::{HaPostgres, Replication, missing_binaries};
+    use testkit::postgres::ha::{HaPostgres, Replication, missing_binaries};
 
     use super::database::{assert_one_of_everything, creates_in_flight, readyz};
 
@@ -312,9 +309,9 @@ fn assert_503_problem(r: &Reply) {
 /// asynchronous replication the commits were acknowledged and the promoted replica has none of
 /// them; with synchronous replication none was acknowledged (each waited for the standby until
 /// the primary died), and every row acknowledged before is there.
-async fn lagging_replicas_then_a_dead_primary(replication: idempotency_sqlx::testing::ha::Replication) {
-    use idempotency_sqlx::testing::ha::{HaPostgres, Replication, missing_binaries};
+async fn lagging_replicas_then_a_dead_primary(replication: testkit::postgres::ha::Replication) {
     use sqlx::{Connection, PgConnection};
+    use testkit::postgres::ha::{HaPostgres, Replication, missing_binaries};
 
     let missing = missing_binaries();
     if !missing.is_empty() {
@@ -443,10 +440,10 @@ async fn lagging_replicas_then_a_dead_primary(replication: idempotency_sqlx::tes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synchronous_replication_acknowledges_nothing_a_failover_loses() {
-    lagging_replicas_then_a_dead_primary(idempotency_sqlx::testing::ha::Replication::Synchronous).await;
+    lagging_replicas_then_a_dead_primary(testkit::postgres::ha::Replication::Synchronous).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asynchronous_replication_loses_acknowledged_commits_in_a_failover() {
-    lagging_replicas_then_a_dead_primary(idempotency_sqlx::testing::ha::Replication::Asynchronous).await;
+    lagging_replicas_then_a_dead_primary(testkit::postgres::ha::Replication::Asynchronous).await;
 }

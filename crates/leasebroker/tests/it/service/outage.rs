@@ -10,10 +10,10 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_sqlx::testing::LocalServer;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 use sqlx::Connection;
+use testkit::postgres::LocalServer;
 
 use super::database::readyz;
 use crate::support::*;
@@ -234,7 +234,7 @@ async fn a_multi_host_url_follows_the_primary_across_a_failover_without_a_restar
 async fn the_service_never_lowers_synchronous_commit() {
     use clap::Parser;
     use leasebroker::config::{Cli, Command};
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     // The database's own setting, the strongest: a session that lowered it would show less.
     let mut admin = sqlx::PgConnection::connect(pg.url()).await.expect("connect");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -283,13 +283,13 @@ struct DurableRedis {
     port: u16,
     child: Option<std::process::Child>,
     /// Its port while it is killed, so that no other test's listener takes it meanwhile.
-    held: Option<idempotency::conformance::HeldPort>,
+    held: Option<testkit::HeldPort>,
 }
 
 impl DurableRedis {
     fn start() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = testkit::free_port();
         let mut redis = DurableRedis { dir, port, child: None, held: None };
         redis.start_again();
         redis
@@ -328,7 +328,7 @@ impl DurableRedis {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
-            self.held = idempotency::conformance::HeldPort::hold(self.port);
+            self.held = testkit::HeldPort::hold(self.port);
         }
     }
 
@@ -369,7 +369,7 @@ async fn metric_count(base: &str, series: &str) -> u64 {
 /// one VM per key.
 #[tokio::test]
 async fn creates_whose_records_redis_lost_for_a_while_resume_when_it_returns() {
-    if !idempotency_redis::testing::have_redis_binaries() {
+    if !testkit::redis::have_redis_binaries() {
         assert!(std::env::var("CI").as_deref() != Ok("true"), "redis-server is not installed and CI=true");
         eprintln!("SKIPPED: redis-server is not installed");
         return;

@@ -40,7 +40,7 @@ async fn wait_for_sessions(conn: &mut sqlx::PgConnection, sql: &'static str, db:
 
 #[tokio::test]
 async fn a_replica_stopped_inside_a_transaction_blocks_another_replicas_retry_only_briefly() {
-    let Some(pg) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
     let hv = sim(&[]);
     // A short in-flight TTL, so the stopped replica's claim goes stale quickly and the retry
     // reclaims it: what is measured is the wait on the stopped replica's locks, not the TTL.
