@@ -83,8 +83,11 @@ fn nth(ranges: &[Range<u16>], mut i: u32) -> u16 {
     ranges[0].start
 }
 
+/// Free: nothing is bound to `port`, a connection of a closed server's lingering in `TIME_WAIT`
+/// included, so that a server started there can be held when stopped ([`HeldPort`]). A bind
+/// with `SO_REUSEADDR`, as `TcpListener::bind` does, would pass over such a connection.
 fn free(port: u16) -> bool {
-    TcpListener::bind(("127.0.0.1", port)).is_ok()
+    HeldPort::hold(port).is_some()
 }
 
 /// The ports from [`LOWEST`] up that lie outside the kernel's ephemeral range.
@@ -174,6 +177,25 @@ mod tests {
                 assert!(range.contains(&port));
             }
         }
+    }
+
+    /// A port whose last server closed a connection first keeps that connection in `TIME_WAIT`
+    /// for a minute. A listener with `SO_REUSEADDR` (every test server's) binds it, but a
+    /// [`HeldPort`] cannot: a server started there could not be held when stopped (seen in CI:
+    /// `a_stopped_server_keeps_its_port_until_it_starts_again`). Such a port is not free.
+    #[test]
+    fn a_port_with_a_connection_in_time_wait_is_not_free() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let client = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let (served, _) = listener.accept().expect("accept");
+        drop(served); // the server's side closes first: its end waits in TIME_WAIT
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(client);
+        drop(listener);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(HeldPort::hold(port).is_none(), "TIME_WAIT did not keep the port from a hold");
+        assert!(!free(port), "a port that cannot be held was called free");
     }
 
     #[test]
