@@ -4,7 +4,7 @@
 //! what tenants send is shown escaped, and a record in flight is never forgotten. Then a real
 //! browser (Debian's chromium through chromedriver, driven by fantoccini) signs in through the
 //! form, sees the fleet and a worker it created, forgets a record through the form and takes a
-//! screenshot (saved where `CONSOLE_SCREENSHOT` says, for the README).
+//! screenshot (saved where `CONSOLE_SCREENSHOT` says, for docs/operating.md).
 
 use std::time::{Duration, Instant};
 

@@ -64,7 +64,7 @@ async fn what_the_http_layer_refuses_is_a_problem() {
 
 /// What cannot be changed: a request line hyper cannot parse is answered by hyper itself, before
 /// any of the service's code runs, with a bare `400` and the connection closed (documented in
-/// the README's "Limits").
+/// docs/security.md#limits).
 #[tokio::test]
 async fn a_request_line_hyper_cannot_parse_gets_its_bare_400() {
     let dir = tempfile::tempdir().expect("tempdir");
