@@ -65,6 +65,7 @@ mod replay;
 mod service;
 mod sources;
 mod sweeper;
+mod uncertain;
 mod waiters;
 
 pub use config::{MismatchStatus, RoutePolicy};
@@ -90,6 +91,7 @@ pub use quota::PassesRecordLimit;
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
 pub use sweeper::{spawn_sweeper, sweeper};
+pub use uncertain::{OnUncertain, OutcomeUncertain, Probe, Probed, StaleClaims};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, MemoryStore, Principal, ResponsePolicy, Store};
