@@ -314,7 +314,7 @@ async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor()
     }
     let (cookie, _) = sign_in(base).await;
     for (query, detail) in [
-        ("state=running", "state must be in_flight, failed or completed"),
+        ("state=running", "state must be in_flight, failed, completed or uncertain"),
         ("older_than=soon", "older_than must be a duration"),
         ("limit=0", "limit must be 1 to"),
         ("limit=x", "limit must be a number"),
