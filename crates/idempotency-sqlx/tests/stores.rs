@@ -129,6 +129,42 @@ mod sqlite_backend {
 
     use crate::common::{own, request, response, scope, unique_scope};
 
+    /// A file made by the release before the `uncertain` state (its table and indexes, with
+    /// records in it) is migrated in place: the table is rebuilt with the wider CHECK and every
+    /// record is kept, still answering as before; a claim of it can then be marked uncertain.
+    #[tokio::test]
+    async fn the_uncertain_migration_keeps_an_older_files_records() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("old.db").display());
+        let t = now();
+        let (done, flying) = (unique_scope(), unique_scope());
+        {
+            let old = SqliteStore::connect(&url).await.expect("create");
+            for sql in [
+                include_str!("../migrations/sqlite/20250101000001_idempotency_records.sql"),
+                include_str!("../migrations/sqlite/20261202000001_record_id_index.sql"),
+            ] {
+                sqlx::raw_sql(sql).execute(old.pool()).await.expect("the older schema");
+            }
+            let claim = own(&old, request(&done, t)).await;
+            old.complete(&claim, &response(), t + chrono::Duration::hours(24)).await.expect("complete");
+            own(&old, request(&flying, t)).await;
+            let unsure = sqlx::query("UPDATE idempotency_records SET state = 'uncertain'").execute(old.pool()).await;
+            assert!(unsure.is_err(), "the older CHECK refuses the state");
+            old.pool().close().await;
+        }
+        let store = SqliteStore::connect(&url).await.expect("reopen");
+        store.migrate().await.expect("migrate the older file");
+        let replay = store.get(&done).await.expect("get").expect("kept");
+        assert_eq!(replay.decide(&replay.fingerprint, t, Duration::from_secs(300)), Decision::Replay(response()));
+        let ClaimOutcome::Existing(seen) = store.claim(request(&flying, t)).await.expect("claim") else {
+            panic!("the record in flight was kept")
+        };
+        assert_eq!(seen.state, RecordState::InFlight);
+        store.mark_uncertain(&idempotency::Claim::new(seen)).await.expect("mark uncertain");
+        assert_eq!(store.get(&flying).await.expect("get").expect("row").state, RecordState::Uncertain);
+    }
+
     #[tokio::test]
     async fn a_completed_record_replays_after_the_file_is_reopened() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -209,6 +245,29 @@ mod postgres_backend {
 
     use crate::common::{own, request, response, unique_scope};
     use crate::support::postgres_store;
+
+    /// A database migrated by the release before the `uncertain` state, with a record in flight,
+    /// takes the new migration: the state's CHECK is replaced, the record kept, and it can be
+    /// marked uncertain.
+    #[tokio::test]
+    async fn the_uncertain_migration_widens_an_older_databases_check() {
+        let Some(db) = idempotency_sqlx::testing::TestDatabase::create().await else { return };
+        let store = idempotency_sqlx::PostgresStore::from_pool(crate::support::pg_pool(db.url()).await);
+        for sql in [
+            include_str!("../migrations/postgres/20250101000001_idempotency_records.sql"),
+            include_str!("../migrations/postgres/20261202000001_record_id_index.sql"),
+        ] {
+            sqlx::raw_sql(sql).execute(store.pool()).await.expect("the older schema");
+        }
+        let flying = unique_scope();
+        let claim = own(&store, request(&flying, now())).await;
+        let refused = sqlx::query("UPDATE idempotency_records SET state = 'uncertain'").execute(store.pool()).await;
+        assert!(refused.is_err(), "the older CHECK refuses the state");
+        store.migrate().await.expect("migrate the older database");
+        store.mark_uncertain(&claim).await.expect("mark uncertain");
+        let r = store.get(&flying).await.expect("get").expect("kept");
+        assert_eq!((r.state, r.record_id), (idempotency::RecordState::Uncertain, claim.record().record_id));
+    }
 
     /// Counts the statements sqlx runs inside one span that touch `idempotency_records`, from
     /// sqlx's own per-statement `sqlx::query` events: one event per statement executed, i.e.
@@ -939,8 +998,9 @@ mod announcements {
         assert_eq!(waiter.get(&a).await.expect("get").expect("a").state, RecordState::Completed);
     }
 
-    /// `one` completes three records in four and fails the fourth, all at once, from a task
-    /// each; every record has a waiter in `two`, armed before the first completion.
+    /// `one` completes two records in four, fails the third and marks the fourth uncertain, all
+    /// at once, from a task each; every record has a waiter in `two`, armed before the first
+    /// completion.
     async fn each_announced(one: Arc<dyn Store>, two: Arc<dyn Store>, db: &TestDatabase) {
         let changes = two.changes().expect("a PostgreSQL store announces changes");
         listening(db).await;
@@ -967,6 +1027,8 @@ mod announcements {
                 tokio::spawn(async move {
                     if i % 4 == 3 {
                         one.fail(&claim).await
+                    } else if i % 4 == 2 {
+                        one.mark_uncertain(&claim).await
                     } else {
                         one.complete(&claim, &response(), now() + chrono::Duration::hours(1)).await
                     }
@@ -974,7 +1036,7 @@ mod announcements {
             })
             .collect();
         for w in futures::future::join_all(writers).await {
-            w.expect("writer").expect("complete or fail");
+            w.expect("writer").expect("complete, fail or mark uncertain");
         }
 
         // A deadline for the condition, not a measure of speed: nothing but an announcement
@@ -990,8 +1052,13 @@ mod announcements {
         let woken = answers.iter().filter(|a| a.is_some()).count();
         let completed = answers.iter().filter(|a| matches!(a, Some(RecordState::Completed))).count();
         let failed = answers.iter().filter(|a| matches!(a, Some(RecordState::Failed))).count();
+        let uncertain = answers.iter().filter(|a| matches!(a, Some(RecordState::Uncertain))).count();
         assert_eq!(woken, RECORDS, "waiters not woken by their record's announcement");
-        assert_eq!((completed, failed), (RECORDS / 4 * 3, RECORDS / 4), "a woken waiter read the record's answer");
+        assert_eq!(
+            (completed, failed, uncertain),
+            (RECORDS / 2, RECORDS / 4, RECORDS / 4),
+            "a woken waiter read the record's answer"
+        );
         assert!(futures::poll!(not_heard.as_mut()).is_pending(), "a record nobody touched was announced");
     }
 }

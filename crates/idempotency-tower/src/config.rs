@@ -109,6 +109,8 @@ pub(crate) struct Config {
     /// The layer's work that runs on after its client stopped waiting, for a shutdown to wait for.
     pub(crate) detached: crate::detached::DetachedHandlers,
     pub(crate) record_limit: Option<crate::quota::RecordLimit>,
+    pub(crate) stale_claims: crate::uncertain::StaleClaims,
+    pub(crate) on_uncertain: crate::uncertain::OnUncertain,
 }
 
 /// How a failed `complete` is retried in the background.
@@ -139,6 +141,8 @@ impl fmt::Debug for Config {
             .field("store_timeout", &self.store_timeout)
             .field("store_queue_timeout", &self.store_queue_timeout)
             .field("anonymous", &self.anonymous)
+            .field("stale_claims", &self.stale_claims)
+            .field("on_uncertain", &self.on_uncertain)
             .finish_non_exhaustive()
     }
 }

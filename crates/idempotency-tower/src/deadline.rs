@@ -94,6 +94,13 @@ impl Written for Option<Record> {
     }
 }
 
+/// A resolution that completed its record.
+impl Written for idempotency::Resolve {
+    fn written(&self) -> bool {
+        matches!(self, idempotency::Resolve::Resolved(_))
+    }
+}
+
 /// The record count (a read).
 impl Written for bool {
     fn written(&self) -> bool {

@@ -19,6 +19,7 @@ use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
 use crate::sources::KeySources;
+use crate::uncertain::{OnUncertain, StaleClaims};
 
 /// The default time an in-flight claim is honoured before another request may take it over.
 pub const DEFAULT_IN_FLIGHT_TTL: Duration = Duration::from_secs(5 * 60);
@@ -112,6 +113,8 @@ impl IdempotencyLayer {
             max_records_per_principal: None,
             store_timeout: DEFAULT_STORE_TIMEOUT,
             store_queue_timeout: DEFAULT_STORE_QUEUE_TIMEOUT,
+            stale_claims: StaleClaims::default(),
+            on_uncertain: OnUncertain::default(),
         }
     }
 
@@ -163,6 +166,8 @@ pub struct IdempotencyLayerBuilder {
     max_records_per_principal: Option<u64>,
     store_timeout: Duration,
     store_queue_timeout: Duration,
+    stale_claims: StaleClaims,
+    on_uncertain: OnUncertain,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -429,6 +434,23 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// What a claim gone stale becomes when a retry finds it (default [`StaleClaims::Reclaim`]:
+    /// taken over, the handler runs again). [`StaleClaims::Uncertain`] makes it uncertain
+    /// instead, for a handler that sends its request on to a target that may have acted (a
+    /// gateway's rule): the retry then gets what [`on_uncertain`](Self::on_uncertain) says.
+    pub fn stale_claims(mut self, rule: StaleClaims) -> Self {
+        self.stale_claims = rule;
+        self
+    }
+
+    /// What a retry of an uncertain record gets (default [`OnUncertain::Hold`]:
+    /// `409 outcome-uncertain` naming the record id). A request's own [`OnUncertain`] in its
+    /// extensions (put there by a middleware before the layer, per route) wins over this.
+    pub fn on_uncertain(mut self, rule: OnUncertain) -> Self {
+        self.on_uncertain = rule;
+        self
+    }
+
     /// Builds the layer.
     ///
     /// # Panics
@@ -483,6 +505,8 @@ impl IdempotencyLayerBuilder {
                 releases: Default::default(),
                 detached: DetachedHandlers::new(),
                 record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
+                stale_claims: self.stale_claims,
+                on_uncertain: self.on_uncertain,
             }),
         })
     }

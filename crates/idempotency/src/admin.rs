@@ -1,5 +1,6 @@
-//! What an operator asks a store: records a page at a time, one record by its id, and forgetting
-//! a record (the [`Store`](crate::Store) methods `list_records`, `get_by_id` and `forget`).
+//! What an operator asks a store: records a page at a time, one record by its id, forgetting
+//! a record and resolving an uncertain one (the [`Store`](crate::Store) methods `list_records`,
+//! `get_by_id`, `forget` and `resolve`).
 
 use crate::{Principal, Record, RecordId, RecordState, Timestamp};
 
@@ -85,11 +86,24 @@ impl RecordPage {
 /// What [`Store::forget`](crate::Store::forget) did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Forget {
-    /// The record (completed or failed) was deleted; here it is as it was. The next request
-    /// with its key runs as a new operation.
+    /// The record (completed, failed or uncertain) was deleted; here it is as it was. The next
+    /// request with its key runs as a new operation.
     Forgotten(Record),
     /// The record is in flight: nothing was deleted.
     InFlight(Record),
+    /// No record has this id.
+    Absent,
+}
+
+/// What [`Store::resolve`](crate::Store::resolve) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolve {
+    /// The record was uncertain and is now completed with the response given; here it is as
+    /// stored. Every retry with its key replays that response.
+    Resolved(Record),
+    /// The record is not uncertain (in flight, completed or failed): nothing was written. Here it
+    /// is as it stands, its state saying why.
+    NotUncertain(Record),
     /// No record has this id.
     Absent,
 }

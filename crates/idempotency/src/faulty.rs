@@ -49,11 +49,17 @@ pub enum Op {
     SweepExpired,
     /// [`Store::ping`].
     Ping,
+    /// [`Store::mark_uncertain`].
+    MarkUncertain,
+    /// [`Store::mark_stale_uncertain`].
+    MarkStaleUncertain,
+    /// [`Store::take_over_uncertain`].
+    TakeOverUncertain,
 }
 
 impl Op {
-    /// Every operation, in trait order.
-    pub const ALL: [Op; 9] = [
+    /// Every operation that can be failed on purpose.
+    pub const ALL: [Op; 12] = [
         Op::Claim,
         Op::Reclaim,
         Op::Heartbeat,
@@ -63,6 +69,9 @@ impl Op {
         Op::Get,
         Op::SweepExpired,
         Op::Ping,
+        Op::MarkUncertain,
+        Op::MarkStaleUncertain,
+        Op::TakeOverUncertain,
     ];
 
     /// The method's name, e.g. `complete`.
@@ -77,6 +86,9 @@ impl Op {
             Op::Get => "get",
             Op::SweepExpired => "sweep_expired",
             Op::Ping => "ping",
+            Op::MarkUncertain => "mark_uncertain",
+            Op::MarkStaleUncertain => "mark_stale_uncertain",
+            Op::TakeOverUncertain => "take_over_uncertain",
         }
     }
 
@@ -207,6 +219,23 @@ impl<S: Store> Store for FaultyStore<S> {
         self.call(Op::Claim, self.inner.claim(req)).await
     }
 
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.call(Op::MarkUncertain, self.inner.mark_uncertain(claim)).await
+    }
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        self.call(Op::MarkStaleUncertain, self.inner.mark_stale_uncertain(req)).await
+    }
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        self.call(Op::TakeOverUncertain, self.inner.take_over_uncertain(req)).await
+    }
+    async fn resolve(
+        &self,
+        id: &crate::RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<crate::Resolve, StoreError> {
+        self.inner.resolve(id, response, expires_at).await
+    }
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         self.call(Op::Reclaim, self.inner.reclaim(req)).await
     }

@@ -30,7 +30,7 @@ pub mod conformance;
 #[cfg(feature = "conformance")]
 pub mod faulty;
 
-pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery};
+pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery, Resolve};
 pub use changes::{ChangeSubscription, RecordChanges, change_tag};
 pub use derive::{SubKey, derive};
 pub use fingerprint::{DEFAULT_MAX_BODY, Fingerprint, FingerprintError, FingerprintMode, Fingerprinter, RequestParts};

@@ -10,7 +10,7 @@ use foldhash::quality::RandomState;
 use crate::record::stale_after;
 use crate::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, RecordState,
-    Renewal, Scope, Store, StoreError, StoredResponse, Timestamp,
+    Renewal, Resolve, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
 const SHARDS: usize = 64;
@@ -92,7 +92,7 @@ impl Store for MemoryStore {
             && match current.state {
                 RecordState::Failed => true,
                 RecordState::InFlight => now >= stale_after(current.started_at, in_flight_ttl),
-                RecordState::Completed => false,
+                RecordState::Completed | RecordState::Uncertain => false,
             };
         if !reclaimable {
             return Ok(None);
@@ -137,6 +137,36 @@ impl Store for MemoryStore {
         let mut shard = self.shard(claim.scope());
         current_claim(&mut shard, claim)?.state = RecordState::Failed;
         Ok(())
+    }
+
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        let mut shard = self.shard(claim.scope());
+        current_claim(&mut shard, claim)?.state = RecordState::Uncertain;
+        Ok(())
+    }
+
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        let mut shard = self.shard(&req.record.scope);
+        let Some(current) = as_read(&mut shard, req.record) else { return Ok(None) };
+        if !current.is_stale(req.now, req.in_flight_ttl) {
+            return Ok(None);
+        }
+        current.state = RecordState::Uncertain;
+        current.expires_at = current.expires_at.max(req.record_expires_at());
+        Ok(Some(current.clone()))
+    }
+
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let mut shard = self.shard(&req.record.scope);
+        let Some(current) = as_read(&mut shard, req.record) else { return Ok(None) };
+        if current.state != RecordState::Uncertain {
+            return Ok(None);
+        }
+        current.state = RecordState::InFlight;
+        current.generation += 1;
+        current.started_at = req.now;
+        current.expires_at = current.expires_at.max(req.record_expires_at());
+        Ok(Some(Claim::new(current.clone())))
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
@@ -215,6 +245,31 @@ impl Store for MemoryStore {
         }
         Ok(Forget::Absent)
     }
+
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            let Some(record) = shard.values_mut().find(|r| r.record_id == *id) else { continue };
+            if record.state != RecordState::Uncertain {
+                return Ok(Resolve::NotUncertain(record.clone()));
+            }
+            record.state = RecordState::Completed;
+            record.response = Some(response.clone());
+            record.expires_at = expires_at;
+            return Ok(Resolve::Resolved(record.clone()));
+        }
+        Ok(Resolve::Absent)
+    }
+}
+
+/// The record `read` as it still stands: the same record id and generation.
+fn as_read<'a>(shard: &'a mut Shard, read: &Record) -> Option<&'a mut Record> {
+    shard.get_mut(&read.scope).filter(|r| r.record_id == read.record_id && r.generation == read.generation)
 }
 
 fn current_claim<'a>(shard: &'a mut Shard, claim: &Claim) -> Result<&'a mut Record, StoreError> {

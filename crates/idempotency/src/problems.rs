@@ -65,3 +65,9 @@ pub const STORED_RESPONSE_CORRUPT: &str = "stored-response-corrupt";
 /// `500`: an unexpected failure that is no fault of the request (such as a handler that reads
 /// the idempotency context on a route without the layer); nothing was stored.
 pub const INTERNAL: &str = "internal";
+
+/// `409` (a retry of it, held), `504` (the attempt that lost its answer) or `503` with
+/// `Retry-After` (a probe could not tell): the request was sent on and nobody knows whether it
+/// acted, so it is not run again on a guess; the `detail` names the record id an operator
+/// resolves.
+pub const OUTCOME_UNCERTAIN: &str = "outcome-uncertain";

@@ -23,8 +23,15 @@ pub fn now() -> Timestamp {
 ///   none --claim--> in_flight --complete--> completed --expiry--> none
 ///                    |   ^  \--fail--> failed --reclaim--> in_flight
 ///                    |   '--reclaim (stale)--'
-///                    '--remove--> none
+///                    |--remove--> none
+///                    '--mark_uncertain / mark_stale_uncertain--> uncertain
+///   uncertain --take_over_uncertain--> in_flight      (run again: resend, or "never happened")
+///   uncertain --resolve--> completed                  (what happened, told by an operator or a probe)
+///   uncertain --forget / expiry--> none
 /// ```
+///
+/// `uncertain` is for a caller that sends a request on (a gateway) and may not know whether it
+/// acted: no TTL makes it run again, and only an explicit take-over or resolution moves it.
 ///
 /// While its handler runs, the claim's owner renews it with `heartbeat` (a new `started_at`,
 /// and an expiry no earlier than a TTL later), so only a dead attempt goes stale, and a record in
@@ -37,15 +44,24 @@ pub enum RecordState {
     Completed,
     /// The handler failed (5xx, error, panic); the next retry runs it again.
     Failed,
+    /// The request was sent on and its outcome is unknown (the answer was lost, or the attempt
+    /// died after sending it). Never run again on a guess: not by a TTL, not by `reclaim`; only
+    /// [`Store::take_over_uncertain`](crate::Store::take_over_uncertain) runs it again and
+    /// [`Store::resolve`](crate::Store::resolve) stores what happened.
+    Uncertain,
 }
 
 impl RecordState {
-    /// The stored name: `in_flight`, `completed` or `failed`.
+    /// Every state, in the order of the state machine.
+    pub const ALL: [Self; 4] = [Self::InFlight, Self::Completed, Self::Failed, Self::Uncertain];
+
+    /// The stored name: `in_flight`, `completed`, `failed` or `uncertain`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InFlight => "in_flight",
             Self::Completed => "completed",
             Self::Failed => "failed",
+            Self::Uncertain => "uncertain",
         }
     }
 
@@ -55,6 +71,7 @@ impl RecordState {
             "in_flight" => Some(Self::InFlight),
             "completed" => Some(Self::Completed),
             "failed" => Some(Self::Failed),
+            "uncertain" => Some(Self::Uncertain),
             _ => None,
         }
     }
@@ -220,6 +237,11 @@ pub enum Decision {
     },
     /// Failed, or in flight but stale: the caller may re-claim it with `Store::reclaim`.
     Reclaim,
+    /// Uncertain: the request was sent on and nobody knows whether it acted. The caller decides
+    /// by its own rule: hold it, take it over to run again
+    /// ([`Store::take_over_uncertain`](crate::Store::take_over_uncertain)), or find out and
+    /// [`resolve`](crate::Store::resolve) it. Never run again on a guess.
+    Uncertain,
 }
 
 impl Record {
@@ -269,6 +291,7 @@ impl Record {
             // only through a fenced re-claim, which the store refuses for completed rows.
             (RecordState::Completed, None) => Decision::InProgress { retry_after: Duration::from_secs(1) },
             (RecordState::Failed, _) => Decision::Reclaim,
+            (RecordState::Uncertain, _) => Decision::Uncertain,
             (RecordState::InFlight, _) => {
                 let stale_at = stale_after(self.started_at, in_flight_ttl);
                 if now >= stale_at {
@@ -384,7 +407,9 @@ impl ClaimRequest {
     }
 }
 
-/// A request to reclaim a failed or stale record; see [`crate::Store::reclaim`].
+/// A request to reclaim a failed or stale record ([`crate::Store::reclaim`]), to mark a stale one
+/// uncertain ([`crate::Store::mark_stale_uncertain`]), or to take an uncertain one over
+/// ([`crate::Store::take_over_uncertain`]): each a compare-and-set on the record as read.
 #[derive(Debug, Clone, Copy)]
 pub struct ReclaimRequest<'a> {
     /// The record as the caller read it; the reclaim succeeds only while the record still has
@@ -479,13 +504,20 @@ mod tests {
         assert_eq!(flying.decide(&fp, flying.started_at + chrono::Duration::seconds(300), ttl), Decision::Reclaim);
         assert_eq!(flying.decide(&other, now(), ttl), Decision::Mismatch);
         assert_eq!(record(RecordState::Failed, "sha256:a").decide(&fp, now(), ttl), Decision::Reclaim);
+
+        // Uncertain whatever its age: no TTL turns it into a reclaim; a mismatch still wins.
+        let unsure = record(RecordState::Uncertain, "sha256:a");
+        let much_later = unsure.started_at + chrono::Duration::days(1);
+        assert_eq!(unsure.decide(&fp, much_later, ttl), Decision::Uncertain);
+        assert!(!unsure.is_stale(much_later, ttl));
+        assert_eq!(unsure.decide(&other, now(), ttl), Decision::Mismatch);
     }
 
     #[test]
     fn a_key_is_free_once_expired_unless_a_live_claim_holds_it() {
         let ttl = Duration::from_secs(300);
         let secs = chrono::Duration::seconds;
-        for state in [RecordState::Completed, RecordState::Failed, RecordState::InFlight] {
+        for state in RecordState::ALL {
             let r = record(state, "sha256:a");
             let (t, expiry) = (r.started_at, r.expires_at);
             assert!(!r.is_free(expiry - secs(1), ttl), "{state:?}: not expired yet");
@@ -523,7 +555,7 @@ mod tests {
     fn take_replay_agrees_with_decide() {
         let ttl = Duration::from_secs(300);
         let fp = Fingerprint::from_stored("sha256:a");
-        for state in [RecordState::Completed, RecordState::InFlight, RecordState::Failed] {
+        for state in RecordState::ALL {
             for stored in ["sha256:a", "sha256:b"] {
                 let r = record(state, stored);
                 let mut taken = r.clone();
@@ -576,9 +608,10 @@ mod tests {
 
     #[test]
     fn state_names_round_trip() {
-        for s in [RecordState::InFlight, RecordState::Completed, RecordState::Failed] {
+        for s in RecordState::ALL {
             assert_eq!(RecordState::from_stored(s.as_str()), Some(s));
         }
+        assert_eq!(RecordState::Uncertain.as_str(), "uncertain");
         let id = RecordId::random();
         assert_eq!(RecordId::from_hex(&id.to_hex()), Some(id));
     }

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 
 use crate::{
     Claim, ClaimOutcome, ClaimRequest, Forget, Principal, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery,
-    Renewal, Scope, StoredResponse, Timestamp,
+    Renewal, Resolve, Scope, StoredResponse, Timestamp,
 };
 
 /// Why a store operation failed.
@@ -127,7 +127,11 @@ impl std::fmt::Display for ErrorChain<'_> {
 ///   short the retention they ask for; and a claim never replaces an expired record that is in
 ///   flight under a live claim ([`Record::is_free`]). So no sweep and no claim frees the key of a
 ///   handler that still runs.
-/// - **Fenced writes.** `complete`, `fail`, `heartbeat` and `remove` write only while the claim's
+/// - **Uncertain is never run on a guess.** A record in state
+///   [`uncertain`](crate::RecordState::Uncertain) is returned by `claim` as an existing record
+///   however old its attempt, is never taken by `reclaim`, and leaves that state only by
+///   `take_over_uncertain`, `resolve`, `forget` or its expiry.
+/// - **Fenced writes.** `complete`, `fail`, `mark_uncertain`, `heartbeat` and `remove` write only while the claim's
 ///   record id and generation are the record's current ones and it is in flight; otherwise
 ///   [`StoreError::Fenced`] and nothing is written (a fenced call never recreates a removed
 ///   record).
@@ -177,6 +181,30 @@ pub trait Store: Send + Sync + 'static {
     /// in_flight -> failed, fenced like `complete`.
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError>;
 
+    /// in_flight -> uncertain, fenced like `complete`: the claim's attempt sent its request on
+    /// and cannot tell whether it acted (its answer was lost). The record keeps its expiry (at
+    /// least the retention from the claim: see [`ClaimRequest::record_expires_at`]), no TTL makes
+    /// it run again, and the next request with its key gets it back as an existing record
+    /// ([`crate::Decision::Uncertain`]). Announced like `complete` ([`Store::changes`]).
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError>;
+
+    /// A stale in_flight -> uncertain: a compare-and-set like `reclaim`'s, for an attempt that
+    /// died and may have sent its request on, which a caller must not run again on a guess (a
+    /// gateway's rule; `reclaim` is the rule of a handler that resumes through its sub-keys).
+    /// Succeeds, returning the record as it now is, only while the record still has
+    /// `req.record`'s record id and generation and is in flight with
+    /// `started_at + req.in_flight_ttl <= req.now`; its generation stays, its expiry becomes the
+    /// later of its own and [`ReclaimRequest::record_expires_at`]. Of concurrent callers exactly
+    /// one gets `Some`.
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError>;
+
+    /// uncertain -> in_flight, to run the request again (it is known not to have happened, or
+    /// its target deduplicates): a compare-and-set on the record id and generation, as
+    /// `reclaim` does for a failed record. Succeeds (generation + 1, `started_at = req.now`,
+    /// expiry as `reclaim` sets it) only while the record still has `req.record`'s generation
+    /// and is uncertain. Of concurrent callers exactly one gets `Some`.
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError>;
+
     /// Reads a record, expired or not.
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError>;
 
@@ -193,7 +221,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// How many records `principal` holds that count against a per-principal limit
     /// (`max_records_per_principal` in the tower layer): those that hold a stored response or a
-    /// live attempt, completed or in flight, and have not expired at `now`. A failed record
+    /// live attempt, completed, in flight or uncertain, and have not expired at `now`. A failed record
     /// stored nothing and does not count; a removed or forgotten one is gone. `None`: this store
     /// does not count (the default), and no such limit can be enforced on it. Stores answer from
     /// an index on the principal, so a count costs one index range scan, not a table scan.
@@ -213,14 +241,25 @@ pub trait Store: Send + Sync + 'static {
     /// Reads the record with this id, expired or not.
     async fn get_by_id(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
-    /// Deletes the record with this id if it is completed or failed ([`Forget::Forgotten`]), in
-    /// one atomic step that checks its state; one in flight is left alone
-    /// ([`Forget::InFlight`]). The key's next request then creates a new record, with a new
-    /// record id.
+    /// Deletes the record with this id if it is completed, failed or uncertain
+    /// ([`Forget::Forgotten`]), in one atomic step that checks its state; one in flight is left
+    /// alone ([`Forget::InFlight`]). The key's next request then creates a new record, with a new
+    /// record id. For an uncertain record: an operator's "it did not happen".
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError>;
 
+    /// uncertain -> completed with `response`, expiring at `expires_at`, in one atomic step that
+    /// checks the state: an operator's (or a probe's) "this is what happened"; every retry then
+    /// replays `response`. A record in any other state is left as it is
+    /// ([`Resolve::NotUncertain`], with the record).
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError>;
+
     /// Where this store announces, to every process that uses it, that a record left
-    /// `in_flight` (completed or failed): a request waiting for another process's request with
+    /// `in_flight` (completed, failed or uncertain): a request waiting for another process's request with
     /// its key is woken at once instead of at its next read. Default: none (waiters poll).
     /// PostgreSQL announces with LISTEN/NOTIFY.
     fn changes(&self) -> Option<std::sync::Arc<crate::RecordChanges>> {
@@ -252,6 +291,23 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         (**self).fail(claim).await
+    }
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        (**self).mark_uncertain(claim).await
+    }
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        (**self).mark_stale_uncertain(req).await
+    }
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        (**self).take_over_uncertain(req).await
+    }
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        (**self).resolve(id, response, expires_at).await
     }
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
         (**self).get(scope).await

@@ -6,13 +6,12 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use idempotency::{
-    ClaimOutcome, ClaimRequest, Decision, ErrorChain, ReclaimRequest, Record, RecordState, Scope, StoreError, now,
-};
+use idempotency::{ClaimOutcome, ClaimRequest, Decision, Record, RecordState, Scope, now};
 use tower::Service;
 
-use super::Protected;
 use super::owner::{Run, own};
+use super::uncertain::{self, Next};
+use super::{Protected, store_down};
 use crate::BoxError;
 use crate::config::Config;
 use crate::deadline::{bounded, timed_out};
@@ -22,6 +21,7 @@ use crate::problem::{Rejection, rejection_response};
 use crate::quota::PassesRecordLimit;
 use crate::release::Releases;
 use crate::replay::replay;
+use crate::uncertain::StaleClaims;
 
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
@@ -140,7 +140,43 @@ where
         if let Some(stored) = record.take_replay(&p.fingerprint) {
             return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
         }
-        match record.decide(&p.fingerprint, t, cfg.in_flight_ttl) {
+        let mut decision = record.decide(&p.fingerprint, t, cfg.in_flight_ttl);
+        // A gateway's rule: a stale claim's attempt may have acted, so it becomes uncertain
+        // instead of running again.
+        if matches!(decision, Decision::Reclaim)
+            && record.state == RecordState::InFlight
+            && cfg.stale_claims == StaleClaims::Uncertain
+        {
+            match uncertain::mark_stale(&cfg, &record, t).await {
+                Ok(Some(marked)) => {
+                    record = marked;
+                    decision = Decision::Uncertain;
+                }
+                // Taken over, completed or marked by another request first: read it again.
+                Ok(None) => {
+                    races += 1;
+                    if races > MAX_RACES {
+                        return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                    }
+                    continue;
+                }
+                Err(res) => return Ok(res),
+            }
+        }
+        match decision {
+            Decision::Uncertain => {
+                let rule = uncertain::rule_of(&cfg, &p.parts.extensions);
+                match uncertain::retry(&cfg, &record, t, &rule).await {
+                    Next::Answer(res) => return Ok(applied(res, waited)),
+                    Next::Own(claim) => return Box::pin(own(p, claim, Run::Executed)).await,
+                    Next::Again => {
+                        races += 1;
+                        if races > MAX_RACES {
+                            return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                        }
+                    }
+                }
+            }
             Decision::Replay(stored) => {
                 return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
             }
@@ -164,18 +200,7 @@ where
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-                match bounded(
-                    &cfg,
-                    "reclaim",
-                    store.reclaim(ReclaimRequest {
-                        record: &record,
-                        now: t,
-                        in_flight_ttl: cfg.in_flight_ttl,
-                        expires_at: idempotency::later(t, cfg.retention),
-                    }),
-                )
-                .await
-                {
+                match bounded(&cfg, "reclaim", store.reclaim(uncertain::on_record(&cfg, &record, t))).await {
                     Ok(Some(claim)) => {
                         if matches!(how, Run::StaleReclaimed) {
                             tracing::warn!(
@@ -234,11 +259,6 @@ fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Bod
         response.headers_mut().insert(http::header::LINK, value);
     }
     response
-}
-
-fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
-    tracing::error!(error = %ErrorChain(&e), op, "idempotency store call failed; the handler did not run");
-    rejection_response(cfg, Rejection::StoreUnavailable(e))
 }
 
 /// Gives back the record place this request reserved, once: it created no record.

@@ -12,7 +12,7 @@ use idempotency::{Claim, ErrorChain, StoreError, StoredBody, StoredResponse, now
 use tower::{Service, ServiceExt};
 
 use super::Protected;
-use super::finish::{complete, fail};
+use super::finish::{complete, fail, mark_uncertain};
 use super::heartbeat::with_heartbeat;
 use crate::BoxError;
 use crate::config::Config;
@@ -21,6 +21,7 @@ use crate::expires::with_expiry;
 use crate::metrics::count;
 use crate::problem::{Rejection, rejection_response};
 use crate::replay::replayable_headers;
+use crate::uncertain::OutcomeUncertain;
 
 /// Why the owner runs the handler: counted as the request's outcome.
 #[derive(Clone, Copy)]
@@ -49,6 +50,8 @@ enum Handled<E> {
     NotTerminal(http::response::Parts, Body),
     ServiceError(E),
     BodyError(BoxError),
+    /// The handler does not know whether its request acted ([`OutcomeUncertain`]).
+    Uncertain,
 }
 
 /// Runs the handler as the owner of `claim`, then completes or fails the record.
@@ -75,6 +78,9 @@ where
             Err(e) => Handled::ServiceError(e),
             Ok(res) => {
                 let (parts, body) = res.into_parts();
+                if parts.extensions.get::<OutcomeUncertain>().is_some() {
+                    return Handled::Uncertain;
+                }
                 let body = Body::new(body);
                 if !policy.is_terminal(parts.status.as_u16()) {
                     return Handled::NotTerminal(parts, body);
@@ -140,6 +146,7 @@ where
             fail(&cfg, &claim, "the response body failed").await;
             return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed));
         }
+        Ok(Handled::Uncertain) => return Ok(mark_uncertain(&cfg, &claim).await),
         Err(_panic) => {
             fail(&cfg, &claim, "the handler panicked").await;
             return Ok(rejection_response(&cfg, Rejection::HandlerPanicked));

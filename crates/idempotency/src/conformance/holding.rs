@@ -55,6 +55,23 @@ impl<S: Store, G: Send + Sync + 'static> Store for Holding<S, G> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.store.claim(req).await
     }
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.store.mark_uncertain(claim).await
+    }
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        self.store.mark_stale_uncertain(req).await
+    }
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        self.store.take_over_uncertain(req).await
+    }
+    async fn resolve(
+        &self,
+        id: &crate::RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<crate::Resolve, StoreError> {
+        self.store.resolve(id, response, expires_at).await
+    }
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         self.store.reclaim(req).await
     }

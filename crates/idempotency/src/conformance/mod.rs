@@ -37,6 +37,7 @@ pub use lifecycle::*;
 pub use operating::*;
 pub use port::{HeldPort, free_port_with, free_ports};
 pub use retention::*;
+pub use uncertain::*;
 
 mod claims;
 mod holding;
@@ -44,6 +45,7 @@ mod lifecycle;
 mod operating;
 mod port;
 mod retention;
+mod uncertain;
 
 /// Two handles on one backing store: `peer` must be a separate connection pool to the same
 /// database where the backend has pools (two replicas of a service), or the same store.
@@ -221,6 +223,14 @@ macro_rules! store_conformance_suite {
                 a_reclaim_keeps_the_record_for_at_least_the_ttl,
                 a_live_claim_is_never_replaced_past_its_expiry,
                 counts_only_what_a_principal_stores,
+                mark_uncertain_keeps_the_record,
+                an_uncertain_record_is_not_reclaimed_after_its_ttl,
+                mark_uncertain_is_fenced,
+                stale_in_flight_becomes_uncertain_with_one_winner,
+                take_over_of_an_uncertain_record_has_one_owner,
+                resolve_completes_only_an_uncertain_record,
+                forget_frees_an_uncertain_record,
+                uncertain_records_are_listed_and_counted,
                 $($expiry,)*
             );
         }

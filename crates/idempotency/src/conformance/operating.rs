@@ -83,6 +83,7 @@ pub async fn listing_filters_by_state_principal_and_age(fx: Fixture) {
                 fx.store.complete(&c, &response(201, b"{}"), t + Span::hours(1)).await.expect("complete")
             }
             RecordState::Failed => fx.store.fail(&c).await.expect("fail"),
+            RecordState::Uncertain => fx.store.mark_uncertain(&c).await.expect("mark uncertain"),
             RecordState::InFlight => {}
         }
         ids.insert(name, c.record().record_id);
