@@ -94,6 +94,13 @@ impl Written for Option<Record> {
     }
 }
 
+/// A resolution of an uncertain record.
+impl Written for idempotency::Resolve {
+    fn written(&self) -> bool {
+        matches!(self, Self::Resolved(_))
+    }
+}
+
 /// The record count (a read).
 impl Written for bool {
     fn written(&self) -> bool {

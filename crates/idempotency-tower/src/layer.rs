@@ -12,13 +12,14 @@ use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, R
 use tower::Layer;
 
 use crate::config::{
-    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy,
-    default_policy, default_principal,
+    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, OversizeResponse, PolicyFn, PrincipalFn,
+    RoutePolicy, default_policy, default_principal,
 };
 use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::service::IdempotencyService;
 use crate::sources::KeySources;
+use crate::uncertain::{OnUncertain, StaleClaims};
 
 /// The default time an in-flight claim is honoured before another request may take it over.
 pub const DEFAULT_IN_FLIGHT_TTL: Duration = Duration::from_secs(5 * 60);
@@ -102,6 +103,9 @@ impl IdempotencyLayer {
             compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
             problem_base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
             max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
+            oversize: OversizeResponse::Problem,
+            stale_claims: StaleClaims::Reclaim,
+            on_uncertain: OnUncertain::Hold,
             completion_retry: CompletionRetry {
                 times: DEFAULT_COMPLETION_RETRIES,
                 first_delay: DEFAULT_COMPLETION_RETRY_DELAY,
@@ -157,6 +161,9 @@ pub struct IdempotencyLayerBuilder {
     compression_threshold: usize,
     problem_base: Cow<'static, str>,
     max_stored_response: usize,
+    oversize: OversizeResponse,
+    stale_claims: StaleClaims,
+    on_uncertain: OnUncertain,
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
     operation_link: Option<Box<OperationLinkFn>>,
@@ -360,6 +367,32 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// What the record of a response larger than
+    /// [`max_stored_response`](Self::max_stored_response) keeps: a `410 response-too-large`
+    /// problem ([`OversizeResponse::Problem`], the default) or the response's status and headers
+    /// without its body ([`OversizeResponse::HeadersOnly`], replayed with
+    /// `Idempotency-Body-Omitted: true`).
+    pub fn oversize_response(mut self, oversize: OversizeResponse) -> Self {
+        self.oversize = oversize;
+        self
+    }
+
+    /// What becomes of a claim that went stale: taken over and run again
+    /// ([`StaleClaims::Reclaim`], the default) or made `uncertain` ([`StaleClaims::Uncertain`],
+    /// a gateway's rule: its attempt may have sent the request on).
+    pub fn stale_claims(mut self, stale: StaleClaims) -> Self {
+        self.stale_claims = stale;
+        self
+    }
+
+    /// What a retry of an uncertain record gets (default [`OnUncertain::Hold`]:
+    /// `409 outcome-uncertain` naming the record id). A request's own [`OnUncertain`] in its
+    /// extensions (put there by a middleware before the layer, per route) wins over this.
+    pub fn on_uncertain(mut self, rule: OnUncertain) -> Self {
+        self.on_uncertain = rule;
+        self
+    }
+
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
@@ -474,6 +507,9 @@ impl IdempotencyLayerBuilder {
                 compression_threshold: self.compression_threshold,
                 problem_base: self.problem_base,
                 max_stored_response: self.max_stored_response,
+                oversize: self.oversize,
+                stale_claims: self.stale_claims,
+                on_uncertain: self.on_uncertain,
                 completion_retry: self.completion_retry,
                 store_timeout: self.store_timeout,
                 store_queue_timeout: self.store_queue_timeout,

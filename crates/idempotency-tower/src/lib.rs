@@ -65,15 +65,16 @@ mod replay;
 mod service;
 mod sources;
 mod sweeper;
+mod uncertain;
 mod waiters;
 
-pub use config::{MismatchStatus, RoutePolicy};
+pub use config::{MismatchStatus, OversizeResponse, RoutePolicy};
 pub use context::{IdempotencyContext, MissingContext};
 pub use detached::DetachedHandlers;
 pub use future::ResponseFuture;
 pub use headers::{
-    IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED,
-    REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,
+    IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER,
+    PREFERENCE_APPLIED, REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,
 };
 pub use layer::{
     BuildError, DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY,
@@ -90,6 +91,7 @@ pub use quota::PassesRecordLimit;
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
 pub use sources::{AIP_155_REQUEST_ID, KeySources};
 pub use sweeper::{spawn_sweeper, sweeper};
+pub use uncertain::{OnUncertain, OutcomeUncertain, Probe, Probed, StaleClaims};
 
 /// Re-exported so a service needs no direct dependency on the core for the common types.
 pub use idempotency::{FingerprintMode, MemoryStore, Principal, ResponsePolicy, Store};

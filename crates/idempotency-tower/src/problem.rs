@@ -218,6 +218,18 @@ pub(crate) enum Rejection {
     ResponseTooLarge {
         limit: usize,
     },
+    /// The attempt sent its request on and lost the answer; the record is now uncertain.
+    OutcomeUnknown {
+        record_id: String,
+    },
+    /// A retry of an uncertain record under `hold`.
+    UncertainHeld {
+        record_id: String,
+    },
+    /// A retry of an uncertain record whose probe could not tell.
+    UncertainProbeUnknown {
+        retry_after: Duration,
+    },
 }
 
 /// How long a client is told to wait after the store failed: long enough not to hammer a
@@ -243,6 +255,9 @@ impl Rejection {
             Self::ResponseBodyFailed => "handler_failed",
             Self::StoredResponseCorrupt => "replay_failed",
             Self::ResponseTooLarge { .. } => "response_too_large",
+            Self::OutcomeUnknown { .. } | Self::UncertainHeld { .. } | Self::UncertainProbeUnknown { .. } => {
+                "uncertain"
+            }
         }
     }
 
@@ -362,6 +377,35 @@ impl Rejection {
                      instead"
                 ),
             ),
+            Self::OutcomeUnknown { record_id } => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                problems::OUTCOME_UNCERTAIN,
+                "Outcome uncertain",
+                format!(
+                    "record {record_id}: the request was sent on and its answer was lost, so whether it acted is \
+                     unknown; a retry with the same key does not run it again on a guess"
+                ),
+            )
+            .with_extension("record_id", record_id),
+            Self::UncertainHeld { record_id } => Problem::new(
+                StatusCode::CONFLICT,
+                problems::OUTCOME_UNCERTAIN,
+                "Outcome uncertain",
+                format!(
+                    "record {record_id}: a request with this key was sent and may have taken effect; it is held \
+                     until an operator resolves the record (DELETE /admin/v1/records/{record_id} if it did not \
+                     happen, PUT /admin/v1/records/{record_id}/response with what happened)"
+                ),
+            )
+            .with_extension("record_id", record_id),
+            Self::UncertainProbeUnknown { retry_after } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                problems::OUTCOME_UNCERTAIN,
+                "Outcome uncertain",
+                "a request with this key was sent and may have taken effect; asking whether it did gave no \
+                 answer yet; retry later with the same key",
+            )
+            .with_retry_after(ceil_secs(retry_after)),
         };
         p.with_base(cfg.problem_base.clone())
     }

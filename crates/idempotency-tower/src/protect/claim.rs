@@ -7,7 +7,8 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use idempotency::{
-    ClaimOutcome, ClaimRequest, Decision, ErrorChain, ReclaimRequest, Record, RecordState, Scope, StoreError, now,
+    Claim, ClaimOutcome, ClaimRequest, Decision, ErrorChain, ReclaimRequest, Record, RecordState, Resolve, Scope,
+    StoreError, StoredBody, StoredResponse, now,
 };
 use tower::Service;
 
@@ -21,7 +22,8 @@ use crate::headers::PREFERENCE_APPLIED;
 use crate::problem::{Rejection, rejection_response};
 use crate::quota::PassesRecordLimit;
 use crate::release::Releases;
-use crate::replay::replay;
+use crate::replay::{replay, replayable_headers};
+use crate::uncertain::{OnUncertain, Probed, StaleClaims};
 
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
@@ -140,7 +142,51 @@ where
         if let Some(stored) = record.take_replay(&p.fingerprint) {
             return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
         }
-        match record.decide(&p.fingerprint, t, cfg.in_flight_ttl) {
+        let mut decision = record.decide(&p.fingerprint, t, cfg.in_flight_ttl);
+        if matches!(decision, Decision::Reclaim)
+            && record.state == RecordState::InFlight
+            && cfg.stale_claims == StaleClaims::Uncertain
+        {
+            // The attempt that held the claim died and may have sent its request on: the record
+            // becomes uncertain, and is never run again on a guess (SPEC 8).
+            match bounded(&cfg, "mark_stale_uncertain", store.mark_stale_uncertain(reclaim_request(&cfg, &record, t)))
+                .await
+            {
+                Ok(Some(marked)) => {
+                    tracing::warn!(
+                        record_id = %marked.record_id.to_hex(),
+                        generation = marked.generation,
+                        "a stale claim is uncertain: its attempt may have sent the request on"
+                    );
+                    record = marked;
+                    decision = Decision::Uncertain;
+                }
+                // Another request changed it first: read it again and decide again.
+                Ok(None) => {
+                    races += 1;
+                    if races > MAX_RACES {
+                        return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                    }
+                    continue;
+                }
+                Err(e) => return Ok(store_down(&cfg, "mark_stale_uncertain", e)),
+            }
+        }
+        match decision {
+            Decision::Uncertain => {
+                let retry =
+                    p.parts.extensions.get::<OnUncertain>().cloned().unwrap_or_else(|| cfg.on_uncertain.clone());
+                match retry_uncertain(&cfg, &record, retry, t).await {
+                    Retried::Answer(res) => return Ok(res),
+                    Retried::Run(claim) => return Box::pin(own(p, claim, Run::Executed)).await,
+                    Retried::Raced => {
+                        races += 1;
+                        if races > MAX_RACES {
+                            return Ok(in_progress(&cfg, Duration::from_secs(1)));
+                        }
+                    }
+                }
+            }
             Decision::Replay(stored) => {
                 return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
             }
@@ -164,18 +210,7 @@ where
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-                match bounded(
-                    &cfg,
-                    "reclaim",
-                    store.reclaim(ReclaimRequest {
-                        record: &record,
-                        now: t,
-                        in_flight_ttl: cfg.in_flight_ttl,
-                        expires_at: idempotency::later(t, cfg.retention),
-                    }),
-                )
-                .await
-                {
+                match bounded(&cfg, "reclaim", store.reclaim(reclaim_request(&cfg, &record, t))).await {
                     Ok(Some(claim)) => {
                         if matches!(how, Run::StaleReclaimed) {
                             tracing::warn!(
@@ -201,6 +236,74 @@ where
                 }
             }
         }
+    }
+}
+
+/// A compare-and-set on `record` as read at `t`.
+fn reclaim_request<'a>(cfg: &Config, record: &'a Record, t: idempotency::Timestamp) -> ReclaimRequest<'a> {
+    ReclaimRequest {
+        record,
+        now: t,
+        in_flight_ttl: cfg.in_flight_ttl,
+        expires_at: idempotency::later(t, cfg.retention),
+    }
+}
+
+/// What a retry of an uncertain record does next.
+enum Retried {
+    /// Answer this (held, replayed after a probe found the answer, or the probe could not tell).
+    Answer(Response<Body>),
+    /// Run the request again as the owner of this claim.
+    Run(Claim),
+    /// Another request changed the record first: read it again.
+    Raced,
+}
+
+/// A retry of the uncertain `record`, as `retry` says (SPEC 8): hold it, take it over to run
+/// again, or ask the probe.
+async fn retry_uncertain(cfg: &Config, record: &Record, retry: OnUncertain, t: idempotency::Timestamp) -> Retried {
+    let store = &cfg.store;
+    let take_over = || async {
+        match bounded(cfg, "take_over_uncertain", store.take_over_uncertain(reclaim_request(cfg, record, t))).await {
+            Ok(Some(claim)) => {
+                tracing::warn!(generation = claim.generation(), "an uncertain record is taken over; it runs again");
+                Retried::Run(claim)
+            }
+            Ok(None) => Retried::Raced,
+            Err(e) => Retried::Answer(store_down(cfg, "take_over_uncertain", e)),
+        }
+    };
+    match retry {
+        OnUncertain::Hold => {
+            let held = Rejection::UncertainHeld { record_id: record.record_id.to_hex() };
+            Retried::Answer(with_expiry(rejection_response(cfg, held), record.expires_at))
+        }
+        OnUncertain::Resend => take_over().await,
+        OnUncertain::Probe(probe) => match probe.probe(record).await {
+            Probed::NeverHappened => take_over().await,
+            Probed::Unknown => {
+                let unknown = Rejection::UncertainProbeUnknown { retry_after: cfg.in_progress_retry_after };
+                Retried::Answer(with_expiry(rejection_response(cfg, unknown), record.expires_at))
+            }
+            Probed::Happened(response) => {
+                let (parts, body) = response.into_parts();
+                let stored = StoredResponse {
+                    status: parts.status.as_u16(),
+                    headers: replayable_headers(cfg, &parts.headers),
+                    body: StoredBody::encode(body, cfg.compression_threshold),
+                };
+                let expires_at = idempotency::later(t, cfg.retention);
+                match bounded(cfg, "resolve", store.resolve(&record.record_id, &stored, expires_at)).await {
+                    Ok(Resolve::Resolved(resolved)) => {
+                        tracing::info!(record_id = %record.record_id.to_hex(), "the probe found the answer; stored");
+                        cfg.waiters.wake(&record.scope);
+                        Retried::Answer(with_expiry(replay(cfg, &stored), resolved.expires_at))
+                    }
+                    Ok(Resolve::NotUncertain(_) | Resolve::Absent) => Retried::Raced,
+                    Err(e) => Retried::Answer(store_down(cfg, "resolve", e)),
+                }
+            }
+        },
     }
 }
 

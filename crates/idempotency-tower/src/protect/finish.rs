@@ -124,3 +124,23 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
         }
     }
 }
+
+/// Marks the attempt's record uncertain: its request was sent on and its outcome is unknown, so
+/// nothing runs it again on a guess. When the store does not take it, the record stays in flight
+/// under a claim nobody renews; the layer's [`StaleClaims`](crate::StaleClaims) rule decides
+/// what a retry after the in-flight TTL finds (`Uncertain` for a gateway).
+pub(super) async fn mark_uncertain(cfg: &Arc<Config>, claim: &Arc<Claim>) {
+    match bounded(cfg, "mark_uncertain", cfg.store.mark_uncertain(claim)).await {
+        Ok(()) => {
+            cfg.waiters.wake(claim.scope());
+            tracing::warn!(record_id = %claim.record().record_id.to_hex(), "outcome unknown; the record is uncertain")
+        }
+        Err(StoreError::Fenced { generation }) => {
+            tracing::warn!(generation, "outcome unknown after a newer attempt took the key over")
+        }
+        Err(e) => tracing::error!(
+            error = %ErrorChain(&e),
+            "marking the record uncertain did not work; it stays in flight until its claim goes stale"
+        ),
+    }
+}

@@ -12,15 +12,16 @@ use idempotency::{Claim, ErrorChain, StoreError, StoredBody, StoredResponse, now
 use tower::{Service, ServiceExt};
 
 use super::Protected;
-use super::finish::{complete, fail};
+use super::finish::{complete, fail, mark_uncertain};
 use super::heartbeat::with_heartbeat;
 use crate::BoxError;
-use crate::config::Config;
+use crate::config::{Config, OversizeResponse};
 use crate::context::IdempotencyContext;
 use crate::expires::with_expiry;
 use crate::metrics::count;
 use crate::problem::{Rejection, rejection_response};
 use crate::replay::replayable_headers;
+use crate::uncertain::OutcomeUncertain;
 
 /// Why the owner runs the handler: counted as the request's outcome.
 #[derive(Clone, Copy)]
@@ -47,6 +48,9 @@ enum Handled<E> {
     TooLarge(http::response::Parts, Bytes, Body),
     /// A response that is not stored (5xx, 401, ...), body unread.
     NotTerminal(http::response::Parts, Body),
+    /// The handler sent the request on and does not know whether it acted
+    /// ([`OutcomeUncertain`]).
+    Uncertain,
     ServiceError(E),
     BodyError(BoxError),
 }
@@ -75,6 +79,9 @@ where
             Err(e) => Handled::ServiceError(e),
             Ok(res) => {
                 let (parts, body) = res.into_parts();
+                if parts.extensions.get::<OutcomeUncertain>().is_some() {
+                    return Handled::Uncertain;
+                }
                 let body = Body::new(body);
                 if !policy.is_terminal(parts.status.as_u16()) {
                     return Handled::NotTerminal(parts, body);
@@ -112,13 +119,19 @@ where
         }
         Ok(Handled::TooLarge(parts, read, rest)) => {
             // The side effects happened, so the record must not run again: it completes with a
-            // short problem that says so, and this client gets the whole response, streamed.
+            // short problem that says so (or the status and headers alone), and this client gets
+            // the whole response, streamed.
             tracing::warn!(
                 limit = cfg.max_stored_response,
                 status = parts.status.as_u16(),
-                "the response is larger than a stored response may be; a retry gets 410 response-too-large"
+                oversize = ?cfg.oversize,
+                "the response is larger than a stored response may be; it is stored without its body"
             );
-            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg), expires_at).await {
+            let stored = match cfg.oversize {
+                OversizeResponse::Problem => too_large_response(&cfg),
+                OversizeResponse::HeadersOnly => headers_only(&cfg, &parts),
+            };
+            if let Some(e) = complete(&cfg, &claim, stored, expires_at).await {
                 return Ok(not_acknowledged(&cfg, e));
             }
             stored_until = Some(expires_at);
@@ -129,6 +142,11 @@ where
         Ok(Handled::NotTerminal(parts, body)) => {
             fail(&cfg, &claim, "the response is not terminal").await;
             (parts, body)
+        }
+        Ok(Handled::Uncertain) => {
+            mark_uncertain(&cfg, &claim).await;
+            let rejection = Rejection::OutcomeUnknown { record_id: claim.record().record_id.to_hex() };
+            return Ok(with_expiry(rejection_response(&cfg, rejection), claim.record().expires_at));
         }
         Ok(Handled::ServiceError(e)) => {
             fail(&cfg, &claim, "the inner service returned an error").await;
@@ -246,6 +264,14 @@ fn too_large_response(cfg: &Config) -> StoredResponse {
         headers: vec![(http::header::CONTENT_TYPE.as_str().to_owned(), crate::problem::PROBLEM_JSON.to_owned())],
         body: StoredBody::encode(Bytes::from(problem.to_json()), cfg.compression_threshold),
     }
+}
+
+/// A response too large to store, as its status and replayable headers, marked
+/// `Idempotency-Body-Omitted: true`, with an empty body.
+fn headers_only(cfg: &Config, parts: &http::response::Parts) -> StoredResponse {
+    let mut headers = replayable_headers(cfg, &parts.headers);
+    headers.push((crate::headers::IDEMPOTENCY_BODY_OMITTED.as_str().to_owned(), "true".to_owned()));
+    StoredResponse { status: parts.status.as_u16(), headers, body: StoredBody::encode(Bytes::new(), usize::MAX) }
 }
 
 /// What the client of an attempt whose completion the store wrote but could not get

@@ -1,0 +1,186 @@
+//! Forwarding and the protocol through the real gateway, counted by the upstreams themselves.
+
+use futures::future::join_all;
+use reqwest::StatusCode;
+
+use crate::support::{Answer, Lang, TOKEN, Upstream, client, gateway, post, send, uuid_like};
+
+/// 32 identical keyed requests at once through one gateway: the upstream executes one, and every
+/// client gets its answer (the others replayed).
+async fn thirty_two_at_once_execute_once(lang: Lang) {
+    let upstream = Upstream::start(lang, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+    let key = uuid_like();
+    let slow = [("x-upstream-delay-ms", "300"), ("prefer", "wait=30")];
+    let answers = join_all((0..32).map(|_| post(&gw.url, "/orders", &key, r#"{"sku":"a"}"#, &slow))).await;
+    let answers = join_all(answers.into_iter().map(Answer::of)).await;
+    assert_eq!(upstream.executions().await, 1, "{lang:?}: one execution for one key");
+    let first = &answers[0].body;
+    for a in &answers {
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        assert_eq!(&a.body, first, "every client gets the one answer");
+    }
+    let replayed = answers.iter().filter(|a| a.header("idempotent-replayed") == Some("true")).count();
+    assert_eq!(replayed, 31);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn thirty_two_identical_requests_run_once_in_python() {
+    thirty_two_at_once_execute_once(Lang::Python).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn thirty_two_identical_requests_run_once_in_node() {
+    thirty_two_at_once_execute_once(Lang::Node).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_on_one_postgres_run_a_key_once() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let a = gateway(upstream.url(), pg.url(), &[]);
+    let b = gateway(upstream.url(), pg.url(), &[]);
+    let key = uuid_like();
+    let slow = [("x-upstream-delay-ms", "300"), ("prefer", "wait=30")];
+    let sent = (0..32).map(|i| {
+        let url = if i % 2 == 0 { &a.url } else { &b.url };
+        post(url, "/orders", &key, "{}", &slow)
+    });
+    let answers = join_all(join_all(sent).await.into_iter().map(Answer::of)).await;
+    assert_eq!(upstream.executions().await, 1, "two replicas behave as one gateway");
+    assert!(answers.iter().all(|a| a.status == StatusCode::CREATED), "every client gets the answer");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_upstream_gets_the_request_as_a_proxy_sends_it() {
+    let upstream = Upstream::start(Lang::Node, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+    let key = uuid_like();
+    let extra = [("connection", "x-hop"), ("x-hop", "1"), ("x-kept", "yes")];
+    let answer = send(&gw.url, "/orders?x=1", &key, "{}", &extra).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(answer.json()["path"], "/orders?x=1");
+    let counts = upstream.counts().await;
+    let last = &counts["last"];
+    assert_eq!(last["authorization"], TOKEN, "Authorization is passed on");
+    assert_eq!(last["x-kept"], "yes");
+    assert!(last.get("x-hop").is_none(), "a header named by Connection is hop-by-hop: {last}");
+    assert_eq!(last["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(last["x-forwarded-proto"], "http");
+    assert!(last["forwarded"].as_str().is_some_and(|f| f.starts_with("for=127.0.0.1;proto=http")), "{last}");
+    let forwarded = last["idempotency-key"].as_str().expect("a forwarded key");
+    assert!(forwarded.starts_with("\"sk-") && !forwarded.contains(&key), "derived, not the client's: {forwarded}");
+
+    // The same key under other credentials is another record, and another forwarded key.
+    let other = client()
+        .post(format!("{}/orders?x=1", gw.url))
+        .header("authorization", "Bearer client-b")
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(other.status(), StatusCode::CREATED);
+    let counts = upstream.counts().await;
+    assert_eq!(counts["executions"], 2, "two principals never share a record");
+    assert_ne!(counts["last"]["idempotency-key"].as_str(), Some(forwarded));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forward_key_original_and_none() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let original = gateway(upstream.url(), "memory", &["--forward-key", "original"]);
+    let key = uuid_like();
+    send(&original.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!(upstream.counts().await["last"]["idempotency-key"], format!("\"{key}\""));
+    let none = gateway(upstream.url(), "memory", &["--forward-key", "none"]);
+    send(&none.url, "/orders", &key, "{}", &[]).await;
+    let counts = upstream.counts().await;
+    assert!(counts["last"].get("idempotency-key").is_none(), "{counts}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_protocol_answers_before_anything_is_forwarded() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+
+    // No key: 400, not forwarded.
+    let res = client().post(format!("{}/orders", gw.url)).header("authorization", TOKEN).body("{}").send().await;
+    let missing = Answer::of(res.expect("answer")).await;
+    assert_eq!((missing.status, missing.problem().as_str()), (StatusCode::BAD_REQUEST, "idempotency-key-missing"));
+
+    // No principal: 401, not forwarded.
+    let res = client().post(format!("{}/orders", gw.url)).header("idempotency-key", "\"k\"").body("{}").send().await;
+    let anonymous = Answer::of(res.expect("answer")).await;
+    assert_eq!((anonymous.status, anonymous.problem().as_str()), (StatusCode::UNAUTHORIZED, "principal-missing"));
+    assert_eq!(upstream.executions().await, 0, "nothing was forwarded");
+
+    // The same key with another body: 409 idempotency-key-reused, not forwarded.
+    let key = uuid_like();
+    assert_eq!(send(&gw.url, "/orders", &key, r#"{"n":1}"#, &[]).await.status, StatusCode::CREATED);
+    let reused = send(&gw.url, "/orders", &key, r#"{"n":2}"#, &[]).await;
+    assert_eq!((reused.status, reused.problem().as_str()), (StatusCode::CONFLICT, "idempotency-key-reused"));
+    // The same request again: replayed.
+    let again = send(&gw.url, "/orders", &key, r#"{"n":1}"#, &[]).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert!(again.header("idempotency-key-expires").is_some());
+    assert_eq!(upstream.executions().await, 1);
+
+    // GET passes through untouched, keyless.
+    let get = client().get(format!("{}/orders/by-key/nothing", gw.url)).send().await.expect("answer");
+    assert_eq!(get.status(), StatusCode::NOT_FOUND, "the upstream's own answer");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_response_is_streamed_and_replayed_without_its_body() {
+    let upstream = Upstream::start(Lang::Node, &[]);
+    let gw = gateway(upstream.url(), "memory", &["--max-stored-response", "1KiB"]);
+    let key = uuid_like();
+    let first = send(&gw.url, "/orders", &key, "{}", &[("x-upstream-size", "200000")]).await;
+    assert_eq!((first.status, first.body.len()), (StatusCode::CREATED, 200_000), "the whole body, streamed");
+    let replay = send(&gw.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.header("idempotency-body-omitted"), Some("true"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert!(replay.header("location").is_some_and(|l| l.starts_with("/orders/")), "replayable headers kept");
+    assert_eq!(replay.body, "");
+    assert_eq!(upstream.executions().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_clients_are_served() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().expect("client");
+    let res = h2
+        .post(format!("{}/orders", gw.url))
+        .header("authorization", TOKEN)
+        .header("idempotency-key", format!("\"{}\"", uuid_like()))
+        .body("{}")
+        .send()
+        .await
+        .expect("an HTTP/2 answer");
+    assert_eq!((res.version(), res.status()), (reqwest::Version::HTTP_2, StatusCode::CREATED));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_listener_reports_health_and_metrics() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+    send(&gw.url, "/orders", &uuid_like(), "{}", &[]).await;
+    let admin = testkit::gateway::admin_url(&gw);
+    for path in ["/healthz", "/readyz"] {
+        let res = client().get(format!("{admin}{path}")).send().await.expect("answer");
+        assert_eq!(res.status(), StatusCode::OK, "{path}");
+    }
+    let metrics = client().get(format!("{admin}/metrics")).send().await.expect("answer").text().await.expect("text");
+    assert!(metrics.contains("idempotency_requests_total{outcome=\"executed\"} 1"), "{metrics}");
+    assert!(metrics.contains("idempotency_gateway_upstream_duration_seconds"), "{metrics}");
+    // The records API needs the token.
+    let res = client().get(format!("{admin}/admin/v1/records")).send().await.expect("answer");
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    // Nothing is proxied on the admin listener.
+    let res = client().post(format!("{admin}/orders")).send().await.expect("answer");
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+}
