@@ -1,4 +1,5 @@
-//! Operating the Redis store: listing records with `SCAN`, finding one by its id, forgetting one.
+//! Operating the Redis store: listing records with `SCAN`, finding one by its id, forgetting one,
+//! resolving an uncertain one.
 //!
 //! A record's key is the prefix and a digest of its scope, so nothing indexes records by id,
 //! state or principal: a listing walks the prefix's keys with `SCAN` (node by node on a
@@ -9,7 +10,7 @@
 //! by its id reads the `rid` of every key under the prefix until it is found.
 
 use futures::future::try_join_all;
-use idempotency::{Forget, Record, RecordId, RecordPage, RecordQuery, StoreError};
+use idempotency::{Forget, Record, RecordId, RecordPage, RecordQuery, Resolve, StoreError, StoredResponse, Timestamp};
 use redis::Value;
 
 use crate::conn::Node;
@@ -179,6 +180,43 @@ impl RedisStore {
                     Ok(Forget::Forgotten(r))
                 }
                 None => Err(StoreError::Corrupt("the forget script returned no record".to_owned())),
+            },
+        }
+    }
+}
+
+impl RedisStore {
+    pub(crate) async fn admin_resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        let Some((suffix, record)) = self.admin_find(id).await? else { return Ok(Resolve::Absent) };
+        let key = format!("{}{suffix}", self.prefix());
+        let rid = id.to_hex();
+        let (status, headers) = (response.status.to_string(), response.headers_json());
+        let (eat, eat_ms) = (crate::codec::encode_ts(expires_at), crate::codec::expiry_millis(expires_at).to_string());
+        let args: [&[u8]; 7] = [
+            rid.as_bytes(),
+            status.as_bytes(),
+            headers.as_bytes(),
+            response.body.stored_bytes(),
+            response.body.encoding().as_str().as_bytes(),
+            eat.as_bytes(),
+            eat_ms.as_bytes(),
+        ];
+        match self.eval(&self.scripts.resolve, &key, &args).await? {
+            Value::Int(0) => Ok(Resolve::Absent),
+            // In another state: read it again, as it stands now.
+            Value::Int(2) => Ok(Resolve::NotUncertain(self.admin_find(id).await?.map_or(record, |(_, r)| r))),
+            reply => match record_reply(reply)? {
+                Some(r) => {
+                    self.index_key(&r.scope.principal, &key, &eat_ms).await;
+                    self.announce_change(&r.scope);
+                    Ok(Resolve::Resolved(r))
+                }
+                None => Err(StoreError::Corrupt("the resolve script returned no record".to_owned())),
             },
         }
     }

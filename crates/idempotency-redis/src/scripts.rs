@@ -11,7 +11,7 @@
 
 use redis::Script;
 
-/// The fence shared by `complete`, `fail`, `heartbeat` and `remove`: the record must exist,
+/// The fence shared by `complete`, `fail`, `mark_uncertain`, `heartbeat` and `remove`: the record must exist,
 /// carry the claim's record id (`ARGV[1]`) and generation (`ARGV[2]`), and be in flight;
 /// otherwise the script returns 0 and writes nothing. A missing key reads as all-false and
 /// fails the check, so a fenced call never recreates a record.
@@ -83,6 +83,59 @@ pub(crate) const COMPLETE: &str = concat!(
 /// in_flight -> failed, fenced. Returns 1, or 0 when fenced.
 pub(crate) const FAIL: &str = concat!(fence!(), "redis.call('HSET', KEYS[1], 'st', 'failed')\nreturn 1\n");
 
+/// in_flight -> uncertain, fenced. Returns 1, or 0 when fenced.
+pub(crate) const MARK_UNCERTAIN: &str = concat!(fence!(), "redis.call('HSET', KEYS[1], 'st', 'uncertain')\nreturn 1\n");
+
+/// Compare-and-set of a stale in-flight record to uncertain. ARGV: record id, generation, stale
+/// cutoff (empty when no claim can be that old), expires_at, expires_at in epoch milliseconds.
+///
+/// Succeeds only for the record id and generation the caller read, when the record is in flight
+/// with `sat <= cutoff`: then it is uncertain under the same generation, its expiry moves to
+/// `expires_at` if that is later (the key's own expiry with it), and the script returns the
+/// record. Otherwise nil, and nothing is written.
+pub(crate) const MARK_STALE_UNCERTAIN: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'gen', 'st', 'sat', 'eat')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then return false end
+if h[3] ~= 'in_flight' or type(h[4]) ~= 'string' or ARGV[3] == '' or h[4] > ARGV[3] then return false end
+redis.call('HSET', KEYS[1], 'st', 'uncertain')
+if type(h[5]) ~= 'string' or ARGV[4] > h[5] then
+  redis.call('HSET', KEYS[1], 'eat', ARGV[4])
+  redis.call('PEXPIREAT', KEYS[1], ARGV[5])
+end
+return redis.call('HGETALL', KEYS[1])
+";
+
+/// Compare-and-set take-over of an uncertain record. ARGV: record id, generation, now,
+/// expires_at, expires_at in epoch milliseconds, the next generation.
+///
+/// Succeeds only for the record id and generation the caller read, when the record is
+/// uncertain: then it is in flight under the next generation from now, its expiry moves to
+/// `expires_at` if that is later (the key's own with it), and the script returns the record.
+/// Otherwise nil, and nothing is written.
+pub(crate) const TAKE_OVER_UNCERTAIN: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'gen', 'st', 'eat')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] or h[3] ~= 'uncertain' then return false end
+redis.call('HSET', KEYS[1], 'st', 'in_flight', 'gen', ARGV[6], 'sat', ARGV[3])
+if type(h[4]) ~= 'string' or ARGV[4] > h[4] then
+  redis.call('HSET', KEYS[1], 'eat', ARGV[4])
+  redis.call('PEXPIREAT', KEYS[1], ARGV[5])
+end
+return redis.call('HGETALL', KEYS[1])
+";
+
+/// uncertain -> completed. ARGV: record id, status, headers, body, body encoding, expires_at,
+/// expires_at in epoch milliseconds. Returns the record as stored; 2 when it is in another
+/// state (nothing written); 0 when the key holds another record or none.
+pub(crate) const RESOLVE: &str = "\
+local h = redis.call('HMGET', KEYS[1], 'rid', 'st')
+if h[1] ~= ARGV[1] then return 0 end
+if h[2] ~= 'uncertain' then return 2 end
+redis.call('HSET', KEYS[1], 'st', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4], 're', ARGV[5],
+  'eat', ARGV[6])
+redis.call('PEXPIREAT', KEYS[1], ARGV[7])
+return redis.call('HGETALL', KEYS[1])
+";
+
 /// Renews a claim, fenced. ARGV after the fence: now, expires_at (at least `now` plus the
 /// in-flight TTL), expires_at in epoch milliseconds. Neither `started_at` nor the expiry (the
 /// key's own with it) moves backwards. Returns 1, or 0 when fenced.
@@ -136,6 +189,10 @@ pub(crate) struct Scripts {
     pub reclaim: Lua,
     pub complete: Lua,
     pub fail: Lua,
+    pub mark_uncertain: Lua,
+    pub mark_stale_uncertain: Lua,
+    pub take_over_uncertain: Lua,
+    pub resolve: Lua,
     pub heartbeat: Lua,
     pub remove: Lua,
     pub forget: Lua,
@@ -149,6 +206,10 @@ impl Scripts {
             reclaim: Lua::new(RECLAIM),
             complete: Lua::new(COMPLETE),
             fail: Lua::new(FAIL),
+            mark_uncertain: Lua::new(MARK_UNCERTAIN),
+            mark_stale_uncertain: Lua::new(MARK_STALE_UNCERTAIN),
+            take_over_uncertain: Lua::new(TAKE_OVER_UNCERTAIN),
+            resolve: Lua::new(RESOLVE),
             heartbeat: Lua::new(HEARTBEAT),
             remove: Lua::new(REMOVE),
             forget: Lua::new(FORGET),

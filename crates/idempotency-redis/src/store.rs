@@ -243,7 +243,12 @@ impl RedisStore {
     /// Announces that `claim`'s record left `in_flight` (see [`crate::changes_channel`]), in a
     /// task of its own: the channel's node may be another shard, one that does not answer.
     fn announce(&self, claim: &Claim) {
-        let tag = idempotency::change_tag(&claim.record().scope);
+        self.announce_change(&claim.record().scope);
+    }
+
+    /// [`Self::announce`] for the record of `scope`.
+    pub(crate) fn announce_change(&self, scope: &Scope) {
+        let tag = idempotency::change_tag(scope);
         let (conn, channel) = (self.conn.clone(), crate::changes::channel(&self.prefix));
         tokio::spawn(async move { crate::changes::announce(&conn, &channel, &tag).await });
     }

@@ -644,6 +644,38 @@ async fn server_completion_and_failure_are_announced_to_another_process() {
     assert!(futures::poll!(not_heard.as_mut()).is_pending(), "another record's waiter was not woken");
 }
 
+/// A record marked uncertain by its claim, and a stale one marked uncertain by a retry, are
+/// announced to another process's waiters like a completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_uncertain_marks_are_announced_to_another_process() {
+    let Some((store, cleanup)) = support::server_store().await else { return };
+    let options = idempotency_redis::RedisStoreOptions::default().prefix(store.prefix());
+    let other = idempotency_redis::RedisStore::connect_with(&cleanup.url, options).await.expect("connect the peer");
+    let changes = other.changes().expect("a Redis store announces changes");
+    until_subscribed(&cleanup.url, &idempotency_redis::changes_channel(store.prefix())).await;
+
+    let (lost, stale) = (scope(), scope());
+    announced_within(&changes, &lost, async {
+        let ClaimOutcome::Owned(c) = store.claim(request(&lost)).await.expect("claim") else { panic!("owned") };
+        store.mark_uncertain(&c).await.expect("mark uncertain");
+    })
+    .await;
+    let ClaimOutcome::Owned(c) = store.claim(request(&stale)).await.expect("claim") else { panic!("owned") };
+    let read = c.record().clone();
+    announced_within(&changes, &stale, async {
+        let later = read.started_at + chrono::Duration::hours(1);
+        let req = idempotency::ReclaimRequest {
+            record: &read,
+            now: later,
+            in_flight_ttl: Duration::from_secs(300),
+            expires_at: later + chrono::Duration::hours(24),
+        };
+        store.mark_stale_uncertain(req).await.expect("mark stale uncertain").expect("stale");
+    })
+    .await;
+    assert_eq!(other.get(&stale).await.expect("get").expect("row").state, idempotency::RecordState::Uncertain);
+}
+
 /// On a cluster, one subscription (to a node of the URL) hears the announcements of records on
 /// every primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

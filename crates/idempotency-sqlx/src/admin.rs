@@ -1,6 +1,7 @@
 //! Operating queries shared by the SQL stores: a page of records in record-id order (keyset
 //! paging on the `record_id` index: a page starts after the previous page's last id, never at an
-//! offset), one record by its id, and forgetting one that is not in flight.
+//! offset), one record by its id, forgetting one that is not in flight, and resolving an uncertain
+//! one.
 
 /// `SELECT` of a page, by id, and the forget `DELETE`, for one table and one placeholder style.
 /// Parameters of the page: after (record id or NULL), now, state, principal, started before,
@@ -46,9 +47,35 @@ macro_rules! admin_statements {
     };
 }
 
+/// The resolution `UPDATE` of an uncertain record, for one table and one placeholder style.
+/// Parameters: record id, status, headers, body, body encoding, expires at.
+macro_rules! resolve_statement {
+    ($table:literal, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal) => {
+        pub(crate) const RESOLVE: &str = concat!(
+            "UPDATE ",
+            $table,
+            " SET state = 'completed', response_status = ",
+            $p2,
+            ", response_headers = ",
+            $p3,
+            ", response_body = ",
+            $p4,
+            ", response_encoding = ",
+            $p5,
+            ", expires_at = ",
+            $p6,
+            " WHERE record_id = ",
+            $p1,
+            " AND state = 'uncertain' RETURNING ",
+            $crate::row::record_columns!()
+        );
+    };
+}
+
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite {
     admin_statements!("idempotency_records", "?1", "?2", "?3", "?4", "?5", "?6");
+    resolve_statement!("idempotency_records", "?1", "?2", "?3", "?4", "?5", "?6");
 }
 
 #[cfg(feature = "postgres")]
@@ -62,6 +89,15 @@ pub(crate) mod postgres {
         "$5::timestamptz",
         "$6::bigint"
     );
+    resolve_statement!(
+        "idempotency_records",
+        "$1::bytea",
+        "$2::int4",
+        "$3::text",
+        "$4::bytea",
+        "$5::text",
+        "$6::timestamptz"
+    );
 }
 
 #[cfg(feature = "postgres")]
@@ -74,6 +110,15 @@ pub(crate) mod partitioned {
         "$4::text",
         "$5::timestamptz",
         "$6::bigint"
+    );
+    resolve_statement!(
+        "idempotency_records_by_day",
+        "$1::bytea",
+        "$2::int4",
+        "$3::text",
+        "$4::bytea",
+        "$5::text",
+        "$6::timestamptz"
     );
 }
 
@@ -145,12 +190,48 @@ macro_rules! admin_methods {
                 }
                 Err(idempotency::StoreError::unavailable($crate::admin::ForgetDidNotSettle))
             }
+
+            /// The `UPDATE` is the atomic step: it completes only an uncertain record. When it
+            /// changed nothing, a read tells a record in another state from an absent one; a
+            /// record that became uncertain between the two is resolved on the next round.
+            async fn admin_resolve(
+                &self,
+                id: &idempotency::RecordId,
+                response: &idempotency::StoredResponse,
+                expires_at: idempotency::Timestamp,
+            ) -> Result<idempotency::Resolve, idempotency::StoreError> {
+                use $statements as sql;
+                let ts = $ts;
+                let headers = response.headers_json();
+                for _ in 0..3 {
+                    let row = sqlx::query(sql::RESOLVE)
+                        .bind(id.as_bytes().as_slice())
+                        .bind(i32::from(response.status))
+                        .bind(headers.as_str())
+                        .bind(response.body.stored_bytes().as_ref())
+                        .bind(response.body.encoding().as_str())
+                        .bind(ts(expires_at))
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err($crate::row::db_error)?;
+                    if let Some(row) = row {
+                        return Ok(idempotency::Resolve::Resolved($decode(&row)?));
+                    }
+                    match self.admin_get_by_id(id).await? {
+                        None => return Ok(idempotency::Resolve::Absent),
+                        Some(r) if r.state == idempotency::RecordState::Uncertain => continue,
+                        Some(r) => return Ok(idempotency::Resolve::NotUncertain(r)),
+                    }
+                }
+                Err(idempotency::StoreError::unavailable($crate::admin::ForgetDidNotSettle))
+            }
         }
     };
 }
 pub(crate) use admin_methods;
 
-/// A record that kept changing state between the forget's `DELETE` and the read after it.
+/// A record that kept changing state between the forget's `DELETE` (or the resolution's
+/// `UPDATE`) and the read after it.
 #[derive(Debug, thiserror::Error)]
-#[error("the record kept changing state while it was being forgotten")]
+#[error("the record kept changing state while it was being forgotten or resolved")]
 pub(crate) struct ForgetDidNotSettle;

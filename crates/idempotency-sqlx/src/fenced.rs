@@ -29,6 +29,14 @@ pub(crate) struct FencedSql {
     pub complete: &'static str,
     /// Marks the claim failed.
     pub fail: &'static str,
+    /// Marks the claim uncertain (its outcome is unknown).
+    pub mark_uncertain: &'static str,
+    /// Marks an in-flight record started at or before `$6` (stale) uncertain, expiring no
+    /// earlier than `$7`; returns the row.
+    pub mark_stale_uncertain: &'static str,
+    /// Takes over an uncertain record as the next generation, started at `$6`, expiring no
+    /// earlier than `$7`; returns the row.
+    pub take_over_uncertain: &'static str,
     /// Renews the claim at `$6` and the record's expiry to `$7`; neither moves backwards
     /// (replicas' clocks differ a little).
     pub heartbeat: &'static str,
@@ -75,6 +83,32 @@ macro_rules! fenced_sql {
                 " SET state = 'failed' \
                  WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
                    AND state = 'in_flight'"
+            ),
+            mark_uncertain: concat!(
+                "UPDATE ",
+                $table,
+                " SET state = 'uncertain' \
+                 WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+                   AND state = 'in_flight'"
+            ),
+            mark_stale_uncertain: concat!(
+                "UPDATE ",
+                $table,
+                " SET state = 'uncertain', expires_at = GREATEST(expires_at, $7) \
+                 WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+                   AND state = 'in_flight' AND started_at <= $6 \
+                 RETURNING ",
+                $crate::row::$columns!()
+            ),
+            take_over_uncertain: concat!(
+                "UPDATE ",
+                $table,
+                " SET state = 'in_flight', generation = generation + 1, started_at = $6, \
+                   expires_at = GREATEST(expires_at, $7) \
+                 WHERE principal = $1 AND endpoint = $2 AND key = $3 AND record_id = $4 AND generation = $5 \
+                   AND state = 'uncertain' \
+                 RETURNING ",
+                $crate::row::$columns!()
             ),
             heartbeat: concat!(
                 "UPDATE ",

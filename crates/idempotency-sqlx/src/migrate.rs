@@ -70,6 +70,7 @@ pub fn sqlite_migrator() -> Migrator {
         "migrations/sqlite",
         "20250101000001_idempotency_records.sql",
         "20261202000001_record_id_index.sql",
+        "20261215000001_uncertain_state.sql",
     ))
 }
 
@@ -81,6 +82,7 @@ pub fn postgres_migrator() -> Migrator {
         "migrations/postgres",
         "20250101000001_idempotency_records.sql",
         "20261202000001_record_id_index.sql",
+        "20261215000001_uncertain_state.sql",
     ))
 }
 

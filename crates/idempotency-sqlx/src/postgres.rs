@@ -5,7 +5,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-    RecordQuery, Renewal, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
+    RecordQuery, Renewal, Resolve, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -300,6 +300,40 @@ impl Store for PostgresStore {
         Ok(())
     }
 
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = bind_fence(SQL.mark_uncertain, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
+        fenced(done.rows_affected(), claim)?;
+        self.announcements.announce(&self.pool, &r.scope);
+        Ok(())
+    }
+
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let row = bind_fence(SQL.mark_stale_uncertain, record)
+            // NULL when no claim can be that old: `started_at <= NULL` is never true.
+            .bind(stale_cutoff(now, in_flight_ttl))
+            .bind(req.record_expires_at())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
+        let Some(row) = row else { return Ok(None) };
+        let marked = decode(&row, &record.scope)?;
+        self.announcements.announce(&self.pool, &record.scope);
+        Ok(Some(marked))
+    }
+
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, .. } = req;
+        let row = bind_fence(SQL.take_over_uncertain, record)
+            .bind(now)
+            .bind(req.record_expires_at())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
+        row.map(|r| decode(&r, &record.scope).map(Claim::new)).transpose()
+    }
+
     async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let done = bind_fence(SQL.heartbeat, claim.record())
             .bind(renewal.now)
@@ -357,6 +391,20 @@ impl Store for PostgresStore {
 
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
+    }
+
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        let resolved = self.admin_resolve(id, response, expires_at).await?;
+        if let Resolve::Resolved(r) = &resolved {
+            self.space.wrote();
+            self.announcements.announce(&self.pool, &r.scope);
+        }
+        Ok(resolved)
     }
 
     /// Listens for the announcements of [`crate::CHANGES_CHANNEL`] on one connection of the

@@ -6,10 +6,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, Renewal,
-    Scope, Store, StoreError, StoredResponse, Timestamp,
+    Resolve, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use sqlx::Row;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous,
+};
 
 use crate::row::{ClaimDidNotSettle, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
 
@@ -134,6 +136,28 @@ const COMPLETE: &str = "UPDATE idempotency_records SET state = 'completed', resp
 const FAIL: &str = "UPDATE idempotency_records SET state = 'failed' \
      WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
        AND state = 'in_flight'";
+
+const MARK_UNCERTAIN: &str = "UPDATE idempotency_records SET state = 'uncertain' \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND state = 'in_flight'";
+
+// A stale in-flight record (started at or before ?6) becomes uncertain; its generation stays.
+const MARK_STALE_UNCERTAIN: &str = concat!(
+    "UPDATE idempotency_records SET state = 'uncertain', expires_at = MAX(expires_at, ?7) \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND state = 'in_flight' AND started_at <= ?6 \
+     RETURNING ",
+    record_columns!()
+);
+
+const TAKE_OVER_UNCERTAIN: &str = concat!(
+    "UPDATE idempotency_records SET state = 'in_flight', generation = generation + 1, started_at = ?6, \
+       expires_at = MAX(expires_at, ?7) \
+     WHERE principal = ?1 AND endpoint = ?2 AND key = ?3 AND record_id = ?4 AND generation = ?5 \
+       AND state = 'uncertain' \
+     RETURNING ",
+    record_columns!()
+);
 
 // Renews a live claim and, with it, the record's expiry; neither moves backwards (replicas'
 // clocks differ a little).
@@ -276,6 +300,35 @@ impl Store for SqliteStore {
         fenced(done.rows_affected(), claim)
     }
 
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        let r = claim.record();
+        let done = bind_fence(MARK_UNCERTAIN, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
+        fenced(done.rows_affected(), claim)
+    }
+
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let row = bind_fence(MARK_STALE_UNCERTAIN, record)
+            // NULL when no claim can be that old: `started_at <= NULL` is never true.
+            .bind(stale_cutoff(now, in_flight_ttl).map(micros))
+            .bind(micros(req.record_expires_at()))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
+        row.map(|r| decode(&r)).transpose()
+    }
+
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, .. } = req;
+        let row = bind_fence(TAKE_OVER_UNCERTAIN, record)
+            .bind(micros(now))
+            .bind(micros(req.record_expires_at()))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.space.db_error(e))?;
+        row.map(|r| decode(&r).map(Claim::new)).transpose()
+    }
+
     async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let r = claim.record();
         let done = sqlx::query(HEARTBEAT)
@@ -357,6 +410,25 @@ impl Store for SqliteStore {
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
     }
+
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        self.admin_resolve(id, response, expires_at).await
+    }
+}
+
+/// `sql` with `?1`-`?5` bound to the row of `record` and its fence: record id and generation.
+fn bind_fence<'q>(sql: &'static str, record: &'q Record) -> sqlx::query::Query<'q, sqlx::Sqlite, SqliteArguments> {
+    sqlx::query(sql)
+        .bind(record.scope.principal.as_str())
+        .bind(record.scope.endpoint.as_str())
+        .bind(record.scope.key.as_str())
+        .bind(record.record_id.as_bytes().as_slice())
+        .bind(record.generation)
 }
 
 // SQLite keeps the scope whole: its index has no row-size limit.

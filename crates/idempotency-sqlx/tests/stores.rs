@@ -939,8 +939,9 @@ mod announcements {
         assert_eq!(waiter.get(&a).await.expect("get").expect("a").state, RecordState::Completed);
     }
 
-    /// `one` completes three records in four and fails the fourth, all at once, from a task
-    /// each; every record has a waiter in `two`, armed before the first completion.
+    /// `one` completes two records in four, fails the third and marks the fourth uncertain, all
+    /// at once, from a task each; every record has a waiter in `two`, armed before the first
+    /// completion.
     async fn each_announced(one: Arc<dyn Store>, two: Arc<dyn Store>, db: &TestDatabase) {
         let changes = two.changes().expect("a PostgreSQL store announces changes");
         listening(db).await;
@@ -967,6 +968,8 @@ mod announcements {
                 tokio::spawn(async move {
                     if i % 4 == 3 {
                         one.fail(&claim).await
+                    } else if i % 4 == 2 {
+                        one.mark_uncertain(&claim).await
                     } else {
                         one.complete(&claim, &response(), now() + chrono::Duration::hours(1)).await
                     }
@@ -974,7 +977,7 @@ mod announcements {
             })
             .collect();
         for w in futures::future::join_all(writers).await {
-            w.expect("writer").expect("complete or fail");
+            w.expect("writer").expect("complete, fail or mark uncertain");
         }
 
         // A deadline for the condition, not a measure of speed: nothing but an announcement
@@ -990,8 +993,13 @@ mod announcements {
         let woken = answers.iter().filter(|a| a.is_some()).count();
         let completed = answers.iter().filter(|a| matches!(a, Some(RecordState::Completed))).count();
         let failed = answers.iter().filter(|a| matches!(a, Some(RecordState::Failed))).count();
+        let uncertain = answers.iter().filter(|a| matches!(a, Some(RecordState::Uncertain))).count();
         assert_eq!(woken, RECORDS, "waiters not woken by their record's announcement");
-        assert_eq!((completed, failed), (RECORDS / 4 * 3, RECORDS / 4), "a woken waiter read the record's answer");
+        assert_eq!(
+            (completed, failed, uncertain),
+            (RECORDS / 2, RECORDS / 4, RECORDS / 4),
+            "a woken waiter read the record's answer"
+        );
         assert!(futures::poll!(not_heard.as_mut()).is_pending(), "a record nobody touched was announced");
     }
 }

@@ -40,9 +40,14 @@ impl RedisStore {
     /// record is not counted, and the principal's count is that much lower until the record's
     /// next transition or its expiry. Logged, never an error of the transition.
     pub(super) async fn index_record(&self, scope: &Scope, eat_ms: &str) {
-        let index = principal_index(&self.prefix, &scope.principal);
+        self.index_key(&scope.principal, &self.key_of(scope), eat_ms).await;
+    }
+
+    /// [`Self::index_record`] for the record at `key`.
+    pub(crate) async fn index_key(&self, principal: &idempotency::Principal, key: &str, eat_ms: &str) {
+        let index = principal_index(&self.prefix, principal);
         let mut pipe = redis::pipe();
-        pipe.cmd("ZADD").arg(&index).arg(eat_ms).arg(self.key_of(scope));
+        pipe.cmd("ZADD").arg(&index).arg(eat_ms).arg(key);
         for condition in ["NX", "GT"] {
             pipe.cmd("PEXPIREAT").arg(&index).arg(eat_ms).arg(condition);
         }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordId, RecordPage, RecordQuery, RecordState,
-    Renewal, Scope, Store, StoreError, StoredResponse, Timestamp,
+    Renewal, Resolve, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 use redis::Value;
 
@@ -74,6 +74,9 @@ enum Undo {
     /// A reclaim is marked failed under its new generation, so the next retry reclaims it at
     /// once rather than after the in-flight TTL.
     Fail,
+    /// A take-over of an uncertain record is marked uncertain again under its new generation:
+    /// nothing ran under it, and the outcome of the attempt before is as unknown as it was.
+    Uncertain,
 }
 
 impl RedisStore {
@@ -88,6 +91,7 @@ impl RedisStore {
             let (what, lua) = match how {
                 Undo::Remove => ("remove", &store.scripts.remove),
                 Undo::Fail => ("fail", &store.scripts.fail),
+                Undo::Uncertain => ("mark_uncertain", &store.scripts.mark_uncertain),
             };
             match store.fenced(what, lua, &claim, &[], None, false).await {
                 Ok(()) => tracing::info!(?how, "a claim that was not taken is taken back"),
@@ -164,6 +168,71 @@ impl Store for RedisStore {
         };
         if let Err(e) = self.acknowledged("reclaim", sent.ack) {
             let _ = self.take_back(Undo::Fail, claim.clone()).await;
+            return Err(e);
+        }
+        self.index_record(&record.scope, &eat_ms).await;
+        Ok(Some(claim))
+    }
+
+    /// Kept in the principal's index: an uncertain record counts as live. A run sent again after
+    /// its reply was lost finds the record uncertain already and is fenced, as a second call is:
+    /// the record is uncertain either way.
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.fenced("mark_uncertain", &self.scripts.mark_uncertain, claim, &[], None, true).await?;
+        self.announce(claim);
+        Ok(())
+    }
+
+    /// A run sent again after its reply was lost finds the record uncertain already and returns
+    /// `None`, as for a caller that lost the race: the record is uncertain either way.
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let expires_at = req.record_expires_at();
+        let (rid, generation) = (record.record_id.to_hex(), record.generation.to_string());
+        let (cutoff, eat) = (stale_cutoff(now, in_flight_ttl), encode_ts(expires_at));
+        let eat_ms = expiry_millis(expires_at).to_string();
+        let args: [&[u8]; 5] =
+            [rid.as_bytes(), generation.as_bytes(), cutoff.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()];
+        let key = self.key_of(&record.scope);
+        let sent = self.run(&self.scripts.mark_stale_uncertain, &key, &args, true).await?;
+        let Some(marked) = record_reply(sent.reply)?.map(|r| of_scope(r, &record.scope)) else {
+            return Ok(None);
+        };
+        self.acknowledged("mark_stale_uncertain", sent.ack)?;
+        self.index_record(&record.scope, &eat_ms).await;
+        self.announce(&Claim::new(marked.clone()));
+        Ok(Some(marked))
+    }
+
+    /// A take-over the replicas do not acknowledge is marked uncertain again (fenced on its new
+    /// generation, best effort) and fails as unavailable.
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, .. } = req;
+        let expires_at = req.record_expires_at();
+        let taken = record
+            .generation
+            .checked_add(1)
+            .ok_or_else(|| StoreError::Corrupt(format!("generation {} cannot grow", record.generation)))?;
+        let (rid, generation, next) = (record.record_id.to_hex(), record.generation.to_string(), taken.to_string());
+        let (at, eat, eat_ms) = (encode_ts(now), encode_ts(expires_at), expiry_millis(expires_at).to_string());
+        let args: [&[u8]; 6] =
+            [rid.as_bytes(), generation.as_bytes(), at.as_bytes(), eat.as_bytes(), eat_ms.as_bytes(), next.as_bytes()];
+        let key = self.key_of(&record.scope);
+        let sent = match self.run(&self.scripts.take_over_uncertain, &key, &args, true).await {
+            Ok(sent) => sent,
+            Err(e) => {
+                // The script may have run: the record, taken over by this call, under `taken`.
+                let mut taken_over = record.clone();
+                taken_over.generation = taken;
+                drop(self.take_back(Undo::Uncertain, Claim::new(taken_over)));
+                return Err(e);
+            }
+        };
+        let Some(claim) = record_reply(sent.reply)?.map(|r| Claim::new(of_scope(r, &record.scope))) else {
+            return Ok(None);
+        };
+        if let Err(e) = self.acknowledged("take_over_uncertain", sent.ack) {
+            let _ = self.take_back(Undo::Uncertain, claim.clone()).await;
             return Err(e);
         }
         self.index_record(&record.scope, &eat_ms).await;
@@ -296,6 +365,17 @@ impl Store for RedisStore {
     /// this id and is not in flight.
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
+    }
+
+    /// Found like `get_by_id`, then one script on the record's key completes it if it still has
+    /// this id and is uncertain.
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        self.admin_resolve(id, response, expires_at).await
     }
 
     /// Subscribes to the prefix's announcements ([`crate::changes_channel`]) on a connection of

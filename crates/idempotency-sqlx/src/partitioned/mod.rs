@@ -51,7 +51,7 @@ use async_trait::async_trait;
 use chrono::NaiveDate;
 use idempotency::{
     Claim, ClaimOutcome, ClaimRequest, Forget, ReclaimRequest, Record, RecordChanges, RecordId, RecordPage,
-    RecordQuery, Renewal, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
+    RecordQuery, Renewal, Resolve, Scope, Store, StoreError, StoredResponse, Timestamp, stored_component,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -91,6 +91,7 @@ pub fn postgres_partitioned_migrator() -> sqlx::migrate::Migrator {
         "20261201000001_records_by_day.sql",
         "20261202000001_record_id_index.sql",
         "20261210000001_claim_spares_live_claims.sql",
+        "20261215000001_uncertain_state.sql",
     ))
     .expect("the file names are checked by a test");
     m.dangerous_set_table_name(PARTITIONED_MIGRATIONS_TABLE);
@@ -347,6 +348,42 @@ impl Store for PartitionedPostgresStore {
         Ok(())
     }
 
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+        self.fenced_write(SQL.mark_uncertain, claim).await?;
+        self.announcements.announce(&self.pool, &claim.record().scope);
+        Ok(())
+    }
+
+    /// Moves the row to another day's partition when the retention asked for ends on a later day.
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+        let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
+        let expires_at = req.record_expires_at();
+        let pool = &self.pool;
+        // NULL when no claim can be that old: `started_at <= NULL` is never true.
+        let cutoff = stale_cutoff(now, in_flight_ttl);
+        let row = self
+            .settle(Some(expires_at), move || {
+                bind_fence(SQL.mark_stale_uncertain, record).bind(cutoff).bind(expires_at).fetch_optional(pool)
+            })
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let marked = decode_for(&row, &record.scope)?;
+        self.announcements.announce(&self.pool, &record.scope);
+        Ok(Some(marked))
+    }
+
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let ReclaimRequest { record, now, .. } = req;
+        let expires_at = req.record_expires_at();
+        let pool = &self.pool;
+        let row = self
+            .settle(Some(expires_at), move || {
+                bind_fence(SQL.take_over_uncertain, record).bind(now).bind(expires_at).fetch_optional(pool)
+            })
+            .await?;
+        row.map(|r| decode_for(&r, &record.scope).map(Claim::new)).transpose()
+    }
+
     /// Moves the row to another day's partition when the renewed expiry falls on a later day.
     async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let (pool, r) = (&self.pool, claim.record());
@@ -412,6 +449,22 @@ impl Store for PartitionedPostgresStore {
 
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
         self.admin_forget(id).await
+    }
+
+    /// Creates the partition of `expires_at`'s day first when it is missing: the row moves there.
+    async fn resolve(
+        &self,
+        id: &RecordId,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Result<Resolve, StoreError> {
+        self.ensure_partitions(&[day_of(expires_at)]).await?;
+        let resolved = self.admin_resolve(id, response, expires_at).await?;
+        if let Resolve::Resolved(r) = &resolved {
+            self.space.wrote();
+            self.announcements.announce(&self.pool, &r.scope);
+        }
+        Ok(resolved)
     }
 }
 
