@@ -214,3 +214,28 @@ async fn a_gateway_killed_mid_request_leaves_the_record_uncertain() {
     assert_eq!(send(&second.url, "/orders", &key, "{}", &[]).await.status, StatusCode::CREATED);
     assert_eq!(upstream.executions().await, 2, "run once more after the operator said it did not happen");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_outage_answers_503_and_forwards_nothing() {
+    if !testkit::redis::have_redis_binaries() {
+        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
+        eprintln!("SKIPPED: the store outage test: redis-server is not installed");
+        return;
+    }
+    let dir = testkit::tempdir().expect("tempdir");
+    let redis = testkit::redis::start_server(dir.path(), &[]);
+    let upstream = Upstream::start(Lang::Node, &[]);
+    let gw = gateway(upstream.url(), &redis.url(), &[]);
+    assert_eq!(send(&gw.url, "/orders", &uuid_like(), "{}", &[]).await.status, StatusCode::CREATED);
+    redis.kill();
+    let down = send(&gw.url, "/orders", &uuid_like(), "{}", &[]).await;
+    assert_eq!((down.status, down.problem().as_str()), (StatusCode::SERVICE_UNAVAILABLE, "store-unavailable"));
+    assert!(down.header("retry-after").is_some());
+    let ready = crate::support::client()
+        .get(format!("{}/readyz", testkit::gateway::admin_url(&gw)))
+        .send()
+        .await
+        .expect("readyz");
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "not ready without its store");
+    assert_eq!(upstream.executions().await, 1, "nothing forwarded while the store is down");
+}

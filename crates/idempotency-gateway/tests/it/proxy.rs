@@ -184,3 +184,43 @@ async fn the_admin_listener_reports_health_and_metrics() {
     let res = client().post(format!("{admin}/orders")).send().await.expect("answer");
     assert_eq!(res.status(), StatusCode::NOT_FOUND);
 }
+
+/// A CA and a server certificate for 127.0.0.1 it issued, as PEM files in `dir`: (CA, cert, key).
+fn ca_and_server_cert(dir: &std::path::Path) -> [String; 3] {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(DnType::CommonName, "gateway test CA");
+    let ca_cert = ca_params.self_signed(&ca_key).expect("CA");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().expect("key");
+    let params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+    let cert = params.signed_by(&key, &issuer).expect("leaf");
+    let files = [("ca.pem", ca_cert.pem()), ("server.pem", cert.pem()), ("server.key", key.serialize_pem())];
+    files.map(|(name, pem)| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).expect("write");
+        path.to_str().expect("UTF-8").to_owned()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_https_upstream_is_verified_against_the_given_ca() {
+    let dir = testkit::tempdir().expect("tempdir");
+    let [ca, cert, key] = ca_and_server_cert(dir.path());
+    let upstream = Upstream::start(Lang::Python, &["--tls-cert", &cert, "--tls-key", &key]);
+    let https = upstream.url().replacen("http://", "https://", 1);
+
+    let trusting = gateway(&https, "memory", &["--upstream-ca-cert", &ca]);
+    let answer = send(&trusting.url, "/orders", &uuid_like(), "{}", &[]).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+
+    // Without the CA the certificate is not trusted: never reached, nothing sent.
+    let distrusting = gateway(&https, "memory", &[]);
+    let refused = send(&distrusting.url, "/orders", &uuid_like(), "{}", &[]).await;
+    assert_eq!((refused.status, refused.problem().as_str()), (StatusCode::BAD_GATEWAY, "upstream-unavailable"));
+    let counts = client().get(format!("{https}/__count")).send().await;
+    assert!(counts.is_err(), "the test's own client does not trust the CA either");
+    assert_eq!(answer.json()["order"], 1, "one execution, through the trusting gateway");
+}

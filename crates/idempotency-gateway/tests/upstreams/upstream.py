@@ -18,12 +18,16 @@ honours the gateway's forwarded key would): a known key is answered from memory,
   GET /__count                 {"executions": N, "by_key": {KEY: N}, "last": {headers}}
   GET /orders/by-key/{key}     the probe route: 200 with the stored answer, or 404
 
+With --tls-cert PEM --tls-key PEM it serves HTTPS (and says so on a line `tls on` before its
+address line).
+
 Prints `listening on http://HOST:PORT` once it accepts connections.
 """
 
 import argparse
 import json
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -116,12 +120,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--dedupe", action="store_true")
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
     args = parser.parse_args()
     host, port = args.listen.rsplit(":", 1)
     Handler.dedupe = args.dedupe
     ThreadingHTTPServer.daemon_threads = True
     ThreadingHTTPServer.request_queue_size = 128
     server = ThreadingHTTPServer((host, int(port)), Handler)
+    if args.tls_cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        print("tls on https://%s:%d" % server.server_address[:2], flush=True)
     print("listening on http://%s:%d" % server.server_address[:2], flush=True)
     server.serve_forever()
 
