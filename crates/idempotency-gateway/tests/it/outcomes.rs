@@ -239,3 +239,35 @@ async fn a_store_outage_answers_503_and_forwards_nothing() {
     assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "not ready without its store");
     assert_eq!(upstream.executions().await, 1, "nothing forwarded while the store is down");
 }
+
+/// `lbctl records` speaks to the gateway's admin listener as to leasebroker's.
+#[tokio::test(flavor = "multi_thread")]
+async fn lbctl_lists_and_forgets_the_gateways_records() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &[]);
+    let key = uuid_like();
+    let lost = send(&gw.url, "/orders", &key, "{}", &[("x-upstream-reset", "1")]).await;
+    assert_eq!(lost.status, StatusCode::GATEWAY_TIMEOUT, "{}", lost.body);
+    let admin_url = testkit::gateway::admin_url(&gw);
+    let lbctl = |args: &[&str]| {
+        let out = testkit::LBCTL
+            .command()
+            .args(["--url", &admin_url, "--token", crate::support::ADMIN_TOKEN])
+            .args(args)
+            .output()
+            .expect("run lbctl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, listed, err) = lbctl(&["records", "list", "--quiet"]);
+    assert_eq!(code, Some(0), "{err}");
+    let ids: Vec<&str> = listed.lines().collect();
+    assert_eq!(ids, uncertain_ids(&gw).await, "the one uncertain record");
+    let (code, _, err) = lbctl(&["records", "forget", ids[0]]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(send(&gw.url, "/orders", &key, "{}", &[]).await.status, StatusCode::CREATED, "forgotten: it runs");
+    assert_eq!(upstream.executions().await, 2);
+}
