@@ -115,8 +115,6 @@ pub(crate) struct Config {
     pub(crate) problem_base: Cow<'static, str>,
     pub(crate) max_stored_response: usize,
     pub(crate) oversize: OversizeResponse,
-    pub(crate) stale_claims: crate::uncertain::StaleClaims,
-    pub(crate) on_uncertain: crate::uncertain::OnUncertain,
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) store_timeout: Duration,
     pub(crate) store_queue_timeout: Duration,
@@ -129,6 +127,8 @@ pub(crate) struct Config {
     /// The layer's work that runs on after its client stopped waiting, for a shutdown to wait for.
     pub(crate) detached: crate::detached::DetachedHandlers,
     pub(crate) record_limit: Option<crate::quota::RecordLimit>,
+    pub(crate) stale_claims: crate::uncertain::StaleClaims,
+    pub(crate) on_uncertain: crate::uncertain::OnUncertain,
 }
 
 /// How a failed `complete` is retried in the background.
@@ -156,12 +156,12 @@ impl fmt::Debug for Config {
             .field("problem_base", &self.problem_base)
             .field("max_stored_response", &self.max_stored_response)
             .field("oversize", &self.oversize)
-            .field("stale_claims", &self.stale_claims)
-            .field("on_uncertain", &self.on_uncertain)
             .field("completion_retry", &self.completion_retry)
             .field("store_timeout", &self.store_timeout)
             .field("store_queue_timeout", &self.store_queue_timeout)
             .field("anonymous", &self.anonymous)
+            .field("stale_claims", &self.stale_claims)
+            .field("on_uncertain", &self.on_uncertain)
             .finish_non_exhaustive()
     }
 }

@@ -94,10 +94,10 @@ impl Written for Option<Record> {
     }
 }
 
-/// A resolution of an uncertain record.
+/// A resolution that completed its record.
 impl Written for idempotency::Resolve {
     fn written(&self) -> bool {
-        matches!(self, Self::Resolved(_))
+        matches!(self, idempotency::Resolve::Resolved(_))
     }
 }
 

@@ -104,8 +104,6 @@ impl IdempotencyLayer {
             problem_base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
             max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
             oversize: OversizeResponse::Problem,
-            stale_claims: StaleClaims::Reclaim,
-            on_uncertain: OnUncertain::Hold,
             completion_retry: CompletionRetry {
                 times: DEFAULT_COMPLETION_RETRIES,
                 first_delay: DEFAULT_COMPLETION_RETRY_DELAY,
@@ -116,6 +114,8 @@ impl IdempotencyLayer {
             max_records_per_principal: None,
             store_timeout: DEFAULT_STORE_TIMEOUT,
             store_queue_timeout: DEFAULT_STORE_QUEUE_TIMEOUT,
+            stale_claims: StaleClaims::default(),
+            on_uncertain: OnUncertain::default(),
         }
     }
 
@@ -162,14 +162,14 @@ pub struct IdempotencyLayerBuilder {
     problem_base: Cow<'static, str>,
     max_stored_response: usize,
     oversize: OversizeResponse,
-    stale_claims: StaleClaims,
-    on_uncertain: OnUncertain,
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
     operation_link: Option<Box<OperationLinkFn>>,
     max_records_per_principal: Option<u64>,
     store_timeout: Duration,
     store_queue_timeout: Duration,
+    stale_claims: StaleClaims,
+    on_uncertain: OnUncertain,
 }
 
 impl fmt::Debug for IdempotencyLayerBuilder {
@@ -377,22 +377,6 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// What becomes of a claim that went stale: taken over and run again
-    /// ([`StaleClaims::Reclaim`], the default) or made `uncertain` ([`StaleClaims::Uncertain`],
-    /// a gateway's rule: its attempt may have sent the request on).
-    pub fn stale_claims(mut self, stale: StaleClaims) -> Self {
-        self.stale_claims = stale;
-        self
-    }
-
-    /// What a retry of an uncertain record gets (default [`OnUncertain::Hold`]:
-    /// `409 outcome-uncertain` naming the record id). A request's own [`OnUncertain`] in its
-    /// extensions (put there by a middleware before the layer, per route) wins over this.
-    pub fn on_uncertain(mut self, rule: OnUncertain) -> Self {
-        self.on_uncertain = rule;
-        self
-    }
-
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
@@ -462,6 +446,23 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// What a claim gone stale becomes when a retry finds it (default [`StaleClaims::Reclaim`]:
+    /// taken over, the handler runs again). [`StaleClaims::Uncertain`] makes it uncertain
+    /// instead, for a handler that sends its request on to a target that may have acted (a
+    /// gateway's rule): the retry then gets what [`on_uncertain`](Self::on_uncertain) says.
+    pub fn stale_claims(mut self, rule: StaleClaims) -> Self {
+        self.stale_claims = rule;
+        self
+    }
+
+    /// What a retry of an uncertain record gets (default [`OnUncertain::Hold`]:
+    /// `409 outcome-uncertain` naming the record id). A request's own [`OnUncertain`] in its
+    /// extensions (put there by a middleware before the layer, per route) wins over this.
+    pub fn on_uncertain(mut self, rule: OnUncertain) -> Self {
+        self.on_uncertain = rule;
+        self
+    }
+
     /// Builds the layer.
     ///
     /// # Panics
@@ -508,8 +509,6 @@ impl IdempotencyLayerBuilder {
                 problem_base: self.problem_base,
                 max_stored_response: self.max_stored_response,
                 oversize: self.oversize,
-                stale_claims: self.stale_claims,
-                on_uncertain: self.on_uncertain,
                 completion_retry: self.completion_retry,
                 store_timeout: self.store_timeout,
                 store_queue_timeout: self.store_queue_timeout,
@@ -519,6 +518,8 @@ impl IdempotencyLayerBuilder {
                 releases: Default::default(),
                 detached: DetachedHandlers::new(),
                 record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
+                stale_claims: self.stale_claims,
+                on_uncertain: self.on_uncertain,
             }),
         })
     }

@@ -23,7 +23,7 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         REQUESTS_TOTAL,
         "Mutating requests seen by the idempotency layer, by outcome (executed, replayed, mismatch, \
-         in_progress, missing_key, invalid_key, stale_reclaimed, ...)"
+         in_progress, missing_key, invalid_key, stale_reclaimed, uncertain, ...)"
     );
     metrics::describe_histogram!(
         STORE_DURATION_SECONDS,
@@ -50,7 +50,7 @@ macro_rules! labelled {
 pub(crate) fn count(outcome: &'static str) {
     #[cfg(feature = "metrics")]
     labelled!(counter, "idempotency_requests_total", REQUESTS_TOTAL, "outcome" => outcome,
-        ["executed", "replayed", "in_progress", "mismatch", "stale_reclaimed", "missing_key", "invalid_key"])
+        ["executed", "replayed", "in_progress", "mismatch", "stale_reclaimed", "missing_key", "invalid_key", "uncertain"])
     .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
@@ -93,7 +93,7 @@ pub(crate) async fn timed<T>(op: &'static str, fut: impl Future<Output = T>) -> 
     let start = Instant::now();
     let out = in_span(op, fut).await;
     labelled!(histogram, "idempotency_store_duration_seconds", STORE_DURATION_SECONDS, "op" => op,
-        ["claim", "complete", "fail", "get", "heartbeat", "reclaim", "count"])
+        ["claim", "complete", "fail", "get", "heartbeat", "reclaim", "count", "mark_uncertain", "take_over_uncertain"])
     .record(start.elapsed().as_secs_f64());
     out
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, StatusCode};
-use idempotency::{ErrorChain, KeyError, StoreError, problems};
+use idempotency::{ErrorChain, KeyError, RecordId, StoreError, problems};
 
 use crate::config::Config;
 use crate::metrics::count;
@@ -218,16 +218,17 @@ pub(crate) enum Rejection {
     ResponseTooLarge {
         limit: usize,
     },
-    /// The attempt sent its request on and lost the answer; the record is now uncertain.
-    OutcomeUnknown {
-        record_id: String,
-    },
-    /// A retry of an uncertain record under `hold`.
+    /// A retry of an uncertain record, held until an operator resolves it (`409`).
     UncertainHeld {
-        record_id: String,
+        record_id: RecordId,
     },
-    /// A retry of an uncertain record whose probe could not tell.
-    UncertainProbeUnknown {
+    /// The handler did not know whether its request acted; the record is uncertain (`504`).
+    OutcomeUnknown {
+        record_id: RecordId,
+    },
+    /// A probe could not tell what became of an uncertain record's request (`503`).
+    ProbeUnanswered {
+        record_id: RecordId,
         retry_after: Duration,
     },
 }
@@ -255,9 +256,7 @@ impl Rejection {
             Self::ResponseBodyFailed => "handler_failed",
             Self::StoredResponseCorrupt => "replay_failed",
             Self::ResponseTooLarge { .. } => "response_too_large",
-            Self::OutcomeUnknown { .. } | Self::UncertainHeld { .. } | Self::UncertainProbeUnknown { .. } => {
-                "uncertain"
-            }
+            Self::UncertainHeld { .. } | Self::OutcomeUnknown { .. } | Self::ProbeUnanswered { .. } => "uncertain",
         }
     }
 
@@ -377,34 +376,39 @@ impl Rejection {
                      instead"
                 ),
             ),
-            Self::OutcomeUnknown { record_id } => Problem::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                problems::OUTCOME_UNCERTAIN,
-                "Outcome uncertain",
-                format!(
-                    "record {record_id}: the request was sent on and its answer was lost, so whether it acted is \
-                     unknown; a retry with the same key does not run it again on a guess"
-                ),
-            )
-            .with_extension("record_id", record_id),
             Self::UncertainHeld { record_id } => Problem::new(
                 StatusCode::CONFLICT,
                 problems::OUTCOME_UNCERTAIN,
                 "Outcome uncertain",
                 format!(
-                    "record {record_id}: a request with this key was sent and may have taken effect; it is held \
-                     until an operator resolves the record (DELETE /admin/v1/records/{record_id} if it did not \
-                     happen, PUT /admin/v1/records/{record_id}/response with what happened)"
+                    "record {}: the request with this key was sent on and whether it acted is unknown; it \
+                     is not run again until an operator resolves the record",
+                    record_id.to_hex()
                 ),
             )
-            .with_extension("record_id", record_id),
-            Self::UncertainProbeUnknown { retry_after } => Problem::new(
+            .with_extension("record_id", record_id.to_hex()),
+            Self::OutcomeUnknown { record_id } => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                problems::OUTCOME_UNCERTAIN,
+                "Outcome uncertain",
+                format!(
+                    "record {}: the request was sent on and its answer was lost, so whether it acted is \
+                     unknown; a retry with the same key does not run it again on a guess",
+                    record_id.to_hex()
+                ),
+            )
+            .with_extension("record_id", record_id.to_hex()),
+            Self::ProbeUnanswered { record_id, retry_after } => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 problems::OUTCOME_UNCERTAIN,
                 "Outcome uncertain",
-                "a request with this key was sent and may have taken effect; asking whether it did gave no \
-                 answer yet; retry later with the same key",
+                format!(
+                    "record {}: whether the request with this key acted could not be found out now; \
+                     retry with the same key later",
+                    record_id.to_hex()
+                ),
             )
+            .with_extension("record_id", record_id.to_hex())
             .with_retry_after(ceil_secs(retry_after)),
         };
         p.with_base(cfg.problem_base.clone())

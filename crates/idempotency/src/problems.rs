@@ -28,12 +28,6 @@ pub const IN_PROGRESS: &str = "request-in-progress";
 /// the same name on every route.
 pub const STORE_UNAVAILABLE: &str = "store-unavailable";
 
-/// `504`, `409` or `503`: the request was sent on and whether it took effect is unknown (the
-/// record is `uncertain`). `504`: the attempt that lost its answer; `409`, naming the record
-/// id: a retry held until an operator resolves it; `503` with `Retry-After`: a retry whose
-/// probe could not tell yet. It is never run again on a guess.
-pub const OUTCOME_UNCERTAIN: &str = "outcome-uncertain";
-
 /// `429` with `Retry-After`: the principal holds as many records as it may, or is over its rate
 /// of mutating requests; nothing was stored.
 pub const TOO_MANY_REQUESTS: &str = "too-many-requests";
@@ -71,3 +65,9 @@ pub const STORED_RESPONSE_CORRUPT: &str = "stored-response-corrupt";
 /// `500`: an unexpected failure that is no fault of the request (such as a handler that reads
 /// the idempotency context on a route without the layer); nothing was stored.
 pub const INTERNAL: &str = "internal";
+
+/// `409` (a retry of it, held), `504` (the attempt that lost its answer) or `503` with
+/// `Retry-After` (a probe could not tell): the request was sent on and nobody knows whether it
+/// acted, so it is not run again on a guess; the `detail` names the record id an operator
+/// resolves.
+pub const OUTCOME_UNCERTAIN: &str = "outcome-uncertain";

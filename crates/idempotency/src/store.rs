@@ -72,11 +72,6 @@ pub struct NotAcknowledged {
     pub timeout: Duration,
 }
 
-/// The error of an uncertain-state transition on a store that does not keep the state.
-fn no_uncertain_state(what: &'static str) -> StoreError {
-    StoreError::unavailable(std::io::Error::other(format!("{what}: this store does not keep the uncertain state")))
-}
-
 /// An error and its causes on one line, `what failed: why: why`, for logs.
 ///
 /// The errors of these crates say what failed and carry the cause as their
@@ -191,14 +186,7 @@ pub trait Store: Send + Sync + 'static {
     /// least the retention from the claim: see [`ClaimRequest::record_expires_at`]), no TTL makes
     /// it run again, and the next request with its key gets it back as an existing record
     /// ([`crate::Decision::Uncertain`]). Announced like `complete` ([`Store::changes`]).
-    ///
-    /// Default (and that of the other uncertain transitions): [`StoreError::Unavailable`], for a
-    /// store that does not keep the state yet; a caller then answers as on an outage and runs
-    /// nothing.
-    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
-        let _ = claim;
-        Err(no_uncertain_state("mark_uncertain"))
-    }
+    async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError>;
 
     /// A stale in_flight -> uncertain: a compare-and-set like `reclaim`'s, for an attempt that
     /// died and may have sent its request on, which a caller must not run again on a guess (a
@@ -208,20 +196,14 @@ pub trait Store: Send + Sync + 'static {
     /// `started_at + req.in_flight_ttl <= req.now`; its generation stays, its expiry becomes the
     /// later of its own and [`ReclaimRequest::record_expires_at`]. Of concurrent callers exactly
     /// one gets `Some`.
-    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
-        let _ = req;
-        Err(no_uncertain_state("mark_stale_uncertain"))
-    }
+    async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError>;
 
     /// uncertain -> in_flight, to run the request again (it is known not to have happened, or
     /// its target deduplicates): a compare-and-set on the record id and generation, as
     /// `reclaim` does for a failed record. Succeeds (generation + 1, `started_at = req.now`,
     /// expiry as `reclaim` sets it) only while the record still has `req.record`'s generation
     /// and is uncertain. Of concurrent callers exactly one gets `Some`.
-    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
-        let _ = req;
-        Err(no_uncertain_state("take_over_uncertain"))
-    }
+    async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError>;
 
     /// Reads a record, expired or not.
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError>;
@@ -274,10 +256,7 @@ pub trait Store: Send + Sync + 'static {
         id: &RecordId,
         response: &StoredResponse,
         expires_at: Timestamp,
-    ) -> Result<Resolve, StoreError> {
-        let _ = (id, response, expires_at);
-        Err(no_uncertain_state("resolve"))
-    }
+    ) -> Result<Resolve, StoreError>;
 
     /// Where this store announces, to every process that uses it, that a record left
     /// `in_flight` (completed, failed or uncertain): a request waiting for another process's request with

@@ -6,14 +6,12 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use idempotency::{
-    Claim, ClaimOutcome, ClaimRequest, Decision, ErrorChain, ReclaimRequest, Record, RecordState, Resolve, Scope,
-    StoreError, StoredBody, StoredResponse, now,
-};
+use idempotency::{ClaimOutcome, ClaimRequest, Decision, Record, RecordState, Scope, now};
 use tower::Service;
 
-use super::Protected;
 use super::owner::{Run, own};
+use super::uncertain::{self, Next};
+use super::{Protected, store_down};
 use crate::BoxError;
 use crate::config::Config;
 use crate::deadline::{bounded, timed_out};
@@ -22,8 +20,8 @@ use crate::headers::PREFERENCE_APPLIED;
 use crate::problem::{Rejection, rejection_response};
 use crate::quota::PassesRecordLimit;
 use crate::release::Releases;
-use crate::replay::{replay, replayable_headers};
-use crate::uncertain::{OnUncertain, Probed, StaleClaims};
+use crate::replay::replay;
+use crate::uncertain::StaleClaims;
 
 /// How often a request may lose a re-claim race (or find its record swept) before it stops
 /// and answers `409 request-in-progress`; each loss means another request just took the key.
@@ -143,25 +141,18 @@ where
             return Ok(applied(with_expiry(replay(&cfg, &stored), record.expires_at), waited));
         }
         let mut decision = record.decide(&p.fingerprint, t, cfg.in_flight_ttl);
+        // A gateway's rule: a stale claim's attempt may have acted, so it becomes uncertain
+        // instead of running again.
         if matches!(decision, Decision::Reclaim)
             && record.state == RecordState::InFlight
             && cfg.stale_claims == StaleClaims::Uncertain
         {
-            // The attempt that held the claim died and may have sent its request on: the record
-            // becomes uncertain, and is never run again on a guess (SPEC 8).
-            match bounded(&cfg, "mark_stale_uncertain", store.mark_stale_uncertain(reclaim_request(&cfg, &record, t)))
-                .await
-            {
+            match uncertain::mark_stale(&cfg, &record, t).await {
                 Ok(Some(marked)) => {
-                    tracing::warn!(
-                        record_id = %marked.record_id.to_hex(),
-                        generation = marked.generation,
-                        "a stale claim is uncertain: its attempt may have sent the request on"
-                    );
                     record = marked;
                     decision = Decision::Uncertain;
                 }
-                // Another request changed it first: read it again and decide again.
+                // Taken over, completed or marked by another request first: read it again.
                 Ok(None) => {
                     races += 1;
                     if races > MAX_RACES {
@@ -169,17 +160,16 @@ where
                     }
                     continue;
                 }
-                Err(e) => return Ok(store_down(&cfg, "mark_stale_uncertain", e)),
+                Err(res) => return Ok(res),
             }
         }
         match decision {
             Decision::Uncertain => {
-                let retry =
-                    p.parts.extensions.get::<OnUncertain>().cloned().unwrap_or_else(|| cfg.on_uncertain.clone());
-                match retry_uncertain(&cfg, &record, retry, t).await {
-                    Retried::Answer(res) => return Ok(res),
-                    Retried::Run(claim) => return Box::pin(own(p, claim, Run::Executed)).await,
-                    Retried::Raced => {
+                let rule = uncertain::rule_of(&cfg, &p.parts.extensions);
+                match uncertain::retry(&cfg, &record, t, &rule).await {
+                    Next::Answer(res) => return Ok(applied(res, waited)),
+                    Next::Own(claim) => return Box::pin(own(p, claim, Run::Executed)).await,
+                    Next::Again => {
                         races += 1;
                         if races > MAX_RACES {
                             return Ok(in_progress(&cfg, Duration::from_secs(1)));
@@ -210,7 +200,7 @@ where
             }
             Decision::Reclaim => {
                 let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-                match bounded(&cfg, "reclaim", store.reclaim(reclaim_request(&cfg, &record, t))).await {
+                match bounded(&cfg, "reclaim", store.reclaim(uncertain::on_record(&cfg, &record, t))).await {
                     Ok(Some(claim)) => {
                         if matches!(how, Run::StaleReclaimed) {
                             tracing::warn!(
@@ -236,74 +226,6 @@ where
                 }
             }
         }
-    }
-}
-
-/// A compare-and-set on `record` as read at `t`.
-fn reclaim_request<'a>(cfg: &Config, record: &'a Record, t: idempotency::Timestamp) -> ReclaimRequest<'a> {
-    ReclaimRequest {
-        record,
-        now: t,
-        in_flight_ttl: cfg.in_flight_ttl,
-        expires_at: idempotency::later(t, cfg.retention),
-    }
-}
-
-/// What a retry of an uncertain record does next.
-enum Retried {
-    /// Answer this (held, replayed after a probe found the answer, or the probe could not tell).
-    Answer(Response<Body>),
-    /// Run the request again as the owner of this claim.
-    Run(Claim),
-    /// Another request changed the record first: read it again.
-    Raced,
-}
-
-/// A retry of the uncertain `record`, as `retry` says (SPEC 8): hold it, take it over to run
-/// again, or ask the probe.
-async fn retry_uncertain(cfg: &Config, record: &Record, retry: OnUncertain, t: idempotency::Timestamp) -> Retried {
-    let store = &cfg.store;
-    let take_over = || async {
-        match bounded(cfg, "take_over_uncertain", store.take_over_uncertain(reclaim_request(cfg, record, t))).await {
-            Ok(Some(claim)) => {
-                tracing::warn!(generation = claim.generation(), "an uncertain record is taken over; it runs again");
-                Retried::Run(claim)
-            }
-            Ok(None) => Retried::Raced,
-            Err(e) => Retried::Answer(store_down(cfg, "take_over_uncertain", e)),
-        }
-    };
-    match retry {
-        OnUncertain::Hold => {
-            let held = Rejection::UncertainHeld { record_id: record.record_id.to_hex() };
-            Retried::Answer(with_expiry(rejection_response(cfg, held), record.expires_at))
-        }
-        OnUncertain::Resend => take_over().await,
-        OnUncertain::Probe(probe) => match probe.probe(record).await {
-            Probed::NeverHappened => take_over().await,
-            Probed::Unknown => {
-                let unknown = Rejection::UncertainProbeUnknown { retry_after: cfg.in_progress_retry_after };
-                Retried::Answer(with_expiry(rejection_response(cfg, unknown), record.expires_at))
-            }
-            Probed::Happened(response) => {
-                let (parts, body) = response.into_parts();
-                let stored = StoredResponse {
-                    status: parts.status.as_u16(),
-                    headers: replayable_headers(cfg, &parts.headers),
-                    body: StoredBody::encode(body, cfg.compression_threshold),
-                };
-                let expires_at = idempotency::later(t, cfg.retention);
-                match bounded(cfg, "resolve", store.resolve(&record.record_id, &stored, expires_at)).await {
-                    Ok(Resolve::Resolved(resolved)) => {
-                        tracing::info!(record_id = %record.record_id.to_hex(), "the probe found the answer; stored");
-                        cfg.waiters.wake(&record.scope);
-                        Retried::Answer(with_expiry(replay(cfg, &stored), resolved.expires_at))
-                    }
-                    Ok(Resolve::NotUncertain(_) | Resolve::Absent) => Retried::Raced,
-                    Err(e) => Retried::Answer(store_down(cfg, "resolve", e)),
-                }
-            }
-        },
     }
 }
 
@@ -337,11 +259,6 @@ fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Bod
         response.headers_mut().insert(http::header::LINK, value);
     }
     response
-}
-
-fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
-    tracing::error!(error = %ErrorChain(&e), op, "idempotency store call failed; the handler did not run");
-    rejection_response(cfg, Rejection::StoreUnavailable(e))
 }
 
 /// Gives back the record place this request reserved, once: it created no record.

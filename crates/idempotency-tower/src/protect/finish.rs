@@ -4,13 +4,17 @@
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use backon::{BackoffBuilder, ExponentialBuilder};
+use http::Response;
 use idempotency::{Claim, ErrorChain, StoreError, StoredResponse, Timestamp};
 use tracing::Instrument;
 
 use super::heartbeat::with_heartbeat;
 use crate::config::Config;
 use crate::deadline::bounded;
+use crate::expires::with_expiry;
+use crate::problem::{Rejection, rejection_response};
 use crate::release::Releases;
 
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
@@ -125,22 +129,27 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
     }
 }
 
-/// Marks the attempt's record uncertain: its request was sent on and its outcome is unknown, so
-/// nothing runs it again on a guess. When the store does not take it, the record stays in flight
-/// under a claim nobody renews; the layer's [`StaleClaims`](crate::StaleClaims) rule decides
-/// what a retry after the in-flight TTL finds (`Uncertain` for a gateway).
-pub(super) async fn mark_uncertain(cfg: &Arc<Config>, claim: &Arc<Claim>) {
+/// Marks the attempt uncertain (its handler does not know whether its request acted) and answers
+/// `504 outcome-uncertain`. When the store does not take it, the record stays in flight: once
+/// stale, a layer with [`StaleClaims::Uncertain`](crate::StaleClaims::Uncertain) makes it
+/// uncertain then.
+pub(super) async fn mark_uncertain(cfg: &Arc<Config>, claim: &Arc<Claim>) -> Response<Body> {
     match bounded(cfg, "mark_uncertain", cfg.store.mark_uncertain(claim)).await {
         Ok(()) => {
             cfg.waiters.wake(claim.scope());
-            tracing::warn!(record_id = %claim.record().record_id.to_hex(), "outcome unknown; the record is uncertain")
+            tracing::warn!(
+                record_id = %claim.record().record_id.to_hex(),
+                "the handler does not know whether its request acted; the record is uncertain"
+            )
         }
         Err(StoreError::Fenced { generation }) => {
-            tracing::warn!(generation, "outcome unknown after a newer attempt took the key over")
+            tracing::warn!(generation, "outcome uncertain after a newer attempt took the key over")
         }
         Err(e) => tracing::error!(
             error = %ErrorChain(&e),
-            "marking the record uncertain did not work; it stays in flight until its claim goes stale"
+            "marking the attempt uncertain did not work; the record stays in flight until its claim goes stale"
         ),
     }
+    let rejection = Rejection::OutcomeUnknown { record_id: claim.record().record_id };
+    with_expiry(rejection_response(cfg, rejection), claim.record().expires_at)
 }

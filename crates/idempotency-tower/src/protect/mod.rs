@@ -6,20 +6,25 @@
 //!   response and the record's outcome;
 //! - [`finish`]: records that outcome in the store (complete or fail), retried in the background
 //!   when the store does not take it;
-//! - [`heartbeat`]: renews the claim while the handler (or a retried completion) runs.
+//! - [`heartbeat`]: renews the claim while the handler (or a retried completion) runs;
+//! - [`uncertain`]: what a retry of an uncertain record gets (hold, resend, probe).
 
 mod claim;
 mod finish;
 mod heartbeat;
 mod owner;
+mod uncertain;
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use bytes::Bytes;
+use http::Response;
 use http::request::Parts;
-use idempotency::{Fingerprint, Scope};
+use idempotency::{ErrorChain, Fingerprint, Scope, StoreError};
 
 use crate::config::Config;
+use crate::problem::{Rejection, rejection_response};
 
 pub(crate) use claim::run;
 
@@ -32,4 +37,10 @@ pub(crate) struct Protected<S> {
     pub(crate) body: Bytes,
     pub(crate) scope: Scope,
     pub(crate) fingerprint: Fingerprint,
+}
+
+/// The answer when a store call before the handler failed: `503 store-unavailable`.
+fn store_down(cfg: &Config, op: &'static str, e: StoreError) -> Response<Body> {
+    tracing::error!(error = %ErrorChain(&e), op, "idempotency store call failed; the handler did not run");
+    rejection_response(cfg, Rejection::StoreUnavailable(e))
 }

@@ -48,11 +48,10 @@ enum Handled<E> {
     TooLarge(http::response::Parts, Bytes, Body),
     /// A response that is not stored (5xx, 401, ...), body unread.
     NotTerminal(http::response::Parts, Body),
-    /// The handler sent the request on and does not know whether it acted
-    /// ([`OutcomeUncertain`]).
-    Uncertain,
     ServiceError(E),
     BodyError(BoxError),
+    /// The handler does not know whether its request acted ([`OutcomeUncertain`]).
+    Uncertain,
 }
 
 /// Runs the handler as the owner of `claim`, then completes or fails the record.
@@ -143,11 +142,6 @@ where
             fail(&cfg, &claim, "the response is not terminal").await;
             (parts, body)
         }
-        Ok(Handled::Uncertain) => {
-            mark_uncertain(&cfg, &claim).await;
-            let rejection = Rejection::OutcomeUnknown { record_id: claim.record().record_id.to_hex() };
-            return Ok(with_expiry(rejection_response(&cfg, rejection), claim.record().expires_at));
-        }
         Ok(Handled::ServiceError(e)) => {
             fail(&cfg, &claim, "the inner service returned an error").await;
             count(outcome(how));
@@ -158,6 +152,7 @@ where
             fail(&cfg, &claim, "the response body failed").await;
             return Ok(rejection_response(&cfg, Rejection::ResponseBodyFailed));
         }
+        Ok(Handled::Uncertain) => return Ok(mark_uncertain(&cfg, &claim).await),
         Err(_panic) => {
             fail(&cfg, &claim, "the handler panicked").await;
             return Ok(rejection_response(&cfg, Rejection::HandlerPanicked));

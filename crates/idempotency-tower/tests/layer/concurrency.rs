@@ -689,6 +689,33 @@ mod outage {
             let out = self.inner.remove(c).await;
             self.heard(out).await
         }
+        async fn mark_uncertain(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            let out = self.inner.mark_uncertain(c).await;
+            self.heard(out).await
+        }
+        async fn mark_stale_uncertain(
+            &self,
+            req: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            let out = self.inner.mark_stale_uncertain(req).await;
+            self.heard(out).await
+        }
+        async fn take_over_uncertain(
+            &self,
+            req: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            let out = self.inner.take_over_uncertain(req).await;
+            self.heard(out).await
+        }
+        async fn resolve(
+            &self,
+            id: &idempotency::RecordId,
+            resp: &idempotency::StoredResponse,
+            exp: idempotency::Timestamp,
+        ) -> Result<idempotency::Resolve, idempotency::StoreError> {
+            let out = self.inner.resolve(id, resp, exp).await;
+            self.heard(out).await
+        }
         async fn complete(
             &self,
             c: &idempotency::Claim,

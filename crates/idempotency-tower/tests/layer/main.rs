@@ -13,3 +13,4 @@ mod replay;
 mod requests;
 mod service;
 mod sources;
+mod uncertain;

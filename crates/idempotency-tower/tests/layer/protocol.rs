@@ -332,6 +332,23 @@ mod announced {
         async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
             self.inner.fail(claim).await
         }
+        async fn mark_uncertain(&self, claim: &Claim) -> Result<(), StoreError> {
+            self.inner.mark_uncertain(claim).await
+        }
+        async fn mark_stale_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Record>, StoreError> {
+            self.inner.mark_stale_uncertain(req).await
+        }
+        async fn take_over_uncertain(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+            self.inner.take_over_uncertain(req).await
+        }
+        async fn resolve(
+            &self,
+            id: &RecordId,
+            r: &StoredResponse,
+            expires_at: Timestamp,
+        ) -> Result<idempotency::Resolve, StoreError> {
+            self.inner.resolve(id, r, expires_at).await
+        }
         async fn get(&self, scope: &Scope) -> Result<Option<Record>, StoreError> {
             self.inner.get(scope).await
         }

@@ -217,6 +217,29 @@ mod outcomes {
         async fn fail(&self, _: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
             Err(down())
         }
+        async fn mark_uncertain(&self, _: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            Err(down())
+        }
+        async fn mark_stale_uncertain(
+            &self,
+            _: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn take_over_uncertain(
+            &self,
+            _: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn resolve(
+            &self,
+            _: &idempotency::RecordId,
+            _: &idempotency::StoredResponse,
+            _: idempotency::Timestamp,
+        ) -> Result<idempotency::Resolve, idempotency::StoreError> {
+            Err(down())
+        }
         async fn get(&self, _: &idempotency::Scope) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
             Err(down())
         }
@@ -280,6 +303,29 @@ mod outcomes {
         }
         async fn fail(&self, c: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
             DownStore.fail(c).await
+        }
+        async fn mark_uncertain(&self, _: &idempotency::Claim) -> Result<(), idempotency::StoreError> {
+            Err(down())
+        }
+        async fn mark_stale_uncertain(
+            &self,
+            _: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn take_over_uncertain(
+            &self,
+            _: idempotency::ReclaimRequest<'_>,
+        ) -> Result<Option<idempotency::Claim>, idempotency::StoreError> {
+            Err(down())
+        }
+        async fn resolve(
+            &self,
+            _: &idempotency::RecordId,
+            _: &idempotency::StoredResponse,
+            _: idempotency::Timestamp,
+        ) -> Result<idempotency::Resolve, idempotency::StoreError> {
+            Err(down())
         }
         async fn get(&self, s: &idempotency::Scope) -> Result<Option<idempotency::Record>, idempotency::StoreError> {
             DownStore.get(s).await

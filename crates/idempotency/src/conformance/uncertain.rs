@@ -42,7 +42,10 @@ pub async fn mark_uncertain_keeps_the_record(fx: Fixture) {
         ("mark_uncertain", fx.store.mark_uncertain(&claim).await),
         ("remove", fx.store.remove(&claim).await),
     ] {
-        assert!(matches!(result, Err(StoreError::Fenced { generation: 1 })), "{what} on an uncertain record: {result:?}");
+        assert!(
+            matches!(result, Err(StoreError::Fenced { generation: 1 })),
+            "{what} on an uncertain record: {result:?}"
+        );
     }
     assert_eq!(fx.store.get(&r.scope).await.expect("get").expect("kept"), r, "nothing was written");
 }
