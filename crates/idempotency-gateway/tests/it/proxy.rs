@@ -224,3 +224,30 @@ async fn an_https_upstream_is_verified_against_the_given_ca() {
     assert!(counts.is_err(), "the test's own client does not trust the CA either");
     assert_eq!(answer.json()["order"], 1, "one execution, through the trusting gateway");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trusted_header_names_the_principal_and_a_large_body_is_refused() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &["--principal", "header:x-user", "--max-body", "1KiB"]);
+    let key = uuid_like();
+    let keyed = |user: Option<&str>, body: String| {
+        let mut req = client()
+            .post(format!("{}/orders", gw.url))
+            .header("idempotency-key", format!("\"{key}\""))
+            .header("authorization", TOKEN)
+            .body(body);
+        if let Some(user) = user {
+            req = req.header("x-user", user);
+        }
+        async move { Answer::of(req.send().await.expect("answer")).await }
+    };
+    // Authorization alone is no principal under header:x-user.
+    let anonymous = keyed(None, "{}".to_owned()).await;
+    assert_eq!((anonymous.status, anonymous.problem().as_str()), (StatusCode::UNAUTHORIZED, "principal-missing"));
+    assert_eq!(keyed(Some("alice"), "{}".to_owned()).await.status, StatusCode::CREATED);
+    // Another principal, the same key: its own record.
+    assert_eq!(keyed(Some("bob"), "{}".to_owned()).await.header("idempotent-replayed"), None);
+    let large = keyed(Some("carol"), "x".repeat(2048)).await;
+    assert_eq!((large.status, large.problem().as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "body-too-large"));
+    assert_eq!(upstream.executions().await, 2, "alice's and bob's; nothing else was forwarded");
+}
