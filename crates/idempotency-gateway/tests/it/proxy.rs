@@ -251,3 +251,18 @@ async fn a_trusted_header_names_the_principal_and_a_large_body_is_refused() {
     assert_eq!((large.status, large.problem().as_str()), (StatusCode::PAYLOAD_TOO_LARGE, "body-too-large"));
     assert_eq!(upstream.executions().await, 2, "alice's and bob's; nothing else was forwarded");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_a_forwarded_request_finish_and_store_its_answer() {
+    let upstream = Upstream::start(Lang::Node, &[]);
+    let mut gw = gateway(upstream.url(), "memory", &[]);
+    let url = gw.url.clone();
+    let key = uuid_like();
+    let k = key.clone();
+    let pending =
+        tokio::spawn(async move { send(&url, "/orders", &k, "{}", &[("x-upstream-delay-ms", "1000")]).await });
+    crate::support::until_executed(&upstream, 1).await;
+    assert_eq!(gw.sigterm_and_wait(), Some(0), "a drained shutdown exits 0");
+    let answer = pending.await.expect("the task");
+    assert_eq!(answer.status, StatusCode::CREATED, "the request in flight was answered: {}", answer.body);
+}
