@@ -271,3 +271,19 @@ async fn lbctl_lists_and_forgets_the_gateways_records() {
     assert_eq!(send(&gw.url, "/orders", &key, "{}", &[]).await.status, StatusCode::CREATED, "forgotten: it runs");
     assert_eq!(upstream.executions().await, 2);
 }
+
+/// An answer whose body starts and never ends: the outcome is unknown (the service acted, its
+/// answer is incomplete), nothing incomplete is stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_that_never_ends_is_uncertain_and_nothing_partial_is_stored() {
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let gw = gateway(upstream.url(), "memory", &["--upstream-timeout", "1s"]);
+    let key = uuid_like();
+    let stalled = send(&gw.url, "/orders", &key, "{}", &[("x-upstream-stall", "1")]).await;
+    assert_eq!((stalled.status, stalled.problem().as_str()), (StatusCode::GATEWAY_TIMEOUT, "outcome-uncertain"));
+    let held = send(&gw.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!((held.status, held.problem().as_str()), (StatusCode::CONFLICT, "outcome-uncertain"));
+    let stored = admin(&gw, Method::GET, "/admin/v1/records?state=completed", None).await;
+    assert_eq!(stored.json()["records"], json!([]), "no partial answer stored");
+    assert_eq!(upstream.executions().await, 1);
+}

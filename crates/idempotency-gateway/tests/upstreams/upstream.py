@@ -11,6 +11,7 @@ request) change how it answers:
   X-Upstream-Reset: 1      count, then reset the connection instead of answering
   X-Upstream-Size: N       answer with a body of N bytes
   X-Upstream-Skip: 1       do nothing (not counted) and answer X-Upstream-Status (a 5xx that did not act)
+  X-Upstream-Stall: 1      count, send the status line and part of the body, then never finish
 
 With --dedupe the service deduplicates by the Idempotency-Key it receives (as an upstream that
 honours the gateway's forwarded key would): a known key is answered from memory, not counted.
@@ -99,6 +100,15 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.connection.close()
             self.close_connection = True
+            return
+        if counted and self.headers.get("X-Upstream-Stall") == "1":
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"order": ')
+            self.wfile.flush()
+            time.sleep(3600)
             return
         size = self.headers.get("X-Upstream-Size")
         if size is not None:
