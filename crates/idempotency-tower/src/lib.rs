@@ -34,6 +34,10 @@
 //! - A terminal response larger than
 //!   [`max_stored_response`](IdempotencyLayerBuilder::max_stored_response) reaches its client
 //!   whole, and a retry gets `410 response-too-large` instead of a second execution.
+//! - Opt-in, for handlers that send their request on: a handler that does not know whether it
+//!   acted says so with [`OutcomeUncertain`] (the record becomes `uncertain`, its client gets
+//!   `504 outcome-uncertain`); [`StaleClaims`] and [`OnUncertain`] say what a stale claim
+//!   becomes and what a retry of an uncertain record gets (hold, resend, or a [`Probe`]).
 //!
 //! Inside a handler, `axum::Extension<`[`IdempotencyContext`]`>` gives the record's key,
 //! principal and [`derive`](IdempotencyContext::derive)d sub-keys for each side effect. Run the

@@ -72,7 +72,7 @@ pub enum RecordsCommand {
     /// or more (their attempt has not been renewed since).
     List {
         /// Only records in this state.
-        #[arg(long, value_parser = ["in_flight", "failed", "completed"])]
+        #[arg(long, value_parser = ["in_flight", "failed", "completed", "uncertain"])]
         state: Option<String>,
         /// Only this principal's records.
         #[arg(long)]

@@ -456,6 +456,18 @@ mod tests {
     }
 
     #[test]
+    fn records_list_takes_every_record_state_and_no_other_word() {
+        for state in ["in_flight", "failed", "completed", "uncertain"] {
+            let cli = Cli::try_parse_from(["lbctl", "records", "list", "--state", state]).unwrap();
+            assert!(
+                matches!(cli.command, Command::Records(RecordsCommand::List { state: Some(ref s), .. }) if s == state),
+                "{state}"
+            );
+        }
+        assert!(Cli::try_parse_from(["lbctl", "records", "list", "--state", "running"]).is_err());
+    }
+
+    #[test]
     fn one_line_drops_controls_and_bidi_overrides_and_bounds_the_length() {
         assert_eq!(one_line("a\r\nb\tc\u{1b}[31md\u{7}e\u{9b}f\u{202e}g\u{85}h"), "a  b c[31mdefg h");
         let long = one_line(&"x".repeat(MAX_LINE * 2));

@@ -21,7 +21,7 @@ pub struct Record {
     pub endpoint: String,
     /// The request's `Idempotency-Key`.
     pub key: String,
-    /// `in_flight`, `completed` or `failed`.
+    /// `in_flight`, `completed`, `failed` or `uncertain` (sent on, outcome unknown).
     pub state: String,
     /// `sha256:<hex>` of the request.
     pub fingerprint: String,

@@ -6,7 +6,7 @@ pub use crate::types::{InvalidRecordId, Record, RecordId, RecordPage};
 /// Which records to list: each filter as the server takes it (it checks them).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordFilter {
-    /// `in_flight`, `failed` or `completed`.
+    /// `in_flight`, `failed`, `completed` or `uncertain`.
     pub state: Option<String>,
     /// Only this principal's records.
     pub principal: Option<String>,

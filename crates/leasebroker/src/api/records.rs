@@ -52,7 +52,7 @@ pub fn admin_record(r: &StoredRecord, body: bool) -> Record {
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct RecordsQuery {
-    /// `in_flight`, `failed` or `completed`.
+    /// `in_flight`, `failed`, `completed` or `uncertain`.
     pub state: Option<String>,
     /// Only this principal's records.
     pub principal: Option<String>,
@@ -111,9 +111,10 @@ pub fn record_id(id: &str) -> Option<RecordId> {
 pub fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
     let state = match q.state.as_deref() {
         None => None,
-        Some(s) => {
-            Some(RecordState::from_stored(s).ok_or_else(|| "state must be in_flight, failed or completed".to_owned())?)
-        }
+        Some(s) => Some(
+            RecordState::from_stored(s)
+                .ok_or_else(|| "state must be in_flight, failed, completed or uncertain".to_owned())?,
+        ),
     };
     let principal = match q.principal {
         Some(p) if p.is_empty() || p.len() > 256 => return Err("principal must be 1 to 256 bytes".to_owned()),
@@ -295,6 +296,8 @@ mod tests {
         let now = idempotency::now();
         let ok = record_query(q(Some("in_flight"), Some("10m"), Some(5)), now).expect("valid");
         assert_eq!(ok.state, Some(RecordState::InFlight));
+        let unsure = record_query(q(Some("uncertain"), None, None), now).expect("valid");
+        assert_eq!(unsure.state, Some(RecordState::Uncertain));
         assert_eq!(ok.started_before, Some(now - chrono::Duration::minutes(10)));
         assert_eq!(ok.limit, 5);
         for bad in [

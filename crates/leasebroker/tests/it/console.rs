@@ -314,7 +314,7 @@ async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor()
     }
     let (cookie, _) = sign_in(base).await;
     for (query, detail) in [
-        ("state=running", "state must be in_flight, failed or completed"),
+        ("state=running", "state must be in_flight, failed, completed or uncertain"),
         ("older_than=soon", "older_than must be a duration"),
         ("limit=0", "limit must be 1 to"),
         ("limit=x", "limit must be a number"),
@@ -324,6 +324,10 @@ async fn the_records_page_takes_the_admin_listings_filters_and_pages_by_cursor()
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{query}");
         assert!(text(&r).contains(detail), "{query}: {}", text(&r));
     }
+    // Every record state is offered, `uncertain` too; no record is uncertain here.
+    let unsure = text(&get(base, "/console/records?state=uncertain", Some(&cookie)).await);
+    assert!(unsure.contains(r#"<option value="uncertain" selected>"#), "{unsure}");
+    assert!(!unsure.contains("data-record="), "{unsure}");
     // Two at a time: the "Next page" form carries the cursor; every record once.
     let row = regex::Regex::new(r#"data-record="([0-9a-f]{32})""#).expect("regex");
     let cursor_field = regex::Regex::new(r#"name="cursor" value="([^"]+)""#).expect("regex");
