@@ -262,7 +262,7 @@ async fn lbctl_lists_and_forgets_the_gateways_records() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (code, listed, err) = lbctl(&["records", "list", "--quiet"]);
+    let (code, listed, err) = lbctl(&["records", "list", "--state", "uncertain", "--quiet"]);
     assert_eq!(code, Some(0), "{err}");
     let ids: Vec<&str> = listed.lines().collect();
     assert_eq!(ids, uncertain_ids(&gw).await, "the one uncertain record");
