@@ -68,6 +68,23 @@ impl fmt::Display for MismatchStatus {
     }
 }
 
+/// What the record of a terminal response larger than
+/// [`max_stored_response`](crate::IdempotencyLayerBuilder::max_stored_response) keeps. Either
+/// way the client that made the request gets the whole response, streamed, and the handler never
+/// runs again for the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum OversizeResponse {
+    /// A short `410 response-too-large` problem in the response's place (the default): a
+    /// retry learns that the request ran and that its answer is gone.
+    #[default]
+    Problem,
+    /// The response's status and replayable headers, without its body: a retry gets them with an
+    /// empty body and `Idempotency-Body-Omitted: true` (a proxy's choice, where the status and
+    /// `Location` are what a client needs).
+    HeadersOnly,
+}
+
 pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
 pub(crate) type KeySourcesFn = dyn Fn(&Method, &str) -> crate::sources::KeySources + Send + Sync;
@@ -97,6 +114,7 @@ pub(crate) struct Config {
     pub(crate) compression_threshold: usize,
     pub(crate) problem_base: Cow<'static, str>,
     pub(crate) max_stored_response: usize,
+    pub(crate) oversize: OversizeResponse,
     pub(crate) completion_retry: CompletionRetry,
     pub(crate) store_timeout: Duration,
     pub(crate) store_queue_timeout: Duration,
@@ -137,6 +155,7 @@ impl fmt::Debug for Config {
             .field("compression_threshold", &self.compression_threshold)
             .field("problem_base", &self.problem_base)
             .field("max_stored_response", &self.max_stored_response)
+            .field("oversize", &self.oversize)
             .field("completion_retry", &self.completion_retry)
             .field("store_timeout", &self.store_timeout)
             .field("store_queue_timeout", &self.store_queue_timeout)

@@ -12,6 +12,11 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// expiry as an IMF-fixdate, on every response to a keyed request that has a record.
 pub const IDEMPOTENCY_KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
 
+/// The response header of a replay whose response was too large to store, so that only its status
+/// and headers were kept ([`OversizeResponse::HeadersOnly`](crate::OversizeResponse::HeadersOnly)):
+/// `Idempotency-Body-Omitted: true`, and an empty body.
+pub const IDEMPOTENCY_BODY_OMITTED: HeaderName = HeaderName::from_static("idempotency-body-omitted");
+
 /// The request header of RFC 7240 preferences; the layer honours `wait=N`.
 pub const PREFER: HeaderName = HeaderName::from_static("prefer");
 

@@ -12,8 +12,8 @@ use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, R
 use tower::Layer;
 
 use crate::config::{
-    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, PolicyFn, PrincipalFn, RoutePolicy,
-    default_policy, default_principal,
+    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, OversizeResponse, PolicyFn, PrincipalFn,
+    RoutePolicy, default_policy, default_principal,
 };
 use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
@@ -103,6 +103,7 @@ impl IdempotencyLayer {
             compression_threshold: DEFAULT_COMPRESSION_THRESHOLD,
             problem_base: Cow::Borrowed(DEFAULT_PROBLEM_BASE),
             max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
+            oversize: OversizeResponse::Problem,
             completion_retry: CompletionRetry {
                 times: DEFAULT_COMPLETION_RETRIES,
                 first_delay: DEFAULT_COMPLETION_RETRY_DELAY,
@@ -160,6 +161,7 @@ pub struct IdempotencyLayerBuilder {
     compression_threshold: usize,
     problem_base: Cow<'static, str>,
     max_stored_response: usize,
+    oversize: OversizeResponse,
     completion_retry: CompletionRetry,
     anonymous: Option<Principal>,
     operation_link: Option<Box<OperationLinkFn>>,
@@ -365,6 +367,16 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// What the record of a response larger than
+    /// [`max_stored_response`](Self::max_stored_response) keeps: a `410 response-too-large`
+    /// problem ([`OversizeResponse::Problem`], the default) or the response's status and headers
+    /// without its body ([`OversizeResponse::HeadersOnly`], replayed with
+    /// `Idempotency-Body-Omitted: true`).
+    pub fn oversize_response(mut self, oversize: OversizeResponse) -> Self {
+        self.oversize = oversize;
+        self
+    }
+
     /// How often storing a response is retried when the store fails (default 8 times, the first
     /// wait `first_delay` (default 100 ms), each next one doubled, at most 5 s, with jitter). The
     /// client is answered at once; the retries run in a task of their own, renewing the claim
@@ -496,6 +508,7 @@ impl IdempotencyLayerBuilder {
                 compression_threshold: self.compression_threshold,
                 problem_base: self.problem_base,
                 max_stored_response: self.max_stored_response,
+                oversize: self.oversize,
                 completion_retry: self.completion_retry,
                 store_timeout: self.store_timeout,
                 store_queue_timeout: self.store_queue_timeout,

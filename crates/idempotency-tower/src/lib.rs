@@ -72,13 +72,13 @@ mod sweeper;
 mod uncertain;
 mod waiters;
 
-pub use config::{MismatchStatus, RoutePolicy};
+pub use config::{MismatchStatus, OversizeResponse, RoutePolicy};
 pub use context::{IdempotencyContext, MissingContext};
 pub use detached::DetachedHandlers;
 pub use future::ResponseFuture;
 pub use headers::{
-    IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER, PREFERENCE_APPLIED,
-    REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,
+    IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, PREFER,
+    PREFERENCE_APPLIED, REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT,
 };
 pub use layer::{
     BuildError, DEFAULT_BODY_LIMIT, DEFAULT_COMPLETION_RETRIES, DEFAULT_COMPLETION_RETRY_DELAY,

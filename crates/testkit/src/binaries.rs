@@ -29,6 +29,8 @@ pub const LBCTL: Binary = Binary::new("lbctl", "LBCTL_BIN");
 pub const IDEMCHECK: Binary = Binary::new("idemcheck", "IDEMCHECK_BIN");
 /// The fault harness.
 pub const FAULTLINE: Binary = Binary::new("faultline", "FAULTLINE_BIN");
+/// The reverse proxy that gives any HTTP service the layer's promise.
+pub const GATEWAY: Binary = Binary::new("idempotency-gateway", "IDEMPOTENCY_GATEWAY_BIN");
 
 impl Binary {
     /// The binary `name`, which `env` may point at instead.

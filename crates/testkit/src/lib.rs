@@ -2,12 +2,13 @@
 
 pub mod api;
 mod binaries;
+pub mod gateway;
 pub mod leasebroker;
 pub mod ports;
 mod process;
 pub mod tokens;
 
-pub use binaries::{Binary, FAULTLINE, IDEMCHECK, LBCTL, LEASEBROKER, example, target_dir};
+pub use binaries::{Binary, FAULTLINE, GATEWAY, IDEMCHECK, LBCTL, LEASEBROKER, example, target_dir};
 pub use leasebroker::{serve, sim, sqlite_url, start};
 pub use ports::{HeldPort, closed_port, closed_url, free_port, free_port_with, free_ports};
 pub use process::{Launch, Proc, TEST_LOG};

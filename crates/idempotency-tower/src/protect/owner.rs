@@ -15,7 +15,7 @@ use super::Protected;
 use super::finish::{complete, fail, mark_uncertain};
 use super::heartbeat::with_heartbeat;
 use crate::BoxError;
-use crate::config::Config;
+use crate::config::{Config, OversizeResponse};
 use crate::context::IdempotencyContext;
 use crate::expires::with_expiry;
 use crate::metrics::count;
@@ -118,13 +118,19 @@ where
         }
         Ok(Handled::TooLarge(parts, read, rest)) => {
             // The side effects happened, so the record must not run again: it completes with a
-            // short problem that says so, and this client gets the whole response, streamed.
+            // short problem that says so (or the status and headers alone), and this client gets
+            // the whole response, streamed.
             tracing::warn!(
                 limit = cfg.max_stored_response,
                 status = parts.status.as_u16(),
-                "the response is larger than a stored response may be; a retry gets 410 response-too-large"
+                oversize = ?cfg.oversize,
+                "the response is larger than a stored response may be; it is stored without its body"
             );
-            if let Some(e) = complete(&cfg, &claim, too_large_response(&cfg), expires_at).await {
+            let stored = match cfg.oversize {
+                OversizeResponse::Problem => too_large_response(&cfg),
+                OversizeResponse::HeadersOnly => headers_only(&cfg, &parts),
+            };
+            if let Some(e) = complete(&cfg, &claim, stored, expires_at).await {
                 return Ok(not_acknowledged(&cfg, e));
             }
             stored_until = Some(expires_at);
@@ -253,6 +259,14 @@ fn too_large_response(cfg: &Config) -> StoredResponse {
         headers: vec![(http::header::CONTENT_TYPE.as_str().to_owned(), crate::problem::PROBLEM_JSON.to_owned())],
         body: StoredBody::encode(Bytes::from(problem.to_json()), cfg.compression_threshold),
     }
+}
+
+/// A response too large to store, as its status and replayable headers, marked
+/// `Idempotency-Body-Omitted: true`, with an empty body.
+fn headers_only(cfg: &Config, parts: &http::response::Parts) -> StoredResponse {
+    let mut headers = replayable_headers(cfg, &parts.headers);
+    headers.push((crate::headers::IDEMPOTENCY_BODY_OMITTED.as_str().to_owned(), "true".to_owned()));
+    StoredResponse { status: parts.status.as_u16(), headers, body: StoredBody::encode(Bytes::new(), usize::MAX) }
 }
 
 /// What the client of an attempt whose completion the store wrote but could not get

@@ -22,7 +22,7 @@ mod auth;
 pub mod dto;
 mod handlers;
 mod problems;
-mod records;
+pub mod records;
 mod shares;
 
 pub use auth::ADMIN_PRINCIPAL;

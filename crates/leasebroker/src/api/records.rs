@@ -74,15 +74,18 @@ pub struct RecordQueryParams {
     pub body: Option<String>,
 }
 
-fn invalid_query(detail: &str) -> Response {
+/// `400 invalid-query` with `detail`.
+pub fn invalid_query(detail: &str) -> Response {
     Problem::new(StatusCode::BAD_REQUEST, problems::INVALID_QUERY, "Invalid query", detail.to_owned()).into_response()
 }
 
-fn no_such_record() -> Response {
+/// `404 not-found`: no such record.
+pub fn no_such_record() -> Response {
     Problem::new(StatusCode::NOT_FOUND, problems::NOT_FOUND, "No such record", "no such record").into_response()
 }
 
-fn store_error(e: StoreError) -> Response {
+/// The answer to a store error: `400` for a cursor the store refuses, else `503 store-unavailable`.
+pub fn store_error(e: StoreError) -> Response {
     if matches!(e, StoreError::InvalidCursor) {
         return invalid_query("cursor is not a cursor this service gave out");
     }
@@ -98,14 +101,14 @@ fn store_error(e: StoreError) -> Response {
 }
 
 /// The record id in a path: 32 lowercase hex digits, else none (a 404 like an unknown id).
-fn record_id(id: &str) -> Option<RecordId> {
+pub fn record_id(id: &str) -> Option<RecordId> {
     (id.len() == 32 && id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
         .then(|| RecordId::from_hex(id))
         .flatten()
 }
 
 /// Turns the query into a store query at `now`, or the detail of the 400 to answer.
-pub(crate) fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
+pub fn record_query(q: RecordsQuery, now: idempotency::Timestamp) -> Result<RecordQuery, String> {
     let state = match q.state.as_deref() {
         None => None,
         Some(s) => Some(
@@ -146,12 +149,21 @@ pub async fn list_records(
     State(state): State<AppState>,
     query: Result<Query<RecordsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
+    list_page(state.store.as_ref(), query).await
+}
+
+/// `GET /admin/v1/records` on `store`: the records API of any service over an idempotency store
+/// (leasebroker's and the gateway's admin listener).
+pub async fn list_page(
+    store: &dyn idempotency::Store,
+    query: Result<Query<RecordsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
     let Ok(Query(q)) = query else { return invalid_query("limit must be a number") };
     let query = match record_query(q, idempotency::now()) {
         Ok(q) => q,
         Err(detail) => return invalid_query(&detail),
     };
-    match state.store.list_records(&query).await {
+    match store.list_records(&query).await {
         Ok(page) => Json(RecordPage {
             records: page.records.iter().map(|r| admin_record(r, false)).collect(),
             next_cursor: page.next_cursor,
@@ -173,14 +185,23 @@ pub async fn get_record(
     Path(id): Path<String>,
     query: Result<Query<RecordQueryParams>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
+    read_record(state.store.as_ref(), &id, query).await
+}
+
+/// `GET /admin/v1/records/{id}` on `store` (see [`list_page`]).
+pub async fn read_record(
+    store: &dyn idempotency::Store,
+    id: &str,
+    query: Result<Query<RecordQueryParams>, axum::extract::rejection::QueryRejection>,
+) -> Response {
     let Ok(Query(q)) = query else { return invalid_query("body must be true or false") };
     let body = match q.body.as_deref() {
         None | Some("false") => false,
         Some("true") => true,
         Some(_) => return invalid_query("body must be true or false"),
     };
-    let Some(id) = record_id(&id) else { return no_such_record() };
-    match state.store.get_by_id(&id).await {
+    let Some(id) = record_id(id) else { return no_such_record() };
+    match store.get_by_id(&id).await {
         Ok(Some(r)) if !r.is_expired(idempotency::now()) => Json(admin_record(&r, body)).into_response(),
         Ok(_) => no_such_record(),
         Err(e) => store_error(e),

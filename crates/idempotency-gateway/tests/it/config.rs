@@ -1,0 +1,73 @@
+//! Bad configurations: the binary exits 2 with one line naming the setting.
+
+use std::process::Command;
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(testkit::GATEWAY);
+    cmd.args(args).env_remove("IDEMPOTENCY_GATEWAY_UPSTREAM");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the gateway");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn assert_one_line_naming(args: &[&str], env: &[(&str, &str)], setting: &str) {
+    let (code, stderr) = run(args, env);
+    assert_eq!(code, Some(2), "{args:?}: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: one line: {stderr}");
+    assert!(lines[0].contains(setting), "{args:?}: names {setting}: {stderr}");
+}
+
+#[test]
+fn bad_settings_exit_2_with_one_line_naming_them() {
+    let dir = testkit::tempdir().expect("tempdir");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path.to_str().expect("UTF-8").to_owned()
+    };
+    assert_one_line_naming(&[], &[], "--upstream");
+    assert_one_line_naming(&["--upstream", "ftp://h"], &[], "--upstream");
+    assert_one_line_naming(&["--upstream", "http://h", "--forward-key", "sideways"], &[], "--forward-key");
+    assert_one_line_naming(
+        &[],
+        &[("IDEMPOTENCY_GATEWAY_UPSTREAM", "http://h"), ("IDEMPOTENCY_GATEWAY_MAX_BODY", "lots")],
+        "max-body",
+    );
+    let bad_route = write(
+        "route.toml",
+        "upstream = \"http://h\"\n[[route]]\nmatch = \"POST /orders/{id}\"\npolicy = \"sometimes\"\n",
+    );
+    assert_one_line_naming(&["--config", &bad_route], &[], "policy");
+    let unknown = write("unknown.toml", "upstream = \"http://h\"\nupstreams = \"http://h\"\n");
+    assert_one_line_naming(&["--config", &unknown], &[], "upstreams");
+    let template = write("template.toml", "upstream = \"http://h\"\n[[route]]\nmatch = \"POST /orders/{id\"\n");
+    assert_one_line_naming(&["--config", &template, "--record-store", "memory"], &[], "match of route 1");
+    let probe = write("probe.toml", "[[route]]\nmatch = \"POST /o\"\nprobe = \"GET /o/{key}\"\n");
+    assert_one_line_naming(
+        &["--config", &probe, "--upstream", "http://h", "--forward-key", "none"],
+        &[],
+        "probe of route 1",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flag_overrides_the_file_and_the_file_the_defaults() {
+    use crate::support::{Lang, Upstream, send, uuid_like};
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let dir = testkit::tempdir().expect("tempdir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, "forward-key = \"none\"\nupstream-timeout = \"1s\"\n").expect("write");
+    let path = path.to_str().expect("UTF-8");
+    let key = uuid_like();
+
+    let from_file = testkit::gateway::start(upstream.url(), "memory", &["--config", path]);
+    send(&from_file.url, "/orders", &key, "{}", &[]).await;
+    assert!(upstream.counts().await["last"].get("idempotency-key").is_none(), "the file's forward-key");
+
+    let flagged = testkit::gateway::start(upstream.url(), "memory", &["--config", path, "--forward-key", "original"]);
+    send(&flagged.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!(upstream.counts().await["last"]["idempotency-key"], format!("\"{key}\""), "the flag's");
+}

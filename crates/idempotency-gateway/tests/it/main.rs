@@ -1,0 +1,15 @@
+//! The gateway's integration tests: the real `idempotency-gateway` binary (started through the
+//! test kit) in front of upstreams written in Python and Node (`tests/upstreams/`), which count
+//! their own side effects. Every claim of "ran once" is the upstream's own count.
+//!
+//! - `proxy`: concurrency (32 identical requests, two replicas on one PostgreSQL), forwarding,
+//!   the protocol's answers (missing key, mismatch, missing principal), large responses;
+//! - `outcomes`: the outcome rules of SPEC 8 (never reached, 5xx, timeout, reset, a gateway
+//!   SIGKILLed mid-request) and the retries of an uncertain record (hold, resend, probe) with
+//!   the operator's resolutions;
+//! - `config`: bad configurations exit 2 with one line naming the setting.
+
+mod config;
+mod outcomes;
+mod proxy;
+mod support;
