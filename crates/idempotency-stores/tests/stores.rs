@@ -1,5 +1,6 @@
-//! `connect` builds a working store from each form of URL: the real PostgreSQL and Redis
-//! (`TEST_POSTGRES_URL`, `TEST_REDIS_URL`; skipped loudly without, failing under `CI=true`).
+//! `connect` builds a working store from each form of URL: SQLite in a temporary directory, the
+//! PostgreSQL server of `TEST_POSTGRES_URL` (a database of the test's own), and Redis servers
+//! started through the test kit; skipped loudly without them, failing under `CI=true`.
 
 use std::time::Duration;
 
@@ -26,15 +27,14 @@ fn rand_suffix() -> String {
     format!("{}-{}", std::process::id(), now().timestamp_nanos_opt().unwrap_or_default())
 }
 
-fn env_or_skip(name: &str) -> Option<String> {
-    match std::env::var(name) {
-        Ok(url) => Some(url),
-        Err(_) if std::env::var("CI").as_deref() == Ok("true") => panic!("{name} is required under CI"),
-        Err(_) => {
-            eprintln!("SKIPPED: {name} is not set");
-            None
-        }
+/// Skips (loudly) without `redis-server`, and fails under `CI=true`.
+fn have_redis() -> bool {
+    if testkit::redis::have_redis_binaries() {
+        return true;
     }
+    assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
+    eprintln!("SKIPPED: redis-server or redis-cli is not installed");
+    false
 }
 
 #[tokio::test]
@@ -48,18 +48,51 @@ async fn memory_and_sqlite_stores_work() {
     assert!(dir.path().join("records.db").exists());
 }
 
+/// The store is migrated by `connect`: a fresh database takes a claim at once; with
+/// `migrate(false)` it has no table yet, and the claim fails.
 #[tokio::test]
-async fn postgres_store_works() {
-    let Some(url) = env_or_skip("TEST_POSTGRES_URL") else { return };
-    let store = connect(&url.parse().unwrap(), &Options::default()).await.expect("postgres");
+async fn postgres_store_works_and_is_migrated() {
+    let Some(db) = testkit::postgres::TestDatabase::create().await else { return };
+    let url: StoreUrl = db.url().parse().unwrap();
+    let unmigrated = connect(&url, &Options::default().migrate(false)).await.expect("postgres");
+    let key = IdempotencyKey::try_from("before-migrations").expect("key");
+    let scope = Scope::new(Principal::new("stores-test"), Endpoint::new("POST", "/v1/things"), key);
+    let t = now();
+    let req = ClaimRequest {
+        scope,
+        fingerprint: Fingerprint::from_stored("sha256:00"),
+        now: t,
+        in_flight_ttl: Duration::from_secs(60),
+        expires_at: t + chrono::Duration::hours(1),
+    };
+    assert!(unmigrated.claim(req).await.is_err(), "no table before the migrations");
+    let store = connect(&url, &Options::default().max_connections(2)).await.expect("postgres");
     claims_once(&*store).await;
 }
 
 #[tokio::test]
 async fn redis_store_works() {
-    let Some(url) = env_or_skip("TEST_REDIS_URL") else { return };
-    let options = Options::default().redis(RedisStoreOptions::default().prefix(&format!("stores-{}:", rand_suffix())));
-    let store = connect(&url.parse().unwrap(), &options).await.expect("redis");
+    if !have_redis() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node = testkit::redis::start_server(dir.path(), &[]);
+    let url: StoreUrl = node.url().parse().unwrap();
+    assert!(matches!(url, StoreUrl::Redis(_)));
+    let options = Options::default().redis(RedisStoreOptions::default().prefix(format!("stores-{}:", rand_suffix())));
+    let store = connect(&url, &options).await.expect("redis");
+    claims_once(&*store).await;
+}
+
+#[tokio::test]
+async fn redis_cluster_store_works() {
+    if !have_redis() {
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(testkit::redis::Cluster::start).await.expect("cluster");
+    let url: StoreUrl = cluster.url().parse().unwrap();
+    assert!(matches!(url, StoreUrl::RedisCluster(_)), "{url}");
+    let store = connect(&url, &Options::default()).await.expect("redis cluster");
     claims_once(&*store).await;
 }
 
