@@ -6,8 +6,8 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use clap::{Args, ValueEnum};
-use idempotency::{MemoryStore, Principal, Store};
-use idempotency_sqlx::{PostgresStore, SqliteStore};
+use idempotency::{Principal, Store};
+use idempotency_stores::StoreUrl;
 use idempotency_tower::IdempotencyLayer;
 
 /// What sits between the listener and the handler.
@@ -87,18 +87,17 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let app = match args.mode {
         Mode::Bare => Router::new().route("/v1/workers", post(create)),
         Mode::Json => Router::new().route("/v1/workers", post(create_json)),
-        Mode::Memory => ours(Arc::new(MemoryStore::new())),
-        Mode::Sqlite => {
-            let path = dir.path().join("bench.db");
-            let store = SqliteStore::connect(path.to_str().expect("utf-8 temp path")).await?;
-            store.migrate().await?;
-            ours(Arc::new(store))
-        }
-        Mode::Postgres => {
-            let url = args.database.as_deref().ok_or_else(|| anyhow::anyhow!("--mode postgres needs --database"))?;
-            let store = PostgresStore::connect(url).await?;
-            store.migrate().await?;
-            ours(Arc::new(store))
+        Mode::Memory | Mode::Sqlite | Mode::Postgres => {
+            let url: StoreUrl = match args.mode {
+                Mode::Sqlite => format!("sqlite://{}", dir.path().join("bench.db").display()).parse()?,
+                Mode::Postgres => args
+                    .database
+                    .as_deref()
+                    .ok_or_else(|| anyhow::anyhow!("--mode postgres needs --database"))?
+                    .parse()?,
+                _ => StoreUrl::Memory,
+            };
+            ours(idempotency_stores::connect(&url, &idempotency_stores::Options::default()).await?)
         }
         Mode::Peer => peer(),
     };

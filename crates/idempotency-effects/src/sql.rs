@@ -65,24 +65,25 @@ impl SqlLedger {
         Self { pool: Pool::Postgres(pool) }
     }
 
-    /// Connects to `url` (`sqlite:...` or `postgres://...`) with `max_connections`.
+    /// Connects to `url` (`sqlite:...` or `postgres://...`, read as a
+    /// [`DatabaseUrl`](idempotency_sqlx::DatabaseUrl)) with `max_connections`.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, LedgerError> {
-        #[cfg(feature = "postgres")]
-        if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            let pool =
-                idempotency_sqlx::connect_postgres(url, idempotency_sqlx::postgres_pool_options(max_connections))
-                    .await?;
-            return Ok(Self::postgres(pool));
+        let url: idempotency_sqlx::DatabaseUrl = url.parse().map_err(|e| LedgerError::Unavailable(Box::new(e)))?;
+        match &url {
+            #[cfg(feature = "postgres")]
+            idempotency_sqlx::DatabaseUrl::Postgres(raw) => {
+                let options = idempotency_sqlx::postgres_pool_options(max_connections);
+                Ok(Self::postgres(idempotency_sqlx::connect_postgres(raw, options).await?))
+            }
+            #[cfg(feature = "sqlite")]
+            idempotency_sqlx::DatabaseUrl::Sqlite(raw) => {
+                let options = idempotency_sqlx::SqliteStore::connect_options(raw)
+                    .map_err(|e| LedgerError::Unavailable(Box::new(e)))?;
+                let pool = idempotency_sqlx::sqlite_pool_options(max_connections).connect_with(options).await?;
+                Ok(Self::sqlite(pool))
+            }
+            _ => Err(LedgerError::Unavailable(format!("this build has no driver for the database {url}").into())),
         }
-        #[cfg(feature = "sqlite")]
-        {
-            let options = idempotency_sqlx::SqliteStore::connect_options(url)
-                .map_err(|e| LedgerError::Unavailable(Box::new(e)))?;
-            let pool = idempotency_sqlx::sqlite_pool_options(max_connections).connect_with(options).await?;
-            Ok(Self::sqlite(pool))
-        }
-        #[cfg(not(feature = "sqlite"))]
-        Err(LedgerError::Unavailable(format!("unsupported database URL {url:?}").into()))
     }
 
     /// Creates or updates the tables (versioned migrations, history in [`MIGRATIONS_TABLE`]).

@@ -68,6 +68,7 @@ mod postgres;
 mod row;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod url;
 
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -97,3 +98,4 @@ pub use pool::{bounded_session, postgres_pool_options};
 pub use postgres::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
+pub use url::{DatabaseUrl, UnsupportedDatabaseUrl, redact};

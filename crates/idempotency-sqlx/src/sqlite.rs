@@ -52,10 +52,11 @@ impl SqliteStore {
     /// `synchronous = FULL`, busy timeout, foreign keys on), for a service that builds its own
     /// pool on the same file and passes it to [`SqliteStore::from_pool`].
     pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, StoreError> {
-        let options = if url.starts_with("sqlite:") {
-            SqliteConnectOptions::from_str(url).map_err(StoreError::unavailable)?
-        } else {
-            SqliteConnectOptions::new().filename(url)
+        let options = match url.parse() {
+            Ok(crate::DatabaseUrl::Sqlite(url)) => {
+                SqliteConnectOptions::from_str(&url).map_err(StoreError::unavailable)?
+            }
+            _ => SqliteConnectOptions::new().filename(url),
         };
         Ok(options
             .create_if_missing(true)

@@ -10,6 +10,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use idempotency::{Principal, ResponsePolicy, Store};
+use idempotency_stores::StoreUrl;
 use idempotency_tower::{DetachedHandlers, IdempotencyLayer, KeySources};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use rand::RngCore;
@@ -26,6 +27,7 @@ use crate::firmware::{Firmware, WatchSettings, Watcher};
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::redfish::RedfishBmc;
 use crate::hypervisor::sim::{SimConfig, Simulator};
+use crate::hypervisor::url::{BmcUrl, HypervisorUrl};
 use crate::reaper::Reaper;
 use crate::serve::{self, Timeouts};
 use crate::service::{Limits, Workers};
@@ -84,7 +86,6 @@ impl Application {
             .context("seeding the node pool")?;
 
         let mut background = Background::new();
-        let libvirt = args.hypervisor_url.as_deref().filter(|url| url.starts_with("libvirt+"));
         let timeouts = Timeouts {
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
             max_connections_per_source: match args.max_connections_per_source {
@@ -96,55 +97,30 @@ impl Application {
             body: args.body_timeout,
             shutdown: args.shutdown_timeout,
         };
+        // The one place the backends are chosen: the VMs behind an HTTP API, on libvirt (BMCs
+        // from the in-process simulator) or in the simulator; the BMCs beside them or on Redfish.
         let hypervisor = match &args.hypervisor_url {
-            Some(url) if libvirt.is_none() => {
+            Some(HypervisorUrl::Http(url)) => {
                 HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
+                    .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?
             }
-            _ => {
-                let sim = Simulator::new(SimConfig {
-                    fail_before: args.sim_fail_before,
-                    fail_after: args.sim_fail_after,
-                    latency: Duration::from_millis(args.sim_latency_ms),
-                    ..SimConfig::default()
-                })
-                .with_flash_time(Duration::from_millis(args.sim_flash_ms))
-                .with_flash_failure(args.sim_flash_fail)
-                .with_missing_images(args.sim_missing_image.clone());
-                let (url, headers, task) = spawn_private_simulator(sim, timeouts).await?;
-                background.adopt("simulator", task);
-                HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers, args.header_timeout / 2)
+            Some(HypervisorUrl::Libvirt(url)) => {
+                with_libvirt(private_simulator(&args, timeouts, &mut background).await?, url, &args).await?
             }
-        }
-        .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?;
-        let hypervisor = match libvirt {
-            Some(url) => with_libvirt(hypervisor, url, &args).await?,
-            None => hypervisor,
+            None => private_simulator(&args, timeouts, &mut background).await?,
         };
         let hypervisor = match &args.bmc_url {
-            Some(url) => hypervisor.with_redfish(
+            Some(BmcUrl::Redfish(url)) => hypervisor.with_redfish(
                 RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
                     .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
             ),
             None => hypervisor,
         };
-        let hypervisor_shown = args.hypervisor_url.as_deref().map_or_else(|| "in-process simulator".to_owned(), redact);
+        let hypervisor_shown =
+            args.hypervisor_url.as_ref().map_or_else(|| "in-process simulator".to_owned(), |u| u.to_string());
         let store = wrap(match &args.record_store {
             None => db.idempotency_store(),
-            Some(url) => {
-                let mut options = idempotency_redis::RedisStoreOptions::default()
-                    .replicas(args.record_store_replicas)
-                    .replica_timeout(args.record_store_replica_timeout);
-                if let Some(path) = &args.redis_ca_cert {
-                    let pem = std::fs::read(path)
-                        .with_context(|| format!("--redis-ca-cert: cannot read {}", path.display()))?;
-                    options = options.root_certificates_pem(pem);
-                }
-                Arc::new(
-                    idempotency_redis::RedisStore::connect_with(url, options)
-                        .await
-                        .with_context(|| format!("record store {}", redact(url)))?,
-                )
-            }
+            Some(url) => record_store(url, &args).await?,
         });
         let layer = IdempotencyLayer::builder(store.clone())
             .response_policy(ResponsePolicy::default())
@@ -260,8 +236,8 @@ impl Application {
             .layer(axum::middleware::from_fn(crate::telemetry::request_span));
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
-        let bmc_shown = args.bmc_url.as_deref().map_or_else(|| "the hypervisor's".to_owned(), redact);
-        tracing::info!(database = %redact(&args.database), hypervisor = %hypervisor_shown, bmc = %bmc_shown, "leasebroker ready");
+        let bmc_shown = args.bmc_url.as_ref().map_or_else(|| "the hypervisor's".to_owned(), |u| u.to_string());
+        tracing::info!(database = %args.database, hypervisor = %hypervisor_shown, bmc = %bmc_shown, "leasebroker ready");
         Ok(Self { listener, router, background, detached, generated_token, timeouts, db })
     }
 
@@ -376,6 +352,40 @@ pub async fn shutdown_signal() {
     let term = std::future::pending::<()>();
     tokio::select! { () = ctrl_c => {}, () = term => {} }
     tracing::info!("shutting down: draining in-flight requests");
+}
+
+/// The simulator, run inside this process on a private port (`--sim-*`), and a client for it.
+async fn private_simulator(
+    args: &ServeArgs,
+    timeouts: Timeouts,
+    background: &mut Background,
+) -> anyhow::Result<HypervisorClient> {
+    let sim = Simulator::new(SimConfig {
+        fail_before: args.sim_fail_before,
+        fail_after: args.sim_fail_after,
+        latency: Duration::from_millis(args.sim_latency_ms),
+        ..SimConfig::default()
+    })
+    .with_flash_time(Duration::from_millis(args.sim_flash_ms))
+    .with_flash_failure(args.sim_flash_fail)
+    .with_missing_images(args.sim_missing_image.clone());
+    let (url, headers, task) = spawn_private_simulator(sim, timeouts).await?;
+    background.adopt("simulator", task);
+    HypervisorClient::with_headers(&url, args.hypervisor_timeout, headers, args.header_timeout / 2)
+        .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))
+}
+
+/// The record store at `url` (`--record-store`), with the Redis settings of `args`.
+async fn record_store(url: &StoreUrl, args: &ServeArgs) -> anyhow::Result<Arc<dyn Store>> {
+    let mut redis = idempotency_stores::RedisStoreOptions::default()
+        .replicas(args.record_store_replicas)
+        .replica_timeout(args.record_store_replica_timeout);
+    if let Some(path) = &args.redis_ca_cert {
+        let pem = std::fs::read(path).with_context(|| format!("--redis-ca-cert: cannot read {}", path.display()))?;
+        redis = redis.root_certificates_pem(pem);
+    }
+    let options = idempotency_stores::Options::default().redis(redis);
+    Ok(idempotency_stores::connect(url, &options).await?)
 }
 
 /// The hypervisor client with its VMs on the libvirt host at `url` (`libvirt+URI`).

@@ -5,8 +5,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use idempotency_stores::clap::UrlParser;
+use idempotency_stores::{DatabaseUrl, StoreUrl};
 use idempotency_tower::MismatchStatus;
 use leasebroker_api::parse;
+
+use crate::hypervisor::url::{BmcUrl, HypervisorUrl, UnsupportedUrl};
 
 /// leasebroker: hands out worker nodes from a pool, safe to retry with Idempotency-Key.
 #[derive(Debug, Parser)]
@@ -50,8 +54,9 @@ pub struct ServeArgs {
     pub listen: SocketAddr,
 
     /// Database URL: `sqlite://PATH` (the embedded default) or `postgres://...`.
-    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true, default_value = "sqlite://leasebroker.db")]
-    pub database: String,
+    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true, default_value = "sqlite://leasebroker.db",
+          value_parser = UrlParser::<DatabaseUrl>::new())]
+    pub database: DatabaseUrl,
 
     /// Connections to a SQLite database (ignored on PostgreSQL). 1, the default, puts every
     /// database call of the service in one queue: SQLite commits one writer at a time, and
@@ -89,8 +94,9 @@ pub struct ServeArgs {
     /// `libvirt+qemu:///system` (any libvirt URI after `libvirt+`) puts the VMs on a real
     /// libvirt/QEMU host (a build with the `libvirt` feature); the BMCs are then the in-process
     /// simulator's.
-    #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL", hide_env_values = true)]
-    pub hypervisor_url: Option<String>,
+    #[arg(long, env = "LEASEBROKER_HYPERVISOR_URL", hide_env_values = true, value_name = "URL",
+          value_parser = UrlFlag(hypervisor_url))]
+    pub hypervisor_url: Option<HypervisorUrl>,
 
     /// Timeout of each hypervisor call.
     #[arg(long, env = "LEASEBROKER_HYPERVISOR_TIMEOUT", default_value = "10s", value_parser = parse::duration)]
@@ -123,8 +129,9 @@ pub struct ServeArgs {
     /// Where firmware flashes go: `redfish+http://HOST:PORT` or `redfish+https://HOST:PORT` (with
     /// `USER:PASSWORD@` for basic authentication) drives a Redfish BMC's
     /// `UpdateService.SimpleUpdate`. Default: the BMC API beside the hypervisor's (SPEC 3.4).
-    #[arg(long, env = "LEASEBROKER_BMC_URL", hide_env_values = true, value_name = "URL")]
-    pub bmc_url: Option<String>,
+    #[arg(long, env = "LEASEBROKER_BMC_URL", hide_env_values = true, value_name = "URL",
+          value_parser = UrlFlag(bmc_url))]
+    pub bmc_url: Option<BmcUrl>,
 
     /// A PEM file of CA certificates to trust for a `redfish+https` BMC, besides the system's roots.
     #[arg(long, env = "LEASEBROKER_BMC_CA_CERT", value_name = "PATH")]
@@ -174,8 +181,9 @@ pub struct ServeArgs {
     /// (`redis+cluster://HOST:PORT[,HOST:PORT]...`). The domain tables stay in --database. Redis
     /// must run with `maxmemory-policy noeviction` (anything else is refused at start); see the
     /// idempotency-redis crate for the persistence settings each guarantee needs.
-    #[arg(long, env = "LEASEBROKER_RECORD_STORE", hide_env_values = true, value_name = "URL")]
-    pub record_store: Option<String>,
+    #[arg(long, env = "LEASEBROKER_RECORD_STORE", hide_env_values = true, value_name = "URL",
+          value_parser = UrlFlag(record_store_url))]
+    pub record_store: Option<StoreUrl>,
 
     /// Redis record store: after each transition, wait until this many replicas of the record's
     /// primary have it (`WAIT`); a transition fewer replicas acknowledge in time fails as 503
@@ -312,29 +320,11 @@ impl ServeArgs {
         {
             return Err("the admin token must not also be a tenant's --token".to_owned());
         }
-        if let Some(url) = &self.record_store
-            && !["redis://", "rediss://", "redis+cluster://"].iter().any(|scheme| url.starts_with(scheme))
-        {
-            return Err(format!(
-                "--record-store {}: unsupported URL; use redis://HOST:PORT or redis+cluster://HOST:PORT[,HOST:PORT]... \
-                 (without it the records stay in --database)",
-                crate::db::redact(url)
-            ));
-        }
         if self.record_store_replicas > 0 && self.record_store.is_none() {
             return Err(
                 "--record-store-replicas applies to a Redis --record-store only (the records are in --database)"
                     .to_owned(),
             );
-        }
-        if let Some(url) = &self.bmc_url
-            && !url.starts_with(crate::hypervisor::redfish::URL_PREFIX)
-        {
-            return Err(format!(
-                "--bmc-url {}: unsupported URL; use redfish+http://HOST:PORT or redfish+https://HOST:PORT \
-                 (without it the BMCs are the hypervisor's)",
-                crate::db::redact(url)
-            ));
         }
         if self.retention <= self.in_flight_ttl {
             return Err(format!(
@@ -444,8 +434,8 @@ pub enum BmcApi {
 #[derive(Debug, Clone, Args)]
 pub struct MigrateArgs {
     /// Database URL: `sqlite://PATH` or `postgres://...`.
-    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true)]
-    pub database: String,
+    #[arg(long, env = "LEASEBROKER_DATABASE", hide_env_values = true, value_parser = UrlParser::<DatabaseUrl>::new())]
+    pub database: DatabaseUrl,
 }
 
 /// `TOKEN=PRINCIPAL`, split at the last `=` (a token may contain `=`, a principal may not).
@@ -503,6 +493,50 @@ impl clap::builder::TypedValueParser for AdminTokenParser {
         check_token_len("--admin-token", value).map_err(|m| secret_error(&m))?;
         Ok(value.to_owned())
     }
+}
+
+/// Parses a URL flag with the function it holds. Its error is one line, `--FLAG URL: REASON`, the
+/// URL [redacted](idempotency_stores::redact): clap's own message for a failed parser quotes the
+/// value, password and all.
+#[derive(Clone, Copy)]
+struct UrlFlag<T>(fn(&str) -> Result<T, String>);
+
+impl<T: Clone + Send + Sync + 'static> clap::builder::TypedValueParser for UrlFlag<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Self::Value, clap::Error> {
+        let flag = arg.and_then(clap::Arg::get_long).map_or_else(|| "the URL".to_owned(), |l| format!("--{l}"));
+        let value =
+            value.to_str().ok_or_else(|| secret_error(&format!("{flag}: not valid UTF-8 (the value is not shown)")))?;
+        (self.0)(value)
+            .map_err(|reason| secret_error(&format!("{flag} {}: {reason}", idempotency_stores::redact(value))))
+    }
+}
+
+/// `--record-store`: a Redis server or cluster (without the flag the records stay in
+/// `--database`, so a SQL or memory URL here is refused).
+fn record_store_url(url: &str) -> Result<StoreUrl, String> {
+    match url.parse() {
+        Ok(url @ (StoreUrl::Redis(_) | StoreUrl::RedisCluster(_))) => Ok(url),
+        _ => Err("unsupported URL; use redis://HOST:PORT or redis+cluster://HOST:PORT[,HOST:PORT]... \
+                  (without it the records stay in --database)"
+            .to_owned()),
+    }
+}
+
+/// `--hypervisor-url`.
+fn hypervisor_url(url: &str) -> Result<HypervisorUrl, String> {
+    url.parse().map_err(|e: UnsupportedUrl| e.to_string())
+}
+
+/// `--bmc-url`.
+fn bmc_url(url: &str) -> Result<BmcUrl, String> {
+    url.parse().map_err(|e: UnsupportedUrl| e.to_string())
 }
 
 /// A usage error whose text is `message` alone.
@@ -635,16 +669,65 @@ mod tests {
     #[test]
     fn bmc_url_takes_redfish_urls_only() {
         let serve = |args: &[&str]| {
-            let Command::Serve(s) = Cli::try_parse_from([&["leasebroker", "serve"], args].concat()).unwrap().command
-            else {
-                panic!("serve")
-            };
-            s.validate()
+            let cli = Cli::try_parse_from([&["leasebroker", "serve"], args].concat()).map_err(|e| e.to_string())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            s.validate()?;
+            Ok::<_, String>(s.bmc_url)
         };
-        assert!(serve(&["--bmc-url", "redfish+http://127.0.0.1:8000"]).is_ok());
+        let url = "redfish+http://127.0.0.1:8000";
+        assert_eq!(serve(&["--bmc-url", url]), Ok(Some(BmcUrl::Redfish(url.to_owned()))));
         assert!(serve(&["--bmc-url", "redfish+https://admin:secret@bmc.example"]).is_ok());
         let err = serve(&["--bmc-url", "https://admin:secret@bmc.example"]).unwrap_err();
         assert!(err.contains("redfish+http://") && !err.contains("secret"), "{err}");
+        assert_eq!(
+            err.trim(),
+            "error: --bmc-url https://admin:***@bmc.example: unsupported URL; use redfish+http://HOST:PORT or \
+             redfish+https://HOST:PORT (without it the BMCs are the hypervisor's)"
+        );
+    }
+
+    /// The backend URLs are typed when the flag is read: a URL of the wrong kind is a usage error
+    /// (exit 2), one line that names the flag and the forms it takes, never the password.
+    #[test]
+    fn backend_urls_are_parsed_once_when_read() {
+        let serve = |args: &[&str]| {
+            let cli = Cli::try_parse_from([&["leasebroker", "serve"], args].concat())?;
+            let Command::Serve(s) = cli.command else { panic!("serve") };
+            Ok::<_, clap::Error>(*s)
+        };
+        let s = serve(&[]).expect("the defaults");
+        assert_eq!(s.database, DatabaseUrl::Sqlite("sqlite://leasebroker.db".to_owned()));
+        assert_eq!((s.record_store, s.hypervisor_url, s.bmc_url), (None, None, None));
+        let s = serve(&[
+            "--database",
+            "postgres://lb:secret@db/lb",
+            "--record-store",
+            "redis+cluster://10.0.0.1:6379,10.0.0.2:6379",
+            "--hypervisor-url",
+            "libvirt+qemu:///system",
+        ])
+        .expect("typed");
+        assert!(s.database.is_postgres() && s.database.to_string() == "postgres://lb:***@db/lb");
+        assert!(matches!(s.record_store, Some(StoreUrl::RedisCluster(_))));
+        assert!(matches!(s.hypervisor_url, Some(HypervisorUrl::Libvirt(_))));
+        let s = serve(&["--hypervisor-url", "http://127.0.0.1:8090"]).expect("http");
+        assert_eq!(s.hypervisor_url, Some(HypervisorUrl::Http("http://127.0.0.1:8090".to_owned())));
+        for (flag, url, names) in [
+            ("--database", "mysql://u:secret@h/db", "use sqlite://PATH or postgres://"),
+            ("--record-store", "memcached://u:secret@h:11211", "use redis://HOST:PORT"),
+            ("--record-store", "postgres://u:secret@h/db", "without it the records stay in --database"),
+            ("--record-store", "memory", "use redis://HOST:PORT"),
+            ("--hypervisor-url", "ftp://u:secret@h", "use http://HOST:PORT"),
+            ("--hypervisor-url", "libvirt+", "libvirt+URI"),
+            ("--bmc-url", "redfish+ftp://u:secret@h", "use redfish+http://"),
+        ] {
+            let err = serve(&[flag, url]).expect_err(url);
+            assert_eq!(err.exit_code(), 2, "{flag} {url}");
+            let text = err.to_string();
+            assert!(text.starts_with(&format!("error: {flag}")) && text.contains(names), "{flag} {url}: {text}");
+            assert_eq!(text.trim().lines().count(), 1, "{text}");
+            assert!(!text.contains("secret"), "{text}");
+        }
     }
 
     #[test]

@@ -5,13 +5,15 @@
 
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use idempotency::Store;
 use idempotency_sqlx::{PostgresStore, SqliteStore, embedded_migrator};
-use regex::Regex;
+use idempotency_stores::DatabaseUrl;
+/// The URL or connection string without its secrets, for messages and logs.
+pub use idempotency_stores::redact;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
@@ -95,39 +97,42 @@ impl Db {
     /// Connects to `url` (`sqlite://PATH`, `sqlite:PATH` or `postgres://...`), with
     /// [`DEFAULT_SQLITE_CONNECTIONS`] on SQLite.
     pub async fn connect(url: &str) -> anyhow::Result<Self> {
-        Self::connect_with(url, DEFAULT_SQLITE_CONNECTIONS).await
+        Self::connect_with(&url.parse()?, DEFAULT_SQLITE_CONNECTIONS).await
     }
 
     /// Connects to `url`; a SQLite pool has `sqlite_connections` connections (at least 1).
-    pub async fn connect_with(url: &str, sqlite_connections: u32) -> anyhow::Result<Self> {
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let options = idempotency_sqlx::postgres_pool_options(16).acquire_timeout(PG_ACQUIRE_TIMEOUT);
-            let pool = idempotency_sqlx::connect_postgres(&tls_required(url), options)
-                .await
-                .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(url)))?;
-            Ok(Self::Postgres(pool))
-        } else if url.starts_with("sqlite:") {
-            let opts = SqliteConnectOptions::from_str(url)
-                .with_context(|| format!("bad SQLite URL {}", redact(url)))?
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal)
-                // FULL: a commit is on disk before it is acknowledged, so a power cut cannot lose
-                // a completed record or a hypervisor intent (NORMAL in WAL mode can lose the last
-                // commits, and the retry would then boot again). Its cost is in docs/security.md.
-                .synchronous(SqliteSynchronous::Full)
-                .busy_timeout(Duration::from_secs(10))
-                .foreign_keys(true);
-            if !url.contains(":memory:") && !url.contains("mode=memory") {
-                create_owner_only(opts.get_filename())?;
+    pub async fn connect_with(url: &DatabaseUrl, sqlite_connections: u32) -> anyhow::Result<Self> {
+        match url {
+            DatabaseUrl::Postgres(raw) => {
+                let options = idempotency_sqlx::postgres_pool_options(16).acquire_timeout(PG_ACQUIRE_TIMEOUT);
+                let pool = idempotency_sqlx::connect_postgres(raw, options)
+                    .await
+                    .with_context(|| format!("cannot connect to PostgreSQL at {url}"))?;
+                Ok(Self::Postgres(pool))
             }
-            let pool = idempotency_sqlx::sqlite_pool_options(sqlite_connections.max(1))
-                .acquire_timeout(Duration::from_secs(10))
-                .connect_with(opts)
-                .await
-                .with_context(|| format!("cannot open SQLite database {}", redact(url)))?;
-            Ok(Self::Sqlite(pool))
-        } else {
-            anyhow::bail!("unsupported database URL {:?}: use sqlite://PATH or postgres://...", redact(url))
+            DatabaseUrl::Sqlite(raw) => {
+                let opts = SqliteConnectOptions::from_str(raw)
+                    .with_context(|| format!("bad SQLite URL {url}"))?
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    // FULL: a commit is on disk before it is acknowledged, so a power cut cannot
+                    // lose a completed record or a hypervisor intent (NORMAL in WAL mode can lose
+                    // the last commits, and the retry would then boot again). Its cost is in
+                    // docs/security.md.
+                    .synchronous(SqliteSynchronous::Full)
+                    .busy_timeout(Duration::from_secs(10))
+                    .foreign_keys(true);
+                if !url.is_sqlite_memory() {
+                    create_owner_only(opts.get_filename())?;
+                }
+                let pool = idempotency_sqlx::sqlite_pool_options(sqlite_connections.max(1))
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(opts)
+                    .await
+                    .with_context(|| format!("cannot open SQLite database {url}"))?;
+                Ok(Self::Sqlite(pool))
+            }
+            _ => anyhow::bail!("unsupported database URL {url}: use sqlite://PATH or postgres://..."),
         }
     }
 
@@ -169,19 +174,6 @@ impl Db {
     pub fn is_postgres(&self) -> bool {
         matches!(self, Self::Postgres(_))
     }
-}
-
-/// The PostgreSQL URL to connect with: libpq's TLS parameters are read from it (`sslmode`,
-/// `sslrootcert`, ...), with one change: an explicit `sslmode=prefer` (or `allow`) is taken as
-/// `require`, because libpq's meaning (TLS if the server offers it, else cleartext without a
-/// word) lets anyone on the path strip TLS unnoticed. Say `sslmode=disable` for cleartext.
-fn tls_required(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
-    let params: Vec<&str> = query
-        .split('&')
-        .map(|p| if p == "sslmode=prefer" || p == "sslmode=allow" { "sslmode=require" } else { p })
-        .collect();
-    format!("{base}?{}", params.join("&"))
 }
 
 /// Refuses an existing database file, or its WAL or shared-memory file, that group or others
@@ -234,33 +226,9 @@ fn create_owner_only(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The URL or connection string without its secrets, for messages and logs: the password of
-/// `scheme://user:password@host`, and the value of any `password`-like parameter, whether in a
-/// query (`?password=...&sslpassword=...`) or a libpq `key=value` string (`password='...'`).
-pub fn redact(url: &str) -> String {
-    static PARAM: OnceLock<Regex> = OnceLock::new();
-    let param = PARAM.get_or_init(|| {
-        Regex::new(
-            r#"(?i)((?:^|[?&;\s])[a-z_]*(?:password|passwd|pwd|secret|token)\s*=\s*)('(?:[^'\\]|\\.)*'?|[^&;\s]*)"#,
-        )
-        .expect("a valid pattern")
-    });
-    let url = match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    };
-    param.replace_all(&url, "${1}***").into_owned()
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{postgres_migrator, redact, sqlite_migrator};
+    use super::{postgres_migrator, sqlite_migrator};
 
     /// The compiled-in lists hold every file of their directory, read exactly as sqlx reads it
     /// (a migration added to the directory but not to the list fails here).
@@ -272,28 +240,6 @@ mod tests {
             let (ours, sqlx) = idempotency_sqlx::compare_with_directory(&migrator, &root.join(dir)).await;
             assert_eq!(ours, sqlx, "{dir}");
         }
-    }
-
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(redact("sqlite://x.db"), "sqlite://x.db");
-        assert_eq!(redact("http://hv:p@ss@h:8090/"), "http://hv:***@h:8090/");
-    }
-
-    #[test]
-    fn redacts_password_parameters_in_queries_and_libpq_strings() {
-        assert_eq!(redact("postgres://u@h/db?password=secret"), "postgres://u@h/db?password=***");
-        assert_eq!(
-            redact("postgres://h/db?sslmode=require&PASSWORD=secret&sslpassword=key2&application_name=lb"),
-            "postgres://h/db?sslmode=require&PASSWORD=***&sslpassword=***&application_name=lb"
-        );
-        assert_eq!(redact("host=h user=u password=secret dbname=lb"), "host=h user=u password=*** dbname=lb");
-        assert_eq!(redact("host=h password = 'se cr\\'et' dbname=lb"), "host=h password = *** dbname=lb");
-        assert_eq!(redact("password=secret"), "password=***");
-        assert_eq!(redact("http://h/hv?token=abc&x=1"), "http://h/hv?token=***&x=1");
-        assert_eq!(redact("host=h dbname=lb"), "host=h dbname=lb");
     }
 
     #[tokio::test]

@@ -99,9 +99,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             sim::serve(listener, sim, shutdown_signal()).await.context("simulator")
         }
         Command::Migrate(args) => {
-            let db = Db::connect(&args.database).await?;
+            let db = Db::connect_with(&args.database, leasebroker::db::DEFAULT_SQLITE_CONNECTIONS).await?;
             db.migrate().await?;
-            println!("migrated {}", leasebroker::db::redact(&args.database));
+            println!("migrated {}", args.database);
             Ok(())
         }
     }

@@ -28,6 +28,7 @@ use crate::report::{Faults, Outcomes, RunReport, Setup};
 use crate::verify::{self, Bmcs, GroundTruth, Reader, Vms};
 use crate::workload::{ClientKind, Rerun, Workload, WorkloadConfig};
 use idempotency_redis::testing::Cluster as RedisCluster;
+use idempotency_sqlx::DatabaseUrl;
 use idempotency_sqlx::testing::ha::HaPostgres;
 
 /// Flashes go to the first this many nodes of the pool, so that some meet a running flash.
@@ -52,7 +53,7 @@ pub(super) async fn run_in(
     rate: f64,
     kind: ClientKind,
     dir: &Path,
-    database: &str,
+    database: &DatabaseUrl,
     own: OwnServers,
 ) -> anyhow::Result<RunReport> {
     let started = Instant::now();
@@ -100,11 +101,11 @@ impl Services {
         sc: &Scenario,
         bin: &Binaries,
         dir: &Path,
-        database: &str,
+        database: &DatabaseUrl,
         own: &OwnServers,
         rate: f64,
     ) -> anyhow::Result<Self> {
-        let on_postgres = database.starts_with("postgres");
+        let on_postgres = database.is_postgres();
         let replicas_n = if on_postgres { sc.replicas } else { 1 };
         let pool_nodes = sc
             .pool_nodes
@@ -123,7 +124,7 @@ impl Services {
         let redis = start_redis(sc, &mut extra).await?;
         let config = ServeConfig {
             binary: bin.leasebroker.clone(),
-            database: database.to_owned(),
+            database: database.as_str().to_owned(),
             principals: principals.clone(),
             pool_nodes,
             hypervisor_url: match (&own.libvirt, &late, &hypervisor) {
@@ -470,7 +471,12 @@ struct Checked {
 
 /// Plants what `--plant-orphans` and `--drop-acknowledged` ask for, waits until the servers
 /// settle and the inventory sweep had its time, and reads the ground truth.
-async fn check(sc: &Scenario, services: &Services, workload: &Workload, database: &str) -> anyhow::Result<Checked> {
+async fn check(
+    sc: &Scenario,
+    services: &Services,
+    workload: &Workload,
+    database: &DatabaseUrl,
+) -> anyhow::Result<Checked> {
     let reader = &services.reader;
     // Flashes go to nodes 1..=FLASH_NODES; a planted flash to the next one, which no operation
     // flashes.

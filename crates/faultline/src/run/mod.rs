@@ -126,10 +126,11 @@ async fn run_one(scenario: &Scenario, binaries: &Binaries, rate: f64, kind: Clie
         None => None,
     };
     let own = own.map(|c| Arc::new(Mutex::new(c)));
-    let url = match &database {
+    let url: idempotency_sqlx::DatabaseUrl = match &database {
         Some(db) => db.url.clone(),
         None => format!("sqlite://{}", temp.path().join("leasebroker.db").display()),
-    };
+    }
+    .parse()?;
     // Dropping the run's future (Ctrl-C, time limit) kills its processes (kill_on_drop) and aborts
     // its tasks; the database is dropped below either way.
     let result = tokio::select! {

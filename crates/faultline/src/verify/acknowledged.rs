@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow};
+use idempotency_sqlx::DatabaseUrl;
 
 use super::{Damage, Invariant, Reader};
 use crate::cluster::ADMIN_TOKEN;
@@ -97,25 +98,28 @@ pub fn check_acknowledged(
 /// The name of the invariant on acknowledged records.
 pub const ACKNOWLEDGED_RECORDS_LOST: &str = "acknowledged records lost (2xx answered, record gone or not completed)";
 
-/// Deletes the records of `keys` straight from the database at `database` (a `sqlite://` or
-/// `postgres://` URL), behind the service's back (`--drop-acknowledged`). Returns how many rows
-/// went.
-pub async fn drop_records(database: &str, keys: &[String]) -> anyhow::Result<u64> {
+/// Deletes the records of `keys` straight from the database at `database`, behind the service's
+/// back (`--drop-acknowledged`). Returns how many rows went.
+pub async fn drop_records(database: &DatabaseUrl, keys: &[String]) -> anyhow::Result<u64> {
     const DELETE: &str = "DELETE FROM idempotency_records WHERE key = $1";
     let mut dropped = 0;
-    if database.starts_with("sqlite:") {
-        let options: sqlx::sqlite::SqliteConnectOptions = database.parse().context("the SQLite URL")?;
-        let pool = sqlx::SqlitePool::connect_with(options.busy_timeout(Duration::from_secs(10))).await?;
-        for key in keys {
-            dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+    match database {
+        DatabaseUrl::Sqlite(url) => {
+            let options: sqlx::sqlite::SqliteConnectOptions = url.parse().context("the SQLite URL")?;
+            let pool = sqlx::SqlitePool::connect_with(options.busy_timeout(Duration::from_secs(10))).await?;
+            for key in keys {
+                dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+            }
+            pool.close().await;
         }
-        pool.close().await;
-    } else {
-        let pool = sqlx::PgPool::connect(database).await.context("connecting to PostgreSQL")?;
-        for key in keys {
-            dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+        DatabaseUrl::Postgres(url) => {
+            let pool = sqlx::PgPool::connect(url).await.context("connecting to PostgreSQL")?;
+            for key in keys {
+                dropped += sqlx::query(DELETE).bind(key).execute(&pool).await?.rows_affected();
+            }
+            pool.close().await;
         }
-        pool.close().await;
+        _ => anyhow::bail!("no records to drop in {database}: not a database faultline knows"),
     }
     Ok(dropped)
 }

@@ -37,7 +37,7 @@ pub const METADATA_NS: &str = "https://leasebroker.example/ns/1";
 /// The prefix the metadata element is written with.
 const METADATA_KEY: &str = "lb";
 /// The scheme prefix that selects this backend in `--hypervisor-url`.
-pub const URL_PREFIX: &str = "libvirt+";
+pub const URL_PREFIX: &str = super::url::LIBVIRT_PREFIX;
 
 /// VMs as libvirt domains on the host at one libvirt URI.
 #[derive(Debug, Clone)]

@@ -11,6 +11,8 @@
 //!   (`--bmc-url redfish+http://HOST:PORT`), for firmware flashes.
 //! - `libvirt` (cargo feature `libvirt`): the VMs on a real libvirt/QEMU host instead of the HTTP
 //!   API (`--hypervisor-url libvirt+qemu:///system`).
+//! - [`url`]: `--hypervisor-url` and `--bmc-url`, parsed once into [`HypervisorUrl`](url::HypervisorUrl)
+//!   and [`BmcUrl`](url::BmcUrl); the service picks its backends by matching on them.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -40,6 +42,7 @@ pub mod client;
 pub mod libvirt;
 pub mod redfish;
 pub mod sim;
+pub mod url;
 
 pub use api::{
     BmcList, BmcNode, BmcState, BootRequest, FlashRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState,

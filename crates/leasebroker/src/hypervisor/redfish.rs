@@ -35,7 +35,7 @@ use serde_json::{Value, json};
 use super::client::{HvError, HypervisorClient, check, check_success};
 
 /// The scheme prefix that selects this backend in `--bmc-url`.
-pub const URL_PREFIX: &str = "redfish+";
+pub const URL_PREFIX: &str = super::url::REDFISH_PREFIX;
 
 const SYSTEMS: &str = "/redfish/v1/Systems";
 const SIMPLE_UPDATE: &str = "/redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate";

@@ -202,7 +202,7 @@ fn the_systemd_unit_and_the_container_image_start_serve_with_flags_it_accepts() 
     for argv in [argv, container] {
         let cli = leasebroker::config::Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
         let leasebroker::config::Command::Serve(args) = cli.command else { panic!("{argv:?} does not serve") };
-        assert!(args.database.starts_with("sqlite:///var/lib/leasebroker/"), "{argv:?}");
+        assert!(args.database.as_str().starts_with("sqlite:///var/lib/leasebroker/"), "{argv:?}");
     }
     assert!(unit.contains("EnvironmentFile=") && !unit.contains("--token"), "tokens come from the environment file");
 }

@@ -229,6 +229,32 @@ async fn two_replicas_with_records_on_a_redis_cluster_behave_as_one_service() {
     assert_eq!(in_pg, 0, "no record in PostgreSQL");
 }
 
+/// A backend URL of the wrong kind is a usage error when the flag is read: exit 2, one line that
+/// names the flag and the forms it takes, the password never shown; nothing is started.
+#[test]
+fn a_backend_url_of_the_wrong_kind_is_a_usage_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = sqlite_url(&dir);
+    for (flag, url, forms) in [
+        ("--database", "mysql://lb:secret@db/lb", "sqlite://PATH or postgres://"),
+        ("--record-store", "memcached://lb:secret@127.0.0.1:11211", "redis://HOST:PORT"),
+        ("--hypervisor-url", "ftp://hv:secret@127.0.0.1:8090", "http://HOST:PORT"),
+        ("--bmc-url", "https://admin:secret@bmc.example", "redfish+http://HOST:PORT"),
+    ] {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0", flag, url];
+        if flag != "--database" {
+            args.extend(["--database", db.as_str()]);
+        }
+        let out = Command::new(BIN).args(&args).output().expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{flag} {url}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        assert!(stderr.contains(flag) && stderr.contains(forms), "{stderr}");
+        assert!(!stderr.contains("secret"), "{stderr}");
+    }
+    assert!(!dir.path().join("lb.db").exists(), "the database was opened: the flags were read too late");
+}
+
 /// A record store the service cannot use stops it at start, with one line that says why: an
 /// unknown scheme, and a Redis that may evict records (an evicted record is a duplicate waiting
 /// to happen).
