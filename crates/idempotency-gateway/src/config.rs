@@ -9,6 +9,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use idempotency_stores::StoreUrl;
+use idempotency_stores::clap::UrlParser;
 use idempotency_tower::MismatchStatus;
 
 use crate::settings::{
@@ -37,8 +39,9 @@ pub struct Args {
     pub admin_listen: Option<SocketAddr>,
     /// Where records are kept: `memory`, `sqlite://PATH`, `postgres://...`, `redis://HOST:PORT` or
     /// `redis+cluster://HOST:PORT[,HOST:PORT]...` [default: sqlite://gateway.db].
-    #[arg(long, env = "IDEMPOTENCY_GATEWAY_RECORD_STORE", hide_env_values = true)]
-    pub record_store: Option<String>,
+    #[arg(long, env = "IDEMPOTENCY_GATEWAY_RECORD_STORE", hide_env_values = true,
+          value_parser = UrlParser::<StoreUrl>::new())]
+    pub record_store: Option<StoreUrl>,
     /// Who a request runs as: `bearer` (SHA-256 of the Authorization header) or `header:NAME` [default: bearer].
     #[arg(long, env = "IDEMPOTENCY_GATEWAY_PRINCIPAL")]
     pub principal: Option<PrincipalSource>,
@@ -139,7 +142,7 @@ pub struct Config {
     /// `--admin-listen`.
     pub admin_listen: SocketAddr,
     /// `--record-store`.
-    pub record_store: String,
+    pub record_store: StoreUrl,
     /// `--principal`.
     pub principal: PrincipalSource,
     /// `--forward-key`.
@@ -200,7 +203,7 @@ impl Config {
                 f.take("admin-listen", parse)?,
                 SocketAddr::from(([127, 0, 0, 1], 9091)),
             ),
-            record_store: pick(a.record_store, f.take("record-store", parse)?, "sqlite://gateway.db".to_owned()),
+            record_store: pick(a.record_store, f.take("record-store", parse)?, default_record_store()),
             principal: pick(a.principal, f.take("principal", parse)?, PrincipalSource::Bearer),
             forward_key: pick(a.forward_key, f.take("forward-key", enum_value)?, ForwardKey::Derived),
             on_uncertain,
@@ -267,6 +270,11 @@ impl Config {
 }
 
 /// The flag's value, else the file's, else the default.
+/// `sqlite://gateway.db`: a file beside the gateway, as leasebroker's embedded default.
+fn default_record_store() -> StoreUrl {
+    "sqlite://gateway.db".parse().expect("the default record store URL parses")
+}
+
 fn pick<T>(flag: Option<T>, file: Option<T>, default: T) -> T {
     flag.or(file).unwrap_or(default)
 }

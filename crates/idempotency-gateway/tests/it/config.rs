@@ -36,6 +36,15 @@ fn bad_settings_exit_2_with_one_line_naming_them() {
         &[("IDEMPOTENCY_GATEWAY_UPSTREAM", "http://h"), ("IDEMPOTENCY_GATEWAY_MAX_BODY", "lots")],
         "max-body",
     );
+    assert_one_line_naming(
+        &["--upstream", "http://h", "--record-store", "mysql://u:secret@h/db"],
+        &[],
+        "--record-store",
+    );
+    let (_, stderr) = run(&["--upstream", "http://h", "--record-store", "mysql://u:secret@h/db"], &[]);
+    assert!(!stderr.contains("secret"), "a record store's password is never printed: {stderr}");
+    let in_file = write("store.toml", "upstream = \"http://h\"\nrecord-store = \"etcd://h\"\n");
+    assert_one_line_naming(&["--config", &in_file], &[], "record-store");
     let bad_route = write(
         "route.toml",
         "upstream = \"http://h\"\n[[route]]\nmatch = \"POST /orders/{id}\"\npolicy = \"sometimes\"\n",
