@@ -1,4 +1,4 @@
-//! `Prefer: wait` (SPEC 1.3): how long after the first request's answer a retry that waits for
+//! `Prefer: wait` (docs/protocol.md#records): how long after the first request's answer a retry that waits for
 //! the same key gets its own. The first request's handler works for `--handler-ms`; the retry
 //! arrives while it works, with `Prefer: wait=10`, and is answered the stored response once the
 //! record completes. The latency is the retry's answer minus the first request's answer, both

@@ -1,4 +1,4 @@
-"""``idemcheck client`` (the workspace's client checker, SPEC 9) against this client through
+"""``idemcheck client`` (the workspace's client checker, docs/protocol.md#clients) against this client through
 ``conformance/clients/python/adapter.py``: every scenario passes. The binary is ``$IDEMCHECK_BIN``,
 else the workspace's debug build; missing, the test is skipped loudly, and fails under ``CI=true``."""
 

@@ -1,5 +1,5 @@
 /**
- * `idemcheck client` (the workspace's client checker, SPEC 9) against this client through
+ * `idemcheck client` (the workspace's client checker, docs/protocol.md#clients) against this client through
  * conformance/clients/typescript/adapter.mjs (which imports the build, dist/index.js): every
  * scenario passes. The binary is `$IDEMCHECK_BIN`, else the workspace's debug build; missing, the
  * test is skipped loudly, and fails under `CI=true`.

@@ -198,7 +198,7 @@ pub struct Scenario {
     /// run, readable by libvirt's QEMU).
     #[arg(long, default_value = "/var/tmp/faultline-libvirt")]
     pub libvirt_dir: PathBuf,
-    /// How the firmware flashes reach the BMCs: `native` (the simulator's `/v1/bmc`, SPEC 3.4) or
+    /// How the firmware flashes reach the BMCs: `native` (the simulator's `/v1/bmc`, docs/protocol.md#firmware-operations) or
     /// `redfish` (the simulator runs `--bmc redfish` and the servers get `--bmc-url
     /// redfish+http://...`: `UpdateService.SimpleUpdate` and task monitors).
     #[arg(long, value_enum, default_value = "native")]

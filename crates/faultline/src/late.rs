@@ -1,4 +1,4 @@
-//! Late landings past the settle window (SPEC 5, round 2): an HTTP proxy of faultline's between
+//! Late landings past the settle window (docs/protocol.md#proving-it, round 2): an HTTP proxy of faultline's between
 //! the servers and the hypervisor simulator that holds a share of VM boots and delivers them once
 //! the servers' settle window has passed.
 //!

@@ -101,7 +101,7 @@ pub(crate) struct Profile {
     pub(crate) sf_keys: bool,
     /// The header (lower case) and value that mark a replay.
     pub(crate) replay_header: Option<(&'static str, &'static str)>,
-    /// Errors are RFC 9457 problems whose `type` ends in the names of SPEC 1.
+    /// Errors are RFC 9457 problems whose `type` ends in the names of docs/protocol.md.
     pub(crate) problem_types: bool,
     /// `Idempotency-Key-Expires` on responses with a record.
     pub(crate) expires_header: bool,
@@ -190,7 +190,7 @@ impl Profile {
             }),
             "leasebroker" => Some(Profile {
                 name: "leasebroker",
-                about: "this workspace's contract (SPEC 1 and 3): both key forms, 409 for a reused key \
+                about: "this workspace's contract (docs/protocol.md, the library and leasebroker): both key forms, 409 for a reused key \
                         (--mismatch-status), problem types, Idempotency-Key-Expires, Prefer: wait, Repeatability-Request-ID \
                         and a body request_id, a 5xx not stored; tokens: 1st and 2nd two tenants, 3rd the admin token \
                         (firmware flash). A default leasebroker passes or is n/a on every vector; all of them pass with \

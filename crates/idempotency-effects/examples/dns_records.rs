@@ -1,4 +1,4 @@
-//! A second adopter: a DNS-record endpoint that gets every guarantee of SPEC 1.5 without
+//! A second adopter: a DNS-record endpoint that gets every guarantee of docs/protocol.md#side-effects without
 //! writing a fence. `IdempotencyLayer` keeps the HTTP half (records, replays); this crate keeps
 //! the downstream half: one DNS record per key, whatever the retries, kills and late landings.
 //!

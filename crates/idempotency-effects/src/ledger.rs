@@ -1,4 +1,4 @@
-//! The durable intent ledger: the one place the rules of SPEC 1.5 are written, per backend.
+//! The durable intent ledger: the one place the rules of docs/protocol.md#side-effects are written, per backend.
 
 use std::fmt;
 use std::time::Duration;

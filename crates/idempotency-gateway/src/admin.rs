@@ -1,5 +1,5 @@
 //! The admin listener (`--admin-listen`, never proxied): `/healthz`, `/readyz`, `/metrics`, and
-//! the records API of SPEC 7 with the operator's resolutions of SPEC 8, behind `--admin-token`.
+//! the records API of docs/protocol.md#operating-it with the operator's resolutions of docs/protocol.md#gateway, behind `--admin-token`.
 //!
 //! The records API is leasebroker's (`leasebroker::api::records`: one implementation over any
 //! idempotency store), so `lbctl records list|get|forget` works against this listener. Every
@@ -44,7 +44,7 @@ impl std::fmt::Debug for AdminState {
 }
 
 /// The admin router. Its mutating routes are behind `layer` (an `Idempotency-Key` is required,
-/// as on every mutating admin route, SPEC 7).
+/// as on every mutating admin route, docs/protocol.md#operating-it).
 pub fn router(state: AdminState, layer: IdempotencyLayer) -> Router {
     let records = Router::new()
         .route("/admin/v1/records", get(list))

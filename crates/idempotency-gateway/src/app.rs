@@ -220,7 +220,7 @@ impl GatewayService {
                 (None, mode) => retry_of(mode),
             });
         }
-        // The gateway's rule for a claim whose process died: uncertain, never free (SPEC 8). The
+        // The gateway's rule for a claim whose process died: uncertain, never free (docs/protocol.md#gateway). The
         // layer's default (take it over and run again) suits a handler that resumes through its
         // sub-keys; a proxy cannot resume, and its dead attempt may have reached the upstream.
         let default = layer(config, store, &config.principal, Policy::Required, Fingerprint::Raw)

@@ -1,4 +1,4 @@
-//! The gateway's configuration (SPEC 8): flags (each also `IDEMPOTENCY_GATEWAY_<FLAG>`), a TOML
+//! The gateway's configuration (docs/protocol.md#gateway): flags (each also `IDEMPOTENCY_GATEWAY_<FLAG>`), a TOML
 //! file (`--config`) with the same names and `[[route]]` tables, and the defaults. A flag
 //! overrides the file; a route without an option takes the global one. A bad setting is a
 //! [`ConfigError`]: one line naming it (the binary exits 2).
@@ -119,7 +119,7 @@ pub struct RouteConfig {
     pub retention: Duration,
 }
 
-/// Client connection limits (those of leasebroker, SPEC 3.2).
+/// Client connection limits (those of leasebroker, docs/protocol.md#leasebroker-api).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
     /// `--header-timeout`.

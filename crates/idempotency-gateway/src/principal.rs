@@ -1,4 +1,4 @@
-//! Who a request runs as (SPEC 8, "Principal"): its records are scoped to it.
+//! Who a request runs as (docs/protocol.md#gateway, "Principal"): its records are scoped to it.
 
 use http::header::AUTHORIZATION;
 use http::request::Parts;

@@ -43,7 +43,7 @@ impl fmt::Display for PrincipalSource {
 /// What the upstream receives as `Idempotency-Key` on a protected request (`--forward-key`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ForwardKey {
-    /// `"<sub-key>"` derived from the record (SPEC 1.5): the same on every retry and every
+    /// `"<sub-key>"` derived from the record (docs/protocol.md#side-effects): the same on every retry and every
     /// replica, different per principal, so an upstream that deduplicates by key sees one key per
     /// logical operation and never one tenant's key in another's scope.
     #[default]

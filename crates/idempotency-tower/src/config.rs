@@ -9,7 +9,7 @@ use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 use idempotency::{Fingerprinter, Principal, Record, ResponsePolicy, Store};
 
-/// Whether a route takes an `Idempotency-Key` (SPEC 1.1). Only consulted for POST, PUT, PATCH
+/// Whether a route takes an `Idempotency-Key` (docs/protocol.md#the-key). Only consulted for POST, PUT, PATCH
 /// and DELETE; GET, HEAD, OPTIONS (and any other method) always pass through untouched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -178,7 +178,7 @@ pub(crate) fn default_policy(_: &Method, _: &str) -> RoutePolicy {
     RoutePolicy::Required
 }
 
-/// The methods the layer protects (SPEC 1.1).
+/// The methods the layer protects (docs/protocol.md#the-key).
 pub(crate) fn is_mutating(method: &Method) -> bool {
     matches!(*method, Method::POST | Method::PUT | Method::PATCH | Method::DELETE)
 }

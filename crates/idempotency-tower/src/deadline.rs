@@ -1,4 +1,4 @@
-//! A bound on every store call the layer makes (SPEC 3.1: with the store unreachable, a request
+//! A bound on every store call the layer makes (docs/protocol.md#running-leasebroker: with the store unreachable, a request
 //! is answered `503 store-unavailable` within 5 s, whatever way the store fails), that a queue
 //! for a healthy store never trips.
 //!

@@ -1,4 +1,4 @@
-//! `Idempotency-Key-Expires` (SPEC 1.3): until when a retry with the key is answered from its
+//! `Idempotency-Key-Expires` (docs/protocol.md#records): until when a retry with the key is answered from its
 //! record, so a client knows how long retrying is safe.
 
 use std::time::SystemTime;

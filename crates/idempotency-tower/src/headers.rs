@@ -2,13 +2,13 @@
 
 use http::HeaderName;
 
-/// The request header that carries the key (SPEC 1.1).
+/// The request header that carries the key (docs/protocol.md#the-key).
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The response header that marks a replay (`Idempotent-Replayed: true`).
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// The response header that tells until when the key's record is kept (SPEC 1.3): the record's
+/// The response header that tells until when the key's record is kept (docs/protocol.md#records): the record's
 /// expiry as an IMF-fixdate, on every response to a keyed request that has a record.
 pub const IDEMPOTENCY_KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
 

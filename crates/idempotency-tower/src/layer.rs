@@ -33,7 +33,7 @@ pub const DEFAULT_COMPRESSION_THRESHOLD: usize = 1024;
 pub const DEFAULT_IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// The default largest response stored for replay (1 MiB).
 pub const DEFAULT_MAX_STORED_RESPONSE: usize = 1024 * 1024;
-/// The default longest wait a request's `Prefer: wait=N` gets (SPEC 1.3).
+/// The default longest wait a request's `Prefer: wait=N` gets (docs/protocol.md#records).
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// The default first and longest time between two reads of a record a request waits for.
 pub const DEFAULT_WAIT_POLL: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
@@ -44,7 +44,7 @@ pub const DEFAULT_COMPLETION_RETRIES: usize = 8;
 pub const DEFAULT_COMPLETION_RETRY_DELAY: Duration = Duration::from_millis(100);
 const MAX_COMPLETION_RETRY_DELAY: Duration = Duration::from_secs(5);
 /// The default bound on one store call (3 s): with the store unreachable a request is answered
-/// `503 store-unavailable` within 5 s (SPEC 3.1), with time to spare for the answer.
+/// `503 store-unavailable` within 5 s (docs/protocol.md#running-leasebroker), with time to spare for the answer.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(3);
 /// The default longest wait of one store call while the store goes on taking other writes
 /// (10 s): a queue, not an outage.
@@ -55,7 +55,7 @@ pub const DEFAULT_STORE_QUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 #[non_exhaustive]
 pub enum BuildError {
     /// The retention is not longer than the in-flight TTL. A record in flight lives at least the
-    /// TTL past its claim's last renewal anyway (SPEC 1.3), so that retention would not be the
+    /// TTL past its claim's last renewal anyway (docs/protocol.md#records), so that retention would not be the
     /// records'; and a dead attempt's record would expire no later than its claim goes stale, so
     /// the retry after the TTL would find a new record (new sub-keys) instead of resuming the
     /// attempt's side effects through the old ones.
@@ -218,7 +218,7 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Where else than `Idempotency-Key` the key of a mutating request may come from, by its
-    /// method and path, next to its [`policy`](Self::policy) (SPEC 1.3, "Other key sources"):
+    /// method and path, next to its [`policy`](Self::policy) (docs/protocol.md#records, "Other key sources"):
     /// `Repeatability-Request-ID` ([`KeySources::repeatability`]) and a JSON body field
     /// ([`KeySources::body_field`], AIP-155's `request_id`). Each names the same record, in the
     /// same scope, as `Idempotency-Key` with that value; a request with two different keys gets

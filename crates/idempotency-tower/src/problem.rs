@@ -190,7 +190,7 @@ impl IntoResponse for Problem {
 pub(crate) enum Rejection {
     MissingKey,
     InvalidKey(KeyError),
-    /// A key from another source (SPEC 1.3) that is invalid, or two different keys; the detail
+    /// A key from another source (docs/protocol.md#records) that is invalid, or two different keys; the detail
     /// says which.
     InvalidKeySource(String),
     /// `Repeatability-First-Sent` is older than the retention.

@@ -1,4 +1,4 @@
-//! Key propagation (SPEC 1.3): the outgoing HTTP calls a protected handler makes carry
+//! Key propagation (docs/protocol.md#records): the outgoing HTTP calls a protected handler makes carry
 //! `Idempotency-Key: "<sub-key>"`, the record's derived sub-key for that call, so a downstream
 //! that honours the header deduplicates the call natively when the handler runs again.
 

@@ -1,8 +1,8 @@
-//! Releasing records whose attempt ended while the store was down (SPEC 3.1).
+//! Releasing records whose attempt ended while the store was down (docs/protocol.md#running-leasebroker).
 //!
 //! An attempt whose handler was cut by a store outage ends with a `fail` that the store cannot
 //! take either. (An attempt whose handler answered as final but whose response could not be
-//! stored on any retry is not released: its record stays in flight, SPEC 1.5.) Without more,
+//! stored on any retry is not released: its record stays in flight, docs/protocol.md#side-effects.) Without more,
 //! its record stays in flight until the claim goes stale, and every retry meanwhile gets
 //! `409 request-in-progress`, for up to the in-flight TTL after the store is back. So the layer
 //! keeps such claims in a small queue and one background task tries them again with backoff:

@@ -1,4 +1,4 @@
-//! Where a route's key may come from besides `Idempotency-Key` (SPEC 1.3, "Other key sources"):
+//! Where a route's key may come from besides `Idempotency-Key` (docs/protocol.md#records, "Other key sources"):
 //! the `Repeatability-Request-ID` header of OASIS Repeatable Requests, and a field of a JSON body
 //! (AIP-155's `request_id`). Each names the same record, in the same scope, as `Idempotency-Key`
 //! with the same value.

@@ -280,7 +280,7 @@ impl Record {
         }
     }
 
-    /// Decides what a request with `fingerprint` gets at `now` (SPEC 1.3).
+    /// Decides what a request with `fingerprint` gets at `now` (docs/protocol.md#records).
     pub fn decide(&self, fingerprint: &Fingerprint, now: Timestamp, in_flight_ttl: Duration) -> Decision {
         if &self.fingerprint != fingerprint {
             return Decision::Mismatch;
@@ -325,7 +325,7 @@ pub fn stale_after(started_at: Timestamp, ttl: Duration) -> Timestamp {
 
 /// The expiry an in-flight record gets from an attempt at `now` that asks for `expires_at`: that,
 /// but never before the attempt's claim can go stale (`now + in_flight_ttl`), so a record in
-/// flight never expires under a live attempt, however short the retention (SPEC 1.3).
+/// flight never expires under a live attempt, however short the retention (docs/protocol.md#records).
 fn in_flight_expiry(now: Timestamp, in_flight_ttl: Duration, expires_at: Timestamp) -> Timestamp {
     expires_at.max(stale_after(now, in_flight_ttl))
 }

@@ -87,7 +87,7 @@ impl fmt::Debug for Endpoint {
 }
 
 /// A request path in one canonical spelling, so that every way of writing one path names one
-/// endpoint (SPEC 1.2; RFC 3986 6.2.2).
+/// endpoint (docs/protocol.md#scope-and-fingerprint; RFC 3986 6.2.2).
 ///
 /// Each `/`-separated segment is percent-decoded and written again the same way:
 ///

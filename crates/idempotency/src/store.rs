@@ -121,7 +121,7 @@ impl std::fmt::Display for ErrorChain<'_> {
 /// - **Timestamps are kept to the microsecond.** Callers pass [`crate::now`]'s values (truncated
 ///   to microseconds); a store keeps at least that precision and reads back exactly what it was
 ///   given, so a record read back compares equal to the one written.
-/// - **A record in flight outlives its live attempt** (SPEC 1.3). A claim, a reclaim and a
+/// - **A record in flight outlives its live attempt** (docs/protocol.md#records). A claim, a reclaim and a
 ///   heartbeat each leave the record expiring no earlier than their `now + in_flight_ttl`
 ///   (`record_expires_at` of [`ClaimRequest`], [`ReclaimRequest`] and [`Renewal`]), however
 ///   short the retention they ask for; and a claim never replaces an expired record that is in
@@ -229,7 +229,7 @@ pub trait Store: Send + Sync + 'static {
         let _ = (principal, now);
         Ok(None)
     }
-    // Operating (SPEC 7): list, read by id, forget.
+    // Operating (docs/protocol.md#operating-it): list, read by id, forget.
 
     /// Lists the live records (not expired at `query.now`) that match `query`'s filters, at most
     /// [`RecordQuery::page_size`] of them, from `query.cursor` on. Paging is by cursor: a page

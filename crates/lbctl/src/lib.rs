@@ -25,7 +25,7 @@
 //! `operations resolve OP_ID --state succeeded|failed --reason R` (one key for its retries, as
 //! every mutating command).
 //!
-//! Exit codes (SPEC 4): 0 success, 1 local failure (journal, TLS, unexpected response), 2 usage,
+//! Exit codes (docs/protocol.md#clients): 0 success, 1 local failure (journal, TLS, unexpected response), 2 usage,
 //! 3 refused (4xx), 4 key reused with a different request, 5 gave up retrying, 6 unauthorized,
 //! 7 the followed operation ended without success (`failed`, or `uncertain`: not known to have
 //! succeeded, with a line naming the resolve command).
@@ -62,7 +62,7 @@ use progress::{Display, Progress};
 pub use cli::{Cli, Command, FirmwareCommand, OpArgs, OperationsCommand, RecordsCommand, WorkersCommand};
 pub use output::OutputFormat;
 
-/// lbctl's exit codes (SPEC 4, plus 1 for local failures).
+/// lbctl's exit codes (docs/protocol.md#clients, plus 1 for local failures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Exit {

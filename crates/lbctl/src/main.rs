@@ -1,4 +1,4 @@
-//! The `lbctl` binary: parse, run, exit with the SPEC 4 code.
+//! The `lbctl` binary: parse, run, exit with the docs/protocol.md#clients code.
 
 use std::process::ExitCode;
 

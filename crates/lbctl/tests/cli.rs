@@ -553,7 +553,7 @@ fn https_with_a_private_ca_works_and_an_untrusted_certificate_fails_at_once() {
     assert_eq!(server.fleet().workers_active, 1);
 }
 
-// Firmware flashes and long-running operations (SPEC 3.4 and 4).
+// Firmware flashes and long-running operations (docs/protocol.md#firmware-operations and #clients).
 
 /// The simulator's flash time in these tests: long enough that a poll sees `running`, short enough
 /// to keep the tests quick.

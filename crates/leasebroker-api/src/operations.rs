@@ -1,4 +1,4 @@
-//! Long-running operations (SPEC 3.4): the firmware flash that starts one, and the operation as
+//! Long-running operations (docs/protocol.md#firmware-operations): the firmware flash that starts one, and the operation as
 //! the API shows it.
 
 use std::fmt;

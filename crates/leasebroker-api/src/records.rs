@@ -1,4 +1,4 @@
-//! Idempotency records as the admin API shows them (SPEC 7): `GET /admin/v1/records` and
+//! Idempotency records as the admin API shows them (docs/protocol.md#operating-it): `GET /admin/v1/records` and
 //! `GET /admin/v1/records/{id}`.
 
 use chrono::{DateTime, Utc};

@@ -18,7 +18,7 @@ pub struct SimStats {
     pub reboots_total: u64,
     /// Reboots whose tag was already in that VM's `reboot_tags`.
     pub duplicate_reboot_tags: u64,
-    /// Every BMC firmware flash that started, ever (SPEC 3.4).
+    /// Every BMC firmware flash that started, ever (docs/protocol.md#firmware-operations).
     #[serde(default)]
     pub flashes_total: u64,
     /// Flashes whose tag had been flashed before, on any node.
@@ -29,7 +29,7 @@ pub struct SimStats {
     pub bricked_nodes: u64,
     /// Boots, reboots and flashes that happened whose request carried its tag as its
     /// `Idempotency-Key`, in the structured field string form (`Idempotency-Key: "<tag>"`): the
-    /// calls a client's key propagation keyed (SPEC 1.3).
+    /// calls a client's key propagation keyed (docs/protocol.md#records).
     #[serde(default)]
     pub tag_keyed_calls: u64,
 }

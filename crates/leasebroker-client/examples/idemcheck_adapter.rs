@@ -1,4 +1,4 @@
-//! This crate's retry core and journal under `idemcheck client` (SPEC 9): one logical POST of a
+//! This crate's retry core and journal under `idemcheck client` (docs/protocol.md#clients): one logical POST of a
 //! small JSON body to `$IDEMCHECK_URL$IDEMCHECK_PATH`, keyed by the journal
 //! (`$IDEMCHECK_DIR/rust-sdk-journal.db`) under the operation `$IDEMCHECK_OPERATION`, retried by a
 //! [`Retrier`] within `$IDEMCHECK_MAX_ELAPSED` seconds. Exits 0 on a 2xx, 1 on an error.

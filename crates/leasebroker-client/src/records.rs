@@ -1,4 +1,4 @@
-//! The admin records API (SPEC 7): idempotency records as an operator sees them. The record and
+//! The admin records API (docs/protocol.md#operating-it): idempotency records as an operator sees them. The record and
 //! its page are `leasebroker-api`'s; the filter is the SDK's way to ask for a page.
 
 pub use crate::types::{InvalidRecordId, Record, RecordId, RecordPage};

@@ -42,7 +42,7 @@ use crate::error::Error;
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// The response header a server sets when it answers from its stored response.
 pub const IDEMPOTENT_REPLAYED: &str = "Idempotent-Replayed";
-/// The longest key a server must accept (SPEC 1.1).
+/// The longest key a server must accept (docs/protocol.md#the-key).
 pub const MAX_KEY_LEN: usize = 128;
 
 /// The idempotency key of one logical operation: 1 to 128 visible ASCII characters.

@@ -1,4 +1,4 @@
-//! The JSON shapes of the leasebroker API (SPEC 3.2). They are defined once, in
+//! The JSON shapes of the leasebroker API (docs/protocol.md#leasebroker-api). They are defined once, in
 //! `leasebroker-api`, which the service serves from too; the SDK re-exports them.
 
 pub use leasebroker_api::{

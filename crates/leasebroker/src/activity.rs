@@ -1,4 +1,4 @@
-//! What the reaper and the inventory sweep did lately, for the console (SPEC 7): a bounded
+//! What the reaper and the inventory sweep did lately, for the console (docs/protocol.md#operating-it): a bounded
 //! in-memory ring of this process's recent actions.
 //!
 //! The service keeps no table of these actions (their totals are metrics counters, their details

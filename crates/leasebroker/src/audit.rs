@@ -1,4 +1,4 @@
-//! The audit trail of what operators did to idempotency records (SPEC 7): every forget is a line
+//! The audit trail of what operators did to idempotency records (docs/protocol.md#operating-it): every forget is a line
 //! in the log (target `leasebroker::audit`) and a row in `lb_record_audit`.
 
 use idempotency::Record;

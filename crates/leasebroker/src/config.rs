@@ -1,4 +1,4 @@
-//! Command-line and environment configuration (SPEC 3.1). Every flag also reads from
+//! Command-line and environment configuration (docs/protocol.md#running-leasebroker). Every flag also reads from
 //! `LEASEBROKER_<FLAG>`.
 
 use std::net::SocketAddr;
@@ -128,7 +128,7 @@ pub struct ServeArgs {
 
     /// Where firmware flashes go: `redfish+http://HOST:PORT` or `redfish+https://HOST:PORT` (with
     /// `USER:PASSWORD@` for basic authentication) drives a Redfish BMC's
-    /// `UpdateService.SimpleUpdate`. Default: the BMC API beside the hypervisor's (SPEC 3.4).
+    /// `UpdateService.SimpleUpdate`. Default: the BMC API beside the hypervisor's (docs/protocol.md#firmware-operations).
     #[arg(long, env = "LEASEBROKER_BMC_URL", hide_env_values = true, value_name = "URL",
           value_parser = UrlFlag(bmc_url))]
     pub bmc_url: Option<BmcUrl>,
@@ -235,7 +235,7 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEBROKER_KEY_SOURCES", value_enum, value_delimiter = ',')]
     pub key_sources: Vec<KeySource>,
 
-    // Tenants: quotas, rate limits, connection timeouts and the shutdown drain (SPEC 3.1, 3.2).
+    // Tenants: quotas, rate limits, connection timeouts and the shutdown drain (docs/protocol.md#running-leasebroker, #leasebroker-api).
     /// The most workers one principal may hold; a create beyond it answers 403 `quota-exceeded`.
     /// 0: no limit.
     #[arg(long, env = "LEASEBROKER_MAX_WORKERS_PER_PRINCIPAL", default_value_t = 0)]
@@ -384,7 +384,7 @@ pub struct SimArgs {
     /// the firmware it ran before.
     #[arg(long, env = "LEASEBROKER_FLASH_FAIL", default_value_t = 0.0, value_parser = parse::probability)]
     pub flash_fail: f64,
-    /// How the BMCs are served: `native` (`/v1/bmc`, SPEC 3.4) or `redfish` (a Redfish service
+    /// How the BMCs are served: `native` (`/v1/bmc`, docs/protocol.md#firmware-operations) or `redfish` (a Redfish service
     /// under `/redfish/v1`: one `Systems` member per node, `UpdateService.SimpleUpdate`, tasks).
     #[arg(long, env = "LEASEBROKER_BMC", value_enum, default_value_t = BmcApi::Native)]
     pub bmc: BmcApi,
@@ -424,7 +424,7 @@ pub enum KeySource {
 /// `hypervisor-sim --bmc`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BmcApi {
-    /// The BMC API of SPEC 3.4, `/v1/bmc`.
+    /// The BMC API of docs/protocol.md#firmware-operations, `/v1/bmc`.
     Native,
     /// A Redfish service under `/redfish/v1`.
     Redfish,

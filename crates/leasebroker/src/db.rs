@@ -49,7 +49,7 @@ pub const DEFAULT_SQLITE_CONNECTIONS: u32 = 1;
 
 /// How long a request waits for a PostgreSQL connection. While the database is unreachable,
 /// the pool keeps trying to connect for this long and then fails the statement, so every route
-/// answers `503 store-unavailable` within 5 s (SPEC 3.1), with time to spare for the answer.
+/// answers `503 store-unavailable` within 5 s (docs/protocol.md#running-leasebroker), with time to spare for the answer.
 pub const PG_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The table that records leasebroker's own migrations, apart from the idempotency store's.

@@ -1,4 +1,4 @@
-//! Request limits applied before anything else looks at a request (SPEC 3.2, "Bounded per
+//! Request limits applied before anything else looks at a request (docs/protocol.md#leasebroker-api, "Bounded per
 //! tenant", "Connections"): the length of the path, and the time the whole body may take.
 
 use std::future::Future;

@@ -118,7 +118,7 @@ impl CommonResponses {
 }
 
 impl CommonResponses {
-    /// SPEC 1.3's protocol headers on a protected operation: `Prefer: wait=N` and the
+    /// docs/protocol.md#records's protocol headers on a protected operation: `Prefer: wait=N` and the
     /// Repeatable Requests headers in, and `Idempotency-Key-Expires`, `Repeatability-Result` and
     /// `Preference-Applied` out.
     fn protocol_headers(op: &mut Operation) {

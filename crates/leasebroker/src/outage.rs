@@ -1,4 +1,4 @@
-//! Answering within SPEC 3.1's 5 s when the database stops answering.
+//! Answering within docs/protocol.md#running-leasebroker's 5 s when the database stops answering.
 //!
 //! A database that refuses connections fails every statement at once, and the pool's acquire
 //! timeout ([`crate::db::PG_ACQUIRE_TIMEOUT`]) bounds the wait for a new connection. Neither
@@ -52,7 +52,7 @@ use crate::db::Db;
 
 /// How long a request runs before the database is probed on its behalf.
 pub const STORE_DEADLINE: Duration = Duration::from_secs(3);
-/// The longest a probe may take: [`STORE_DEADLINE`] plus this is under SPEC 3.1's 5 s, with
+/// The longest a probe may take: [`STORE_DEADLINE`] plus this is under docs/protocol.md#running-leasebroker's 5 s, with
 /// room for the answer. A pool so busy that a `SELECT 1` waits longer than this for a request
 /// that already waited [`STORE_DEADLINE`] is answered `503` too (with `Retry-After`: retry).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -256,7 +256,7 @@ pub async fn store_deadline(State(probe): State<StoreProbe>, req: Request, next:
     // Whether the store answered a probe during this request: then one failed probe may be a
     // commit of the service's own holding the SQLite write lock a little longer than the probe
     // waits (a loaded disk), and the store is probed once more, afresh, before the request is
-    // given up. The first probe is not repeated: that keeps SPEC 3.1's 5 s.
+    // given up. The first probe is not repeated: that keeps docs/protocol.md#running-leasebroker's 5 s.
     let mut answered = false;
     loop {
         if let Ok(response) = tokio::time::timeout(wait, &mut work).await {
@@ -286,7 +286,7 @@ async fn still_answers<F: Future<Output = bool>>(
     false
 }
 
-/// `503 store-unavailable` with `Retry-After`, the one answer of SPEC 3.1.
+/// `503 store-unavailable` with `Retry-After`, the one answer of docs/protocol.md#running-leasebroker.
 pub(crate) fn store_unavailable() -> Response {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -322,7 +322,7 @@ mod tests {
     /// 503 when one probe, late in the request, met the write lock held for longer than the
     /// probe's busy timeout by a commit on a loaded disk. A store that answered this request's
     /// earlier probe is probed once more before the request is given up; the first probe of a
-    /// request is not repeated (SPEC 3.1's 5 s). (What a probe finds on a locked SQLite file is
+    /// request is not repeated (docs/protocol.md#running-leasebroker's 5 s). (What a probe finds on a locked SQLite file is
     /// `a_sqlite_file_another_process_has_locked_is_an_outage`.)
     #[tokio::test]
     async fn one_failed_probe_after_a_good_one_is_not_an_outage() {

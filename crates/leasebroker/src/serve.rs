@@ -1,4 +1,4 @@
-//! Serving connections with timeouts and a bounded drain (SPEC 3.1, 3.2).
+//! Serving connections with timeouts and a bounded drain (docs/protocol.md#running-leasebroker, #leasebroker-api).
 //!
 //! `axum::serve` gives hyper no timer, so a client that connects and never sends its headers
 //! holds a connection (and a file descriptor) for ever. Here each connection is served by

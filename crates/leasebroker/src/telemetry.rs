@@ -1,4 +1,4 @@
-//! Traces over OTLP (SPEC 7, `--otlp-endpoint`): a span per request with its outcome, child spans
+//! Traces over OTLP (docs/protocol.md#operating-it, `--otlp-endpoint`): a span per request with its outcome, child spans
 //! per store call and per hypervisor call, the key hashed, the trace id in the log lines.
 //!
 //! Spans go to the collector from the SDK's batch processor, off the request path: ending a span

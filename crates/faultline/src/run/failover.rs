@@ -1,4 +1,4 @@
-//! Failovers mid-run (SPEC 5, round 2): the PostgreSQL primary of a Patroni cluster killed or
+//! Failovers mid-run (docs/protocol.md#proving-it, round 2): the PostgreSQL primary of a Patroni cluster killed or
 //! switched over, and a Redis Cluster primary killed with its replica promoted. Each failover
 //! blocks on the cluster's own helper (`idempotency_sqlx::testing::ha`,
 //! `idempotency_redis::testing::Cluster::fail_over`), so it runs on a blocking thread.

@@ -1,4 +1,4 @@
-//! "Nothing runs that nobody owns" (SPEC 1.5): the flashes no operation owns (the VMs without a
+//! "Nothing runs that nobody owns" (docs/protocol.md#side-effects): the flashes no operation owns (the VMs without a
 //! worker are `GroundTruth::vms_without_worker`), the orphans `--plant-orphans` plants to check
 //! the checker, and the invariant.
 
@@ -127,7 +127,7 @@ pub fn flash_keys(r: &leasebroker_client::Record) -> Option<(String, String)> {
     Some((tag, format!("op-{}", &hex[..16.min(hex.len())])))
 }
 
-/// The invariant "nothing runs that nobody owns" (SPEC 1.5): at the end, no VM without a worker
+/// The invariant "nothing runs that nobody owns" (docs/protocol.md#side-effects): at the end, no VM without a worker
 /// and no flash without an operation.
 pub fn check_owners(
     vms_without_worker: &[String],

@@ -1,4 +1,4 @@
-//! The two round-2 fault modes and the invariant "nothing runs that nobody owns" (SPEC 1.5 and 5):
+//! The two round-2 fault modes and the invariant "nothing runs that nobody owns" (docs/protocol.md#side-effects and #proving-it):
 //! boots that land after the servers' settle window and a replica paused past its claims must
 //! leave no VM without a worker and no flash without an operation once the service's inventory
 //! sweep had its time; and what nobody owns is reported when the sweep cannot remove it.

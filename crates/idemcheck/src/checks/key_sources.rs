@@ -1,4 +1,4 @@
-//! The other key sources of SPEC 1.3: `Repeatability-Request-ID` and a key in a JSON body field.
+//! The other key sources of docs/protocol.md#records: `Repeatability-Request-ID` and a key in a JSON body field.
 
 use std::time::{Duration, SystemTime};
 
@@ -26,7 +26,7 @@ fn unread(ctx: &Ctx<'_>, a: &Answer, source: &str, switch: &str) -> Step<()> {
     Ok(())
 }
 
-/// The problem name of a request refused for want of a key (SPEC 1.6).
+/// The problem name of a request refused for want of a key (docs/protocol.md#errors).
 const KEY_MISSING: &str = "idempotency-key-missing";
 
 /// Sends `req` keyed by `Repeatability-Request-ID` alone (a new id, sent now), and says `n/a`
@@ -49,7 +49,7 @@ fn repeatability_result(a: &Answer) -> Option<String> {
     a.header("repeatability-result").map(|v| v.trim().to_ascii_lowercase())
 }
 
-/// OASIS Repeatable Requests as SPEC 1.3 maps them: the same record as `Idempotency-Key`
+/// OASIS Repeatable Requests as docs/protocol.md#records maps them: the same record as `Idempotency-Key`
 /// (`case`: `same_record`), `412` past the retention with nothing run (`expired`), and two
 /// different keys refused (`two_keys`).
 pub(super) async fn repeatability(ctx: &mut Ctx<'_>) -> Step<()> {

@@ -1,4 +1,4 @@
-//! `idemcheck client -- COMMAND [ARGS]...`: checks any HTTP client's idempotent retries (SPEC 9).
+//! `idemcheck client -- COMMAND [ARGS]...`: checks any HTTP client's idempotent retries (docs/protocol.md#clients).
 //!
 //! It serves a scripted API on loopback and runs the command once per scenario (twice for the
 //! two-operation and the kill-and-rerun scenarios) with, in its environment:

@@ -21,7 +21,7 @@ pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Body>;
 const POOL_IDLE: Duration = Duration::from_secs(30);
 
 /// The client, trusting the system's roots and the PEM certificates of `ca_cert`. A connection
-/// attempt gives up after `connect_timeout` (reported as never reached, SPEC 8).
+/// attempt gives up after `connect_timeout` (reported as never reached, docs/protocol.md#gateway).
 pub fn build(ca_cert: Option<&Path>, connect_timeout: Duration) -> anyhow::Result<UpstreamClient> {
     let roots = roots(ca_cert)?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());

@@ -1,5 +1,5 @@
 //! The reverse proxy behind the idempotency layer: forwards a request to the upstream and tells
-//! the layer what became of it (SPEC 8, "Forwarding" and the outcome rules).
+//! the layer what became of it (docs/protocol.md#gateway, "Forwarding" and the outcome rules).
 //!
 //! - **Never reached** (connection refused, name lookup or TLS failed, nothing written):
 //!   `502 upstream-unavailable` with `Retry-After`; a 5xx, so the layer releases the record.

@@ -1,4 +1,4 @@
-//! A route's `probe` (SPEC 8): asking the upstream what became of an uncertain record's request,
+//! A route's `probe` (docs/protocol.md#gateway): asking the upstream what became of an uncertain record's request,
 //! at `GET /orders/by-key/{key}` with `{key}` the key the upstream was sent.
 
 use std::sync::Arc;

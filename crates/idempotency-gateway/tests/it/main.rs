@@ -4,7 +4,7 @@
 //!
 //! - `proxy`: concurrency (32 identical requests, two replicas on one PostgreSQL), forwarding,
 //!   the protocol's answers (missing key, mismatch, missing principal), large responses;
-//! - `outcomes`: the outcome rules of SPEC 8 (never reached, 5xx, timeout, reset, a gateway
+//! - `outcomes`: the outcome rules of docs/protocol.md#gateway (never reached, 5xx, timeout, reset, a gateway
 //!   SIGKILLed mid-request) and the retries of an uncertain record (hold, resend, probe) with
 //!   the operator's resolutions;
 //! - `config`: bad configurations exit 2 with one line naming the setting.

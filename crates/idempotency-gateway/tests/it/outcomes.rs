@@ -1,4 +1,4 @@
-//! The outcome rules of SPEC 8 on the real binary: what the client gets, what the record
+//! The outcome rules of docs/protocol.md#gateway on the real binary: what the client gets, what the record
 //! becomes, and how often the upstream (by its own count) executed.
 
 use reqwest::{Method, StatusCode};

@@ -19,7 +19,7 @@ use crate::release::Releases;
 
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
 /// with backoff in a task of its own, so the client is answered at once; the claim is renewed
-/// while it retries. If every retry fails, the record stays in flight (SPEC 1.5): its client was
+/// while it retries. If every retry fails, the record stays in flight (docs/protocol.md#side-effects): its client was
 /// answered as final, so the handler must not run again at once (a retry that follows a lost
 /// answer would run it a second time). Nobody renews the claim any more, so the first retry after
 /// the in-flight TTL takes it over and runs the handler again, which resumes through its

@@ -1,4 +1,4 @@
-//! The protected request path (SPEC 1.3): claim, decide, run as owner, store or replay.
+//! The protected request path (docs/protocol.md#records): claim, decide, run as owner, store or replay.
 //!
 //! - [`claim`]: claims the key (or reads its record) and decides: run the handler as owner,
 //!   replay, wait for the record in flight, or refuse;

@@ -404,7 +404,7 @@ mod expiry {
     use super::*;
     use idempotency_tower::BuildError;
 
-    /// SPEC 1.3: a retention that is not longer than the in-flight TTL is refused, by a typed
+    /// docs/protocol.md#records: a retention that is not longer than the in-flight TTL is refused, by a typed
     /// error naming both (a record in flight lives at least the TTL anyway, and a dead attempt's
     /// record must outlive its claim for the retry after the TTL to resume it).
     #[test]
@@ -462,7 +462,7 @@ mod failed_completion {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
-    /// SPEC 1.5, issue 45 item 8: when every retry of the completion fails, the record stays in
+    /// docs/protocol.md#side-effects, issue 45 item 8: when every retry of the completion fails, the record stays in
     /// flight. Its client was answered as final, so the handler must not run again at once (a
     /// lost answer's retry would then run it a second time); a retry gets `409` until the claim
     /// goes stale, and the retry after the TTL resumes (a real handler through its sub-keys).
@@ -504,7 +504,7 @@ mod failed_completion {
     }
 }
 
-/// SPEC 3.1: an attempt whose handler was cut by a store outage (it answered 503, and the store
+/// docs/protocol.md#running-leasebroker: an attempt whose handler was cut by a store outage (it answered 503, and the store
 /// would not take the `fail`) holds its key only until the store answers again, not for the
 /// in-flight TTL.
 mod outage {
@@ -763,7 +763,7 @@ mod outage {
         }
     }
 
-    /// A store that stops answering (SPEC 3.1): each request is answered `503 store-unavailable`
+    /// A store that stops answering (docs/protocol.md#running-leasebroker): each request is answered `503 store-unavailable`
     /// once its store call has waited `store_timeout`, and runs no handler. The claim that landed
     /// although its answer was lost is released as soon as the store answers again, so the
     /// retry runs the handler at once, not after the in-flight TTL (5 minutes here), and only

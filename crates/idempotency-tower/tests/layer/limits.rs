@@ -129,7 +129,7 @@ mod hostile {
     }
 }
 
-/// The per-principal record limit counts what a principal stores (SPEC 3.2): a refusal that
+/// The per-principal record limit counts what a principal stores (docs/protocol.md#leasebroker-api): a refusal that
 /// stored nothing leaves nothing that counts, and a request marked [`PassesRecordLimit`] is
 /// never refused.
 mod record_limit {

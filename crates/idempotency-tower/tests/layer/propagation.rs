@@ -1,4 +1,4 @@
-//! Key propagation (SPEC 1.3): a protected handler's outgoing calls through
+//! Key propagation (docs/protocol.md#records): a protected handler's outgoing calls through
 //! [`PropagateIdempotencyKey`] carry `Idempotency-Key: "<sub-key>"`, the same on every retry of
 //! the record, checked at a real downstream server that records the headers it gets.
 

@@ -1,4 +1,4 @@
-//! The protocol headers of SPEC 1.3: `Idempotency-Key-Expires` on every response that has a
+//! The protocol headers of docs/protocol.md#records: `Idempotency-Key-Expires` on every response that has a
 //! record, and `Prefer: wait=N`, which attaches a retry to the request in flight with its key.
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Other key sources (SPEC 1.3), opt-in per route: `Repeatability-Request-ID` with
+//! Other key sources (docs/protocol.md#records), opt-in per route: `Repeatability-Request-ID` with
 //! `Repeatability-First-Sent` and `Repeatability-Result`, and a JSON body field (AIP-155's
 //! `request_id`). Each names the same record as `Idempotency-Key`; two different keys are refused.
 

@@ -1,4 +1,4 @@
-//! The cases about how long a record in flight lives (SPEC 1.3): never shorter than a live
+//! The cases about how long a record in flight lives (docs/protocol.md#records): never shorter than a live
 //! attempt, whatever the retention, so a key never runs twice because its record expired under
 //! a handler that is still running.
 //!

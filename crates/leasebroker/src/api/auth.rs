@@ -15,7 +15,7 @@ pub(super) fn unauthorized() -> Response {
     unauthorized_because("a valid bearer token is required")
 }
 
-/// `401` with `detail`. A token valid only for the other kind of route gets it too (SPEC 3.2 and
+/// `401` with `detail`. A token valid only for the other kind of route gets it too (docs/protocol.md#leasebroker-api and
 /// 7 name no other status), with a detail that says so instead of calling the token invalid.
 fn unauthorized_because(detail: &'static str) -> Response {
     let mut r = Problem::new(StatusCode::UNAUTHORIZED, problems::UNAUTHORIZED, "Unauthorized", detail).into_response();

@@ -273,7 +273,7 @@ struct PingTimedOut;
 /// writes (the others' keys get `503` per request; see the idempotency-redis crate docs).
 #[utoipa::path(get, path = "/readyz", tag = "ops", responses((status = 200, description = "Ready"), (status = 503, description = "Store unreachable")))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    // Bounded: a store that does not answer at all is not ready either (SPEC 3.1, within 5 s).
+    // Bounded: a store that does not answer at all is not ready either (docs/protocol.md#running-leasebroker, within 5 s).
     let ping = tokio::time::timeout(READYZ_TIMEOUT, state.store.ping())
         .await
         .unwrap_or_else(|_| Err(idempotency::StoreError::unavailable(PingTimedOut)));

@@ -1,4 +1,4 @@
-//! The HTTP API (SPEC 3.2): handlers, authentication, and errors as problem+json. The router
+//! The HTTP API (docs/protocol.md#leasebroker-api): handlers, authentication, and errors as problem+json. The router
 //! that puts them together is in [`crate::routes`].
 //!
 //! - [`dto`]: what the API shows (workers, pages, the fleet);

@@ -142,7 +142,7 @@ impl IntoResponse for ServiceError {
 /// The problem for a database error. When the database cannot be reached or cannot take the
 /// statement now (connection refused or cut, pool timeout, shutdown, a read-only standby after a
 /// failover, lack of space), the answer is the one the layer gives for a store outage, on every
-/// route (SPEC 3.1): `503 store-unavailable` with `Retry-After`. Anything else is a defect of
+/// route (docs/protocol.md#running-leasebroker): `503 store-unavailable` with `Retry-After`. Anything else is a defect of
 /// the service: `500 internal`, not stored, so the retry runs again.
 fn database_problem(e: &DomainError) -> Problem {
     // An attempt overtaken while it ran (its claim went stale and the reaper took the operation

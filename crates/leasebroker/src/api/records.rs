@@ -1,4 +1,4 @@
-//! The admin records API (SPEC 7): list, read and forget idempotency records.
+//! The admin records API (docs/protocol.md#operating-it): list, read and forget idempotency records.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Each tenant's share of the process (SPEC 3.2, "Bounded per tenant"): how many requests a
+//! Each tenant's share of the process (docs/protocol.md#leasebroker-api, "Bounded per tenant"): how many requests a
 //! principal has in progress at once (`--max-concurrent-per-principal`), the process's turns
 //! ([`MAX_IN_FLIGHT`]), and the delete that passes the record limit.
 //!

@@ -1,4 +1,4 @@
-//! The operator console (SPEC 7, issue 30): server-rendered HTML pages at `/console`.
+//! The operator console (docs/protocol.md#operating-it, issue 30): server-rendered HTML pages at `/console`.
 //!
 //! - Login with the admin token through a form (`/console/login`); a tenant's token is refused.
 //!   A login starts a server-side session ([`session`]): the browser holds only a random session

@@ -1,4 +1,4 @@
-//! Firmware flashes: an idempotent long-running operation (SPEC 3.4).
+//! Firmware flashes: an idempotent long-running operation (docs/protocol.md#firmware-operations).
 //!
 //! A second flash of a BMC while the first still writes bricks the machine, and a flash takes
 //! minutes, so a flash runs as an operation: the request creates it and answers `202` as soon as

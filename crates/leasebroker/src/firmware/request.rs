@@ -98,7 +98,7 @@ impl Firmware {
         self.operation(&op_id).await
     }
 
-    /// The simulator's BMC API (SPEC 3.4): the ledger's decision, then the flash call.
+    /// The simulator's BMC API (docs/protocol.md#firmware-operations): the ledger's decision, then the flash call.
     async fn send_native(
         &self,
         req: &FlashFirmware,

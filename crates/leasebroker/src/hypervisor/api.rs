@@ -1,4 +1,4 @@
-//! The wire types of the hypervisor API (SPEC 3.3), shared by the simulator and the client so the
+//! The wire types of the hypervisor API (docs/protocol.md#hypervisor-api), shared by the simulator and the client so the
 //! two cannot drift apart.
 
 use serde::{Deserialize, Serialize};
@@ -81,7 +81,7 @@ pub struct Vm {
 
 /// One VM in full, the answer to `GET /v1/vms/{vm_id}`.
 ///
-/// `image`, `cpu` and `memory_gb` are the simulator's additions to SPEC 3.3; they are optional so
+/// `image`, `cpu` and `memory_gb` are the simulator's additions to docs/protocol.md#hypervisor-api; they are optional so
 /// that a hypervisor which does not report them still decodes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmDetail {

@@ -1,4 +1,4 @@
-//! The HTTP client leasebroker uses to drive a hypervisor (SPEC 3.3): the simulator or a real one.
+//! The HTTP client leasebroker uses to drive a hypervisor (docs/protocol.md#hypervisor-api): the simulator or a real one.
 //!
 //! Its errors say whether the call may have taken effect downstream ([`HvError::may_have_happened`]),
 //! because that decides what the service does with a pending intent: an ambiguous failure leaves it

@@ -1,4 +1,4 @@
-//! VMs on a real libvirt/QEMU host (SPEC 3.3a): `--hypervisor-url libvirt+qemu:///system`.
+//! VMs on a real libvirt/QEMU host (docs/protocol.md#real-downstreams): `--hypervisor-url libvirt+qemu:///system`.
 //!
 //! libvirt picks nothing for us and echoes nothing back, but it keeps free-form metadata on each
 //! domain, and that is where the tag goes, as a reconcile-by-tag needs it:

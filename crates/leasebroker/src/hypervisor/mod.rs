@@ -1,4 +1,4 @@
-//! The hypervisor API (SPEC 3.3): the HTTP client leasebroker uses and the simulator.
+//! The hypervisor API (docs/protocol.md#hypervisor-api): the HTTP client leasebroker uses and the simulator.
 //!
 //! Like many real hypervisors, this API does not accept caller-supplied ids: it picks each VM's id
 //! and echoes back a free-form `tag`. leasebroker puts a derived sub-key in that tag and, after an

@@ -1,4 +1,4 @@
-//! Firmware flashes through a Redfish BMC (SPEC 3.3a): `--bmc-url redfish+http://HOST:PORT`.
+//! Firmware flashes through a Redfish BMC (docs/protocol.md#real-downstreams): `--bmc-url redfish+http://HOST:PORT`.
 //!
 //! Redfish has no request id: `UpdateService.SimpleUpdate` answers `202` and a task monitor, and
 //! a caller that lost that answer must find out by itself whether the BMC took the flash. So the

@@ -1,4 +1,4 @@
-//! The hypervisor simulator: an axum app serving the hypervisor API of SPEC 3.3, with injectable
+//! The hypervisor simulator: an axum app serving the hypervisor API of docs/protocol.md#hypervisor-api, with injectable
 //! faults and the counters the fault harness checks.
 //!
 //! Routes:
@@ -10,7 +10,7 @@
 //! - `POST /v1/vms/{vm_id}/reboot` `{"tag"}` -> `202` (the VM in full) or `404`
 //! - `DELETE /v1/vms/{vm_id}` -> `204` or `404`
 //! - `GET /v1/stats` -> [`SimStats`]
-//! - the BMCs of SPEC 3.4: `POST /v1/bmc/{node_id}/flash`, `GET /v1/bmc/{node_id}`,
+//! - the BMCs of docs/protocol.md#firmware-operations: `POST /v1/bmc/{node_id}/flash`, `GET /v1/bmc/{node_id}`,
 //!   `GET /v1/bmc?tag=T` (see [`bmc`]; a second flash while one writes bricks the node); or,
 //!   with [`Simulator::with_redfish`] (`--bmc redfish`), the same BMCs as a Redfish service
 //!   under `/redfish/v1` instead (see [`redfish`])
@@ -211,7 +211,7 @@ impl Simulator {
         self.flash_failure
     }
 
-    /// Serves the BMCs as a Redfish service under `/redfish/v1` instead of the BMC API of SPEC 3.4
+    /// Serves the BMCs as a Redfish service under `/redfish/v1` instead of the BMC API of docs/protocol.md#firmware-operations
     /// (`--bmc redfish`): the same machines, faults, bricking rule and counters.
     #[must_use]
     pub fn with_redfish(mut self, options: RedfishOptions) -> Self {

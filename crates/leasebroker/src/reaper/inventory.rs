@@ -1,4 +1,4 @@
-//! The inventory sweep, on every reaper tick (SPEC 1.5, "nothing runs that nobody owns"): the
+//! The inventory sweep, on every reaper tick (docs/protocol.md#side-effects, "nothing runs that nobody owns"): the
 //! effect library's [`idempotency_effects::InventorySweep`] over the boot effect, which lists
 //! every VM with the service's tag prefix and deletes each one that no live operation, no
 //! finished create and no worker owns, once its last send is older than the settle window: a

@@ -1,4 +1,4 @@
-//! The reaper (SPEC 1.5): rolls back what operations nobody finished still hold, cleans up after
+//! The reaper (docs/protocol.md#side-effects): rolls back what operations nobody finished still hold, cleans up after
 //! finished ones, and destroys VMs that landed twice for one boot. It runs on the sweeper's tick
 //! (`--sweep-interval`), on every replica; each step is safe to race.
 //!

@@ -88,7 +88,7 @@ async fn a_valid_token_on_the_other_kind_of_route_is_told_so() {
     let base = lb.url.as_str();
 
     // The admin token on a tenant route, and a tenant's on an admin route: 401 as before
-    // (SPEC 3.2, 7), but the detail says the token is valid, only not here.
+    // (docs/protocol.md#leasebroker-api, #operating-it), but the detail says the token is valid, only not here.
     let admin_on_v1 = send(Method::GET, &format!("{base}/v1/workers"), ADMIN, None, None).await;
     assert_problem(&admin_on_v1, StatusCode::UNAUTHORIZED, "unauthorized", "the admin token on /v1");
     let detail = admin_on_v1.json()["detail"].as_str().unwrap_or_default().to_owned();

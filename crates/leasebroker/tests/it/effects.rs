@@ -143,7 +143,7 @@ async fn a_reboot_whose_vm_is_gone_answers_404() {
 }
 
 /// Item 1, and issue 45: a settle window no longer than the call timeout is refused at start
-/// (SPEC 1.5: it is longer than the call timeout), equal included: one line naming both, exit 2
+/// (docs/protocol.md#side-effects: it is longer than the call timeout), equal included: one line naming both, exit 2
 /// as a usage error.
 #[tokio::test]
 async fn a_settle_window_not_longer_than_the_timeout_is_refused() {

@@ -1,4 +1,4 @@
-//! A real libvirt/QEMU host (SPEC 3.3a): the real binary with `--hypervisor-url
+//! A real libvirt/QEMU host (docs/protocol.md#real-downstreams): the real binary with `--hypervisor-url
 //! libvirt+qemu:///system`, ground truth read with `virsh` (not through the service's own code).
 //! Needs libvirtd running (`scripts/install-libvirt`); without it every test prints SKIPPED and
 //! passes, and fails under `CI=true`.

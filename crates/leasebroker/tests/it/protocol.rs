@@ -255,7 +255,7 @@ async fn downstream_calls_carry_their_tag_as_their_idempotency_key() {
     );
 }
 
-/// `--key-sources`: the other keys SPEC 1.3 names, on the real binary.
+/// `--key-sources`: the other keys docs/protocol.md#records names, on the real binary.
 mod key_sources {
     use super::*;
     use crate::support::{ADMIN, send};

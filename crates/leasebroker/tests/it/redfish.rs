@@ -1,4 +1,4 @@
-//! Issue 27: firmware flashes through a Redfish BMC (SPEC 3.3a). The real binary with
+//! Issue 27: firmware flashes through a Redfish BMC (docs/protocol.md#real-downstreams). The real binary with
 //! `--bmc-url redfish+http://...` against a standalone `hypervisor-sim --bmc redfish` (whose
 //! machines brick when flashed while flashing), in the scenarios of `flashes`; flashes are counted
 //! from ground truth: the simulator's stats, its tasks and its firmware inventory.
@@ -502,7 +502,7 @@ async fn resolve(base: &str, token: &str, op_id: &str, key: Option<&str>, body: 
     send(reqwest::Method::POST, &url, token, key, Some(body)).await
 }
 
-/// Issue 45, item 1 (SPEC 3.3a, 3.4): a flash whose answer was lost on a BMC like sushy-tools'
+/// Issue 45, item 1 (docs/protocol.md#real-downstreams, #firmware-operations): a flash whose answer was lost on a BMC like sushy-tools'
 /// (no task list, no payload, no inventory) cannot be read: once the settle window has passed it
 /// ends `uncertain`, never `failed` on a guess, and is never sent again. The node takes no other
 /// key's flash (`409 operation-conflict` naming it) until an operator resolves it; the resolve is

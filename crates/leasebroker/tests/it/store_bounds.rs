@@ -1,7 +1,7 @@
 //! Issues 25 and 34, the stores' side of "safe in front of tenants": the longest scope the service
 //! accepts fits PostgreSQL's index, a store that runs out of space answers `503` and makes
 //! `/readyz` say so, and a store that stops answering (packets dropped, a locked file) is answered
-//! `503 store-unavailable` within SPEC 3.1's 5 s on every route. Each test starts the real
+//! `503 store-unavailable` within docs/protocol.md#running-leasebroker's 5 s on every route. Each test starts the real
 //! `leasebroker` binary against a real database.
 
 use std::io::Write;
@@ -135,7 +135,7 @@ impl Drop for TinyFs {
     }
 }
 
-/// SPEC 3.2: "A store that refuses a write for lack of space answers `503` for that request only
+/// docs/protocol.md#leasebroker-api: "A store that refuses a write for lack of space answers `503` for that request only
 /// and `/readyz` reports it." SQLite on a real tmpfs that fills up (`ENOSPC`, SQLite's
 /// `SQLITE_FULL`): the request whose record cannot be written answers `503 store-unavailable`
 /// with `Retry-After`, `/readyz` answers `503`, reads and replays still answer, and once space is
@@ -395,7 +395,7 @@ async fn retry_until_created(base: &str, key: &str, within: Duration) -> Duratio
     }
 }
 
-/// SPEC 3.1: "With the database unreachable, requests get `503` problems promptly (within 5 s;
+/// docs/protocol.md#running-leasebroker: "With the database unreachable, requests get `503` problems promptly (within 5 s;
 /// problem `store-unavailable`, with `Retry-After`, one name for every route)". PostgreSQL behind
 /// a partition that drops packets (the proxy stops forwarding, closes nothing): every route,
 /// `/readyz` included, answers `503 store-unavailable` with `Retry-After` in under 5 s (the
@@ -421,7 +421,10 @@ async fn a_postgres_partition_that_drops_packets_is_answered_503_within_5_s_on_e
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{name} after {took:?}: {}", r.text());
         assert_eq!(r.problem_type(), "store-unavailable", "{name}: {}", r.text());
         assert!(r.retry_after().is_some(), "{name}: no Retry-After: {:?}", r.headers);
-        assert!(took < Duration::from_secs(5), "{name} answered after {took:?}, SPEC 3.1 says within 5 s");
+        assert!(
+            took < Duration::from_secs(5),
+            "{name} answered after {took:?}, docs/protocol.md#running-leasebroker says within 5 s"
+        );
     }
 
     proxy.resume();
@@ -455,7 +458,10 @@ async fn a_locked_sqlite_database_is_answered_503_within_5_s_on_every_route() {
     sqlx::query("BEGIN IMMEDIATE").execute(&mut locker).await.expect("take the write lock");
     for (name, r, took) in every_route(&lb.url, &worker, "cut").await {
         eprintln!("{name}: {} in {took:?}", r.status);
-        assert!(took < Duration::from_secs(5), "{name} answered after {took:?}, SPEC 3.1 says within 5 s");
+        assert!(
+            took < Duration::from_secs(5),
+            "{name} answered after {took:?}, docs/protocol.md#running-leasebroker says within 5 s"
+        );
         let write = matches!(name.as_str(), "create" | "reboot" | "delete");
         if write || r.status == StatusCode::SERVICE_UNAVAILABLE {
             assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{name} after {took:?}: {}", r.text());

@@ -1,4 +1,4 @@
-//! TLS to the stores (issue 25, SPEC 3.2 "TLS to the stores"): the real binary against a real
+//! TLS to the stores (issue 25, docs/protocol.md#leasebroker-api "TLS to the stores"): the real binary against a real
 //! redis-server the test starts with TLS on a free port and a CA the test generates, and against
 //! the PostgreSQL server of `TEST_POSTGRES_URL` (which must have `ssl = on`).
 
@@ -143,7 +143,7 @@ async fn postgres_over_tls_require_and_prefer_use_tls_and_verify_full_checks_the
     assert!(err.contains("PostgreSQL"), "{err}");
 }
 
-/// SPEC 3.2 "TLS to the stores", the success path of `verify-full` with a private CA: a real
+/// docs/protocol.md#leasebroker-api "TLS to the stores", the success path of `verify-full` with a private CA: a real
 /// PostgreSQL the test starts with `ssl = on` and a server certificate its own CA (rcgen) issued.
 /// `sslmode=verify-full&sslrootcert=CA` connects, serves, and its sessions use TLS; a CA that did
 /// not issue the certificate is refused at start with one line.

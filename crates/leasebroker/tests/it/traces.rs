@@ -1,7 +1,7 @@
 //! Issue 30: traces over OTLP, received by a real OTLP receiver: a stand-in collector in the test
 //! for each protocol (an HTTP server taking `POST /v1/traces` and decoding the protobuf body with
 //! opentelemetry-proto, as a collector's OTLP/HTTP receiver does; and opentelemetry-proto's
-//! generated gRPC `TraceService` served by tonic). Also (SPEC 7, export off the request path): a
+//! generated gRPC `TraceService` served by tonic). Also (docs/protocol.md#operating-it, export off the request path): a
 //! collector that is down (a closed port) or hung (a listener that accepts, reads, and never
 //! answers) changes no answer, responses come back while an export hangs, and the log says that
 //! exports fail once within the minute.
@@ -261,7 +261,7 @@ async fn over_grpc_with_the_collector_hung_every_request_is_answered_while_expor
     with_the_collector_hung("grpc").await;
 }
 
-/// SPEC 7: export is off the request path. With a collector that takes the connection and never
+/// docs/protocol.md#operating-it: export is off the request path. With a collector that takes the connection and never
 /// answers, requests are answered while an export is stuck on it (the collector holds an open,
 /// unanswered connection all along), and when exports time out the log says so once.
 async fn with_the_collector_hung(protocol: &str) {

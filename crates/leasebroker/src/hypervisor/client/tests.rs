@@ -74,7 +74,7 @@ async fn stats_count_a_repeated_boot_tag_and_a_repeated_reboot_tag() {
     );
 }
 
-/// Key propagation (SPEC 1.3): a boot, a reboot and a flash each carry their tag as
+/// Key propagation (docs/protocol.md#records): a boot, a reboot and a flash each carry their tag as
 /// `Idempotency-Key: "<tag>"`, which the simulator counts; reads carry none, and a call
 /// made without the client (no header) is not counted.
 #[tokio::test]

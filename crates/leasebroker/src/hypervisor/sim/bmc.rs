@@ -1,4 +1,4 @@
-//! The simulated BMCs (SPEC 3.4): firmware flashes by tag, per node, under the same faults as the
+//! The simulated BMCs (docs/protocol.md#firmware-operations): firmware flashes by tag, per node, under the same faults as the
 //! hypervisor API.
 //!
 //! - `POST /v1/bmc/{node_id}/flash` `{"version", "tag"}` -> `202` (the node, `flashing`)

@@ -1,4 +1,4 @@
-//! The simulated BMCs served as a Redfish service (SPEC 3.3a): `hypervisor-sim --bmc redfish`.
+//! The simulated BMCs served as a Redfish service (docs/protocol.md#real-downstreams): `hypervisor-sim --bmc redfish`.
 //!
 //! The same machines, faults, bricking rule and counters as [`super::bmc`], behind the shape a
 //! Redfish service gives them:

@@ -1,4 +1,4 @@
-//! The database goes away while creates are in flight (issue 12 item 9, SPEC 3.1): requests get
+//! The database goes away while creates are in flight (issue 12 item 9, docs/protocol.md#running-leasebroker): requests get
 //! prompt `503` problems, `/readyz` says not ready, the service recovers by itself when the
 //! database returns, and afterwards nothing was booted twice and nothing is held.
 //!

@@ -1,4 +1,4 @@
-//! Issue 34 (SPEC 3.1): through a database outage and a failover, on PostgreSQL servers of the
+//! Issue 34 (docs/protocol.md#running-leasebroker): through a database outage and a failover, on PostgreSQL servers of the
 //! test's own ([`LocalServer`]: initdb, pg_ctl and pg_basebackup on free ports, removed after).
 //!
 //! - creates cut by the outage are released as soon as the database is back, with the default
@@ -364,7 +364,7 @@ async fn metric_count(base: &str, series: &str) -> u64 {
 
 /// The records on Redis: it dies while creates run and stays down past every retry of their
 /// completions, then comes back with its data. The records stay in flight (their clients were
-/// answered as final, SPEC 1.5), and nobody renews their claims once the retries end: every
+/// answered as final, docs/protocol.md#side-effects), and nobody renews their claims once the retries end: every
 /// retry after the in-flight TTL (5 s here, shorter than the retries) resumes the same worker,
 /// one VM per key.
 #[tokio::test]

@@ -1,4 +1,4 @@
-//! A replica stopped while it holds a database transaction (issue 45 item 3, SPEC 3.1): a frozen
+//! A replica stopped while it holds a database transaction (issue 45 item 3, docs/protocol.md#running-leasebroker): a frozen
 //! VM or a long pause must not block every other replica. The sessions' idle-in-transaction time
 //! and lock waits are bounded, so a retry on another replica resumes within 30 s while the first
 //! stays stopped, and the stopped replica's statements after it resumes are fenced (its
@@ -80,7 +80,7 @@ async fn a_replica_stopped_inside_a_transaction_blocks_another_replicas_retry_on
         create_until_done(&b.url, &key, &worker_body(), Duration::from_secs(30)),
     )
     .await
-    .expect("the retry on the other replica did not resume within 30 s of the first replica's stop (SPEC 3.1)");
+    .expect("the retry on the other replica did not resume within 30 s of the first replica's stop (docs/protocol.md#running-leasebroker)");
     assert_eq!(retried.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&retried.body));
     eprintln!("the retry resumed {:?} after the stop", stopped_at.elapsed());
 
