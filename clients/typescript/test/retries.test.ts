@@ -133,7 +133,13 @@ test("a Retry-After beyond the budget gives up at once", async () => {
 test("a transport error is the last error of a give-up", async () => {
   await scripted([DROP], async (api) => {
     const error = await failure(call(api.url, POST, { maxElapsedMs: 1000 }), GaveUp);
-    assert.ok(error.last instanceof TypeError, String(error.last));
+    // The last attempt's timeout is what is left of the budget, a few milliseconds at times: on a
+    // busy machine that timeout fires before the dropped connection is seen. Both are what `fetch`
+    // threw, never an answer.
+    const networkFailure = error.last instanceof TypeError;
+    const attemptTimeout = error.last instanceof DOMException && error.last.name === "TimeoutError";
+    assert.ok(networkFailure || attemptTimeout, String(error.last));
+    assert.ok(api.arrivals.length >= 1);
   });
 });
 
