@@ -58,29 +58,6 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
 
-impl<'r> RawRecord<'r> {
-    /// The columns of [`record_columns!`] from `row`, its timestamps read by `time`.
-    pub(crate) fn read<R>(
-        row: &'r R,
-        time: impl Fn(&'r R, usize) -> Result<Timestamp, StoreError>,
-    ) -> Result<Self, StoreError>
-    where
-        R: sqlx::Row,
-        usize: sqlx::ColumnIndex<R>,
-        &'r str: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        &'r [u8]: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    {
-        Ok(RawRecord {
-            principal: row.try_get(0).map_err(db_error)?,
-            endpoint: row.try_get(1).map_err(db_error)?,
-            key: row.try_get(2).map_err(db_error)?,
-            rest: RawState::read(row, 3, time)?,
-        })
-    }
-}
-
 impl<'r> RawState<'r> {
     /// The columns of [`state_columns!`] from `row`, the first at `at`, its timestamps read by
     /// `time`.

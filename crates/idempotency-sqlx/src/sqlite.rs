@@ -13,7 +13,7 @@ use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous,
 };
 
-use crate::row::{ClaimDidNotSettle, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
+use crate::row::{ClaimDidNotSettle, RawRecord, RawState, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
 
 /// How long a connection waits for SQLite's write lock before giving up. Writers queue on one
 /// lock; every write here is one short statement or transaction, so waiting is always better
@@ -184,7 +184,13 @@ fn timestamp(row: &SqliteRow, i: usize) -> Result<Timestamp, StoreError> {
 }
 
 fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
-    RawRecord::read(row, timestamp)?.into_record()
+    RawRecord {
+        principal: row.try_get(0).map_err(db_error)?,
+        endpoint: row.try_get(1).map_err(db_error)?,
+        key: row.try_get(2).map_err(db_error)?,
+        rest: RawState::read(row, 3, timestamp)?,
+    }
+    .into_record()
 }
 
 #[async_trait]

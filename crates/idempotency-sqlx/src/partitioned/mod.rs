@@ -61,7 +61,9 @@ mod days;
 pub use days::DropWindow;
 
 use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
-use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, stale_cutoff};
+use crate::row::{
+    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, RawState, SpaceWatch, db_error, fenced, stale_cutoff,
+};
 use days::{attached, day_of};
 
 /// The partitioned table.
@@ -245,7 +247,13 @@ const SQL: FencedSql = fenced_sql!("idempotency_records_by_day", record_columns)
 
 /// A record from a row of every column ([`record_columns!`]).
 pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
-    RawRecord::read(row, |row, i| row.try_get(i).map_err(db_error))?.into_record()
+    RawRecord {
+        principal: row.try_get(0).map_err(db_error)?,
+        endpoint: row.try_get(1).map_err(db_error)?,
+        key: row.try_get(2).map_err(db_error)?,
+        rest: RawState::read(row, 3, |row, i| row.try_get(i).map_err(db_error))?,
+    }
+    .into_record()
 }
 
 /// The record of `scope` from a row of every column: the row holds the scope as stored
