@@ -8,18 +8,17 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderValue, Response};
 use idempotency::{
     ChangeSubscription, Claim, ClaimOutcome, ClaimRequest, Decision, Fingerprint, Record, RecordState, Scope,
     Timestamp, now,
 };
 use tokio::sync::Notify;
 use tokio::sync::futures::Notified;
-use tower::Service;
 
 use super::owner::{Run, own};
 use super::uncertain::{self, Next};
-use super::{Protected, store_down};
+use super::{Handler, Protected, store_down};
 use crate::BoxError;
 use crate::config::Config;
 use crate::deadline::{bounded, timed_out};
@@ -42,9 +41,7 @@ const MAX_RACES: u32 = 8;
 /// not carry that much state in its own future.
 pub(crate) async fn run<S, ResBody>(p: Protected<S>) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ResBody>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {

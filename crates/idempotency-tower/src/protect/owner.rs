@@ -11,9 +11,9 @@ use http_body_util::BodyExt;
 use idempotency::{Claim, ErrorChain, ResponsePolicy, StoreError, StoredBody, StoredResponse, now};
 use tower::{Service, ServiceExt};
 
-use super::Protected;
 use super::finish::{complete, fail, mark_uncertain};
 use super::heartbeat::with_heartbeat;
+use super::{Handler, Protected};
 use crate::BoxError;
 use crate::config::{Config, OversizeResponse};
 use crate::context::IdempotencyContext;
@@ -57,9 +57,7 @@ enum Handled<E> {
 /// Runs the handler as the owner of `claim`, then completes or fails the record.
 pub(super) async fn own<S, ResBody>(p: Protected<S>, claim: Claim, how: Run) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ResBody>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
