@@ -8,24 +8,12 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use chrono::{NaiveTime, TimeZone, Utc};
-use clap::Args;
 use idempotency::{Store, Timestamp, now};
 use idempotency_sqlx::{PartitionedPostgresStore, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::pg::{SweepLoad, response, sweep};
-
-#[derive(Debug, Args)]
-pub(crate) struct PartitionArgs {
-    #[arg(long)]
-    database: String,
-    /// Expired rows to insert and sweep, per layout and phase.
-    #[arg(long, default_value_t = 1_000_000)]
-    rows: u32,
-    #[command(flatten)]
-    load: SweepLoad,
-}
+use crate::pg::{SweepArgs, response, sweep};
 
 /// One layout: its store and the table the rows go into.
 struct Layout {
@@ -108,7 +96,7 @@ async fn database_wal_since(pool: &PgPool, before: &str) -> anyhow::Result<Optio
     ))
 }
 
-async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
+async fn measure(l: &Layout, a: &SweepArgs) -> anyhow::Result<Value> {
     let never = || Arc::new(AtomicBool::new(false));
     // Alone: WAL and duration. The WAL position is the server's, so anything else writing to
     // the same server during the sweep counts too: run on a quiet server.
@@ -122,10 +110,10 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
 
     // Under claims: idle, sweeping, idle.
     load_expired(l, &format!("{}-b-", l.name), a.rows).await?;
-    let idle_before = a.load.claims(&l.store, format!("pt-{}-idle1", l.name), a.load.idle_seconds, never()).await;
+    let idle_before = a.claims(&l.store, format!("pt-{}-idle1", l.name), a.idle_seconds, never()).await;
     let (during, swept_loaded, loaded_seconds) =
-        a.load.while_sweeping(&l.store, &l.store, format!("pt-{}-sweep", l.name)).await?;
-    let idle_after = a.load.claims(&l.store, format!("pt-{}-idle2", l.name), a.load.idle_seconds, never()).await;
+        a.while_sweeping(&l.store, &l.store, format!("pt-{}-sweep", l.name)).await?;
+    let idle_after = a.claims(&l.store, format!("pt-{}-idle2", l.name), a.idle_seconds, never()).await;
     Ok(json!({
         "swept": swept, "sweep_seconds": sweep_seconds, "wal_bytes": wal_bytes,
         "wal_bytes_per_row": wal_bytes / swept.max(1) as f64, "database_wal_bytes": database_wal_bytes,
@@ -139,7 +127,7 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
 /// claims while the ended day is detached and its drop deferred, against idle; then the claims
 /// during the deferred drop itself, as it runs in its window (the stall the window moves out of
 /// the busy hours).
-async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &PartitionArgs) -> anyhow::Result<Value> {
+async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &SweepArgs) -> anyhow::Result<Value> {
     let never = || Arc::new(AtomicBool::new(false));
     let hour = chrono::Timelike::hour(&now());
     let closed = idempotency_sqlx::DropWindow::hours((hour + 2) % 24, (hour + 3) % 24).expect("an hour's window");
@@ -153,12 +141,11 @@ async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &P
         partitioned: Some(store.clone()),
     };
     load_expired(&l, "off-peak-", a.rows).await?;
-    let idle_before = a.load.claims(&deferring, "pt-off-peak-idle1".into(), a.load.idle_seconds, never()).await;
+    let idle_before = a.claims(&deferring, "pt-off-peak-idle1".into(), a.idle_seconds, never()).await;
     let (during, detached_swept, detach_seconds) =
-        a.load.while_sweeping(&deferring, &deferring, "pt-off-peak-sweep".into()).await?;
-    let idle_after = a.load.claims(&deferring, "pt-off-peak-idle2".into(), a.load.idle_seconds, never()).await;
-    let (in_window, dropped, drop_seconds) =
-        a.load.while_sweeping(&deferring, &dropping, "pt-off-peak-drop".into()).await?;
+        a.while_sweeping(&deferring, &deferring, "pt-off-peak-sweep".into()).await?;
+    let idle_after = a.claims(&deferring, "pt-off-peak-idle2".into(), a.idle_seconds, never()).await;
+    let (in_window, dropped, drop_seconds) = a.while_sweeping(&deferring, &dropping, "pt-off-peak-drop".into()).await?;
     Ok(json!({
         "swept_under_claims": detached_swept, "sweep_seconds_under_claims": detach_seconds,
         "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
@@ -168,7 +155,7 @@ async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &P
 
 /// Both layouts in one database, one after the other; prints one JSON object with a member per
 /// layout.
-pub(crate) async fn partition(a: PartitionArgs) -> anyhow::Result<()> {
+pub(crate) async fn partition(a: SweepArgs) -> anyhow::Result<()> {
     let delete = PostgresStore::connect(&a.database).await?;
     delete.migrate().await?;
     let partitioned = PartitionedPostgresStore::connect(&a.database).await?;

@@ -279,20 +279,15 @@ pub(crate) fn write_pgbench_scripts(dir: &Path, keys: u32) -> anyhow::Result<()>
     Ok(())
 }
 
+/// A sweep of expired rows measured with claims running beside it (parts `sweeper` and
+/// `partition`).
 #[derive(Debug, Args)]
-pub(crate) struct SweeperArgs {
+pub(crate) struct SweepArgs {
     #[arg(long)]
-    database: String,
-    /// Expired rows to insert and sweep.
+    pub(crate) database: String,
+    /// Expired rows to insert and sweep (part `partition`: per layout and phase).
     #[arg(long, default_value_t = 1_000_000)]
-    rows: u32,
-    #[command(flatten)]
-    load: SweepLoad,
-}
-
-/// The claims measured while a sweep runs (parts `sweeper` and `partition`).
-#[derive(Debug, Args)]
-pub(crate) struct SweepLoad {
+    pub(crate) rows: u32,
     /// Claiming tasks, each pausing `--pace-ms` between claims (an open-ish load, so latency
     /// is the statement's, not a queue's).
     #[arg(long, default_value_t = 8)]
@@ -306,7 +301,7 @@ pub(crate) struct SweepLoad {
     max_sweep_seconds: f64,
 }
 
-impl SweepLoad {
+impl SweepArgs {
     /// Claims new keys (`{prefix}-{task}-{i}`) on `store` for `max` seconds or until `stop`.
     pub(crate) async fn claims(
         &self,
@@ -354,7 +349,7 @@ pub(crate) async fn sweep(store: &Arc<dyn Store>) -> anyhow::Result<u64> {
 
 /// Idle, sweeping, idle: claim latency in each phase, with the service's own pool (10) shared
 /// by the claims and the sweeper, as in a running service.
-pub(crate) async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
+pub(crate) async fn sweeper(a: SweepArgs) -> anyhow::Result<()> {
     let store = Arc::new(PostgresStore::connect(&a.database).await?);
     store.migrate().await?;
     let t = Instant::now();
@@ -363,11 +358,10 @@ pub(crate) async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
     sqlx::query("CHECKPOINT").execute(store.pool()).await?;
     let never = || Arc::new(AtomicBool::new(false));
     let store: Arc<dyn Store> = store;
-    let load = &a.load;
 
-    let idle_before = load.claims(&store, "sw-idle1".into(), load.idle_seconds, never()).await;
-    let (during, swept, sweep_seconds) = load.while_sweeping(&store, &store, "sw-sweep".into()).await?;
-    let idle_after = load.claims(&store, "sw-idle2".into(), load.idle_seconds, never()).await;
+    let idle_before = a.claims(&store, "sw-idle1".into(), a.idle_seconds, never()).await;
+    let (during, swept, sweep_seconds) = a.while_sweeping(&store, &store, "sw-sweep".into()).await?;
+    let idle_after = a.claims(&store, "sw-idle2".into(), a.idle_seconds, never()).await;
     println!(
         "{}",
         json!({
