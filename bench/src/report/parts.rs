@@ -1,5 +1,6 @@
 //! The rows of the parts with more than one comparison per line: the partitioned sweep, the
-//! layer's own cost, the scale part's plans, and leasebroker creates against their floor.
+//! layer's own cost, the gateway, the scale part's plans, and leasebroker creates against their
+//! floor.
 
 use std::fmt::Write as _;
 
@@ -163,6 +164,37 @@ pub(super) fn layer_cost(runs: &Runs) -> Vec<Ratio> {
             &k("json"),
             (case == "first").then_some(Goal::AtMost(1.25)),
         ));
+    }
+    out
+}
+
+/// The gateway (part `gateway`): in front of one upstream against nginx in front of it (first
+/// executions pay the proxy hop and the store; a replay never reaches the upstream), and against
+/// the layer in process on the same store (what the hop costs); each in requests per second,
+/// with the p99 beside it.
+pub(super) fn gateway_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    for case in ["first", "replay"] {
+        for c in [16, 64] {
+            let k = |v: &str| key("gateway", case, c, v);
+            let at = format!("{case}, {c} conn");
+            let pairs = [
+                ("gateway+memory / nginx", "gateway-memory", "nginx", if case == "first" { 0.7 } else { 1.0 }),
+                ("gateway+SQLite / layer+SQLite in process", "gateway-sqlite", "layer-sqlite", 0.8),
+                ("gateway+PostgreSQL / layer+PostgreSQL in process", "gateway-postgres", "layer-postgres", 0.8),
+            ];
+            for (what, a, b, goal) in pairs {
+                out.extend(runs.ratio(
+                    "gateway",
+                    format!("{what} ({at})"),
+                    "rps",
+                    &k(a),
+                    &k(b),
+                    Some(Goal::AtLeast(goal)),
+                ));
+                out.extend(runs.ratio("gateway", format!("p99: {what} ({at})"), "p99_us", &k(a), &k(b), None));
+            }
+        }
     }
     out
 }

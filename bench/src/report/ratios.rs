@@ -1,6 +1,6 @@
 //! The table's rows: which runs each ratio compares, and the goal it has to meet.
 
-use super::parts::{commit_rows, layer_cost, partition_ratios, push_create_rows, wait_rows};
+use super::parts::{commit_rows, gateway_rows, layer_cost, partition_ratios, push_create_rows, wait_rows};
 use super::{Goal, Key, Ratio, Runs, key};
 
 const CONNS: [u32; 3] = [1, 16, 64];
@@ -9,6 +9,7 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
     let mut out = layer_rows(runs);
     out.extend(layer_cost(runs));
     out.extend(wait_rows(runs));
+    out.extend(gateway_rows(runs));
     out.extend(floor_rows(runs));
     out.extend(redis_rows(runs));
     out.extend(replication_rows(runs));
@@ -318,6 +319,36 @@ mod tests {
         assert_eq!((without.ratio, without.met), (1.2, Some(true)), "the goal is 1.25");
         // Rounds that measured nothing make no row.
         assert!(rows.iter().all(|r| !r.what.contains("(first, 16 conn)")));
+    }
+
+    #[test]
+    fn the_gateway_is_compared_with_nginx_and_with_the_layer_in_process() {
+        let mut runs = Runs(BTreeMap::new());
+        for (case, variant, rps, p99) in [
+            ("first", "gateway-memory", 75.0, 3000.0),
+            ("first", "nginx", 100.0, 2000.0),
+            ("replay", "gateway-memory", 90.0, 1000.0),
+            ("replay", "nginx", 100.0, 2000.0),
+            ("first", "gateway-postgres", 40.0, 9000.0),
+            ("first", "layer-postgres", 50.0, 6000.0),
+        ] {
+            runs.0
+                .entry(key("gateway", case, 16, variant))
+                .or_default()
+                .insert(1, json!({ "rps": rps, "p99_us": p99 }));
+        }
+        let rows = ratios(&runs);
+        let find = |what: &str| rows.iter().find(|r| r.what == what).unwrap_or_else(|| panic!("no row {what:?}"));
+        let first = find("gateway+memory / nginx (first, 16 conn)");
+        assert_eq!((first.ratio, first.met), (0.75, Some(true)), "the goal for first executions is 0.7");
+        let replay = find("gateway+memory / nginx (replay, 16 conn)");
+        assert_eq!((replay.ratio, replay.met), (0.9, Some(false)), "a replay has to beat forwarding");
+        let pg = find("gateway+PostgreSQL / layer+PostgreSQL in process (first, 16 conn)");
+        assert_eq!((pg.ratio, pg.met), (0.8, Some(true)));
+        let p99 = find("p99: gateway+memory / nginx (first, 16 conn)");
+        assert_eq!((p99.metric, p99.ratio, p99.goal.is_none()), ("p99_us", 1.5, true));
+        // Variants that did not run make no row.
+        assert!(!rows.iter().any(|r| r.what.contains("SQLite") || r.what.contains("64 conn")));
     }
 
     #[test]

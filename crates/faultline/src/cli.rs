@@ -36,9 +36,79 @@ pub struct RunArgs {
     /// Only the protected clients.
     #[arg(long)]
     pub no_naive: bool,
+    /// Run the client faults through `idempotency-gateway` in front of a small Python service
+    /// that counts its own side effects (protected clients: one key per operation), then the
+    /// same clients straight to that service (naive: what it sees without the gateway).
+    /// `--ops`, `--concurrency`, `--principals`, `--attempt-timeout`, `--op-max-elapsed`,
+    /// `--in-flight-ttl`, `--server-kills` and `--server-down` (gateway replicas), `--postgres`
+    /// with `--replicas` (else one gateway on SQLite), `--out` and `--keep-temp` apply; the
+    /// leasebroker modes do not. The report is OUT/gateway.json.
+    #[arg(long, conflicts_with_all = [
+        "hv_fail_before", "hv_fail_after", "hv_latency_ms", "hv_slow", "hv_refuse", "late_landings",
+        "pauses", "plant_orphans", "drop_acknowledged", "abandon", "postgres_restarts", "redis_cluster",
+        "postgres_ha", "libvirt", "flashes", "lbctl_share", "hypervisor_settle", "pool_nodes",
+    ])]
+    pub gateway: bool,
+    /// The gateway run's options.
+    #[command(flatten)]
+    pub gateway_options: GatewayOptions,
     /// What the run does besides its client fault rate.
     #[command(flatten)]
     pub scenario: Scenario,
+}
+
+/// What `faultline run --gateway` does to the gateway and its upstream.
+#[derive(Debug, Clone, Args)]
+pub struct GatewayOptions {
+    /// With --gateway: the idempotency-gateway binary [default: next to this executable].
+    #[arg(long, requires = "gateway")]
+    pub gateway_binary: Option<PathBuf>,
+    /// With --gateway: the Python interpreter that runs the upstream service.
+    #[arg(long, default_value = "python3", requires = "gateway")]
+    pub python: PathBuf,
+    /// With --gateway: probability that an operation's first attempt is answered by the upstream
+    /// after it did the work and after the gateway's `--upstream-timeout` (its outcome unknown to
+    /// the gateway).
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability, requires = "gateway")]
+    pub upstream_slow: f64,
+    /// With --gateway: probability that the upstream resets the connection of an operation's
+    /// first attempt after doing the work.
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability, requires = "gateway")]
+    pub upstream_resets: f64,
+    /// With --gateway: probability that the upstream answers an operation's first attempt `503`
+    /// without doing anything.
+    #[arg(long, default_value_t = 0.0, value_parser = parse::probability, requires = "gateway")]
+    pub upstream_5xx: f64,
+    /// With --gateway: the gateway's `--upstream-timeout`.
+    #[arg(long, default_value = "500ms", value_parser = parse::duration, requires = "gateway")]
+    pub upstream_timeout: Duration,
+    /// With --gateway: the gateway's `--on-uncertain`; under `resend` the upstream deduplicates
+    /// by the key the gateway forwards (as `resend` asks of an upstream).
+    #[arg(long, value_enum, default_value = "hold", requires = "gateway")]
+    pub on_uncertain: OnUncertainMode,
+    /// With --gateway: no probe route, so an uncertain outcome is held for an operator
+    /// (`409 outcome-uncertain`) instead of looked up (`GET /orders/by-key/{key}`).
+    #[arg(long, requires = "gateway")]
+    pub no_probe: bool,
+}
+
+/// The gateway's `--on-uncertain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnUncertainMode {
+    /// Held for an operator (or looked up by the route's probe).
+    Hold,
+    /// Forwarded again with the same derived key.
+    Resend,
+}
+
+impl OnUncertainMode {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnUncertainMode::Hold => "hold",
+            OnUncertainMode::Resend => "resend",
+        }
+    }
 }
 
 /// `faultline sweep`.

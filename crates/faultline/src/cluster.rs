@@ -1,5 +1,5 @@
-//! The real processes: a standalone hypervisor simulator and one or more `leasebroker serve`
-//! replicas. A replica first listens on a port the kernel gives it (never one picked up front
+//! The real processes: a standalone hypervisor simulator and one or more replicas, each a
+//! `leasebroker serve` or (`faultline run --gateway`) an `idempotency-gateway`. A replica first listens on a port the kernel gives it (never one picked up front
 //! and let go of, which another process can take in between) and comes back on that same port
 //! after a kill.
 
@@ -52,9 +52,9 @@ fn last_lines(log: &Path, n: usize) -> String {
     if tail.is_empty() { "its log is empty".to_owned() } else { tail }
 }
 
-/// A child process that printed `listening on http://ADDR`.
+/// A child process that printed `listening on http://ADDR`; killed when dropped.
 #[derive(Debug)]
-struct Running {
+pub(crate) struct Running {
     child: Child,
 }
 
@@ -66,7 +66,7 @@ fn signal(pid: u32, which: Signal) -> anyhow::Result<()> {
 
 /// Starts `command` (stdout piped, stderr appended to `log`), waits for its `listening on` line and
 /// returns the process and the address it printed.
-async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, SocketAddr)> {
+pub(crate) async fn start(mut command: Command, log: &Path) -> anyhow::Result<(Running, SocketAddr)> {
     let log_file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -168,6 +168,72 @@ pub struct ServeConfig {
     pub dir: PathBuf,
 }
 
+/// What every gateway replica is started with (`faultline run --gateway`).
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The idempotency-gateway binary.
+    pub binary: PathBuf,
+    /// `--upstream`.
+    pub upstream: String,
+    /// `--record-store`.
+    pub record_store: String,
+    /// More flags (`--in-flight-ttl`, `--upstream-timeout`, `--config`, ...).
+    pub extra: Vec<String>,
+    /// Where the logs go.
+    pub dir: PathBuf,
+}
+
+/// What a replica runs.
+#[derive(Debug, Clone)]
+pub enum Program {
+    /// `leasebroker serve`.
+    Serve(ServeConfig),
+    /// `idempotency-gateway` in front of an upstream.
+    Gateway(GatewayConfig),
+}
+
+impl From<ServeConfig> for Program {
+    fn from(config: ServeConfig) -> Self {
+        Program::Serve(config)
+    }
+}
+
+impl From<GatewayConfig> for Program {
+    fn from(config: GatewayConfig) -> Self {
+        Program::Gateway(config)
+    }
+}
+
+impl Program {
+    /// The command that starts it on `addr`, and its log file.
+    fn command(&self, index: usize, addr: SocketAddr) -> (Command, PathBuf) {
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
+        match self {
+            Program::Serve(c) => {
+                let mut command = Command::new(&c.binary);
+                command.args(["serve", "--listen", &addr.to_string(), "--database", &c.database]);
+                for p in &c.principals {
+                    command.args(["--token", &format!("{}={}", p.token, p.name)]);
+                }
+                command.args(["--admin-token", ADMIN_TOKEN, "--pool-nodes", &c.pool_nodes.to_string()]);
+                command.args(["--hypervisor-url", &c.hypervisor_url]);
+                command.args(["--hypervisor-timeout", &ms(c.hypervisor_timeout)]);
+                command.args(["--in-flight-ttl", &ms(c.in_flight_ttl)]);
+                command.args(&c.extra);
+                (command, c.dir.join(format!("replica-{index}.log")))
+            }
+            Program::Gateway(c) => {
+                let mut command = Command::new(&c.binary);
+                command.args(["--upstream", &c.upstream, "--record-store", &c.record_store]);
+                command.args(["--listen", &addr.to_string(), "--admin-listen", "127.0.0.1:0"]);
+                command.args(["--admin-token", ADMIN_TOKEN]);
+                command.args(&c.extra);
+                (command, c.dir.join(format!("gateway-{index}.log")))
+            }
+        }
+    }
+}
+
 /// How a replica's start went: the processes that exited (or never got ready) before one did,
 /// and why the last of them did not start.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -178,14 +244,14 @@ pub struct Started {
     pub last_failure: Option<String>,
 }
 
-/// One `leasebroker serve` process, on the same port across restarts.
+/// One `leasebroker serve` (or `idempotency-gateway`) process, on the same port across restarts.
 #[derive(Debug)]
 pub struct Replica {
     /// Its index (0-based).
     pub index: usize,
     /// Its address: port 0 until its first start, the port the kernel gave it after.
     pub addr: SocketAddr,
-    config: ServeConfig,
+    config: Program,
     process: Option<Running>,
     /// Times it was killed and restarted.
     pub restarts: u32,
@@ -195,11 +261,11 @@ pub struct Replica {
 
 impl Replica {
     /// Starts replica `index` on a loopback port the kernel picks; its restarts keep that port.
-    pub async fn start(index: usize, config: ServeConfig) -> anyhow::Result<Self> {
+    pub async fn start(index: usize, config: impl Into<Program>) -> anyhow::Result<Self> {
         let mut replica = Replica {
             index,
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            config,
+            config: config.into(),
             process: None,
             restarts: 0,
             pauses: 0,
@@ -217,20 +283,9 @@ impl Replica {
     /// yet after a SIGKILL, a database that does not answer: `serve` does not start without its
     /// database) is started again, up to 20 times, a quarter of a second apart.
     async fn spawn(&mut self) -> anyhow::Result<Started> {
-        let c = &self.config;
-        let log = c.dir.join(format!("replica-{}.log", self.index));
         let mut last = None;
         for failed_starts in 0..20 {
-            let mut command = Command::new(&c.binary);
-            command.args(["serve", "--listen", &self.addr.to_string(), "--database", &c.database]);
-            for p in &c.principals {
-                command.args(["--token", &format!("{}={}", p.token, p.name)]);
-            }
-            command.args(["--admin-token", ADMIN_TOKEN, "--pool-nodes", &c.pool_nodes.to_string()]);
-            command.args(["--hypervisor-url", &c.hypervisor_url]);
-            command.args(["--hypervisor-timeout", &format!("{}ms", c.hypervisor_timeout.as_millis())]);
-            command.args(["--in-flight-ttl", &format!("{}ms", c.in_flight_ttl.as_millis())]);
-            command.args(&c.extra);
+            let (command, log) = self.config.command(self.index, self.addr);
             match start(command, &log).await {
                 Ok((process, addr)) if self.addr.port() == 0 || addr == self.addr => {
                     self.addr = addr;

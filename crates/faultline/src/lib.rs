@@ -33,6 +33,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod gateway;
 pub mod late;
 pub mod libvirt;
 pub mod pg;

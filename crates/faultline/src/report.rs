@@ -373,10 +373,17 @@ pub fn table(runs: &[RunReport]) -> String {
     let header: Vec<String> =
         runs.iter().map(|r| format!("{} @{}", r.clients.name(), r.setup.client_fault_rate)).collect();
     let rows: Vec<Row> = [setup_rows(), fault_rows(), outcome_rows(), damage_rows()].into_iter().flatten().collect();
+    let cells: Vec<(&str, Vec<String>)> =
+        rows.iter().map(|(label, f)| (*label, runs.iter().map(f).collect())).collect();
+    markdown(&header, &cells)
+}
+
+/// A Markdown table: a column of labels, then one right-aligned column per `header`; each row
+/// has a cell per column.
+pub fn markdown(header: &[String], rows: &[(&str, Vec<String>)]) -> String {
     let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-    let cells: Vec<Vec<String>> = rows.iter().map(|(_, f)| runs.iter().map(f).collect()).collect();
-    let width = |i: usize| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..runs.len()).map(width).collect();
+    let width = |i: usize| rows.iter().map(|(_, c)| c[i].len()).chain([header[i].len()]).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..header.len()).map(width).collect();
     let mut out = String::new();
     let _ = write!(out, "| {:label_width$} |", "");
     for (h, w) in header.iter().zip(&widths) {
@@ -388,7 +395,7 @@ pub fn table(runs: &[RunReport]) -> String {
         let _ = write!(out, "{}:|", "-".repeat(w + 1));
     }
     out.push('\n');
-    for ((label, _), row) in rows.iter().zip(&cells) {
+    for (label, row) in rows {
         let _ = write!(out, "| {label:label_width$} |");
         for (c, w) in row.iter().zip(&widths) {
             let _ = write!(out, " {c:>w$} |");

@@ -32,6 +32,7 @@ struct ReportFile<'a> {
 /// Runs the command. `Ok(false)` when a protected run broke an invariant.
 pub async fn main(cli: Cli) -> anyhow::Result<bool> {
     let (command, scenario, plan): (&'static str, Scenario, Vec<(f64, Vec<ClientKind>)>) = match cli.command {
+        Command::Run(args) if args.gateway => return crate::gateway::main(args).await,
         Command::Run(args) => {
             let kinds = if args.naive {
                 vec![ClientKind::Naive]

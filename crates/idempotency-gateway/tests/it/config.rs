@@ -80,3 +80,30 @@ async fn a_flag_overrides_the_file_and_the_file_the_defaults() {
     send(&flagged.url, "/orders", &key, "{}", &[]).await;
     assert_eq!(upstream.counts().await["last"]["idempotency-key"], format!("\"{key}\""), "the flag's");
 }
+
+/// A route's `retention` is its own: its records are replayed until then and run again after,
+/// while the other routes keep the global retention.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_routes_retention_is_its_own() {
+    use crate::support::{Lang, Upstream, send, uuid_like};
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let dir = testkit::tempdir().expect("tempdir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, "[[route]]\nmatch = \"POST /short\"\nretention = \"2s\"\n").expect("write");
+    let path = path.to_str().expect("UTF-8");
+    // A retention must be longer than the in-flight TTL (default 5m): a short one for the route.
+    let gw = testkit::gateway::start(upstream.url(), "memory", &["--config", path, "--in-flight-ttl", "1s"]);
+    let (short, long) = (uuid_like(), uuid_like());
+    for (route, key) in [("/short", &short), ("/orders", &long)] {
+        assert_eq!(send(&gw.url, route, key, "{}", &[]).await.status, reqwest::StatusCode::CREATED);
+        let again = send(&gw.url, route, key, "{}", &[]).await;
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{route}: replayed at once");
+    }
+    assert_eq!(upstream.executions().await, 2);
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let short_again = send(&gw.url, "/short", &short, "{}", &[]).await;
+    assert_eq!(short_again.header("idempotent-replayed"), None, "the route's 2s retention is over: it runs again");
+    let long_again = send(&gw.url, "/orders", &long, "{}", &[]).await;
+    assert_eq!(long_again.header("idempotent-replayed"), Some("true"), "the global retention still holds");
+    assert_eq!(upstream.executions().await, 3);
+}

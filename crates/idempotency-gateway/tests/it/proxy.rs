@@ -266,3 +266,27 @@ async fn sigterm_lets_a_forwarded_request_finish_and_store_its_answer() {
     let answer = pending.await.expect("the task");
     assert_eq!(answer.status, StatusCode::CREATED, "the request in flight was answered: {}", answer.body);
 }
+
+/// Two gateway replicas on one Redis Cluster (three primaries the test starts): 32 identical
+/// keyed requests spread over both execute once.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_on_one_redis_cluster_run_a_key_once() {
+    if !testkit::redis::have_redis_binaries() {
+        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "redis-server is missing, and CI=true");
+        eprintln!("SKIPPED two_replicas_on_one_redis_cluster_run_a_key_once: redis-server is not installed");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(testkit::redis::Cluster::start).await.expect("the cluster starts");
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let a = gateway(upstream.url(), &cluster.url(), &[]);
+    let b = gateway(upstream.url(), &cluster.url(), &[]);
+    let key = uuid_like();
+    let slow = [("x-upstream-delay-ms", "300"), ("prefer", "wait=30")];
+    let sent = (0..32).map(|i| {
+        let url = if i % 2 == 0 { &a.url } else { &b.url };
+        post(url, "/orders", &key, "{}", &slow)
+    });
+    let answers = join_all(join_all(sent).await.into_iter().map(Answer::of)).await;
+    assert_eq!(upstream.executions().await, 1, "two replicas on a Redis Cluster behave as one gateway");
+    assert!(answers.iter().all(|a| a.status == StatusCode::CREATED), "every client gets the answer");
+}

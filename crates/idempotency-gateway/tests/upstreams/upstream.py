@@ -16,7 +16,11 @@ request) change how it answers:
 With --dedupe the service deduplicates by the Idempotency-Key it receives (as an upstream that
 honours the gateway's forwarded key would): a known key is answered from memory, not counted.
 
-  GET /__count                 {"executions": N, "by_key": {KEY: N}, "last": {headers}}
+  GET /__count                 {"executions": N, "by_key": {KEY: N}, "by_op": {OP: [N, ...]}, "last": {headers}}
+
+A request whose body is a JSON object with a string "op" (one logical operation of a client, as
+faultline's gateway mode sends) is also counted under that operation in "by_op": the order
+numbers of its executions, so a caller can tell an operation run twice whatever key it carried.
   GET /orders/by-key/{key}     the probe route: 200 with the stored answer, or 404
 
 With --tls-cert PEM --tls-key PEM it serves HTTPS (and says so on a line `tls on` before its
@@ -36,7 +40,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"executions": 0, "by_key": {}, "answers": {}, "last": {}}
+STATE = {"executions": 0, "by_key": {}, "by_op": {}, "answers": {}, "last": {}}
+
+
+def operation_of(body):
+    """The "op" of a JSON object body, or None."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    op = value.get("op") if isinstance(value, dict) else None
+    return op if isinstance(op, str) else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -59,7 +73,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/__count":
             with LOCK:
-                snapshot = {k: STATE[k] for k in ("executions", "by_key", "last")}
+                snapshot = {k: STATE[k] for k in ("executions", "by_key", "by_op", "last")}
             return self.send_json(200, snapshot)
         prefix = "/orders/by-key/"
         if self.path.startswith(prefix):
@@ -88,6 +102,9 @@ class Handler(BaseHTTPRequestHandler):
                 n = STATE["executions"]
                 if key:
                     STATE["by_key"][key] = STATE["by_key"].get(key, 0) + 1
+                op = operation_of(body)
+                if op is not None:
+                    STATE["by_op"].setdefault(op, []).append(n)
                 answer = {"order": n, "path": self.path, "method": self.command, "body": body.decode("utf-8", "replace")}
                 if key:
                     STATE["answers"][key] = answer

@@ -202,11 +202,14 @@ async fn fail_after_does_the_work_then_drops_the_connection_without_a_status() {
 
 #[tokio::test]
 async fn a_caller_that_hangs_up_during_latency_does_not_cancel_the_boot() {
-    let (sim, url) = start(SimConfig { latency: Duration::from_millis(1000), ..SimConfig::default() }).await;
+    // The caller hangs up a quarter of the way into the latency: late enough that the simulator
+    // has read the request on a busy machine (CI once saw a 50 ms timeout hang up before it had,
+    // so that nothing was booted), early enough that it is still sleeping.
+    let (sim, url) = start(SimConfig { latency: Duration::from_millis(2000), ..SimConfig::default() }).await;
     let err = reqwest::Client::new()
         .post(format!("{url}/v1/vms"))
         .json(&boot_body("slow"))
-        .timeout(Duration::from_millis(50))
+        .timeout(Duration::from_millis(500))
         .send()
         .await
         .expect_err("times out");
