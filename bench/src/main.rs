@@ -51,10 +51,10 @@ enum Command {
     /// The same writes on a SQLite file from 16 tasks: the SQLite floor under a create.
     SqliteCreateFloor(create::SqliteFloorArgs),
     /// Claim latency while the sweeper deletes `--rows` expired rows, against idle.
-    Sweeper(pg::SweeperArgs),
+    Sweeper(pg::SweepArgs),
     /// Sweeping `--rows` expired rows: batched DELETE against dropping whole days (the layout
     /// partitioned by expiry day): WAL, duration, claim latency while sweeping.
-    Partition(partition::PartitionArgs),
+    Partition(pg::SweepArgs),
     /// Bytes per stored record with a 1 KiB JSON body, compressed and raw.
     RecordSize(pg::SizeArgs),
     /// Completes the record Redis replays read and writes the `redis-benchmark` floor's

@@ -4,37 +4,16 @@
 //! and the partitioned layout with its drops deferred to an off-peak window.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 use chrono::{NaiveTime, TimeZone, Utc};
-use clap::Args;
-use idempotency::{ClaimOutcome, Store, Sweeper, Timestamp, now};
+use idempotency::{Store, Timestamp, now};
 use idempotency_sqlx::{PartitionedPostgresStore, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::load::{self, Stats};
-use crate::pg::{claim_request, response};
-
-#[derive(Debug, Args)]
-pub(crate) struct PartitionArgs {
-    #[arg(long)]
-    database: String,
-    /// Expired rows to insert and sweep, per layout and phase.
-    #[arg(long, default_value_t = 1_000_000)]
-    rows: u32,
-    /// Claiming tasks, each pausing `--pace-ms` between claims.
-    #[arg(long, default_value_t = 8)]
-    concurrency: usize,
-    #[arg(long, default_value_t = 5)]
-    pace_ms: u64,
-    #[arg(long, default_value_t = 5.0)]
-    idle_seconds: f64,
-    /// Stop measuring (the sweep goes on) after this long.
-    #[arg(long, default_value_t = 120.0)]
-    max_sweep_seconds: f64,
-}
+use crate::pg::{SweepArgs, response, sweep};
 
 /// One layout: its store and the table the rows go into.
 struct Layout {
@@ -117,22 +96,7 @@ async fn database_wal_since(pool: &PgPool, before: &str) -> anyhow::Result<Optio
     ))
 }
 
-async fn claims(store: &Arc<dyn Store>, a: &PartitionArgs, tag: String, max: f64, stop: Arc<AtomicBool>) -> Stats {
-    let store = store.clone();
-    let pace = Duration::from_millis(a.pace_ms);
-    load::run_until(a.concurrency, Duration::from_secs_f64(max), pace, stop, move |task, i| {
-        let (store, key) = (store.clone(), format!("pt-{tag}-{task}-{i}"));
-        async move { Ok(matches!(store.claim(claim_request(&key)?).await?, ClaimOutcome::Owned(_))) }
-    })
-    .await
-}
-
-/// One pass of the service's sweeper over everything expired.
-async fn sweep(store: &Arc<dyn Store>) -> anyhow::Result<u64> {
-    Ok(Sweeper::new(store.clone(), Duration::from_secs(3600)).run_once().await?)
-}
-
-async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
+async fn measure(l: &Layout, a: &SweepArgs) -> anyhow::Result<Value> {
     let never = || Arc::new(AtomicBool::new(false));
     // Alone: WAL and duration. The WAL position is the server's, so anything else writing to
     // the same server during the sweep counts too: run on a quiet server.
@@ -146,10 +110,10 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
 
     // Under claims: idle, sweeping, idle.
     load_expired(l, &format!("{}-b-", l.name), a.rows).await?;
-    let idle_before = claims(&l.store, a, format!("{}-idle1", l.name), a.idle_seconds, never()).await;
+    let idle_before = a.claims(&l.store, format!("pt-{}-idle1", l.name), a.idle_seconds, never()).await;
     let (during, swept_loaded, loaded_seconds) =
-        while_sweeping(&l.store, &l.store, a, format!("{}-sweep", l.name)).await?;
-    let idle_after = claims(&l.store, a, format!("{}-idle2", l.name), a.idle_seconds, never()).await;
+        a.while_sweeping(&l.store, &l.store, format!("pt-{}-sweep", l.name)).await?;
+    let idle_after = a.claims(&l.store, format!("pt-{}-idle2", l.name), a.idle_seconds, never()).await;
     Ok(json!({
         "swept": swept, "sweep_seconds": sweep_seconds, "wal_bytes": wal_bytes,
         "wal_bytes_per_row": wal_bytes / swept.max(1) as f64, "database_wal_bytes": database_wal_bytes,
@@ -158,35 +122,12 @@ async fn measure(l: &Layout, a: &PartitionArgs) -> anyhow::Result<Value> {
     }))
 }
 
-/// Claims on `store` while `sweeper` makes one pass: their latency, what the pass swept and how
-/// long it took.
-async fn while_sweeping(
-    store: &Arc<dyn Store>,
-    sweeper: &Arc<dyn Store>,
-    a: &PartitionArgs,
-    tag: String,
-) -> anyhow::Result<(Stats, u64, f64)> {
-    let done = Arc::new(AtomicBool::new(false));
-    let sweeping = {
-        let (sweeper, done) = (sweeper.clone(), done.clone());
-        tokio::spawn(async move {
-            let t = Instant::now();
-            let swept = sweep(&sweeper).await;
-            done.store(true, Ordering::Relaxed);
-            (swept, t.elapsed().as_secs_f64())
-        })
-    };
-    let during = claims(store, a, tag, a.max_sweep_seconds, done).await;
-    let (swept, seconds) = sweeping.await?;
-    Ok((during, swept?, seconds))
-}
-
 /// The partitioned layout with its drops deferred to an off-peak window
 /// (`PartitionedPostgresStore::with_drop_window`, here one that excludes the current hour): the
 /// claims while the ended day is detached and its drop deferred, against idle; then the claims
 /// during the deferred drop itself, as it runs in its window (the stall the window moves out of
 /// the busy hours).
-async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &PartitionArgs) -> anyhow::Result<Value> {
+async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &SweepArgs) -> anyhow::Result<Value> {
     let never = || Arc::new(AtomicBool::new(false));
     let hour = chrono::Timelike::hour(&now());
     let closed = idempotency_sqlx::DropWindow::hours((hour + 2) % 24, (hour + 3) % 24).expect("an hour's window");
@@ -200,11 +141,11 @@ async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &P
         partitioned: Some(store.clone()),
     };
     load_expired(&l, "off-peak-", a.rows).await?;
-    let idle_before = claims(&deferring, a, "off-peak-idle1".into(), a.idle_seconds, never()).await;
+    let idle_before = a.claims(&deferring, "pt-off-peak-idle1".into(), a.idle_seconds, never()).await;
     let (during, detached_swept, detach_seconds) =
-        while_sweeping(&deferring, &deferring, a, "off-peak-sweep".into()).await?;
-    let idle_after = claims(&deferring, a, "off-peak-idle2".into(), a.idle_seconds, never()).await;
-    let (in_window, dropped, drop_seconds) = while_sweeping(&deferring, &dropping, a, "off-peak-drop".into()).await?;
+        a.while_sweeping(&deferring, &deferring, "pt-off-peak-sweep".into()).await?;
+    let idle_after = a.claims(&deferring, "pt-off-peak-idle2".into(), a.idle_seconds, never()).await;
+    let (in_window, dropped, drop_seconds) = a.while_sweeping(&deferring, &dropping, "pt-off-peak-drop".into()).await?;
     Ok(json!({
         "swept_under_claims": detached_swept, "sweep_seconds_under_claims": detach_seconds,
         "idle_before": idle_before, "sweeping": during, "idle_after": idle_after,
@@ -214,7 +155,7 @@ async fn measure_off_peak(store: &PartitionedPostgresStore, pool: &PgPool, a: &P
 
 /// Both layouts in one database, one after the other; prints one JSON object with a member per
 /// layout.
-pub(crate) async fn partition(a: PartitionArgs) -> anyhow::Result<()> {
+pub(crate) async fn partition(a: SweepArgs) -> anyhow::Result<()> {
     let delete = PostgresStore::connect(&a.database).await?;
     delete.migrate().await?;
     let partitioned = PartitionedPostgresStore::connect(&a.database).await?;

@@ -279,13 +279,15 @@ pub(crate) fn write_pgbench_scripts(dir: &Path, keys: u32) -> anyhow::Result<()>
     Ok(())
 }
 
+/// A sweep of expired rows measured with claims running beside it (parts `sweeper` and
+/// `partition`).
 #[derive(Debug, Args)]
-pub(crate) struct SweeperArgs {
+pub(crate) struct SweepArgs {
     #[arg(long)]
-    database: String,
-    /// Expired rows to insert and sweep.
+    pub(crate) database: String,
+    /// Expired rows to insert and sweep (part `partition`: per layout and phase).
     #[arg(long, default_value_t = 1_000_000)]
-    rows: u32,
+    pub(crate) rows: u32,
     /// Claiming tasks, each pausing `--pace-ms` between claims (an open-ish load, so latency
     /// is the statement's, not a queue's).
     #[arg(long, default_value_t = 8)]
@@ -293,34 +295,61 @@ pub(crate) struct SweeperArgs {
     #[arg(long, default_value_t = 5)]
     pace_ms: u64,
     #[arg(long, default_value_t = 5.0)]
-    idle_seconds: f64,
+    pub(crate) idle_seconds: f64,
     /// Stop measuring (the sweep goes on) after this long.
     #[arg(long, default_value_t = 120.0)]
     max_sweep_seconds: f64,
 }
 
-async fn claims(
-    store: &Arc<PostgresStore>,
-    a: &SweeperArgs,
-    tag: &'static str,
-    max: f64,
-    stop: Arc<AtomicBool>,
-) -> Stats {
-    let s = store.clone();
-    let pace = Duration::from_millis(a.pace_ms);
-    load::run_until(a.concurrency, Duration::from_secs_f64(max), pace, stop, move |task, i| {
-        let store = s.clone();
-        async move {
-            let outcome = store.claim(claim_request(&format!("sw-{tag}-{task}-{i}"))?).await?;
-            Ok(matches!(outcome, ClaimOutcome::Owned(_)))
-        }
-    })
-    .await
+impl SweepArgs {
+    /// Claims new keys (`{prefix}-{task}-{i}`) on `store` for `max` seconds or until `stop`.
+    pub(crate) async fn claims(
+        &self,
+        store: &Arc<dyn Store>,
+        prefix: String,
+        max: f64,
+        stop: Arc<AtomicBool>,
+    ) -> Stats {
+        let store = store.clone();
+        let pace = Duration::from_millis(self.pace_ms);
+        load::run_until(self.concurrency, Duration::from_secs_f64(max), pace, stop, move |task, i| {
+            let (store, key) = (store.clone(), format!("{prefix}-{task}-{i}"));
+            async move { Ok(matches!(store.claim(claim_request(&key)?).await?, ClaimOutcome::Owned(_))) }
+        })
+        .await
+    }
+
+    /// Claims on `store` while `sweeper` makes one [`sweep`]: their latency, what the pass swept and how long it took.
+    pub(crate) async fn while_sweeping(
+        &self,
+        store: &Arc<dyn Store>,
+        sweeper: &Arc<dyn Store>,
+        prefix: String,
+    ) -> anyhow::Result<(Stats, u64, f64)> {
+        let done = Arc::new(AtomicBool::new(false));
+        let sweeping = {
+            let (sweeper, done) = (sweeper.clone(), done.clone());
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let swept = sweep(&sweeper).await;
+                done.store(true, Ordering::Relaxed);
+                (swept, t.elapsed().as_secs_f64())
+            })
+        };
+        let during = self.claims(store, prefix, self.max_sweep_seconds, done).await;
+        let (swept, seconds) = sweeping.await?;
+        Ok((during, swept?, seconds))
+    }
+}
+
+/// One pass of the service's sweeper over everything expired.
+pub(crate) async fn sweep(store: &Arc<dyn Store>) -> anyhow::Result<u64> {
+    Ok(Sweeper::new(store.clone(), Duration::from_secs(3600)).run_once().await?)
 }
 
 /// Idle, sweeping, idle: claim latency in each phase, with the service's own pool (10) shared
 /// by the claims and the sweeper, as in a running service.
-pub(crate) async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
+pub(crate) async fn sweeper(a: SweepArgs) -> anyhow::Result<()> {
     let store = Arc::new(PostgresStore::connect(&a.database).await?);
     store.migrate().await?;
     let t = Instant::now();
@@ -328,24 +357,11 @@ pub(crate) async fn sweeper(a: SweeperArgs) -> anyhow::Result<()> {
     let insert_seconds = t.elapsed().as_secs_f64();
     sqlx::query("CHECKPOINT").execute(store.pool()).await?;
     let never = || Arc::new(AtomicBool::new(false));
+    let store: Arc<dyn Store> = store;
 
-    let idle_before = claims(&store, &a, "idle1", a.idle_seconds, never()).await;
-
-    let done = never();
-    let sweep = {
-        let (store, done) = (store.clone(), done.clone());
-        tokio::spawn(async move {
-            let t = Instant::now();
-            let swept = Sweeper::new(store as Arc<dyn Store>, Duration::from_secs(3600)).run_once().await;
-            done.store(true, Ordering::Relaxed);
-            (swept, t.elapsed().as_secs_f64())
-        })
-    };
-    let during = claims(&store, &a, "sweep", a.max_sweep_seconds, done.clone()).await;
-    let (swept, sweep_seconds) = sweep.await?;
-    let swept = swept?;
-
-    let idle_after = claims(&store, &a, "idle2", a.idle_seconds, never()).await;
+    let idle_before = a.claims(&store, "sw-idle1".into(), a.idle_seconds, never()).await;
+    let (during, swept, sweep_seconds) = a.while_sweeping(&store, &store, "sw-sweep".into()).await?;
+    let idle_after = a.claims(&store, "sw-idle2".into(), a.idle_seconds, never()).await;
     println!(
         "{}",
         json!({

@@ -119,10 +119,25 @@ impl Runs {
         b: &Key,
         goal: Option<Goal>,
     ) -> Option<Ratio> {
-        let rounds: Vec<u32> = self.0.get(a)?.keys().copied().collect();
-        let per: Vec<f64> = rounds
-            .iter()
-            .filter_map(|&r| Some(self.metric(a, r, metric)? / self.metric(b, r, metric)?))
+        self.compare(part, what, metric, (a, metric), (b, metric), goal)
+    }
+
+    /// Metric `ma` of run `a` / metric `mb` of run `b`, per round of `a` that measured both: a
+    /// ratio row labelled `metric`.
+    fn compare(
+        &self,
+        part: &'static str,
+        what: String,
+        metric: &'static str,
+        (a, ma): (&Key, &str),
+        (b, mb): (&Key, &str),
+        goal: Option<Goal>,
+    ) -> Option<Ratio> {
+        let per: Vec<f64> = self
+            .0
+            .get(a)?
+            .keys()
+            .filter_map(|&r| Some(self.metric(a, r, ma)? / self.metric(b, r, mb)?))
             .filter(|x| x.is_finite())
             .collect();
         if per.is_empty() {
@@ -133,8 +148,8 @@ impl Runs {
             part,
             what,
             metric,
-            a: self.median(a, metric),
-            b: self.median(b, metric),
+            a: self.median(a, ma),
+            b: self.median(b, mb),
             ratio,
             ratio_min: per.iter().copied().fold(f64::INFINITY, f64::min),
             ratio_max: per.iter().copied().fold(f64::NEG_INFINITY, f64::max),

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use super::{Goal, Key, Ratio, Raw, Runs, key, median};
+use super::{Goal, Key, Ratio, Raw, Runs, key};
 
 /// Part `partition`: sweeping 1M expired rows by dropping whole days (the layout partitioned by
 /// expiry day) against the default layout's batched DELETE.
@@ -343,30 +343,8 @@ impl Runs {
         (a, b): (&'static str, &'static str),
         goal: Option<Goal>,
     ) -> Option<Ratio> {
-        let per: Vec<f64> = self
-            .0
-            .get(k)?
-            .keys()
-            .filter_map(|&r| Some(self.metric(k, r, a)? / self.metric(k, r, b)?))
-            .filter(|x| x.is_finite())
-            .collect();
-        if per.is_empty() {
-            return None;
-        }
-        let ratio = median(per.clone());
-        Some(Ratio {
-            part,
-            what,
-            metric: if a == "p99_us" && b == "p50_us" { "p99/p50" } else { a },
-            a: self.median(k, a),
-            b: self.median(k, b),
-            ratio,
-            ratio_min: per.iter().copied().fold(f64::INFINITY, f64::min),
-            ratio_max: per.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            rounds: per.len(),
-            goal,
-            met: goal.map(|g| g.met(ratio)),
-        })
+        let metric = if a == "p99_us" && b == "p50_us" { "p99/p50" } else { a };
+        self.compare(part, what, metric, (k, a), (k, b), goal)
     }
 }
 

@@ -6,6 +6,24 @@ use super::{Goal, Key, Ratio, Runs, key};
 const CONNS: [u32; 3] = [1, 16, 64];
 
 pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
+    let mut out = layer_rows(runs);
+    out.extend(layer_cost(runs));
+    out.extend(wait_rows(runs));
+    out.extend(gateway_rows(runs));
+    out.extend(floor_rows(runs));
+    out.extend(redis_rows(runs));
+    out.extend(replication_rows(runs));
+    out.extend(sweeper_and_size_rows(runs));
+    out.extend(partition_ratios(runs));
+    out.extend(commit_rows(runs));
+    out.extend(e2e_rows(runs));
+    out.extend(scale_rows(runs));
+    push_create_rows(runs, &mut out);
+    out
+}
+
+/// Part `layer`: the layer on each store against the bare handler and axum-idempotent.
+fn layer_rows(runs: &Runs) -> Vec<Ratio> {
     let mut out = Vec::new();
     let mut push = |r: Option<Ratio>| out.extend(r);
     for case in ["first", "replay"] {
@@ -42,59 +60,26 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             ));
         }
     }
-    out.extend(layer_cost(runs));
-    out.extend(wait_rows(runs));
-    out.extend(gateway_rows(runs));
+    out
+}
+
+/// Part `floor`: the PostgreSQL store and the layer against pgbench doing the same SQL.
+fn floor_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
     let mut push = |r: Option<Ratio>| out.extend(r);
     let f = |case: &str, v: &str| key("floor", case, 16, v);
-    push(runs.ratio(
-        "floor",
-        "replay: store direct / pgbench lookup".into(),
-        "rps",
-        &f("replay", "store"),
-        &f("replay", "pgbench"),
-        Some(Goal::AtLeast(0.8)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "replay: store direct, default pool 10 / pgbench lookup".into(),
-        "rps",
-        &f("replay", "store-pool10"),
-        &f("replay", "pgbench"),
-        None,
-    ));
-    push(runs.ratio(
-        "floor",
-        "replay: layer over HTTP (wrk, hot key) / pgbench lookup".into(),
-        "rps",
-        &f("replay", "layer"),
-        &f("replay", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: store direct claim+complete / pgbench script".into(),
-        "rps",
-        &f("first", "store"),
-        &f("first", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: store direct, default pool 10 / pgbench script".into(),
-        "rps",
-        &f("first", "store-pool10"),
-        &f("first", "pgbench"),
-        None,
-    ));
-    push(runs.ratio(
-        "floor",
-        "first: layer over HTTP (wrk) / pgbench script".into(),
-        "rps",
-        &f("first", "layer"),
-        &f("first", "pgbench"),
-        Some(Goal::AtLeast(0.7)),
-    ));
+    // Against pgbench running the same statements: its lookup (replay) and its script (first).
+    for (what, case, variant, goal) in [
+        ("replay: store direct / pgbench lookup", "replay", "store", Some(0.8)),
+        ("replay: store direct, default pool 10 / pgbench lookup", "replay", "store-pool10", None),
+        ("replay: layer over HTTP (wrk, hot key) / pgbench lookup", "replay", "layer", Some(0.7)),
+        ("first: store direct claim+complete / pgbench script", "first", "store", Some(0.7)),
+        ("first: store direct, default pool 10 / pgbench script", "first", "store-pool10", None),
+        ("first: layer over HTTP (wrk) / pgbench script", "first", "layer", Some(0.7)),
+    ] {
+        let goal = goal.map(Goal::AtLeast);
+        push(runs.ratio("floor", what.into(), "rps", &f(case, variant), &f(case, "pgbench"), goal));
+    }
     for case in ["replay", "first"] {
         push(runs.ratio(
             "floor",
@@ -141,6 +126,13 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    out
+}
+
+/// Part `redis`: the Redis store against redis-benchmark running its scripts.
+fn redis_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
     let r = |case: &str, v: &str| key("redis", case, 16, v);
     push(runs.ratio(
         "redis",
@@ -168,8 +160,14 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
-    // Part `replication` (issue 28): the price of waiting for a replica, as a ratio of
-    // throughputs (below 1: slower with the wait).
+    out
+}
+
+/// Part `replication` (issue 28): the price of waiting for a replica, as a ratio of
+/// throughputs (below 1: slower with the wait).
+fn replication_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
     let rep = |case: &str, v: &str| key("replication", case, 16, v);
     for case in ["first", "replay"] {
         push(runs.ratio(
@@ -189,6 +187,13 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
+    out
+}
+
+/// Parts `sweeper` (a claim's p99 while the sweeper runs) and `size` (a record's bytes).
+fn sweeper_and_size_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
     push(runs.ratio(
         "sweeper",
         "claim p99: sweeping / idle".into(),
@@ -205,8 +210,13 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
         &key("size", "", 0, "raw"),
         None,
     ));
-    partition_ratios(runs).into_iter().for_each(|r| push(Some(r)));
-    commit_rows(runs).into_iter().for_each(|r| push(Some(r)));
+    out
+}
+
+/// Part `e2e`: leasebroker, replays against creates.
+fn e2e_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
     for db in ["sqlite", "postgres"] {
         let e = |case: &str| key("e2e", case, 16, db);
         push(runs.ratio(
@@ -218,8 +228,14 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             None,
         ));
     }
-    // The scale part (issue 16, goal 4): the largest table against the smallest, and the pool
-    // at 50% and 99% allocated against empty.
+    out
+}
+
+/// Part `scale` (issue 16, goal 4): the largest table against the smallest, and the pool at 50%
+/// and 99% allocated against empty.
+fn scale_rows(runs: &Runs) -> Vec<Ratio> {
+    let mut out = Vec::new();
+    let mut push = |r: Option<Ratio>| out.extend(r);
     for (case, what) in [
         ("replay", "replay"),
         ("first", "first execution"),
@@ -241,7 +257,6 @@ pub(super) fn ratios(runs: &Runs) -> Vec<Ratio> {
             }
         }
     }
-    push_create_rows(runs, &mut out);
     out
 }
 

@@ -34,14 +34,7 @@ async fn main() -> std::process::ExitCode {
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
-    let traces = provider.as_ref().map(telemetry::layer);
-    tracing_subscriber::registry().with(logs).with(traces).init();
-    let result = run(config).await;
-    if let Some(provider) = provider {
-        // Sends what is queued; blocking, so not on a runtime thread.
-        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
-    }
-    match result {
+    match telemetry::traced(logs, provider, run(config)).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => refused(&e),
     }

@@ -14,6 +14,9 @@
 //! runs each test in a process of its own, where a static would start one cluster per test
 //! anyway. Starting one takes about a second.
 
+// A test is one scenario read top to bottom; the 100-line rule is for the code it tests.
+#![allow(clippy::too_many_lines)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;

@@ -184,21 +184,7 @@ pub(crate) async fn count_stored(
 }
 
 fn decode(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
-    let get = |e| db_error(e);
-    RawState {
-        record_id: row.try_get(0).map_err(get)?,
-        fingerprint: row.try_get(1).map_err(get)?,
-        state: row.try_get(2).map_err(get)?,
-        generation: row.try_get(3).map_err(get)?,
-        response_status: row.try_get(4).map_err(get)?,
-        response_headers: row.try_get(5).map_err(get)?,
-        response_body: row.try_get(6).map_err(get)?,
-        response_encoding: row.try_get(7).map_err(get)?,
-        created_at: row.try_get(8).map_err(get)?,
-        started_at: row.try_get(9).map_err(get)?,
-        expires_at: row.try_get(10).map_err(get)?,
-    }
-    .into_record(scope.clone())
+    RawState::read(row, 0, |row, i| row.try_get(i).map_err(db_error))?.into_record(scope.clone())
 }
 
 /// The column after [`state_columns!`] in a claim's row: whether this statement inserted it.

@@ -29,22 +29,13 @@ macro_rules! state_columns {
 }
 pub(crate) use state_columns;
 
-/// A row as the database returned it, before validation, borrowed from the row.
+/// A row as the database returned it, before validation, borrowed from the row: the scope, and
+/// the columns of [`state_columns!`].
 pub(crate) struct RawRecord<'r> {
     pub principal: &'r str,
     pub endpoint: &'r str,
     pub key: &'r str,
-    pub record_id: &'r [u8],
-    pub fingerprint: &'r str,
-    pub state: &'r str,
-    pub generation: i64,
-    pub response_status: Option<i32>,
-    pub response_headers: Option<&'r str>,
-    pub response_body: Option<&'r [u8]>,
-    pub response_encoding: Option<&'r str>,
-    pub created_at: Timestamp,
-    pub started_at: Timestamp,
-    pub expires_at: Timestamp,
+    pub rest: RawState<'r>,
 }
 
 /// The columns of [`state_columns!`] as the database returned them, before validation, borrowed
@@ -67,25 +58,44 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
 
+impl<'r> RawState<'r> {
+    /// The columns of [`state_columns!`] from `row`, the first at `at`, its timestamps read by
+    /// `time`.
+    pub(crate) fn read<R>(
+        row: &'r R,
+        at: usize,
+        time: impl Fn(&'r R, usize) -> Result<Timestamp, StoreError>,
+    ) -> Result<Self, StoreError>
+    where
+        R: sqlx::Row,
+        usize: sqlx::ColumnIndex<R>,
+        &'r str: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        &'r [u8]: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(RawState {
+            record_id: row.try_get(at).map_err(db_error)?,
+            fingerprint: row.try_get(at + 1).map_err(db_error)?,
+            state: row.try_get(at + 2).map_err(db_error)?,
+            generation: row.try_get(at + 3).map_err(db_error)?,
+            response_status: row.try_get(at + 4).map_err(db_error)?,
+            response_headers: row.try_get(at + 5).map_err(db_error)?,
+            response_body: row.try_get(at + 6).map_err(db_error)?,
+            response_encoding: row.try_get(at + 7).map_err(db_error)?,
+            created_at: time(row, at + 8)?,
+            started_at: time(row, at + 9)?,
+            expires_at: time(row, at + 10)?,
+        })
+    }
+}
+
 impl RawRecord<'_> {
     /// Validates the row into a [`Record`]; anything unexpected is [`StoreError::Corrupt`].
     pub(crate) fn into_record(self) -> Result<Record, StoreError> {
         let key = IdempotencyKey::try_from(self.key).map_err(|e| corrupt(format!("stored key: {e}")))?;
         let scope = Scope::new(Principal::new(self.principal), Endpoint::from_stored(self.endpoint), key);
-        RawState {
-            record_id: self.record_id,
-            fingerprint: self.fingerprint,
-            state: self.state,
-            generation: self.generation,
-            response_status: self.response_status,
-            response_headers: self.response_headers,
-            response_body: self.response_body,
-            response_encoding: self.response_encoding,
-            created_at: self.created_at,
-            started_at: self.started_at,
-            expires_at: self.expires_at,
-        }
-        .into_record(scope)
+        self.rest.into_record(scope)
     }
 }
 

@@ -13,7 +13,7 @@ use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteRow, SqliteSynchronous,
 };
 
-use crate::row::{ClaimDidNotSettle, RawRecord, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
+use crate::row::{ClaimDidNotSettle, RawRecord, RawState, SpaceWatch, db_error, fenced, record_columns, stale_cutoff};
 
 /// How long a connection waits for SQLite's write lock before giving up. Writers queue on one
 /// lock; every write here is one short statement or transaction, so waiting is always better
@@ -184,22 +184,11 @@ fn timestamp(row: &SqliteRow, i: usize) -> Result<Timestamp, StoreError> {
 }
 
 fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
-    let get = |e| db_error(e);
     RawRecord {
-        principal: row.try_get(0).map_err(get)?,
-        endpoint: row.try_get(1).map_err(get)?,
-        key: row.try_get(2).map_err(get)?,
-        record_id: row.try_get(3).map_err(get)?,
-        fingerprint: row.try_get(4).map_err(get)?,
-        state: row.try_get(5).map_err(get)?,
-        generation: row.try_get(6).map_err(get)?,
-        response_status: row.try_get(7).map_err(get)?,
-        response_headers: row.try_get(8).map_err(get)?,
-        response_body: row.try_get(9).map_err(get)?,
-        response_encoding: row.try_get(10).map_err(get)?,
-        created_at: timestamp(row, 11)?,
-        started_at: timestamp(row, 12)?,
-        expires_at: timestamp(row, 13)?,
+        principal: row.try_get(0).map_err(db_error)?,
+        endpoint: row.try_get(1).map_err(db_error)?,
+        key: row.try_get(2).map_err(db_error)?,
+        rest: RawState::read(row, 3, timestamp)?,
     }
     .into_record()
 }
@@ -246,12 +235,7 @@ impl Store for SqliteStore {
 
     async fn reclaim(&self, req: ReclaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
         let ReclaimRequest { record, now, in_flight_ttl, .. } = req;
-        let row = sqlx::query(RECLAIM)
-            .bind(record.scope.principal.as_str())
-            .bind(record.scope.endpoint.as_str())
-            .bind(record.scope.key.as_str())
-            .bind(record.record_id.as_bytes().as_slice())
-            .bind(record.generation)
+        let row = bind_fence(RECLAIM, record)
             .bind(micros(now))
             // NULL when no claim can be that old: `started_at <= NULL` is never true.
             .bind(stale_cutoff(now, in_flight_ttl).map(micros))
@@ -269,12 +253,7 @@ impl Store for SqliteStore {
         expires_at: Timestamp,
     ) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(COMPLETE)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
+        let done = bind_fence(COMPLETE, r)
             .bind(i32::from(response.status))
             .bind(response.headers_json())
             .bind(response.body.stored_bytes().as_ref())
@@ -289,15 +268,7 @@ impl Store for SqliteStore {
 
     async fn fail(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(FAIL)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let done = bind_fence(FAIL, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 
@@ -332,12 +303,7 @@ impl Store for SqliteStore {
 
     async fn heartbeat(&self, claim: &Claim, renewal: Renewal) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(HEARTBEAT)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
+        let done = bind_fence(HEARTBEAT, r)
             .bind(micros(renewal.now))
             .bind(micros(renewal.record_expires_at()))
             .execute(&self.pool)
@@ -348,15 +314,7 @@ impl Store for SqliteStore {
 
     async fn remove(&self, claim: &Claim) -> Result<(), StoreError> {
         let r = claim.record();
-        let done = sqlx::query(REMOVE)
-            .bind(r.scope.principal.as_str())
-            .bind(r.scope.endpoint.as_str())
-            .bind(r.scope.key.as_str())
-            .bind(r.record_id.as_bytes().as_slice())
-            .bind(r.generation)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.space.db_error(e))?;
+        let done = bind_fence(REMOVE, r).execute(&self.pool).await.map_err(|e| self.space.db_error(e))?;
         fenced(done.rows_affected(), claim)
     }
 

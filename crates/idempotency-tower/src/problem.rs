@@ -261,157 +261,159 @@ impl Rejection {
     }
 
     pub(crate) fn into_problem(self, cfg: &Config) -> Problem {
-        let p = match self {
-            Self::MissingKey => Problem::new(
-                StatusCode::BAD_REQUEST,
-                problems::KEY_MISSING,
-                "Idempotency-Key required",
-                "this endpoint requires an Idempotency-Key header; send one key per logical operation and \
-                 reuse it on every retry",
-            ),
-            Self::InvalidKey(e) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                problems::KEY_INVALID,
-                "Invalid Idempotency-Key",
-                format!("{e}; a key is 1 to 128 visible ASCII characters, sent once"),
-            ),
-            Self::InvalidKeySource(detail) => {
-                Problem::new(StatusCode::BAD_REQUEST, problems::KEY_INVALID, "Invalid Idempotency-Key", detail)
+        // The store's error is a driver message (host names, SQL): logged, never sent.
+        if let Self::StoreUnavailable(e) = &self {
+            tracing::warn!(error = %ErrorChain(e), "idempotency store unavailable");
+        }
+        let status = self.status(cfg);
+        let (name, title) = self.kind();
+        let (retry_after, record_id) = (self.retry_after(), self.record_id());
+        let mut p = Problem::new(status, name, title, self.detail()).with_base(cfg.problem_base.clone());
+        if let Some(secs) = retry_after {
+            p = p.with_retry_after(secs);
+        }
+        if let Some(record_id) = record_id {
+            p = p.with_extension("record_id", record_id.to_hex());
+        }
+        p
+    }
+
+    /// The status the rejection is answered with.
+    fn status(&self, cfg: &Config) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey(_) | Self::InvalidKeySource(_) | Self::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
             }
-            Self::RepeatabilityExpired { age, retention } => Problem::new(
-                StatusCode::PRECONDITION_FAILED,
-                problems::REPEATABILITY_EXPIRED,
-                "Repeatability window passed",
-                format!(
-                    "Repeatability-First-Sent is {} s ago, longer than the {} s a request is remembered; it may \
-                     have run already and its record be gone, so it is not run; send it as a new request (a new \
-                     Repeatability-Request-ID)",
-                    age.as_secs(),
-                    retention.as_secs()
-                ),
-            ),
-            Self::BodyTooLarge { limit } => Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                problems::BODY_TOO_LARGE,
-                "Request body too large",
-                format!("the request body exceeds {limit} bytes"),
-            ),
-            // The reader's error (a hyper or I/O message) goes to the log, never to the client.
-            Self::BodyUnreadable => Problem::new(
-                StatusCode::BAD_REQUEST,
-                problems::BODY_UNREADABLE,
-                "Request body could not be read",
-                "the request body broke off before its end; nothing was stored, retry with the same key",
-            ),
-            Self::BodyTimeout => Problem::new(
-                StatusCode::REQUEST_TIMEOUT,
-                problems::BODY_TIMEOUT,
-                "Request body too slow",
-                "the request body did not arrive in time; nothing was stored, retry with the same key",
-            ),
-            Self::TooManyRecords { retry_after } => Problem::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                problems::TOO_MANY_REQUESTS,
-                "Too many requests",
-                "this principal holds as many idempotency records as it may; nothing was stored, retry \
-                 after Retry-After seconds, when older records have expired",
-            )
-            .with_retry_after(ceil_secs(retry_after)),
-            Self::PrincipalMissing => Problem::new(
-                StatusCode::UNAUTHORIZED,
-                problems::PRINCIPAL_MISSING,
-                "Principal missing",
-                "the request carries no identity to scope its idempotency key to; authenticate and retry",
-            ),
-            Self::Mismatch => Problem::new(
-                cfg.mismatch_status.status(),
-                problems::KEY_REUSED,
-                "Idempotency-Key reused",
-                "this key was already used for a different request (method, path, query, content type or \
-                 body differ); use a new key for a new operation",
-            ),
-            Self::InProgress { retry_after } => Problem::new(
-                StatusCode::CONFLICT,
-                problems::IN_PROGRESS,
-                "Request in progress",
-                "a request with this key is still being processed; retry later with the same key",
-            )
-            .with_retry_after(ceil_secs(retry_after)),
-            // The store's error is a driver message (host names, SQL): logged, never sent.
-            Self::StoreUnavailable(e) => {
-                tracing::warn!(error = %ErrorChain(&e), "idempotency store unavailable");
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    problems::STORE_UNAVAILABLE,
-                    "Idempotency store unavailable",
-                    "the request was not processed; retry with the same key",
-                )
-                .with_retry_after(STORE_RETRY_AFTER_SECS)
+            Self::RepeatabilityExpired { .. } => StatusCode::PRECONDITION_FAILED,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Self::TooManyRecords { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::PrincipalMissing => StatusCode::UNAUTHORIZED,
+            Self::Mismatch => cfg.mismatch_status.status(),
+            Self::InProgress { .. } | Self::UncertainHeld { .. } => StatusCode::CONFLICT,
+            Self::StoreUnavailable(_) | Self::ProbeUnanswered { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::HandlerPanicked | Self::ResponseBodyFailed | Self::StoredResponseCorrupt => {
+                StatusCode::INTERNAL_SERVER_ERROR
             }
-            Self::HandlerPanicked => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                problems::HANDLER_PANICKED,
-                "Internal error",
-                "the handler failed unexpectedly; nothing was stored, a retry with the same key runs it again",
-            ),
-            Self::ResponseBodyFailed => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                problems::RESPONSE_BODY_FAILED,
-                "Internal error",
-                "the handler's response body failed; a retry with the same key runs it again",
-            ),
-            Self::StoredResponseCorrupt => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                problems::STORED_RESPONSE_CORRUPT,
-                "Stored response unreadable",
-                "the response stored under this key cannot be replayed",
-            ),
-            Self::ResponseTooLarge { limit } => Problem::new(
-                StatusCode::GONE,
-                problems::RESPONSE_TOO_LARGE,
-                "Response not stored",
-                format!(
-                    "the request with this key was executed, but its response was larger than the {limit} bytes \
-                     kept for replay, so it cannot be replayed; it will not run again; read the resulting state \
-                     instead"
-                ),
-            ),
-            Self::UncertainHeld { record_id } => Problem::new(
-                StatusCode::CONFLICT,
-                problems::OUTCOME_UNCERTAIN,
-                "Outcome uncertain",
-                format!(
-                    "record {}: the request with this key was sent on and whether it acted is unknown; it \
-                     is not run again until an operator resolves the record",
-                    record_id.to_hex()
-                ),
+            Self::ResponseTooLarge { .. } => StatusCode::GONE,
+            Self::OutcomeUnknown { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The problem type's name and its title.
+    fn kind(&self) -> (&'static str, &'static str) {
+        match self {
+            Self::MissingKey => (problems::KEY_MISSING, "Idempotency-Key required"),
+            Self::InvalidKey(_) | Self::InvalidKeySource(_) => (problems::KEY_INVALID, "Invalid Idempotency-Key"),
+            Self::RepeatabilityExpired { .. } => (problems::REPEATABILITY_EXPIRED, "Repeatability window passed"),
+            Self::BodyTooLarge { .. } => (problems::BODY_TOO_LARGE, "Request body too large"),
+            Self::BodyUnreadable => (problems::BODY_UNREADABLE, "Request body could not be read"),
+            Self::BodyTimeout => (problems::BODY_TIMEOUT, "Request body too slow"),
+            Self::TooManyRecords { .. } => (problems::TOO_MANY_REQUESTS, "Too many requests"),
+            Self::PrincipalMissing => (problems::PRINCIPAL_MISSING, "Principal missing"),
+            Self::Mismatch => (problems::KEY_REUSED, "Idempotency-Key reused"),
+            Self::InProgress { .. } => (problems::IN_PROGRESS, "Request in progress"),
+            Self::StoreUnavailable(_) => (problems::STORE_UNAVAILABLE, "Idempotency store unavailable"),
+            Self::HandlerPanicked => (problems::HANDLER_PANICKED, "Internal error"),
+            Self::ResponseBodyFailed => (problems::RESPONSE_BODY_FAILED, "Internal error"),
+            Self::StoredResponseCorrupt => (problems::STORED_RESPONSE_CORRUPT, "Stored response unreadable"),
+            Self::ResponseTooLarge { .. } => (problems::RESPONSE_TOO_LARGE, "Response not stored"),
+            Self::UncertainHeld { .. } | Self::OutcomeUnknown { .. } | Self::ProbeUnanswered { .. } => {
+                (problems::OUTCOME_UNCERTAIN, "Outcome uncertain")
+            }
+        }
+    }
+
+    /// `Retry-After`, in whole seconds, where the client is told when to come back.
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::TooManyRecords { retry_after }
+            | Self::InProgress { retry_after }
+            | Self::ProbeUnanswered { retry_after, .. } => Some(ceil_secs(*retry_after)),
+            Self::StoreUnavailable(_) => Some(STORE_RETRY_AFTER_SECS),
+            _ => None,
+        }
+    }
+
+    /// The uncertain record the rejection is about (the `record_id` member).
+    fn record_id(&self) -> Option<RecordId> {
+        match self {
+            Self::UncertainHeld { record_id }
+            | Self::OutcomeUnknown { record_id }
+            | Self::ProbeUnanswered { record_id, .. } => Some(*record_id),
+            _ => None,
+        }
+    }
+
+    /// What the client reads: what happened, and what to do next. Never a driver's or a reader's
+    /// own message (those go to the log).
+    fn detail(self) -> Cow<'static, str> {
+        match self {
+            Self::MissingKey => "this endpoint requires an Idempotency-Key header; send one key per logical operation \
+                                 and reuse it on every retry"
+                .into(),
+            Self::InvalidKey(e) => format!("{e}; a key is 1 to 128 visible ASCII characters, sent once").into(),
+            Self::InvalidKeySource(detail) => detail.into(),
+            Self::RepeatabilityExpired { age, retention } => format!(
+                "Repeatability-First-Sent is {} s ago, longer than the {} s a request is remembered; it may \
+                 have run already and its record be gone, so it is not run; send it as a new request (a new \
+                 Repeatability-Request-ID)",
+                age.as_secs(),
+                retention.as_secs()
             )
-            .with_extension("record_id", record_id.to_hex()),
-            Self::OutcomeUnknown { record_id } => Problem::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                problems::OUTCOME_UNCERTAIN,
-                "Outcome uncertain",
-                format!(
-                    "record {}: the request was sent on and its answer was lost, so whether it acted is \
-                     unknown; a retry with the same key does not run it again on a guess",
-                    record_id.to_hex()
-                ),
+            .into(),
+            Self::BodyTooLarge { limit } => format!("the request body exceeds {limit} bytes").into(),
+            Self::BodyUnreadable => {
+                "the request body broke off before its end; nothing was stored, retry with the same key".into()
+            }
+            Self::BodyTimeout => {
+                "the request body did not arrive in time; nothing was stored, retry with the same key".into()
+            }
+            Self::TooManyRecords { .. } => "this principal holds as many idempotency records as it may; nothing was \
+                                            stored, retry after Retry-After seconds, when older records have expired"
+                .into(),
+            Self::PrincipalMissing => {
+                "the request carries no identity to scope its idempotency key to; authenticate and retry".into()
+            }
+            Self::Mismatch => "this key was already used for a different request (method, path, query, content type \
+                               or body differ); use a new key for a new operation"
+                .into(),
+            Self::InProgress { .. } => {
+                "a request with this key is still being processed; retry later with the same key".into()
+            }
+            Self::StoreUnavailable(_) => "the request was not processed; retry with the same key".into(),
+            Self::HandlerPanicked => {
+                "the handler failed unexpectedly; nothing was stored, a retry with the same key runs it again".into()
+            }
+            Self::ResponseBodyFailed => {
+                "the handler's response body failed; a retry with the same key runs it again".into()
+            }
+            Self::StoredResponseCorrupt => "the response stored under this key cannot be replayed".into(),
+            Self::ResponseTooLarge { limit } => format!(
+                "the request with this key was executed, but its response was larger than the {limit} bytes \
+                 kept for replay, so it cannot be replayed; it will not run again; read the resulting state \
+                 instead"
             )
-            .with_extension("record_id", record_id.to_hex()),
-            Self::ProbeUnanswered { record_id, retry_after } => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                problems::OUTCOME_UNCERTAIN,
-                "Outcome uncertain",
-                format!(
-                    "record {}: whether the request with this key acted could not be found out now; \
-                     retry with the same key later",
-                    record_id.to_hex()
-                ),
+            .into(),
+            Self::UncertainHeld { record_id } => format!(
+                "record {}: the request with this key was sent on and whether it acted is unknown; it \
+                 is not run again until an operator resolves the record",
+                record_id.to_hex()
             )
-            .with_extension("record_id", record_id.to_hex())
-            .with_retry_after(ceil_secs(retry_after)),
-        };
-        p.with_base(cfg.problem_base.clone())
+            .into(),
+            Self::OutcomeUnknown { record_id } => format!(
+                "record {}: the request was sent on and its answer was lost, so whether it acted is \
+                 unknown; a retry with the same key does not run it again on a guess",
+                record_id.to_hex()
+            )
+            .into(),
+            Self::ProbeUnanswered { record_id, .. } => format!(
+                "record {}: whether the request with this key acted could not be found out now; \
+                 retry with the same key later",
+                record_id.to_hex()
+            )
+            .into(),
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{Endpoint, IdempotencyKey, RequestParts, Scope};
+use idempotency::{Endpoint, Fingerprint, IdempotencyKey, RequestParts, Scope};
 use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
@@ -134,42 +134,18 @@ where
                 Ok(body) => body,
                 Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
             };
-            let scope = match keyed {
-                Keyed::Known(scope) => scope,
-                Keyed::FromBody { header, field, policy } => {
-                    let key = body_key(&body, &field)
-                        .and_then(|from_body| agree(header, from_body, "a header", &format!("body field {field:?}")));
-                    let key = match key {
-                        Ok(Some(key)) => key,
-                        Ok(None) if policy == RoutePolicy::Optional => {
-                            let req = Request::from_parts(parts, Body::from(body));
-                            return inner.oneshot(req).await.map(|res| res.map(Body::new));
-                        }
-                        Ok(None) => return Ok(answer(rejection_response(&cfg, Rejection::MissingKey))),
-                        Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
-                    };
-                    match scope_of(&cfg, &parts, key, &tracing::Span::current()) {
-                        Ok(scope) => scope,
-                        Err((rejection, _)) => return Ok(answer(rejection_response(&cfg, rejection))),
-                    }
+            let scope = match keyed.scope(&cfg, &parts, &body) {
+                Ok(Some(scope)) => scope,
+                // No key on a route where the key is optional: the request passes unprotected.
+                Ok(None) => {
+                    let req = Request::from_parts(parts, Body::from(body));
+                    return inner.oneshot(req).await.map(|res| res.map(Body::new));
                 }
+                Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
             };
-            let fingerprint = {
-                let content_type = parts.headers.get(http::header::CONTENT_TYPE).map_or(&b""[..], |v| v.as_bytes());
-                let parts = RequestParts {
-                    method: parts.method.as_str(),
-                    // Read again from `parts` (which the future owns) rather than copied.
-                    path: request_path(&parts),
-                    query: parts.uri.query().unwrap_or(""),
-                    content_type,
-                    body: &body,
-                };
-                match cfg.fingerprinter.fingerprint(&parts) {
-                    Ok(fp) => fp,
-                    Err(_) => {
-                        return Ok(answer(rejection_response(&cfg, Rejection::BodyTooLarge { limit: cfg.body_limit })));
-                    }
-                }
+            let fingerprint = match fingerprint_of(&cfg, &parts, &body) {
+                Ok(fingerprint) => fingerprint,
+                Err(rejection) => return Ok(answer(rejection_response(&cfg, rejection))),
             };
             // From the claim on, the work must run to its end: a client that goes away drops
             // this future, but must not cut the handler between two side effects, nor leave a
@@ -210,6 +186,41 @@ fn request_path(parts: &Parts) -> &str {
 enum Keyed {
     Known(Scope),
     FromBody { header: Option<IdempotencyKey>, field: Cow<'static, str>, policy: RoutePolicy },
+}
+
+impl Keyed {
+    /// The scope, once the body is read: `Ok(None)` when the route's key is optional and the
+    /// request sent none.
+    fn scope(self, cfg: &Config, parts: &Parts, body: &[u8]) -> Result<Option<Scope>, Rejection> {
+        let (header, field, policy) = match self {
+            Keyed::Known(scope) => return Ok(Some(scope)),
+            Keyed::FromBody { header, field, policy } => (header, field, policy),
+        };
+        let key = body_key(body, &field)
+            .and_then(|from_body| agree(header, from_body, "a header", &format!("body field {field:?}")))?;
+        let key = match key {
+            Some(key) => key,
+            None if policy == RoutePolicy::Optional => return Ok(None),
+            None => return Err(Rejection::MissingKey),
+        };
+        match scope_of(cfg, parts, key, &tracing::Span::current()) {
+            Ok(scope) => Ok(Some(scope)),
+            Err((rejection, _)) => Err(rejection),
+        }
+    }
+}
+
+/// The request's fingerprint: its method, full path, query, content type and body.
+fn fingerprint_of(cfg: &Config, parts: &Parts, body: &[u8]) -> Result<Fingerprint, Rejection> {
+    let content_type = parts.headers.get(http::header::CONTENT_TYPE).map_or(&b""[..], |v| v.as_bytes());
+    let request = RequestParts {
+        method: parts.method.as_str(),
+        path: request_path(parts),
+        query: parts.uri.query().unwrap_or(""),
+        content_type,
+        body,
+    };
+    cfg.fingerprinter.fingerprint(&request).map_err(|_| Rejection::BodyTooLarge { limit: cfg.body_limit })
 }
 
 /// The record's scope for `key`, recorded in `span`; refused when the request has no principal.

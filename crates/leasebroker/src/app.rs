@@ -86,106 +86,18 @@ impl Application {
             .context("seeding the node pool")?;
 
         let mut background = Background::new();
-        let timeouts = Timeouts {
-            max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
-            max_connections_per_source: match args.max_connections_per_source {
-                0 => usize::MAX,
-                n => usize::try_from(n).unwrap_or(usize::MAX),
-            },
-            header: args.header_timeout,
-            idle: args.idle_timeout,
-            body: args.body_timeout,
-            shutdown: args.shutdown_timeout,
-        };
-        // The one place the backends are chosen: the VMs behind an HTTP API, on libvirt (BMCs
-        // from the in-process simulator) or in the simulator; the BMCs beside them or on Redfish.
-        let hypervisor = match &args.hypervisor_url {
-            Some(HypervisorUrl::Http(url)) => {
-                HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
-                    .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?
-            }
-            Some(HypervisorUrl::Libvirt(url)) => {
-                with_libvirt(private_simulator(&args, timeouts, &mut background).await?, url, &args).await?
-            }
-            None => private_simulator(&args, timeouts, &mut background).await?,
-        };
-        let hypervisor = match &args.bmc_url {
-            Some(BmcUrl::Redfish(url)) => hypervisor.with_redfish(
-                RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
-                    .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
-            ),
-            None => hypervisor,
-        };
+        let timeouts = timeouts(&args);
+        let hypervisor = hypervisor(&args, timeouts, &mut background).await?;
         let hypervisor_shown =
             args.hypervisor_url.as_ref().map_or_else(|| "in-process simulator".to_owned(), |u| u.to_string());
         let store = wrap(match &args.record_store {
             None => db.idempotency_store(),
             Some(url) => record_store(url, &args).await?,
         });
-        let layer = IdempotencyLayer::builder(store.clone())
-            .response_policy(ResponsePolicy::default())
-            .mismatch_status(args.mismatch_status)
-            .in_flight_ttl(args.in_flight_ttl)
-            .max_wait(args.max_wait)
-            .retention(args.retention)
-            .body_limit(BODY_LIMIT)
-            .max_stored_response(args.max_stored_response)
-            .max_records_per_principal(Some(args.max_records_per_principal).filter(|&n| n > 0))
-            // A Redis transition waits for its replicas up to --record-store-replica-timeout: the
-            // bound on a store call leaves it that long and a second more.
-            .store_timeout(
-                idempotency_tower::DEFAULT_STORE_TIMEOUT
-                    .max(args.record_store_replica_timeout + std::time::Duration::from_secs(1)),
-            )
-            .operation_link(crate::firmware::operation_link)
-            .key_sources(key_sources(&args.key_sources))
-            .try_build()
-            .map_err(|e| ConfigError(format!("--retention, --in-flight-ttl: {e}")))?;
-        let reaper = Reaper::new(
-            store.clone(),
-            domain.clone(),
-            hypervisor.clone(),
-            crate::reaper::ReaperSettings {
-                settle: args.hypervisor_settle,
-                abandon_after: args.abandon_after,
-                retry_grace: crate::reaper::RETRY_GRACE,
-                in_flight_ttl: args.in_flight_ttl,
-                retention: args.retention,
-            },
-        );
-        background.every(
-            "reaper",
-            args.sweep_interval,
-            crate::reaper::SweepAndReap {
-                sweeper: idempotency_tower::sweeper(store.clone(), args.sweep_interval),
-                reaper,
-            },
-        );
-        let watcher = Watcher::new(
-            domain.clone(),
-            hypervisor.clone(),
-            store.clone(),
-            watcher_name(),
-            WatchSettings {
-                poll: args.operation_poll,
-                settle: args.hypervisor_settle,
-                abandon_after: args.abandon_after,
-                in_flight_ttl: args.in_flight_ttl,
-            },
-        );
-        background.every("watcher", args.operation_poll, watcher);
+        let layer = idempotency_layer(store.clone(), &args)?;
+        start_reaper_and_watcher(&mut background, &store, &domain, &hypervisor, &args);
 
-        let mut generated_token = None;
-        let mut tokens: Vec<([u8; 32], Principal)> =
-            args.tokens.iter().map(|(t, p)| (token_digest(t), Principal::new(p.clone()))).collect();
-        if tokens.is_empty() {
-            let mut b = [0u8; 24];
-            rand::rng().fill_bytes(&mut b);
-            let token = format!("lb_{}", hex::encode(b));
-            tokens.push((token_digest(&token), Principal::new("default")));
-            generated_token = Some(token);
-        }
-
+        let (tokens, generated_token) = tokens(&args);
         let probe = crate::outage::StoreProbe::new(db.clone());
         let state = AppState::new(api::AppStateInner {
             firmware: Firmware {
@@ -223,17 +135,7 @@ impl Application {
             crate::console::chart::Sampler { history: console.history.clone(), metrics: state.metrics.clone() },
         );
         let detached = layer.detached();
-        let router = crate::routes::router(state, layer, console)
-            // Each frame of a request body must arrive within the idle timeout: a stalled upload
-            // fails its handler instead of holding it.
-            .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
-            // Then the head: too many or too large header fields, a path that does not decode.
-            .layer(axum::middleware::from_fn(crate::head::check_head))
-            // Checked before any other limit: a long path is refused before it is authenticated.
-            .layer(axum::middleware::from_fn(crate::limits::path_length))
-            .layer(tower_http::trace::TraceLayer::new_for_http())
-            // Outermost: each request in its span (exported with --otlp-endpoint).
-            .layer(axum::middleware::from_fn(crate::telemetry::request_span));
+        let router = with_edge_layers(crate::routes::router(state, layer, console), &args);
         let listener =
             TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
         let bmc_shown = args.bmc_url.as_ref().map_or_else(|| "the hypervisor's".to_owned(), |u| u.to_string());
@@ -268,8 +170,141 @@ impl Application {
     }
 }
 
-/// This process's name on the watch leases it holds: the host, the pid and a random part, so a
-/// restarted process (same pid, maybe) never takes itself for its predecessor.
+/// How connections are limited, timed out and drained.
+fn timeouts(args: &ServeArgs) -> Timeouts {
+    Timeouts {
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        max_connections_per_source: match args.max_connections_per_source {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        },
+        header: args.header_timeout,
+        idle: args.idle_timeout,
+        body: args.body_timeout,
+        shutdown: args.shutdown_timeout,
+    }
+}
+
+/// The one place the backends are chosen: the VMs behind an HTTP API, on libvirt (BMCs from the
+/// in-process simulator) or in the simulator; the BMCs beside them or on Redfish.
+async fn hypervisor(
+    args: &ServeArgs,
+    timeouts: Timeouts,
+    background: &mut Background,
+) -> anyhow::Result<HypervisorClient> {
+    let hypervisor = match &args.hypervisor_url {
+        Some(HypervisorUrl::Http(url)) => {
+            HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
+                .map_err(|e| anyhow::anyhow!("hypervisor client: {}", redact(&e.to_string())))?
+        }
+        Some(HypervisorUrl::Libvirt(url)) => {
+            with_libvirt(private_simulator(args, timeouts, background).await?, url, args).await?
+        }
+        None => private_simulator(args, timeouts, background).await?,
+    };
+    Ok(match &args.bmc_url {
+        Some(BmcUrl::Redfish(url)) => hypervisor.with_redfish(
+            RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
+                .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
+        ),
+        None => hypervisor,
+    })
+}
+
+/// The idempotency layer, with the settings the flags give it.
+fn idempotency_layer(store: Arc<dyn Store>, args: &ServeArgs) -> Result<IdempotencyLayer, ConfigError> {
+    IdempotencyLayer::builder(store)
+        .response_policy(ResponsePolicy::default())
+        .mismatch_status(args.mismatch_status)
+        .in_flight_ttl(args.in_flight_ttl)
+        .max_wait(args.max_wait)
+        .retention(args.retention)
+        .body_limit(BODY_LIMIT)
+        .max_stored_response(args.max_stored_response)
+        .max_records_per_principal(Some(args.max_records_per_principal).filter(|&n| n > 0))
+        // A Redis transition waits for its replicas up to --record-store-replica-timeout: the
+        // bound on a store call leaves it that long and a second more.
+        .store_timeout(
+            idempotency_tower::DEFAULT_STORE_TIMEOUT
+                .max(args.record_store_replica_timeout + std::time::Duration::from_secs(1)),
+        )
+        .operation_link(crate::firmware::operation_link)
+        .key_sources(key_sources(&args.key_sources))
+        .try_build()
+        .map_err(|e| ConfigError(format!("--retention, --in-flight-ttl: {e}")))
+}
+
+/// Starts the sweeper with the reaper, and the firmware operations' watcher.
+fn start_reaper_and_watcher(
+    background: &mut Background,
+    store: &Arc<dyn Store>,
+    domain: &Domain,
+    hypervisor: &HypervisorClient,
+    args: &ServeArgs,
+) {
+    let reaper = Reaper::new(
+        store.clone(),
+        domain.clone(),
+        hypervisor.clone(),
+        crate::reaper::ReaperSettings {
+            settle: args.hypervisor_settle,
+            abandon_after: args.abandon_after,
+            retry_grace: crate::reaper::RETRY_GRACE,
+            in_flight_ttl: args.in_flight_ttl,
+            retention: args.retention,
+        },
+    );
+    background.every(
+        "reaper",
+        args.sweep_interval,
+        crate::reaper::SweepAndReap { sweeper: idempotency_tower::sweeper(store.clone(), args.sweep_interval), reaper },
+    );
+    let watcher = Watcher::new(
+        domain.clone(),
+        hypervisor.clone(),
+        store.clone(),
+        watcher_name(),
+        WatchSettings {
+            poll: args.operation_poll,
+            settle: args.hypervisor_settle,
+            abandon_after: args.abandon_after,
+            in_flight_ttl: args.in_flight_ttl,
+        },
+    );
+    background.every("watcher", args.operation_poll, watcher);
+}
+
+/// The API tokens and their principals; without any configured, one generated (and returned, to
+/// be shown once).
+fn tokens(args: &ServeArgs) -> (Vec<([u8; 32], Principal)>, Option<String>) {
+    let mut generated_token = None;
+    let mut tokens: Vec<([u8; 32], Principal)> =
+        args.tokens.iter().map(|(t, p)| (token_digest(t), Principal::new(p.clone()))).collect();
+    if tokens.is_empty() {
+        let mut b = [0u8; 24];
+        rand::rng().fill_bytes(&mut b);
+        let token = format!("lb_{}", hex::encode(b));
+        tokens.push((token_digest(&token), Principal::new("default")));
+        generated_token = Some(token);
+    }
+    (tokens, generated_token)
+}
+
+/// The layers every request passes before the routes, outermost last.
+fn with_edge_layers(router: axum::Router, args: &ServeArgs) -> axum::Router {
+    router
+        // Each frame of a request body must arrive within the idle timeout: a stalled upload
+        // fails its handler instead of holding it.
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(args.idle_timeout))
+        // Then the head: too many or too large header fields, a path that does not decode.
+        .layer(axum::middleware::from_fn(crate::head::check_head))
+        // Checked before any other limit: a long path is refused before it is authenticated.
+        .layer(axum::middleware::from_fn(crate::limits::path_length))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        // Outermost: each request in its span (exported with --otlp-endpoint).
+        .layer(axum::middleware::from_fn(crate::telemetry::request_span))
+}
+
 /// The key sources of each protected route (`--key-sources`): `Repeatability-Request-ID` on
 /// every one, the body's `request_id` on the two with a JSON body (creating a worker, flashing a
 /// node).
@@ -290,6 +325,8 @@ fn key_sources(sources: &[KeySource]) -> impl Fn(&axum::http::Method, &str) -> K
     }
 }
 
+/// This process's name on the watch leases it holds: the host, the pid and a random part, so a
+/// restarted process (same pid, maybe) never takes itself for its predecessor.
 fn watcher_name() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".to_owned());
     format!("{host}/{}/{:08x}", std::process::id(), rand::random::<u32>())

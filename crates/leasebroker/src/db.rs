@@ -61,36 +61,32 @@ fn leasebroker_migrator(files: &[(&'static str, &'static str)]) -> Migrator {
     migrator
 }
 
+/// leasebroker's migrations in `dir`: each store has its own folder with the same file names.
+macro_rules! migrations_in {
+    ($dir:literal) => {
+        idempotency_sqlx::embedded_migrations!(
+            $dir,
+            "0001_domain.sql",
+            "0002_operations.sql",
+            "0003_rollback_fence.sql",
+            "0004_flash_operations.sql",
+            "0005_free_node_index.sql",
+            "0006_operation_marks.sql",
+            "0030_record_audit.sql",
+            "0031_effect_ledger.sql",
+            "0032_flash_uncertain.sql",
+        )
+    };
+}
+
 /// leasebroker's own SQLite migrations (`migrations/sqlite/`).
 pub(crate) fn sqlite_migrator() -> Migrator {
-    leasebroker_migrator(idempotency_sqlx::embedded_migrations!(
-        "migrations/sqlite",
-        "0001_domain.sql",
-        "0002_operations.sql",
-        "0003_rollback_fence.sql",
-        "0004_flash_operations.sql",
-        "0005_free_node_index.sql",
-        "0006_operation_marks.sql",
-        "0030_record_audit.sql",
-        "0031_effect_ledger.sql",
-        "0032_flash_uncertain.sql",
-    ))
+    leasebroker_migrator(migrations_in!("migrations/sqlite"))
 }
 
 /// leasebroker's own PostgreSQL migrations (`migrations/postgres/`).
 pub(crate) fn postgres_migrator() -> Migrator {
-    leasebroker_migrator(idempotency_sqlx::embedded_migrations!(
-        "migrations/postgres",
-        "0001_domain.sql",
-        "0002_operations.sql",
-        "0003_rollback_fence.sql",
-        "0004_flash_operations.sql",
-        "0005_free_node_index.sql",
-        "0006_operation_marks.sql",
-        "0030_record_audit.sql",
-        "0031_effect_ledger.sql",
-        "0032_flash_uncertain.sql",
-    ))
+    leasebroker_migrator(migrations_in!("migrations/postgres"))
 }
 
 impl Db {

@@ -10,7 +10,6 @@ use leasebroker::config::{BmcApi, Cli, Command, ConfigError, LogFormat};
 use leasebroker::db::Db;
 use leasebroker::hypervisor::sim::{self, RedfishOptions, SimConfig, Simulator};
 use leasebroker::telemetry;
-use tracing_subscriber::prelude::*;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 #[tokio::main]
@@ -33,14 +32,7 @@ async fn main() -> std::process::ExitCode {
         }
         LogFormat::Json => logs.json().with_filter(filter).boxed(),
     };
-    let traces = provider.as_ref().map(telemetry::layer);
-    tracing_subscriber::registry().with(logs).with(traces).init();
-    let result = run(cli).await;
-    if let Some(provider) = provider {
-        // Sends what is queued; blocking, so not on a runtime thread.
-        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
-    }
-    match result {
+    match telemetry::traced(logs, provider, run(cli)).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => refused(&e),
     }

@@ -23,8 +23,9 @@ use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider, SpanData, 
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::Layer;
 use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{Layer, Registry};
 
 /// The target of the request spans.
 pub const REQUEST_TARGET: &str = "leasebroker::request";
@@ -139,6 +140,23 @@ where
         let target = meta.target();
         target == REQUEST_TARGET || target == "idempotency::store" || target == "leasebroker::downstream"
     }))
+}
+
+/// Installs the process's subscriber (`logs`, and the provider's traces when there is one), runs
+/// `work`, then sends the traces still queued: what a binary does around its work.
+pub async fn traced<L, F>(logs: L, provider: Option<SdkTracerProvider>, work: F) -> F::Output
+where
+    L: Layer<Registry> + Send + Sync + 'static,
+    F: Future,
+{
+    let traces = provider.as_ref().map(layer);
+    tracing_subscriber::registry().with(logs).with(traces).init();
+    let output = work.await;
+    if let Some(provider) = provider {
+        // Sends what is queued; blocking, so not on a runtime thread.
+        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+    }
+    output
 }
 
 /// A short SHA-256 of an idempotency key (the first 16 bytes, hex): what traces carry instead of

@@ -61,7 +61,9 @@ mod days;
 pub use days::DropWindow;
 
 use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
-use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, SpaceWatch, db_error, fenced, stale_cutoff};
+use crate::row::{
+    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, RawState, SpaceWatch, db_error, fenced, stale_cutoff,
+};
 use days::{attached, day_of};
 
 /// The partitioned table.
@@ -245,22 +247,11 @@ const SQL: FencedSql = fenced_sql!("idempotency_records_by_day", record_columns)
 
 /// A record from a row of every column ([`record_columns!`]).
 pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
-    let get = |e| db_error(e);
     RawRecord {
-        principal: row.try_get(0).map_err(get)?,
-        endpoint: row.try_get(1).map_err(get)?,
-        key: row.try_get(2).map_err(get)?,
-        record_id: row.try_get(3).map_err(get)?,
-        fingerprint: row.try_get(4).map_err(get)?,
-        state: row.try_get(5).map_err(get)?,
-        generation: row.try_get(6).map_err(get)?,
-        response_status: row.try_get(7).map_err(get)?,
-        response_headers: row.try_get(8).map_err(get)?,
-        response_body: row.try_get(9).map_err(get)?,
-        response_encoding: row.try_get(10).map_err(get)?,
-        created_at: row.try_get(11).map_err(get)?,
-        started_at: row.try_get(12).map_err(get)?,
-        expires_at: row.try_get(13).map_err(get)?,
+        principal: row.try_get(0).map_err(db_error)?,
+        endpoint: row.try_get(1).map_err(db_error)?,
+        key: row.try_get(2).map_err(db_error)?,
+        rest: RawState::read(row, 3, |row, i| row.try_get(i).map_err(db_error))?,
     }
     .into_record()
 }

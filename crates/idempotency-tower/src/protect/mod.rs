@@ -19,14 +19,30 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::Response;
 use http::request::Parts;
+use http::{Request, Response};
 use idempotency::{ErrorChain, Fingerprint, Scope, StoreError};
+use tower::Service;
 
 use crate::config::Config;
 use crate::problem::{Rejection, rejection_response};
 
 pub(crate) use claim::run;
+
+/// The inner service of a protected request, as [`run`] needs it: its future and error may move
+/// to a task of their own (the request runs to its end when its client goes away).
+pub(crate) trait Handler<ResBody>:
+    Service<Request<Body>, Response = Response<ResBody>, Future: Send + 'static, Error: Send + 'static> + Send + 'static
+{
+}
+
+impl<S, ResBody> Handler<ResBody> for S
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+}
 
 /// A request the layer protects, its body read and its key scoped and fingerprinted: what [`run`]
 /// takes.

@@ -8,12 +8,12 @@ use bytes::{Bytes, BytesMut};
 use futures::{FutureExt, StreamExt};
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use idempotency::{Claim, ErrorChain, StoreError, StoredBody, StoredResponse, now};
+use idempotency::{Claim, ErrorChain, ResponsePolicy, StoreError, StoredBody, StoredResponse, now};
 use tower::{Service, ServiceExt};
 
-use super::Protected;
 use super::finish::{complete, fail, mark_uncertain};
 use super::heartbeat::with_heartbeat;
+use super::{Handler, Protected};
 use crate::BoxError;
 use crate::config::{Config, OversizeResponse};
 use crate::context::IdempotencyContext;
@@ -57,9 +57,7 @@ enum Handled<E> {
 /// Runs the handler as the owner of `claim`, then completes or fails the record.
 pub(super) async fn own<S, ResBody>(p: Protected<S>, claim: Claim, how: Run) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ResBody>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
@@ -71,31 +69,7 @@ where
     let req = Request::from_parts(parts, Body::from(body));
     let limit = cfg.max_stored_response;
     let policy = cfg.response_policy.clone();
-    let handled = AssertUnwindSafe(async move {
-        // The handler runs with its context current, for the calls it makes through the
-        // propagating client middleware.
-        match ctx.scope(inner.oneshot(req)).await {
-            Err(e) => Handled::ServiceError(e),
-            Ok(res) => {
-                let (parts, body) = res.into_parts();
-                if parts.extensions.get::<OutcomeUncertain>().is_some() {
-                    return Handled::Uncertain;
-                }
-                let body = Body::new(body);
-                if !policy.is_terminal(parts.status.as_u16()) {
-                    return Handled::NotTerminal(parts, body);
-                }
-                // A terminal response is stored as one value before anyone sees it, so it is
-                // read whole, but never more than can be stored.
-                match collect_bounded(body, limit).await {
-                    Collected::Whole(bytes) => Handled::Terminal(parts, bytes),
-                    Collected::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
-                    Collected::Failed(e) => Handled::BodyError(e),
-                }
-            }
-        }
-    })
-    .catch_unwind();
+    let handled = AssertUnwindSafe(handle(inner, req, ctx, limit, policy)).catch_unwind();
     // The claim is renewed while the handler runs, so a handler slower than the in-flight TTL
     // is not taken for a dead one and run a second time.
     let handled = with_heartbeat(&cfg, &claim, handled).await;
@@ -117,23 +91,12 @@ where
             (parts, Body::from(bytes))
         }
         Ok(Handled::TooLarge(parts, read, rest)) => {
-            // The side effects happened, so the record must not run again: it completes with a
-            // short problem that says so (or the status and headers alone), and this client gets
-            // the whole response, streamed.
-            tracing::warn!(
-                limit = cfg.max_stored_response,
-                status = parts.status.as_u16(),
-                oversize = ?cfg.oversize,
-                "the response is larger than a stored response may be; it is stored without its body"
-            );
-            let stored = match cfg.oversize {
-                OversizeResponse::Problem => too_large_response(&cfg),
-                OversizeResponse::HeadersOnly => headers_only(&cfg, &parts),
-            };
+            let stored = oversize_stored(&cfg, &parts);
             if let Some(e) = complete(&cfg, &claim, stored, expires_at).await {
                 return Ok(not_acknowledged(&cfg, e));
             }
             stored_until = Some(expires_at);
+            // This client gets the whole response, streamed.
             let stream =
                 futures::stream::once(async move { Ok::<_, axum::Error>(read) }).chain(rest.into_data_stream());
             (parts, Body::from_stream(stream))
@@ -170,6 +133,59 @@ where
         response = with_expiry(response, expires_at);
     }
     Ok(response)
+}
+
+/// Runs the handler and catches what it produced; a terminal response is read whole (at most
+/// `limit` bytes).
+async fn handle<S, ResBody>(
+    inner: S,
+    req: Request<Body>,
+    ctx: IdempotencyContext,
+    limit: usize,
+    policy: ResponsePolicy,
+) -> Handled<S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // The handler runs with its context current, for the calls it makes through the
+    // propagating client middleware.
+    let res = match ctx.scope(inner.oneshot(req)).await {
+        Err(e) => return Handled::ServiceError(e),
+        Ok(res) => res,
+    };
+    let (parts, body) = res.into_parts();
+    if parts.extensions.get::<OutcomeUncertain>().is_some() {
+        return Handled::Uncertain;
+    }
+    let body = Body::new(body);
+    if !policy.is_terminal(parts.status.as_u16()) {
+        return Handled::NotTerminal(parts, body);
+    }
+    // A terminal response is stored as one value before anyone sees it, so it is read whole,
+    // but never more than can be stored.
+    match collect_bounded(body, limit).await {
+        Collected::Whole(bytes) => Handled::Terminal(parts, bytes),
+        Collected::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
+        Collected::Failed(e) => Handled::BodyError(e),
+    }
+}
+
+/// What the record keeps of a response too large to store. The side effects happened, so the
+/// record must not run again: it completes with a short problem that says so (or the status and
+/// headers alone).
+fn oversize_stored(cfg: &Config, parts: &http::response::Parts) -> StoredResponse {
+    tracing::warn!(
+        limit = cfg.max_stored_response,
+        status = parts.status.as_u16(),
+        oversize = ?cfg.oversize,
+        "the response is larger than a stored response may be; it is stored without its body"
+    );
+    match cfg.oversize {
+        OversizeResponse::Problem => too_large_response(cfg),
+        OversizeResponse::HeadersOnly => headers_only(cfg, parts),
+    }
 }
 
 /// A response body read up to a limit.

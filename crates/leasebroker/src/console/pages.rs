@@ -218,32 +218,7 @@ pub(super) fn overview(o: &Overview, csrf: &str) -> String {
     let _ =
         write!(b, r#"<section id="outcomes"><h2>Request outcomes, per minute, last hour</h2>{}</section>"#, o.chart);
 
-    b.push_str(
-        r#"<section id="operations"><h2>Live operations</h2><p class="hint">Creates not finished yet, and deletes and reboots until the reaper sees them finish; the oldest attempt first.</p>"#,
-    );
-    match &o.operations {
-        Err(e) => unavailable(&mut b, e),
-        Ok(ops) => {
-            b.push_str(
-                r#"<table><thead><tr><th>Kind</th><th>Principal</th><th>Endpoint</th><th>Key</th><th>Attempt age</th><th>Reaper</th></tr></thead><tbody>"#,
-            );
-            for op in ops {
-                let _ = write!(
-                    b,
-                    r#"<tr><td>{}</td><td>{}</td><td>{}</td><td class="mono">{}</td><td>{}</td><td>{}</td></tr>"#,
-                    E(&op.kind),
-                    E(&op.principal),
-                    E(&op.endpoint),
-                    E(&op.idem_key),
-                    duration(o.now - op.last_attempt_at),
-                    if op.rolling_back == 1 { "rolling back" } else { "" }
-                );
-            }
-            b.push_str("</tbody></table>");
-            none_if_empty(&mut b, ops.is_empty(), "None.");
-        }
-    }
-    b.push_str("</section>");
+    live_operations(&mut b, o);
 
     b.push_str(r#"<section id="in-flight"><h2>Records in flight</h2>"#);
     match &o.in_flight {
@@ -261,9 +236,47 @@ pub(super) fn overview(o: &Overview, csrf: &str) -> String {
     }
     b.push_str("</section>");
 
+    latest_workers(&mut b, o);
+    reaper_actions(&mut b, o);
+    forgotten_records(&mut b, o);
+    layout("Overview", Some(csrf), &b)
+}
+
+/// The live operations: creates not finished, deletes and reboots until the reaper sees them end.
+fn live_operations(b: &mut String, o: &Overview) {
+    b.push_str(
+        r#"<section id="operations"><h2>Live operations</h2><p class="hint">Creates not finished yet, and deletes and reboots until the reaper sees them finish; the oldest attempt first.</p>"#,
+    );
+    match &o.operations {
+        Err(e) => unavailable(b, e),
+        Ok(ops) => {
+            b.push_str(
+                r#"<table><thead><tr><th>Kind</th><th>Principal</th><th>Endpoint</th><th>Key</th><th>Attempt age</th><th>Reaper</th></tr></thead><tbody>"#,
+            );
+            for op in ops {
+                let _ = write!(
+                    b,
+                    r#"<tr><td>{}</td><td>{}</td><td>{}</td><td class="mono">{}</td><td>{}</td><td>{}</td></tr>"#,
+                    E(&op.kind),
+                    E(&op.principal),
+                    E(&op.endpoint),
+                    E(&op.idem_key),
+                    duration(o.now - op.last_attempt_at),
+                    if op.rolling_back == 1 { "rolling back" } else { "" }
+                );
+            }
+            b.push_str("</tbody></table>");
+            none_if_empty(b, ops.is_empty(), "None.");
+        }
+    }
+    b.push_str("</section>");
+}
+
+/// The latest workers.
+fn latest_workers(b: &mut String, o: &Overview) {
     b.push_str(r#"<section id="workers"><h2>Latest workers</h2>"#);
     match &o.workers {
-        Err(e) => unavailable(&mut b, e),
+        Err(e) => unavailable(b, e),
         Ok(ws) => {
             b.push_str(
                 r#"<table><thead><tr><th>Worker</th><th>Principal</th><th>Image</th><th>CPU</th><th>Memory (GB)</th><th>Labels</th><th>Node</th><th>VM</th><th>State</th><th>Age</th></tr></thead><tbody>"#,
@@ -286,11 +299,14 @@ pub(super) fn overview(o: &Overview, csrf: &str) -> String {
                 );
             }
             b.push_str("</tbody></table>");
-            none_if_empty(&mut b, ws.is_empty(), "None.");
+            none_if_empty(b, ws.is_empty(), "None.");
         }
     }
     b.push_str("</section>");
+}
 
+/// What this process's reaper and inventory sweep did, newest first.
+fn reaper_actions(b: &mut String, o: &Overview) {
     let _ = write!(
         b,
         r#"<section id="actions"><h2>What the reaper and the inventory sweep did</h2><p class="hint">This process's latest actions, newest first (kept in memory: at most {}).</p><table><thead><tr><th>When</th><th>What</th><th>On</th></tr></thead><tbody>"#,
@@ -307,12 +323,15 @@ pub(super) fn overview(o: &Overview, csrf: &str) -> String {
         );
     }
     b.push_str("</tbody></table>");
-    none_if_empty(&mut b, o.actions.is_empty(), "Nothing yet.");
+    none_if_empty(b, o.actions.is_empty(), "Nothing yet.");
     b.push_str("</section>");
+}
 
+/// The records operators forgot (the audit).
+fn forgotten_records(b: &mut String, o: &Overview) {
     b.push_str(r#"<section id="audit"><h2>Records operators forgot</h2>"#);
     match &o.audit {
-        Err(e) => unavailable(&mut b, e),
+        Err(e) => unavailable(b, e),
         Ok(entries) => {
             b.push_str(
                 r#"<table><thead><tr><th>When</th><th>Who</th><th>Record</th><th>Principal</th><th>Endpoint</th><th>Key</th><th>State</th></tr></thead><tbody>"#,
@@ -331,11 +350,10 @@ pub(super) fn overview(o: &Overview, csrf: &str) -> String {
                 );
             }
             b.push_str("</tbody></table>");
-            none_if_empty(&mut b, entries.is_empty(), "None.");
+            none_if_empty(b, entries.is_empty(), "None.");
         }
     }
     b.push_str("</section>");
-    layout("Overview", Some(csrf), &b)
 }
 
 /// The records page: the filter form and one page of records.
