@@ -61,7 +61,7 @@ impl TryFrom<FlashRow> for Operation {
             kind: OperationKind::FirmwareFlash,
             node_id: f.node_id.try_into().map_err(bad_row)?,
             version: f.version,
-            state: f.state.into(),
+            state: f.state,
             error: f.error,
             created_at: time(f.created_at),
             finished_at: f.finished_at.map(time),

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::db::with_pool;
+use leasebroker_api::OperationState;
 
 /// A firmware-flash operation, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,8 +14,8 @@ pub struct FlashRow {
     pub node_id: String,
     /// The firmware version.
     pub version: String,
-    /// `running`, `succeeded`, `failed` or `uncertain`.
-    pub state: String,
+    /// `running`, `succeeded`, `failed` or `uncertain` (stored as its wire name).
+    pub state: OperationState,
     /// Why it failed.
     pub error: Option<String>,
     /// `accepted` once the BMC took the flash (or was found holding its tag); `unsent` before
@@ -40,7 +41,7 @@ from_row!(FlashRow {
     op_id,
     node_id,
     version,
-    state,
+    state as String,
     error,
     intent,
     tag,
@@ -55,13 +56,13 @@ impl FlashRow {
     /// Whether the operation's own course ended: succeeded, failed, or `uncertain` (which an
     /// operator ends).
     pub fn is_finished(&self) -> bool {
-        self.state != "running"
+        self.state != OperationState::Running
     }
 
     /// Whether the operation ended `uncertain`: nothing more is done for it until an operator
     /// resolves it, and its node takes no other flash.
     pub fn is_uncertain(&self) -> bool {
-        self.state == UNCERTAIN
+        self.state == OperationState::Uncertain
     }
 
     /// Whether the BMC took the flash (or holds its tag).
@@ -69,9 +70,6 @@ impl FlashRow {
         self.intent == "accepted"
     }
 }
-
-/// The state of an operation whose outcome cannot be read.
-const UNCERTAIN: &str = "uncertain";
 
 /// How a flash operation ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,11 +85,11 @@ pub enum FlashEnd {
 impl FlashEnd {
     /// The operation's state: `succeeded`, `failed` or `uncertain` (also the `outcome` label of
     /// `leasebroker_operations_total`).
-    pub fn state(&self) -> &'static str {
+    pub fn state(&self) -> OperationState {
         match self {
-            Self::Succeeded => "succeeded",
-            Self::Failed(_) => "failed",
-            Self::Uncertain(_) => UNCERTAIN,
+            Self::Succeeded => OperationState::Succeeded,
+            Self::Failed(_) => OperationState::Failed,
+            Self::Uncertain(_) => OperationState::Uncertain,
         }
     }
 
@@ -253,7 +251,7 @@ impl Domain {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, finished_at = $4 \
                          WHERE op_id = $1 AND state = 'running' AND intent = 'accepted'")
-                .bind(op_id).bind(end.state()).bind(end.error()).bind(now).execute(p).await?.rows_affected() == 1
+                .bind(op_id).bind(String::from(end.state())).bind(end.error()).bind(now).execute(p).await?.rows_affected() == 1
         }))
     }
 
@@ -273,7 +271,7 @@ impl Domain {
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $4, error = $2, finished_at = $3 \
                          WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted'")
-                .bind(op_id).bind(end.error()).bind(now).bind(end.state()).execute(p).await?.rows_affected() == 1
+                .bind(op_id).bind(end.error()).bind(now).bind(String::from(end.state())).execute(p).await?.rows_affected() == 1
         }))
     }
 
@@ -283,9 +281,9 @@ impl Domain {
     /// then (the fleet's `firmware_flashes_total`).
     pub async fn resolve_flash(&self, op_id: &str, succeeded: bool, reason: &str, now: i64) -> Result<Resolved> {
         let (state, error) = if succeeded {
-            ("succeeded", None)
+            (OperationState::Succeeded, None)
         } else {
-            ("failed", Some(format!("resolved as failed by an operator: {reason}")))
+            (OperationState::Failed, Some(format!("resolved as failed by an operator: {reason}")))
         };
         let changed = with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
@@ -297,7 +295,7 @@ impl Domain {
             }
             let changed = sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, resolution = $4, finished_at = $5 \
                                        WHERE op_id = $1 AND state = 'uncertain'")
-                .bind(op_id).bind(state).bind(error).bind(reason).bind(now).execute(&mut *tx).await?.rows_affected();
+                .bind(op_id).bind(String::from(state)).bind(error).bind(reason).bind(now).execute(&mut *tx).await?.rows_affected();
             tx.commit().await?;
             changed == 1
         });

@@ -66,19 +66,27 @@ type Result<T> = std::result::Result<T, DomainError>;
 
 /// `sqlx::FromRow` for a row struct, by column name, on SQLite and PostgreSQL rows: what
 /// `#[derive(sqlx::FromRow)]` writes, without sqlx's `macros` feature (which builds both database
-/// drivers a second time, for the compiler). A field left out is a compile error.
+/// drivers a second time, for the compiler). A field left out is a compile error. `field as
+/// String` reads the column as a `String` and converts it into the field's type (a closed set
+/// such as [`OperationState`](leasebroker_api::OperationState), stored as its wire name).
 macro_rules! from_row {
-    ($ty:ident { $($field:ident),+ $(,)? }) => {
-        from_row!(@one $ty sqlx::sqlite::SqliteRow { $($field),+ });
-        from_row!(@one $ty sqlx::postgres::PgRow { $($field),+ });
+    ($ty:ident { $($field:ident $(as $raw:ty)?),+ $(,)? }) => {
+        from_row!(@one $ty sqlx::sqlite::SqliteRow { $($field $(as $raw)?),+ });
+        from_row!(@one $ty sqlx::postgres::PgRow { $($field $(as $raw)?),+ });
     };
-    (@one $ty:ident $row:ty { $($field:ident),+ }) => {
+    (@one $ty:ident $row:ty { $($field:ident $(as $raw:ty)?),+ }) => {
         impl<'r> sqlx::FromRow<'r, $row> for $ty {
             fn from_row(row: &'r $row) -> std::result::Result<Self, sqlx::Error> {
                 use sqlx::Row as _;
-                Ok(Self { $($field: row.try_get(stringify!($field))?),+ })
+                Ok(Self { $($field: from_row!(@get row $field $($raw)?)),+ })
             }
         }
+    };
+    (@get $row:ident $field:ident) => {
+        $row.try_get(stringify!($field))?
+    };
+    (@get $row:ident $field:ident $raw:ty) => {
+        $row.try_get::<$raw, _>(stringify!($field))?.into()
     };
 }
 

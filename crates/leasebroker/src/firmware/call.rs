@@ -10,6 +10,7 @@ use crate::domain::{Domain, DomainError, FlashEnd, FlashRow};
 use crate::hypervisor::client::{BmcNode, BmcState, HypervisorClient};
 use crate::hypervisor::redfish::{Firmware, RedfishBmc, TaskLookup, TaskOutcome};
 use crate::service::{call_error, now_micros};
+use leasebroker_api::OperationState;
 
 /// A firmware flash as the effect ledger runs it: long-running (accepted with `202`, finished
 /// minutes later), found by the tag the BMC keeps (simulator: the BMCs holding it; Redfish: a
@@ -51,7 +52,7 @@ impl Effect for FlashCall {
             return Ok(Progress::Failed("no operation carries this flash's tag".into()));
         };
         if row.is_finished() {
-            return Ok(if row.state == "succeeded" {
+            return Ok(if row.state == OperationState::Succeeded {
                 Progress::Done
             } else {
                 Progress::Failed(row.error.unwrap_or_default())
@@ -79,7 +80,7 @@ impl FlashCall {
         let ended = self.domain.finish_flash(&row.op_id, &end, now_micros()).await.map_err(CallError::ambiguous)?;
         if ended {
             count_end(&end);
-            tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome = end.state(), error = end.error(), "operation ended");
+            tracing::info!(op_id = %row.op_id, node_id = %row.node_id, outcome = %end.state(), error = end.error(), "operation ended");
         }
         Ok(Some(end))
     }

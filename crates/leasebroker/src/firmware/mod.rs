@@ -80,6 +80,6 @@ pub fn operation_location(op_id: &str) -> String {
 
 /// Counts an operation that ended, by its outcome (`succeeded`, `failed`, `uncertain`).
 fn count_end(end: &crate::domain::FlashEnd) {
-    let outcome = end.state();
+    let outcome = String::from(end.state());
     metrics::counter!(crate::metric::OPERATIONS_TOTAL, "kind" => "firmware-flash", "outcome" => outcome).increment(1);
 }

@@ -38,7 +38,7 @@ impl Firmware {
                 Ok(row)
             }
             Resolved::NotUncertain(row) => {
-                Err(ServiceError::OperationNotUncertain { op_id: row.op_id, state: row.state })
+                Err(ServiceError::OperationNotUncertain { op_id: row.op_id, state: row.state.into() })
             }
             Resolved::NoOperation => Err(ServiceError::NoSuchOperation(op_id.to_owned())),
         }

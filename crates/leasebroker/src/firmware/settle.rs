@@ -158,7 +158,7 @@ async fn conclude(domain: &Domain, row: &FlashRow, intent: &Intent, end: &FlashE
     };
     if ended {
         count_end(end);
-        tracing::info!(op_id = %row.op_id, outcome = end.state(), error = end.error(), "operation ended by what the BMC serves");
+        tracing::info!(op_id = %row.op_id, outcome = %end.state(), error = end.error(), "operation ended by what the BMC serves");
     }
     Ok(ended)
 }

@@ -1183,7 +1183,7 @@ mod racing_attempts {
             Watcher::new(rig.workers.domain.clone(), firmware.hypervisor.clone(), store, "w".into(), settings);
         watcher.run_once().await;
         let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
-        assert_eq!(row.state, "running", "concluded under a live claim: {row:?}");
+        assert_eq!(row.state, leasebroker_api::OperationState::Running, "concluded under a live claim: {row:?}");
 
         held.release.send(()).expect("release A1");
         let accepted = a1.await.expect("A1").expect("the flash");
@@ -1206,13 +1206,13 @@ mod racing_attempts {
         let tag = op.derive("flash").as_str().to_owned();
         let a1 = held_past_its_window(&firmware, &op, "node-0003", &mut held).await;
         let retry = firmware.flash("node-0003", &FlashFirmware::new("2.0"), &op).await.expect("the retry's answer");
-        assert_eq!(retry.state, "uncertain", "{retry:?}");
+        assert_eq!(retry.state, leasebroker_api::OperationState::Uncertain, "{retry:?}");
 
         held.release.send(()).expect("release A1");
         let late = a1.await.expect("A1");
         assert_eq!(bmc.stats().flashes_total, 0, "A1 ({late:?}) sent after the retry concluded");
         let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
-        assert_eq!(row.state, "uncertain", "{row:?}");
+        assert_eq!(row.state, leasebroker_api::OperationState::Uncertain, "{row:?}");
     }
 
     /// Issue 24, hole 3, the flash watcher: 500 running operations whose flash was never sent
