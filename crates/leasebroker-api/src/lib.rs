@@ -2,6 +2,7 @@
 
 mod fleet;
 mod ids;
+#[macro_use]
 mod operations;
 pub mod parse;
 pub mod problems;
@@ -19,7 +20,7 @@ pub use ids::{
 pub use operations::{
     FlashFirmware, MAX_REASON, MAX_VERSION, Operation, OperationKind, OperationState, Resolution, ResolveOperation,
 };
-pub use records::{Record, RecordPage};
+pub use records::{Record, RecordPage, RecordState};
 pub use sim::SimStats;
 pub use workers::{
     CreateWorker, InvalidWorkerState, Limits, MAX_IMAGE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, RebootResult,

@@ -1,10 +1,27 @@
 //! Idempotency records as the admin API shows them (docs/protocol.md#operating-it): `GET /admin/v1/records` and
 //! `GET /admin/v1/records/{id}`.
 
+use std::fmt;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::RecordId;
+
+open_enum!(
+    /// Where an idempotency record is (docs/protocol.md#records). A state this side does not
+    /// know yet is kept as [`RecordState::Other`], so a newer server's records still parse.
+    RecordState {
+        /// An attempt holds the key; its outcome is not stored yet.
+        InFlight = "in_flight",
+        /// The response is stored and replayed.
+        Completed = "completed",
+        /// The attempt failed; a retry runs the request again.
+        Failed = "failed",
+        /// The request was sent on and what came of it is unknown: held, probed or resent.
+        Uncertain = "uncertain",
+    }
+);
 
 /// A record as the admin API shows it.
 // The schema keeps the service's first names (`AdminRecord`, `RecordList`), which its
@@ -22,7 +39,7 @@ pub struct Record {
     /// The request's `Idempotency-Key`.
     pub key: String,
     /// `in_flight`, `completed`, `failed` or `uncertain` (sent on, outcome unknown).
-    pub state: String,
+    pub state: RecordState,
     /// `sha256:<hex>` of the request.
     pub fingerprint: String,
     /// The stored response's status, when completed.

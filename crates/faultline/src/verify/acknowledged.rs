@@ -11,11 +11,12 @@ use idempotency_sqlx::DatabaseUrl;
 use super::{Damage, Invariant, Reader};
 use crate::cluster::ADMIN_TOKEN;
 use crate::workload::StoredAnswer;
+use leasebroker_api::RecordState;
 
 impl Reader {
     /// The state of every record the service holds, by key (`GET /admin/v1/records`, page by
     /// page, every principal's).
-    pub async fn record_states(&self) -> anyhow::Result<HashMap<String, String>> {
+    pub async fn record_states(&self) -> anyhow::Result<HashMap<String, RecordState>> {
         Ok(self.all_records().await?.into_iter().map(|r| (r.key, r.state)).collect())
     }
 
@@ -31,7 +32,7 @@ impl Reader {
             let full: leasebroker_client::Record = self.get(&url, ADMIN_TOKEN).await?.unwrap_or(record);
             let hex = full.response_body_encoding.as_deref() == Some("hex");
             let answer =
-                StoredAnswer { state: full.state, status: full.response_status, body: full.response_body, hex };
+                StoredAnswer { state: full.state.into(), status: full.response_status, body: full.response_body, hex };
             out.insert(full.key, answer);
         }
         Ok(out)
@@ -63,11 +64,14 @@ impl Reader {
 /// The acknowledged keys (a `2xx` was answered for each) whose record the service no longer
 /// holds completed, as `key (what): gone` or `key (what): <state>`, sorted: what a failover (or
 /// anything else) lost after it was acknowledged. A retry of such a key runs again.
-pub fn records_lost(acknowledged: &[crate::workload::Acknowledged], states: &HashMap<String, String>) -> Vec<String> {
+pub fn records_lost(
+    acknowledged: &[crate::workload::Acknowledged],
+    states: &HashMap<String, RecordState>,
+) -> Vec<String> {
     let mut out: Vec<String> = acknowledged
         .iter()
-        .filter_map(|a| match states.get(&a.key).map(String::as_str) {
-            Some("completed") => None,
+        .filter_map(|a| match states.get(&a.key) {
+            Some(RecordState::Completed) => None,
             Some(state) => Some(format!("{} ({}): {state}", a.key, a.what)),
             None => Some(format!("{} ({}): gone", a.key, a.what)),
         })
@@ -133,9 +137,9 @@ mod tests {
         use crate::workload::Acknowledged;
         let ack = |key: &str| Acknowledged { key: key.to_owned(), what: format!("create op {key}") };
         let acknowledged = [ack("k1"), ack("k2"), ack("k3"), ack("k4")];
-        let states: HashMap<String, String> = [("k1", "completed"), ("k3", "in_flight"), ("k4", "completed")]
+        let states: HashMap<String, RecordState> = [("k1", "completed"), ("k3", "in_flight"), ("k4", "completed")]
             .into_iter()
-            .map(|(k, s)| (k.to_owned(), s.to_owned()))
+            .map(|(k, s)| (k.to_owned(), s.to_owned().into()))
             .collect();
         let lost = records_lost(&acknowledged, &states);
         assert_eq!(lost, ["k2 (create op k2): gone", "k3 (create op k3): in_flight"]);
@@ -150,7 +154,7 @@ mod tests {
                 &[("k2", "completed"), ("k3", "completed")]
                     .into_iter()
                     .chain([("k1", "completed"), ("k4", "completed")])
-                    .map(|(k, s)| (k.to_owned(), s.to_owned()))
+                    .map(|(k, s)| (k.to_owned(), s.to_owned().into()))
                     .collect()
             )
             .is_empty()

@@ -37,7 +37,7 @@ pub fn admin_record(r: &StoredRecord, body: bool) -> Record {
         principal: r.scope.principal.as_str().to_owned(),
         endpoint: r.scope.endpoint.as_str().to_owned(),
         key: r.scope.key.as_str().to_owned(),
-        state: r.state.as_str().to_owned(),
+        state: r.state.as_str().to_owned().into(),
         fingerprint: r.fingerprint.as_str().to_owned(),
         response_status: r.response.as_ref().map(|resp| resp.status),
         created_at: r.created_at,
