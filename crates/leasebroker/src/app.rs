@@ -316,9 +316,8 @@ fn key_sources(sources: &[KeySource]) -> impl Fn(&axum::http::Method, &str) -> K
         if repeatability {
             ks = ks.repeatability();
         }
-        let has_body = method == axum::http::Method::POST
-            && (path == "/v1/workers" || (path.starts_with("/admin/v1/nodes/") && path.ends_with("/firmware")));
-        if request_id && has_body {
+        // The keyed routes with a JSON body: a create and a flash.
+        if request_id && crate::keyed::KeyedRoute::of(method, path).is_some() {
             ks = ks.body_field(idempotency_tower::AIP_155_REQUEST_ID);
         }
         ks

@@ -30,6 +30,7 @@ pub mod domain;
 pub mod firmware;
 pub mod head;
 pub mod hypervisor;
+pub mod keyed;
 pub mod limits;
 pub mod metric;
 pub mod openapi;

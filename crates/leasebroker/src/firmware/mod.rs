@@ -68,9 +68,9 @@ fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
 /// layer puts in the `Link` of a retry's `409 request-in-progress` (the first attempt is still
 /// accepting). `None` for records of other routes.
 pub fn operation_link(record: &idempotency::Record) -> Option<String> {
-    let endpoint = record.scope.endpoint.as_str();
-    (endpoint.starts_with("POST /admin/v1/nodes/") && endpoint.ends_with("/firmware"))
-        .then(|| operation_location(&operation_id(|label| record.derive(label))))
+    (crate::keyed::KeyedRoute::of_endpoint(record.scope.endpoint.as_str())
+        == Some(crate::keyed::KeyedRoute::FlashFirmware))
+    .then(|| operation_location(&operation_id(|label| record.derive(label))))
 }
 
 /// Where the operation `op_id` is read: its `Location`.
