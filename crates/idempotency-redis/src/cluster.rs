@@ -152,7 +152,7 @@ impl Watch {
     fn ended<T>(mut self, reply: &Result<T, RedisError>) {
         let Some(cluster) = self.cluster.take() else { return };
         match reply {
-            Err(e) if crate::conn::is_connection_error(e) => {
+            Err(e) if crate::reply::is_connection_error(e) => {
                 cluster.lost.store(true, Ordering::Relaxed);
                 cluster.unanswered(self.started);
             }

@@ -12,6 +12,7 @@ use redis::{Cmd, ErrorKind, Pipeline, RedisError, Value};
 
 use crate::cluster::Cluster;
 use crate::options::{CLUSTER_SCHEME, ConnectError, RedisStoreOptions};
+use crate::reply::is_connection_error;
 
 /// One server (reconnecting connection managers, taken in turn) or a cluster (the cluster
 /// client, which follows slot moves, replaced when it stops answering). Both multiplex their
@@ -44,16 +45,6 @@ impl Managers {
         }
         reply
     }
-}
-
-/// Whether `e` says the call got no answer from its node: its connection was lost, refused or
-/// timed out (the client makes a new one), or there is none to the node.
-pub(crate) fn is_connection_error(e: &RedisError) -> bool {
-    e.is_timeout()
-        || e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.kind() == ErrorKind::ClusterConnectionNotFound
 }
 
 impl Conn {

@@ -250,6 +250,7 @@ mod codec;
 mod conn;
 mod options;
 mod policy;
+mod reply;
 mod scripts;
 mod store;
 #[cfg(feature = "testing")]

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use idempotency::StoreError;
 use redis::{RedisError, Value};
 
-use crate::conn::{Conn, info_text, is_connection_error};
+use crate::conn::{Conn, info_text};
 use crate::options::{ConnectError, UnverifiedPolicy};
+use crate::reply::is_connection_error;
 
 /// How long a primary may take to answer a check after a lost connection before it counts as
 /// not answering (its own calls fail meanwhile; the others are not held up by it).

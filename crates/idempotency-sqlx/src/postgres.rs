@@ -14,7 +14,8 @@ use crate::changes::Announcements;
 use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
 
 use crate::row::{
-    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawState, SpaceWatch, db_error, fenced, stale_cutoff, state_columns,
+    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, RawState, SpaceWatch, db_error, fenced, stale_cutoff,
+    state_columns,
 };
 
 /// Connections in a pool made by [`PostgresStore::connect`].
@@ -181,6 +182,18 @@ pub(crate) async fn count_stored(
         .await
         .map_err(|e| space.db_error(e))?;
     Ok(Some(u64::try_from(n).unwrap_or(0)))
+}
+
+/// A record from a row of every column (as `record_columns!` lists them): the admin listing of
+/// both PostgreSQL layouts.
+pub(crate) fn decode_row(row: &PgRow) -> Result<Record, StoreError> {
+    RawRecord {
+        principal: row.try_get(0).map_err(db_error)?,
+        endpoint: row.try_get(1).map_err(db_error)?,
+        key: row.try_get(2).map_err(db_error)?,
+        rest: RawState::read(row, 3, |row, i| row.try_get(i).map_err(db_error))?,
+    }
+    .into_record()
 }
 
 fn decode(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
@@ -401,10 +414,4 @@ impl Store for PostgresStore {
     }
 }
 
-crate::admin::admin_methods!(
-    PostgresStore,
-    crate::admin::postgres,
-    crate::partitioned::decode,
-    |t: Timestamp| t,
-    stored_component
-);
+crate::admin::admin_methods!(PostgresStore, crate::admin::postgres, decode_row, |t: Timestamp| t, stored_component);

@@ -61,9 +61,8 @@ mod days;
 pub use days::DropWindow;
 
 use crate::fenced::{FencedSql, bind_fence, bind_scope, fenced_sql};
-use crate::row::{
-    ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, RawRecord, RawState, SpaceWatch, db_error, fenced, stale_cutoff,
-};
+use crate::postgres::{count_stored, decode_row};
+use crate::row::{ClaimDidNotSettle, MAX_CLAIM_ATTEMPTS, SpaceWatch, db_error, fenced, stale_cutoff};
 use days::{attached, day_of};
 
 /// The partitioned table.
@@ -245,21 +244,10 @@ const CLAIM: &str = "SELECT * FROM idempotency_claim_by_day($1, $2, $3, $4, $5, 
 /// The read and the fenced transitions, shared with the plain table.
 const SQL: FencedSql = fenced_sql!("idempotency_records_by_day", record_columns);
 
-/// A record from a row of every column ([`record_columns!`]).
-pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
-    RawRecord {
-        principal: row.try_get(0).map_err(db_error)?,
-        endpoint: row.try_get(1).map_err(db_error)?,
-        key: row.try_get(2).map_err(db_error)?,
-        rest: RawState::read(row, 3, |row, i| row.try_get(i).map_err(db_error))?,
-    }
-    .into_record()
-}
-
 /// The record of `scope` from a row of every column: the row holds the scope as stored
 /// ([`stored_component`]: a long component shortened), the caller's record carries it whole.
 fn decode_for(row: &PgRow, scope: &Scope) -> Result<Record, StoreError> {
-    let mut record = decode(row)?;
+    let mut record = decode_row(row)?;
     record.scope = scope.clone();
     Ok(record)
 }
@@ -421,7 +409,7 @@ impl Store for PartitionedPostgresStore {
     ) -> Result<Option<u64>, StoreError> {
         const COUNT: &str = "SELECT count(*) FROM idempotency_records_by_day \
                              WHERE principal = $1 AND expires_at > $2 AND state <> 'failed'";
-        crate::postgres::count_stored(&self.pool, &self.space, COUNT, principal, now).await
+        count_stored(&self.pool, &self.space, COUNT, principal, now).await
     }
 
     async fn list_records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
@@ -462,7 +450,7 @@ impl Store for PartitionedPostgresStore {
 crate::admin::admin_methods!(
     PartitionedPostgresStore,
     crate::admin::partitioned,
-    decode,
+    decode_row,
     |t: Timestamp| t,
     stored_component
 );
