@@ -57,6 +57,21 @@ pub struct RunArgs {
     pub scenario: Scenario,
 }
 
+impl RunArgs {
+    /// The clients the run drives, in order: `--naive` only the naive ones, `--no-naive` only the
+    /// protected ones, else both.
+    pub fn clients(&self) -> Vec<crate::workload::ClientKind> {
+        use crate::workload::ClientKind;
+        if self.naive {
+            vec![ClientKind::Naive]
+        } else if self.no_naive {
+            vec![ClientKind::Protected]
+        } else {
+            vec![ClientKind::Protected, ClientKind::Naive]
+        }
+    }
+}
+
 /// What `faultline run --gateway` does to the gateway and its upstream.
 #[derive(Debug, Clone, Args)]
 pub struct GatewayOptions {

@@ -56,13 +56,7 @@ pub async fn main(args: RunArgs) -> anyhow::Result<bool> {
     let binary = locate(options)?;
     check_python(&options.python).await?;
     std::fs::create_dir_all(&sc.out).with_context(|| format!("creating {}", sc.out.display()))?;
-    let kinds = if args.naive {
-        vec![ClientKind::Naive]
-    } else if args.no_naive {
-        vec![ClientKind::Protected]
-    } else {
-        vec![ClientKind::Protected, ClientKind::Naive]
-    };
+    let kinds = args.clients();
     let mut runs = Vec::new();
     for kind in kinds {
         let through = if kind == ClientKind::Protected { "the gateway" } else { "the upstream alone" };

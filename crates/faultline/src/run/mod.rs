@@ -34,13 +34,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<bool> {
     let (command, scenario, plan): (&'static str, Scenario, Vec<(f64, Vec<ClientKind>)>) = match cli.command {
         Command::Run(args) if args.gateway => return crate::gateway::main(args).await,
         Command::Run(args) => {
-            let kinds = if args.naive {
-                vec![ClientKind::Naive]
-            } else if args.no_naive {
-                vec![ClientKind::Protected]
-            } else {
-                vec![ClientKind::Protected, ClientKind::Naive]
-            };
+            let kinds = args.clients();
             ("run", args.scenario, vec![(args.client_faults, kinds)])
         }
         Command::Sweep(args) => (

@@ -34,12 +34,12 @@ async fn thirty_two_identical_requests_run_once_in_node() {
     thirty_two_at_once_execute_once(Lang::Node).await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn two_replicas_on_one_postgres_run_a_key_once() {
-    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+/// Two gateway replicas on the store at `store`: 32 identical keyed requests spread over both
+/// execute once, and every client gets the answer.
+async fn two_replicas_run_a_key_once(store: &str) {
     let upstream = Upstream::start(Lang::Python, &[]);
-    let a = gateway(upstream.url(), pg.url(), &[]);
-    let b = gateway(upstream.url(), pg.url(), &[]);
+    let a = gateway(upstream.url(), store, &[]);
+    let b = gateway(upstream.url(), store, &[]);
     let key = uuid_like();
     let slow = [("x-upstream-delay-ms", "300"), ("prefer", "wait=30")];
     let sent = (0..32).map(|i| {
@@ -47,8 +47,14 @@ async fn two_replicas_on_one_postgres_run_a_key_once() {
         post(url, "/orders", &key, "{}", &slow)
     });
     let answers = join_all(join_all(sent).await.into_iter().map(Answer::of)).await;
-    assert_eq!(upstream.executions().await, 1, "two replicas behave as one gateway");
+    assert_eq!(upstream.executions().await, 1, "two replicas on {store} behave as one gateway");
     assert!(answers.iter().all(|a| a.status == StatusCode::CREATED), "every client gets the answer");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_on_one_postgres_run_a_key_once() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    two_replicas_run_a_key_once(pg.url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -267,8 +273,7 @@ async fn sigterm_lets_a_forwarded_request_finish_and_store_its_answer() {
     assert_eq!(answer.status, StatusCode::CREATED, "the request in flight was answered: {}", answer.body);
 }
 
-/// Two gateway replicas on one Redis Cluster (three primaries the test starts): 32 identical
-/// keyed requests spread over both execute once.
+/// Two gateway replicas on one Redis Cluster (three primaries the test starts).
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_on_one_redis_cluster_run_a_key_once() {
     if !testkit::redis::have_redis_binaries() {
@@ -277,16 +282,5 @@ async fn two_replicas_on_one_redis_cluster_run_a_key_once() {
         return;
     }
     let cluster = tokio::task::spawn_blocking(testkit::redis::Cluster::start).await.expect("the cluster starts");
-    let upstream = Upstream::start(Lang::Python, &[]);
-    let a = gateway(upstream.url(), &cluster.url(), &[]);
-    let b = gateway(upstream.url(), &cluster.url(), &[]);
-    let key = uuid_like();
-    let slow = [("x-upstream-delay-ms", "300"), ("prefer", "wait=30")];
-    let sent = (0..32).map(|i| {
-        let url = if i % 2 == 0 { &a.url } else { &b.url };
-        post(url, "/orders", &key, "{}", &slow)
-    });
-    let answers = join_all(join_all(sent).await.into_iter().map(Answer::of)).await;
-    assert_eq!(upstream.executions().await, 1, "two replicas on a Redis Cluster behave as one gateway");
-    assert!(answers.iter().all(|a| a.status == StatusCode::CREATED), "every client gets the answer");
+    two_replicas_run_a_key_once(&cluster.url()).await;
 }
