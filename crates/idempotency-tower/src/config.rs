@@ -85,9 +85,69 @@ pub enum OversizeResponse {
     HeadersOnly,
 }
 
+/// The body field AIP-155 names for a request's key.
+pub const AIP_155_REQUEST_ID: &str = "request_id";
+
+/// Which sources besides the `Idempotency-Key` header a route takes its key from; every route
+/// reads `Idempotency-Key`, and by default nothing else. Set per route with
+/// [`IdempotencyLayerBuilder::key_sources`](crate::IdempotencyLayerBuilder::key_sources).
+///
+/// A request that carries its key in two places with two different values is refused with
+/// `400 idempotency-key-invalid`; the same value twice is one key.
+///
+/// ```
+/// use idempotency_tower::KeySources;
+///
+/// let azure = KeySources::default().repeatability();
+/// let google = KeySources::default().body_field("request_id");
+/// assert!(azure.accepts_repeatability() && google.field() == Some("request_id"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeySources {
+    pub(crate) repeatability: bool,
+    pub(crate) field: Option<Cow<'static, str>>,
+}
+
+impl KeySources {
+    /// Also take the key from `Repeatability-Request-ID` (OASIS Repeatable Requests 1.0, Azure's
+    /// REST guidelines). The request must also carry `Repeatability-First-Sent`, an HTTP-date; a
+    /// first sending longer ago than the layer's retention is refused with
+    /// `412 repeatability-expired` (the record may already be gone, so running it again could
+    /// repeat it). Every answer to such a request carries `Repeatability-Result: accepted` when
+    /// the request was executed or replayed, `rejected` when the layer refused it.
+    pub fn repeatability(mut self) -> Self {
+        self.repeatability = true;
+        self
+    }
+
+    /// Also take the key from the top-level string field `name` of a JSON object body, as
+    /// AIP-155 does with [`request_id`](AIP_155_REQUEST_ID). A field that is absent or `null`
+    /// means no key; any other value than a valid key string (a number, an empty string) is
+    /// refused with `400 idempotency-key-invalid`. The route reads its body before it knows the
+    /// key, so its body limit applies to keyless requests too.
+    pub fn body_field(mut self, name: impl Into<Cow<'static, str>>) -> Self {
+        self.field = Some(name.into());
+        self
+    }
+
+    /// Whether `Repeatability-Request-ID` is read.
+    pub fn accepts_repeatability(&self) -> bool {
+        self.repeatability
+    }
+
+    /// The body field read, if any.
+    pub fn field(&self) -> Option<&str> {
+        self.field.as_deref()
+    }
+
+    pub(crate) fn into_field(self) -> Option<Cow<'static, str>> {
+        self.field
+    }
+}
+
 pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 pub(crate) type PolicyFn = dyn Fn(&Method, &str) -> RoutePolicy + Send + Sync;
-pub(crate) type KeySourcesFn = dyn Fn(&Method, &str) -> crate::sources::KeySources + Send + Sync;
+pub(crate) type KeySourcesFn = dyn Fn(&Method, &str) -> KeySources + Send + Sync;
 pub(crate) type OperationLinkFn = dyn Fn(&Record) -> Option<String> + Send + Sync;
 
 pub(crate) struct Config {
@@ -116,10 +176,8 @@ pub(crate) struct Config {
     pub(crate) max_stored_response: usize,
     pub(crate) oversize: OversizeResponse,
     pub(crate) completion_retry: CompletionRetry,
-    pub(crate) store_timeout: Duration,
-    pub(crate) store_queue_timeout: Duration,
-    /// When the store last took a write of this layer's (a slow call is queued, not lost).
-    pub(crate) progress: crate::deadline::Progress,
+    /// The bound on every store call: the store timeouts and the writes the store took.
+    pub(crate) deadline: Arc<crate::deadline::StoreDeadline>,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
     /// Claims whose `fail` waits for the store to answer again.
@@ -157,8 +215,7 @@ impl fmt::Debug for Config {
             .field("max_stored_response", &self.max_stored_response)
             .field("oversize", &self.oversize)
             .field("completion_retry", &self.completion_retry)
-            .field("store_timeout", &self.store_timeout)
-            .field("store_queue_timeout", &self.store_queue_timeout)
+            .field("deadline", &self.deadline)
             .field("anonymous", &self.anonymous)
             .field("stale_claims", &self.stale_claims)
             .field("on_uncertain", &self.on_uncertain)

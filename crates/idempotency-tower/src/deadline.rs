@@ -26,7 +26,6 @@ use std::time::Duration;
 use idempotency::{Claim, ClaimOutcome, Record, StoreError};
 use tokio::time::Instant;
 
-use crate::config::Config;
 use crate::metrics::timed;
 
 /// A store call that did not answer in time.
@@ -47,7 +46,7 @@ impl std::error::Error for StoreTimedOut {}
 /// The writes the store took for this layer: the sign that a slow call is queued, not lost. A
 /// count, not a time, so that the hot path reads no clock for it.
 #[derive(Debug, Default)]
-pub(crate) struct Progress {
+struct Progress {
     writes: AtomicU64,
 }
 
@@ -108,38 +107,54 @@ impl Written for bool {
     }
 }
 
-/// Runs one store call (timed as `op`), failing it as unavailable once the store has taken no
-/// write for a whole store timeout (see the module docs).
-pub(crate) async fn bounded<T: Written>(
-    cfg: &Config,
-    op: &'static str,
-    call: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let started = Instant::now();
-    let cap = started + cfg.store_queue_timeout.max(cfg.store_timeout);
-    let mut until = started + cfg.store_timeout;
-    let mut seen = cfg.progress.writes();
-    let call = timed(op, call);
-    let mut call = std::pin::pin!(call);
-    loop {
-        match tokio::time::timeout_at(until, call.as_mut()).await {
-            Ok(out) => {
-                if out.as_ref().is_ok_and(Written::written) {
-                    cfg.progress.mark();
+/// The bound on the layer's store calls: its two timeouts, and the store's progress that tells a
+/// busy store from a dead one (see the module docs). One per layer, shared by its requests and its
+/// background releases.
+#[derive(Debug)]
+pub(crate) struct StoreDeadline {
+    timeout: Duration,
+    queue_timeout: Duration,
+    progress: Progress,
+}
+
+impl StoreDeadline {
+    pub(crate) fn new(timeout: Duration, queue_timeout: Duration) -> Self {
+        Self { timeout, queue_timeout, progress: Progress::default() }
+    }
+
+    /// Runs one store call (timed as `op`), failing it as unavailable once the store has taken
+    /// no write for a whole store timeout (see the module docs).
+    pub(crate) async fn bounded<T: Written>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let cap = started + self.queue_timeout.max(self.timeout);
+        let mut until = started + self.timeout;
+        let mut seen = self.progress.writes();
+        let call = timed(op, call);
+        let mut call = std::pin::pin!(call);
+        loop {
+            match tokio::time::timeout_at(until, call.as_mut()).await {
+                Ok(out) => {
+                    if out.as_ref().is_ok_and(Written::written) {
+                        self.progress.mark();
+                    }
+                    return out;
                 }
-                return out;
+                // Busy, not down: the store took writes during this wait.
+                Err(_) if self.progress.writes() != seen && until < cap => {
+                    seen = self.progress.writes();
+                    until = (until + self.timeout).min(cap);
+                }
+                Err(_) => return Err(StoreError::unavailable(StoreTimedOut { op, after: started.elapsed() })),
             }
-            // Busy, not down: the store took writes during this wait.
-            Err(_) if cfg.progress.writes() != seen && until < cap => {
-                seen = cfg.progress.writes();
-                until = (until + cfg.store_timeout).min(cap);
-            }
-            Err(_) => return Err(StoreError::unavailable(StoreTimedOut { op, after: started.elapsed() })),
         }
     }
 }
 
-/// Whether `e` is a call [`bounded`] gave up on: what it asked may still happen in the store.
+/// Whether `e` is a call [`StoreDeadline::bounded`] gave up on: what it asked may still happen in the store.
 pub(crate) fn timed_out(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable(source) if source.is::<StoreTimedOut>())
 }

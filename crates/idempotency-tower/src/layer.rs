@@ -12,13 +12,14 @@ use idempotency::{DEFAULT_MAX_BODY, FingerprintMode, Fingerprinter, Principal, R
 use tower::Layer;
 
 use crate::config::{
-    CompletionRetry, Config, KeySourcesFn, MismatchStatus, OperationLinkFn, OversizeResponse, PolicyFn, PrincipalFn,
-    RoutePolicy, default_policy, default_principal,
+    CompletionRetry, Config, KeySources, KeySourcesFn, MismatchStatus, OperationLinkFn, OversizeResponse, PolicyFn,
+    PrincipalFn, RoutePolicy, default_policy, default_principal,
 };
+use crate::deadline::StoreDeadline;
 use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
+use crate::release::Releases;
 use crate::service::IdempotencyService;
-use crate::sources::KeySources;
 use crate::uncertain::{OnUncertain, StaleClaims};
 
 /// The default time an in-flight claim is honoured before another request may take it over.
@@ -487,6 +488,15 @@ impl IdempotencyLayerBuilder {
         }
         // The layer enforces the body limit while reading, so the fingerprinter need not again.
         let fingerprinter = Fingerprinter::new(self.fingerprint_mode).max_body(usize::MAX);
+        let deadline = Arc::new(StoreDeadline::new(self.store_timeout, self.store_queue_timeout));
+        let detached = DetachedHandlers::new();
+        let releases = Releases::new(
+            self.store.clone(),
+            deadline.clone(),
+            self.in_flight_ttl,
+            self.completion_retry.first_delay,
+            detached.clone(),
+        );
         Ok(IdempotencyLayer {
             config: Arc::new(Config {
                 store: self.store,
@@ -510,13 +520,11 @@ impl IdempotencyLayerBuilder {
                 max_stored_response: self.max_stored_response,
                 oversize: self.oversize,
                 completion_retry: self.completion_retry,
-                store_timeout: self.store_timeout,
-                store_queue_timeout: self.store_queue_timeout,
-                progress: Default::default(),
+                deadline,
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
-                releases: Default::default(),
-                detached: DetachedHandlers::new(),
+                releases,
+                detached,
                 record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
                 stale_claims: self.stale_claims,
                 on_uncertain: self.on_uncertain,

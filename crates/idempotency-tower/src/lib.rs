@@ -72,7 +72,7 @@ mod sweeper;
 mod uncertain;
 mod waiters;
 
-pub use config::{MismatchStatus, OversizeResponse, RoutePolicy};
+pub use config::{AIP_155_REQUEST_ID, KeySources, MismatchStatus, OversizeResponse, RoutePolicy};
 pub use context::{IdempotencyContext, MissingContext};
 pub use detached::DetachedHandlers;
 pub use future::ResponseFuture;
@@ -93,7 +93,6 @@ pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem};
 pub use propagate::{CallKey, PropagateIdempotencyKey, SideEffect, key_header};
 pub use quota::PassesRecordLimit;
 pub use service::{IdempotencyService, OVERSIZE_DRAIN};
-pub use sources::{AIP_155_REQUEST_ID, KeySources};
 pub use sweeper::{spawn_sweeper, sweeper};
 pub use uncertain::{OnUncertain, OutcomeUncertain, Probe, Probed, StaleClaims};
 

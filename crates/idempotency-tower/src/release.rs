@@ -22,12 +22,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use idempotency::{Claim, ErrorChain, RecordState, Scope, StoreError, Timestamp};
+use idempotency::{Claim, ErrorChain, RecordState, Scope, Store, StoreError, Timestamp};
 use tokio::time::Instant;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
-use crate::config::Config;
-use crate::deadline::bounded;
+use crate::deadline::StoreDeadline;
+use crate::detached::DetachedHandlers;
 
 /// The most claims kept for release; past it the oldest one is left to go stale instead.
 const MAX_PENDING: usize = 10_000;
@@ -48,10 +48,22 @@ enum Release {
     Unknown { scope: Scope, at: Timestamp },
 }
 
-/// The claims waiting for the store to take their `fail`.
-#[derive(Default)]
+/// The claims waiting for the store to take their `fail`, and what releasing them needs. Cheap
+/// to clone: one queue per layer.
+#[derive(Clone)]
 pub(crate) struct Releases {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     state: Mutex<State>,
+    store: Arc<dyn Store>,
+    deadline: Arc<StoreDeadline>,
+    /// How long a claim is worth releasing: after it, the claim is stale anyway.
+    in_flight_ttl: Duration,
+    /// The first wait between two tries.
+    first_delay: Duration,
+    detached: DetachedHandlers,
 }
 
 #[derive(Default)]
@@ -76,22 +88,34 @@ struct Pending {
 }
 
 impl Releases {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        deadline: Arc<StoreDeadline>,
+        in_flight_ttl: Duration,
+        first_delay: Duration,
+        detached: DetachedHandlers,
+    ) -> Self {
+        let state = Mutex::default();
+        Self { inner: Arc::new(Inner { state, store, deadline, in_flight_ttl, first_delay, detached }) }
+    }
+
     /// Queues `claim` for release and starts the draining task if none runs.
-    pub(crate) fn push(cfg: &Arc<Config>, claim: Arc<Claim>, why: &'static str) {
-        Self::push_pending(cfg, Release::Claim(claim), why);
+    pub(crate) fn push(&self, claim: Arc<Claim>, why: &'static str) {
+        self.push_pending(Release::Claim(claim), why);
     }
 
     /// Queues the claim of `scope` made at `at`, whose store call timed out, for release if the
     /// store took it.
-    pub(crate) fn push_unknown(cfg: &Arc<Config>, scope: Scope, at: Timestamp) {
-        Self::push_pending(cfg, Release::Unknown { scope, at }, "the claim's store call timed out");
+    pub(crate) fn push_unknown(&self, scope: Scope, at: Timestamp) {
+        self.push_pending(Release::Unknown { scope, at }, "the claim's store call timed out");
     }
 
-    fn push_pending(cfg: &Arc<Config>, what: Release, why: &'static str) {
-        let until = Instant::now() + cfg.in_flight_ttl;
-        let pending = Pending { what, why, until, look_until: None, _guard: Some(cfg.detached.token()) };
+    fn push_pending(&self, what: Release, why: &'static str) {
+        let inner = &self.inner;
+        let until = Instant::now() + inner.in_flight_ttl;
+        let pending = Pending { what, why, until, look_until: None, _guard: Some(inner.detached.token()) };
         let start = {
-            let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
             if state.queue.len() >= MAX_PENDING
                 && let Some(dropped) = state.queue.pop_front()
             {
@@ -101,7 +125,7 @@ impl Releases {
             !std::mem::replace(&mut state.draining, true)
         };
         if start {
-            tokio::spawn(drain(cfg.clone()));
+            tokio::spawn(drain(self.inner.clone()));
         }
     }
 }
@@ -109,10 +133,10 @@ impl Releases {
 /// Tries the queued releases in turn until the queue is empty. While the store refuses, one
 /// release is tried per backoff step (a probe, not one call per waiting claim); one that fails
 /// goes to the back of the queue.
-async fn drain(cfg: Arc<Config>) {
+async fn drain(inner: Arc<Inner>) {
     let backoff = || {
         ExponentialBuilder::default()
-            .with_min_delay(cfg.completion_retry.first_delay.min(MAX_DELAY))
+            .with_min_delay(inner.first_delay.min(MAX_DELAY))
             .with_max_delay(MAX_DELAY)
             .with_jitter()
             .without_max_times()
@@ -121,7 +145,7 @@ async fn drain(cfg: Arc<Config>) {
     let mut delays = backoff();
     loop {
         let mut next = {
-            let mut state = cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
             match state.queue.pop_front() {
                 Some(pending) => pending,
                 None => {
@@ -139,7 +163,7 @@ async fn drain(cfg: Arc<Config>) {
         }
         let claim = match &next.what {
             Release::Claim(claim) => claim.clone(),
-            Release::Unknown { scope, at } => match bounded(&cfg, "get", cfg.store.get(scope)).await {
+            Release::Unknown { scope, at } => match inner.deadline.bounded("get", inner.store.get(scope)).await {
                 // In flight since that very claim: the store took it after the call timed out.
                 Ok(Some(r)) if r.state == RecordState::InFlight && r.started_at == *at => Arc::new(Claim::new(r)),
                 // Not there (yet): its statement may still be on its way, so it is looked for
@@ -148,7 +172,7 @@ async fn drain(cfg: Arc<Config>) {
                     let look_until = *next.look_until.get_or_insert_with(|| Instant::now() + LATE_LANDING);
                     next._guard = None;
                     if Instant::now() < look_until {
-                        cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                        inner.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
                         tokio::time::sleep(delays.next().unwrap_or(MAX_DELAY)).await;
                     } else {
                         tracing::debug!("a claim whose call timed out never landed; nothing to release");
@@ -157,13 +181,13 @@ async fn drain(cfg: Arc<Config>) {
                 }
                 Err(e) => {
                     tracing::debug!(error = %ErrorChain(&e), "reading a record to release failed");
-                    cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                    inner.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
                     tokio::time::sleep(delays.next().unwrap_or(MAX_DELAY)).await;
                     continue;
                 }
             },
         };
-        match bounded(&cfg, "fail", cfg.store.fail(&claim)).await {
+        match inner.deadline.bounded("fail", inner.store.fail(&claim)).await {
             Ok(()) => {
                 tracing::info!(why = next.why, "the store answers again; the attempt's record is released");
                 delays = backoff();
@@ -179,7 +203,7 @@ async fn drain(cfg: Arc<Config>) {
             Err(e) => {
                 tracing::debug!(error = %ErrorChain(&e), "releasing the record failed again");
                 // To the back: one record the store keeps refusing does not hold up the others.
-                cfg.releases.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
+                inner.state.lock().unwrap_or_else(|e| e.into_inner()).queue.push_back(next);
                 let delay = delays.next().unwrap_or(MAX_DELAY);
                 tokio::time::sleep(delay).await;
             }

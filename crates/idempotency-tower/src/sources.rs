@@ -13,68 +13,9 @@ use http::{HeaderValue, Response};
 use idempotency::{IdempotencyKey, KeyError};
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
+use crate::config::KeySources;
 use crate::headers::{IDEMPOTENCY_KEY, REPEATABILITY_FIRST_SENT, REPEATABILITY_REQUEST_ID, REPEATABILITY_RESULT};
 use crate::problem::Rejection;
-
-/// The body field AIP-155 names for a request's key.
-pub const AIP_155_REQUEST_ID: &str = "request_id";
-
-/// Which sources besides the `Idempotency-Key` header a route takes its key from; every route
-/// reads `Idempotency-Key`, and by default nothing else. Set per route with
-/// [`IdempotencyLayerBuilder::key_sources`](crate::IdempotencyLayerBuilder::key_sources).
-///
-/// A request that carries its key in two places with two different values is refused with
-/// `400 idempotency-key-invalid`; the same value twice is one key.
-///
-/// ```
-/// use idempotency_tower::KeySources;
-///
-/// let azure = KeySources::default().repeatability();
-/// let google = KeySources::default().body_field("request_id");
-/// assert!(azure.accepts_repeatability() && google.field() == Some("request_id"));
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KeySources {
-    repeatability: bool,
-    field: Option<Cow<'static, str>>,
-}
-
-impl KeySources {
-    /// Also take the key from `Repeatability-Request-ID` (OASIS Repeatable Requests 1.0, Azure's
-    /// REST guidelines). The request must also carry `Repeatability-First-Sent`, an HTTP-date; a
-    /// first sending longer ago than the layer's retention is refused with
-    /// `412 repeatability-expired` (the record may already be gone, so running it again could
-    /// repeat it). Every answer to such a request carries `Repeatability-Result: accepted` when
-    /// the request was executed or replayed, `rejected` when the layer refused it.
-    pub fn repeatability(mut self) -> Self {
-        self.repeatability = true;
-        self
-    }
-
-    /// Also take the key from the top-level string field `name` of a JSON object body, as
-    /// AIP-155 does with [`request_id`](AIP_155_REQUEST_ID). A field that is absent or `null`
-    /// means no key; any other value than a valid key string (a number, an empty string) is
-    /// refused with `400 idempotency-key-invalid`. The route reads its body before it knows the
-    /// key, so its body limit applies to keyless requests too.
-    pub fn body_field(mut self, name: impl Into<Cow<'static, str>>) -> Self {
-        self.field = Some(name.into());
-        self
-    }
-
-    /// Whether `Repeatability-Request-ID` is read.
-    pub fn accepts_repeatability(&self) -> bool {
-        self.repeatability
-    }
-
-    /// The body field read, if any.
-    pub fn field(&self) -> Option<&str> {
-        self.field.as_deref()
-    }
-
-    pub(crate) fn into_field(self) -> Option<Cow<'static, str>> {
-        self.field
-    }
-}
 
 /// The key the headers carry, and whether it came (also) from `Repeatability-Request-ID`, whose
 /// answers then say `Repeatability-Result`.

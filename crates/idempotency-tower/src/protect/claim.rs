@@ -21,12 +21,11 @@ use super::uncertain::{self, Next};
 use super::{Handler, Protected, store_down};
 use crate::BoxError;
 use crate::config::Config;
-use crate::deadline::{bounded, timed_out};
+use crate::deadline::timed_out;
 use crate::expires::with_expiry;
 use crate::headers::PREFERENCE_APPLIED;
 use crate::problem::{Rejection, rejection_response};
 use crate::quota::PassesRecordLimit;
-use crate::release::Releases;
 use crate::replay::replay;
 use crate::uncertain::StaleClaims;
 use crate::waiters::Subscription;
@@ -201,14 +200,14 @@ impl Claiming<'_> {
         else {
             return Ok(true);
         };
-        match bounded(cfg, "count", limit.reserve(store.as_ref(), &self.scope.principal, now())).await {
+        match cfg.deadline.bounded("count", limit.reserve(store.as_ref(), &self.scope.principal, now())).await {
             Ok(true) => {
                 *reserved = Some(tokio::time::Instant::now());
                 Ok(true)
             }
             // At the limit only a key the principal already holds is answered (replay, resume);
             // a failed one holds nothing, and running it again would make one record more.
-            Ok(false) => match bounded(cfg, "get", store.get(self.scope)).await {
+            Ok(false) => match cfg.deadline.bounded("get", store.get(self.scope)).await {
                 Ok(Some(record))
                     if !record.is_free(now(), cfg.in_flight_ttl) && record.state != RecordState::Failed =>
                 {
@@ -234,7 +233,7 @@ impl Claiming<'_> {
             in_flight_ttl: cfg.in_flight_ttl,
             expires_at: idempotency::later(t, cfg.retention),
         };
-        match bounded(cfg, "claim", cfg.store.claim(req)).await {
+        match cfg.deadline.bounded("claim", cfg.store.claim(req)).await {
             Ok(ClaimOutcome::Owned(claim)) => ControlFlow::Break(Step::Own(claim, Run::Executed)),
             Ok(ClaimOutcome::Existing(record)) => {
                 // A failed record keeps the place: running it again makes it count again.
@@ -247,7 +246,7 @@ impl Claiming<'_> {
                 release(cfg, self.scope, reserved);
                 if timed_out(&e) {
                     // The claim may still land after this answer: released if it does.
-                    Releases::push_unknown(cfg, self.scope.clone(), t);
+                    cfg.releases.push_unknown(self.scope.clone(), t);
                 }
                 ControlFlow::Break(Step::Answer(store_down(cfg, "claim", e)))
             }
@@ -256,7 +255,7 @@ impl Claiming<'_> {
 
     /// Reads the record again: still held, or free to claim afresh.
     async fn read(&self, t: Timestamp) -> ControlFlow<Step, Record> {
-        match bounded(self.cfg, "get", self.cfg.store.get(self.scope)).await {
+        match self.cfg.deadline.bounded("get", self.cfg.store.get(self.scope)).await {
             Ok(Some(record)) if !record.is_free(t, self.cfg.in_flight_ttl) => ControlFlow::Continue(record),
             // Swept or expired since we looked: the key is free, claim it afresh.
             Ok(_) => ControlFlow::Break(Step::Free),
@@ -310,7 +309,7 @@ impl Claiming<'_> {
     async fn reclaim(&self, record: &Record, t: Timestamp) -> Step {
         let cfg = self.cfg;
         let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-        match bounded(cfg, "reclaim", cfg.store.reclaim(uncertain::on_record(cfg, record, t))).await {
+        match cfg.deadline.bounded("reclaim", cfg.store.reclaim(uncertain::on_record(cfg, record, t))).await {
             Ok(Some(claim)) => {
                 if matches!(how, Run::StaleReclaimed) {
                     tracing::warn!(
@@ -324,7 +323,7 @@ impl Claiming<'_> {
             Ok(None) => Step::Again,
             Err(e) => {
                 if timed_out(&e) {
-                    Releases::push_unknown(cfg, self.scope.clone(), t);
+                    cfg.releases.push_unknown(self.scope.clone(), t);
                 }
                 Step::Answer(store_down(cfg, "reclaim", e))
             }

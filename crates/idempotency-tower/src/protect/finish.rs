@@ -12,10 +12,8 @@ use tracing::Instrument;
 
 use super::heartbeat::with_heartbeat;
 use crate::config::Config;
-use crate::deadline::bounded;
 use crate::expires::with_expiry;
 use crate::problem::{Rejection, rejection_response};
-use crate::release::Releases;
 
 /// Stores the response of `claim`'s attempt. A store error (other than being fenced) is retried
 /// with backoff in a task of its own, so the client is answered at once; the claim is renewed
@@ -34,7 +32,7 @@ pub(super) async fn complete(
     stored: StoredResponse,
     expires_at: Timestamp,
 ) -> Option<StoreError> {
-    let first = bounded(cfg, "complete", cfg.store.complete(claim, &stored, expires_at)).await;
+    let first = cfg.deadline.bounded("complete", cfg.store.complete(claim, &stored, expires_at)).await;
     let error = match first {
         Ok(()) => {
             cfg.waiters.wake(claim.scope());
@@ -69,7 +67,7 @@ pub(super) async fn complete(
             let mut last = error;
             for delay in delays {
                 tokio::time::sleep(delay).await;
-                match bounded(&cfg, "complete", cfg.store.complete(&claim, &stored, expires_at)).await {
+                match cfg.deadline.bounded("complete", cfg.store.complete(&claim, &stored, expires_at)).await {
                     Ok(()) => return Ok(()),
                     Err(e @ StoreError::Fenced { .. }) => return Err(e),
                     Err(e) => {
@@ -102,10 +100,10 @@ pub(super) async fn complete(
 
 /// Marks the attempt failed so the next retry runs the handler at once. When the store does not
 /// take it, the claim is queued for release as soon as the store answers again
-/// ([`Releases`]).
+/// ([`Releases`](crate::release::Releases)).
 pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
     let sent = tokio::time::Instant::now();
-    match bounded(cfg, "fail", cfg.store.fail(claim)).await {
+    match cfg.deadline.bounded("fail", cfg.store.fail(claim)).await {
         Ok(()) => {
             // A failed record holds nothing that counts against the record limit.
             if let Some(limit) = &cfg.record_limit {
@@ -124,7 +122,7 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
                 why,
                 "marking the attempt failed did not work; it is released when the store answers again"
             );
-            Releases::push(cfg, claim.clone(), why);
+            cfg.releases.push(claim.clone(), why);
         }
     }
 }
@@ -134,7 +132,7 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
 /// stale, a layer with [`StaleClaims::Uncertain`](crate::StaleClaims::Uncertain) makes it
 /// uncertain then.
 pub(super) async fn mark_uncertain(cfg: &Arc<Config>, claim: &Arc<Claim>) -> Response<Body> {
-    match bounded(cfg, "mark_uncertain", cfg.store.mark_uncertain(claim)).await {
+    match cfg.deadline.bounded("mark_uncertain", cfg.store.mark_uncertain(claim)).await {
         Ok(()) => {
             cfg.waiters.wake(claim.scope());
             tracing::warn!(

@@ -8,7 +8,6 @@ use futures::future::Either;
 use idempotency::{Claim, ErrorChain, Renewal, StoreError, now};
 
 use crate::config::Config;
-use crate::deadline::bounded;
 
 /// The shortest time between two renewals of a claim, whatever the in-flight TTL.
 const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
@@ -30,7 +29,7 @@ pub(super) async fn with_heartbeat<F: Future>(cfg: &Config, claim: &Claim, work:
                 in_flight_ttl: cfg.in_flight_ttl,
                 expires_at: idempotency::later(at, cfg.retention),
             };
-            match bounded(cfg, "heartbeat", cfg.store.heartbeat(claim, renewal)).await {
+            match cfg.deadline.bounded("heartbeat", cfg.store.heartbeat(claim, renewal)).await {
                 Ok(()) => {}
                 Err(StoreError::Fenced { generation }) => {
                     tracing::warn!(generation, "the claim is no longer this attempt's; renewal stops");

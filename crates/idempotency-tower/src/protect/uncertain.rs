@@ -7,7 +7,6 @@ use idempotency::{Claim, ReclaimRequest, Record, Resolve, StoredBody, StoredResp
 
 use super::store_down;
 use crate::config::Config;
-use crate::deadline::bounded;
 use crate::expires::with_expiry;
 use crate::problem::{Rejection, rejection_response};
 use crate::replay::{replay, replayable_headers};
@@ -42,7 +41,7 @@ pub(super) fn on_record<'a>(cfg: &Config, record: &'a Record, t: Timestamp) -> R
 /// Turns `record`, in flight with a stale claim, uncertain. `Some`: this request did (the record
 /// as it now is); `None`: the record changed first (read it again).
 pub(super) async fn mark_stale(cfg: &Config, record: &Record, t: Timestamp) -> Result<Option<Record>, Response<Body>> {
-    match bounded(cfg, "mark_uncertain", cfg.store.mark_stale_uncertain(on_record(cfg, record, t))).await {
+    match cfg.deadline.bounded("mark_uncertain", cfg.store.mark_stale_uncertain(on_record(cfg, record, t))).await {
         Ok(Some(marked)) => {
             tracing::warn!(
                 record_id = %marked.record_id.to_hex(),
@@ -83,7 +82,7 @@ fn held(cfg: &Config, record: &Record) -> Response<Body> {
 }
 
 async fn take_over(cfg: &Config, record: &Record, t: Timestamp) -> Next {
-    match bounded(cfg, "take_over_uncertain", cfg.store.take_over_uncertain(on_record(cfg, record, t))).await {
+    match cfg.deadline.bounded("take_over_uncertain", cfg.store.take_over_uncertain(on_record(cfg, record, t))).await {
         Ok(Some(claim)) => {
             tracing::warn!(
                 record_id = %record.record_id.to_hex(),
@@ -106,7 +105,7 @@ async fn resolve(cfg: &Config, record: &Record, t: Timestamp, response: http::Re
         body: StoredBody::encode(body, cfg.compression_threshold),
     };
     let expires_at = idempotency::later(t, cfg.retention);
-    match bounded(cfg, "resolve", cfg.store.resolve(&record.record_id, &stored, expires_at)).await {
+    match cfg.deadline.bounded("resolve", cfg.store.resolve(&record.record_id, &stored, expires_at)).await {
         Ok(Resolve::Resolved(resolved)) => {
             tracing::info!(record_id = %record.record_id.to_hex(), status = stored.status, "an uncertain record is resolved by its probe");
             cfg.waiters.wake(&record.scope);

@@ -14,14 +14,11 @@ use serde::de::DeserializeOwned;
 pub use super::api::{BmcNode, BmcState, BootRequest, FlashRequest, SimStats, Vm, VmDetail, VmState};
 use super::api::{RebootRequest, VmList};
 
-mod error;
 #[cfg(test)]
 mod tests;
 
-pub use error::HvError;
-
-/// The most of an error body kept in an [`HvError`], so a misbehaving hypervisor cannot bloat logs.
-const MAX_ERROR_BODY: usize = 2048;
+pub use super::error::HvError;
+use super::http::{Endpoint, check, check_success};
 
 /// A client for one hypervisor, with a per-call timeout.
 ///
@@ -76,46 +73,7 @@ impl HypervisorClient {
         ca_cert: Option<&Path>,
         pool_idle: Option<Duration>,
     ) -> Result<Self, HvError> {
-        let roots = match ca_cert {
-            Some(path) => {
-                let invalid = |reason: String| HvError::InvalidCaCert { path: path.to_path_buf(), reason };
-                let pem = std::fs::read(path).map_err(|e| invalid(e.to_string()))?;
-                let roots = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| invalid(e.to_string()))?;
-                if roots.is_empty() {
-                    return Err(invalid("no PEM CERTIFICATE block found".to_owned()));
-                }
-                roots
-            }
-            None => Vec::new(),
-        };
-        let invalid = |reason: &str| HvError::InvalidUrl { url: base_url.to_owned(), reason: reason.to_owned() };
-        let base = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
-        if !matches!(base.scheme(), "http" | "https") {
-            return Err(invalid("the scheme must be http or https"));
-        }
-        if base.cannot_be_a_base() || base.host().is_none() {
-            return Err(invalid("the URL has no host"));
-        }
-        if base.query().is_some() || base.fragment().is_some() {
-            return Err(invalid("the URL must not have a query or fragment"));
-        }
-        let http = reqwest::Client::builder()
-            .default_headers(headers)
-            .timeout(timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            .tls_backend_rustls();
-        let http = match pool_idle {
-            Some(idle) => http.pool_idle_timeout(idle),
-            None => http,
-        };
-        // Redirects are off, so an http hypervisor never needs TLS: skip loading the system's roots
-        // (a host without them can still use one).
-        let http = if base.scheme() == "https" { http.tls_certs_merge(roots) } else { http.tls_certs_only(roots) }
-            .build()
-            .map_err(|e| invalid(&e.to_string()))?;
-        let keyed = reqwest_middleware::ClientBuilder::new(http.clone())
-            .with(idempotency_tower::PropagateIdempotencyKey)
-            .build();
+        let Endpoint { keyed, base } = Endpoint::new(base_url, timeout, headers, ca_cert, pool_idle)?;
         Ok(Self {
             keyed,
             base,
@@ -136,12 +94,6 @@ impl HypervisorClient {
     /// The Redfish BMC the flashes go to, when one was given (`--bmc-url redfish+...`).
     pub fn redfish(&self) -> Option<&super::redfish::RedfishBmc> {
         self.redfish.as_ref()
-    }
-
-    /// The HTTP client (its timeout, TLS roots and no-redirect policy) with the key propagation
-    /// middleware.
-    pub(super) fn keyed(&self) -> &reqwest_middleware::ClientWithMiddleware {
-        &self.keyed
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC
@@ -358,26 +310,4 @@ async fn expect_success<T: DeserializeOwned>(response: reqwest::Response) -> Res
 async fn expect_success_status(response: reqwest::Response) -> Result<(), HvError> {
     let response = check_success(response).await?;
     response.bytes().await.map(drop).map_err(HvError::from_transport)
-}
-
-pub(super) async fn check_success(response: reqwest::Response) -> Result<reqwest::Response, HvError> {
-    let status = response.status();
-    check(response, if status.is_success() { status } else { StatusCode::OK }).await
-}
-
-pub(super) async fn check(response: reqwest::Response, want: StatusCode) -> Result<reqwest::Response, HvError> {
-    let status = response.status();
-    if status == want {
-        return Ok(response);
-    }
-    // The body is only for the message; failing to read it does not change the class.
-    let mut body = response.text().await.unwrap_or_default();
-    if body.len() > MAX_ERROR_BODY {
-        let mut end = MAX_ERROR_BODY;
-        while !body.is_char_boundary(end) {
-            end -= 1;
-        }
-        body.truncate(end);
-    }
-    Err(HvError::Status { status, body })
 }

@@ -30,7 +30,7 @@ use virt::domain::Domain;
 use virt::error::ErrorNumber;
 
 use super::api::{BootRequest, Vm, VmDetail, VmState};
-use super::client::HvError;
+use super::error::HvError;
 
 /// The XML namespace of the service's domain metadata.
 pub const METADATA_NS: &str = "https://leasebroker.example/ns/1";

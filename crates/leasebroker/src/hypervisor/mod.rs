@@ -38,6 +38,8 @@
 
 mod api;
 pub mod client;
+mod error;
+mod http;
 #[cfg(feature = "libvirt")]
 pub mod libvirt;
 pub mod redfish;

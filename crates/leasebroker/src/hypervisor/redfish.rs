@@ -32,7 +32,8 @@ use reqwest::{Method, StatusCode, Url};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::client::{HvError, HypervisorClient, check, check_success};
+use super::error::HvError;
+use super::http::{Endpoint, check, check_success};
 
 /// The scheme prefix that selects this backend in `--bmc-url`.
 pub const URL_PREFIX: &str = super::url::REDFISH_PREFIX;
@@ -175,7 +176,7 @@ impl RedfishBmc {
         let plain = url
             .strip_prefix(URL_PREFIX)
             .ok_or_else(|| invalid("a Redfish URL is redfish+http://HOST:PORT or redfish+https://HOST:PORT"))?;
-        let client = HypervisorClient::with_ca_cert(plain, timeout, ca_cert)
+        let endpoint = Endpoint::new(plain, timeout, reqwest::header::HeaderMap::new(), ca_cert, None)
             .map_err(|e| if let HvError::InvalidUrl { reason, .. } = e { invalid(&reason) } else { e })?;
         let base = Url::parse(plain).map_err(|e| invalid(&e.to_string()))?;
         if !matches!(base.path(), "" | "/") {
@@ -191,7 +192,7 @@ impl RedfishBmc {
         {
             return Err(invalid_images("an absolute URL a BMC can fetch from, without a query".to_owned()));
         }
-        Ok(Self { keyed: client.keyed().clone(), base, images })
+        Ok(Self { keyed: endpoint.keyed, base, images })
     }
 
     /// The `ImageURI` of `version`, carrying `tag`.

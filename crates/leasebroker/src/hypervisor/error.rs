@@ -10,7 +10,7 @@ use reqwest::StatusCode;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HvError {
-    /// The base URL given to [`HypervisorClient::new`](super::HypervisorClient::new) is unusable. Definite.
+    /// The base URL given to [`HypervisorClient::new`](super::client::HypervisorClient::new) is unusable. Definite.
     #[error("invalid hypervisor URL {url:?}: {reason}")]
     InvalidUrl {
         /// The URL as given.
@@ -29,7 +29,7 @@ pub enum HvError {
         reason: String,
     },
     /// The CA certificate file given to
-    /// [`HypervisorClient::with_ca_cert`](super::HypervisorClient::with_ca_cert) is unusable. Definite.
+    /// [`HypervisorClient::with_ca_cert`](super::client::HypervisorClient::with_ca_cert) is unusable. Definite.
     #[error("hypervisor CA certificate {}: {reason}", path.display())]
     InvalidCaCert {
         /// The file as given.
