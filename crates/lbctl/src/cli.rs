@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
-use leasebroker_client::{NodeId, OperationId, RecordId, Resolution, WorkerId};
+use leasebroker_client::{NodeId, OperationId, RecordId, RecordState, Resolution, WorkerId};
 
 /// The command line.
 #[derive(Debug, Parser)]
@@ -72,8 +73,8 @@ pub enum RecordsCommand {
     /// or more (their attempt has not been renewed since).
     List {
         /// Only records in this state.
-        #[arg(long, value_parser = ["in_flight", "failed", "completed", "uncertain"])]
-        state: Option<String>,
+        #[arg(long, value_parser = PossibleValuesParser::new(RecordState::KNOWN).map(RecordState::from))]
+        state: Option<RecordState>,
         /// Only this principal's records.
         #[arg(long)]
         principal: Option<String>,

@@ -67,6 +67,10 @@ macro_rules! open_enum {
         }
 
         impl $name {
+            /// The names this side knows, in the order they were declared: the values a flag or
+            /// a form offers.
+            pub const KNOWN: &'static [&'static str] = &[$($wire),+];
+
             /// The name as the API writes it.
             pub fn as_str(&self) -> &str {
                 match self {

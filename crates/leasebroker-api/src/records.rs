@@ -14,10 +14,10 @@ open_enum!(
     RecordState {
         /// An attempt holds the key; its outcome is not stored yet.
         InFlight = "in_flight",
-        /// The response is stored and replayed.
-        Completed = "completed",
         /// The attempt failed; a retry runs the request again.
         Failed = "failed",
+        /// The response is stored and replayed.
+        Completed = "completed",
         /// The request was sent on and what came of it is unknown: held, probed or resent.
         Uncertain = "uncertain",
     }

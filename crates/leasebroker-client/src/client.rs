@@ -396,7 +396,7 @@ impl Client {
         {
             let mut query = url.query_pairs_mut();
             let pairs = [
-                ("state", filter.state.clone()),
+                ("state", filter.state.as_ref().map(ToString::to_string)),
                 ("principal", filter.principal.clone()),
                 ("older_than", filter.older_than.clone()),
                 ("limit", filter.limit.map(|l| l.to_string())),

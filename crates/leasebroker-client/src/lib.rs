@@ -12,7 +12,7 @@ mod types;
 
 pub use client::{Client, ClientBuilder, DEFAULT_POLL_INTERVAL, Mutation, Response};
 pub use error::{Error, IN_PROGRESS, KEY_REUSED, OPERATION_CONFLICT, Problem, retry_after};
-pub use records::{InvalidRecordId, Record, RecordFilter, RecordId, RecordPage};
+pub use records::{InvalidRecordId, Record, RecordFilter, RecordId, RecordPage, RecordState};
 pub use retry::{OpKey, RetryPolicy};
 pub use types::{
     CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidWorkerId, InvalidWorkerState, NodeId,

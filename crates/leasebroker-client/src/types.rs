@@ -4,5 +4,5 @@
 pub use leasebroker_api::{
     CreateWorker, FlashFirmware, Fleet, InvalidNodeId, InvalidOperationId, InvalidRecordId, InvalidWorkerId,
     InvalidWorkerState, NodeId, Operation, OperationId, OperationKind, OperationState, RebootResult, Record, RecordId,
-    RecordPage, Resolution, ResolveOperation, Worker, WorkerId, WorkerPage, WorkerState,
+    RecordPage, RecordState, Resolution, ResolveOperation, Worker, WorkerId, WorkerPage, WorkerState,
 };

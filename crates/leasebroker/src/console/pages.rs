@@ -361,7 +361,7 @@ pub(super) fn records(f: &Filters, listed: Result<RecordPage, String>, now: i64,
     let mut b = String::from(
         r#"<h1>Idempotency records</h1><form class="filters" method="get" action="/console/records"><label>State <select name="state">"#,
     );
-    for s in ["", "in_flight", "failed", "completed", "uncertain"] {
+    for s in std::iter::once("").chain(leasebroker_api::RecordState::KNOWN.iter().copied()) {
         let selected = if f.state == s { " selected" } else { "" };
         let _ = write!(b, r#"<option value="{s}"{selected}>{}</option>"#, if s.is_empty() { "any" } else { s });
     }
