@@ -36,6 +36,11 @@ pub(crate) struct ServeArgs {
     /// PostgreSQL URL for `--mode postgres`.
     #[arg(long)]
     database: Option<String>,
+    /// Bytes of completed responses answered from memory on a store that announces its changes
+    /// (PostgreSQL), as leasebroker and the gateway do by default; 0: every replay reads the
+    /// store.
+    #[arg(long, default_value_t = idempotency::DEFAULT_REPLAY_CACHE_BYTES)]
+    replay_cache: u64,
 }
 
 /// The handler: the cheapest thing that still looks like a create.
@@ -97,7 +102,8 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     .parse()?,
                 _ => StoreUrl::Memory,
             };
-            ours(idempotency_stores::connect(&url, &idempotency_stores::Options::default()).await?)
+            let store = idempotency_stores::connect(&url, &idempotency_stores::Options::default()).await?;
+            ours(idempotency::ReplayCache::over(store, args.replay_cache))
         }
         Mode::Peer => peer(),
     };

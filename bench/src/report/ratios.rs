@@ -80,6 +80,33 @@ fn floor_rows(runs: &Runs) -> Vec<Ratio> {
         let goal = goal.map(Goal::AtLeast);
         push(runs.ratio("floor", what.into(), "rps", &f(case, variant), &f(case, "pgbench"), goal));
     }
+    // The replay cache: one hot key from 64 connections, against pgbench's lookup and against
+    // the same layer reading the store for every replay.
+    let hot = |v: &str| key("floor", "replay-hot", 64, v);
+    push(runs.ratio(
+        "floor",
+        "replay: layer over HTTP with the replay cache (wrk, hot key, 64 conns) / pgbench lookup".into(),
+        "rps",
+        &hot("layer"),
+        &f("replay", "pgbench"),
+        Some(Goal::AtLeast(1.5)),
+    ));
+    push(runs.ratio(
+        "floor",
+        "replay, hot key, 64 conns: the layer with the replay cache / without it".into(),
+        "rps",
+        &hot("layer"),
+        &hot("layer-nocache"),
+        None,
+    ));
+    push(runs.ratio(
+        "floor",
+        "replay, hot key, 64 conns: database transactions per 100 replays, with the replay cache / without it".into(),
+        "xacts_per_100",
+        &hot("layer"),
+        &hot("layer-nocache"),
+        Some(Goal::AtMost(0.01)),
+    ));
     for case in ["replay", "first"] {
         push(runs.ratio(
             "floor",

@@ -58,7 +58,7 @@ impl Gateway {
     /// Connects the store, builds the layers, the proxy and the admin routes, binds both
     /// listeners. `metrics` renders the process's Prometheus registry on `/metrics`.
     pub async fn build(config: Config, metrics: PrometheusHandle) -> anyhow::Result<Self> {
-        let store = crate::store::connect(&config.record_store).await?;
+        let store = crate::store::connect(&config.record_store, config.replay_cache).await?;
         let connect_timeout = (config.upstream_timeout / 2).min(Duration::from_secs(10));
         let client = crate::proxy::client::build(config.upstream_ca_cert.as_deref(), connect_timeout)?;
         let proxy = Proxy::new(

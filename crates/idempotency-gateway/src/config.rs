@@ -79,6 +79,11 @@ pub struct Args {
     /// body (`Idempotency-Body-Omitted: true`) [default: 1MiB].
     #[arg(long, env = "IDEMPOTENCY_GATEWAY_MAX_STORED_RESPONSE")]
     pub max_stored_response: Option<Bytes>,
+    /// The most bytes of completed responses kept in memory to answer replays without the
+    /// record store, on a store that announces its changes (PostgreSQL, Redis); 0 turns it off
+    /// [default: 64MiB].
+    #[arg(long, env = "IDEMPOTENCY_GATEWAY_REPLAY_CACHE")]
+    pub replay_cache: Option<Bytes>,
     /// The bearer token of the admin records API (without one, it answers 401).
     #[arg(long, env = "IDEMPOTENCY_GATEWAY_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -165,6 +170,8 @@ pub struct Config {
     pub max_body: usize,
     /// `--max-stored-response`.
     pub max_stored_response: usize,
+    /// `--replay-cache`.
+    pub replay_cache: usize,
     /// `--admin-token`.
     pub admin_token: Option<String>,
     /// `--otlp-endpoint`.
@@ -215,6 +222,7 @@ impl Config {
             mismatch_status: pick(a.mismatch_status, f.take("mismatch-status", enum_value)?, MismatchStatus::Conflict),
             max_body: pick(a.max_body, f.take("max-body", parse)?, Bytes(MIB)).0,
             max_stored_response: pick(a.max_stored_response, f.take("max-stored-response", parse)?, Bytes(MIB)).0,
+            replay_cache: pick(a.replay_cache, f.take("replay-cache", parse)?, Bytes(64 * MIB)).0,
             admin_token: a.admin_token.or(f.take("admin-token", parse)?),
             otlp_endpoint: a.otlp_endpoint.or(f.take("otlp-endpoint", parse)?),
             limits: ConnectionLimits {

@@ -3,10 +3,13 @@
 
 use std::sync::Arc;
 
-use idempotency::Store;
+use idempotency::{ReplayCache, Store};
 use idempotency_stores::{Options, StoreUrl};
 
-/// Connects to the record store at `url` and creates or upgrades its schema.
-pub async fn connect(url: &StoreUrl) -> anyhow::Result<Arc<dyn Store>> {
-    Ok(idempotency_stores::connect(url, &Options::default()).await?)
+/// Connects to the record store at `url` and creates or upgrades its schema; behind a replay
+/// cache of `replay_cache` bytes when the store announces its changes (see
+/// [`ReplayCache::over`]).
+pub async fn connect(url: &StoreUrl, replay_cache: usize) -> anyhow::Result<Arc<dyn Store>> {
+    let store = idempotency_stores::connect(url, &Options::default()).await?;
+    Ok(ReplayCache::over(store, replay_cache as u64))
 }

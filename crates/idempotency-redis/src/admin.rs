@@ -177,6 +177,8 @@ impl RedisStore {
             reply => match record_reply(reply)? {
                 Some(r) => {
                     self.unindex_record(&r.scope.principal, &key).await;
+                    // Other processes drop their copies of the record.
+                    self.announce_change(&r.scope);
                     Ok(Forget::Forgotten(r))
                 }
                 None => Err(StoreError::Corrupt("the forget script returned no record".to_owned())),

@@ -1,4 +1,5 @@
-//! Announcements that a record left `in_flight`, between processes: `complete` and `fail`
+//! Announcements that a record left `in_flight` or was forgotten, between processes: `complete`,
+//! `fail` and `forget`
 //! `PUBLISH` the record's [`change_tag`] on the prefix's channel once their script has run, and
 //! [`Store::changes`](idempotency::Store::changes) subscribes to it on a connection of its own,
 //! so a request waiting with `Prefer: wait` in another process is woken at once. On a cluster,
@@ -55,7 +56,7 @@ pub(crate) async fn listen(clients: Arc<Vec<redis::Client>>, channel: String, ch
         };
         // Waiters that subscribed before this did may have missed theirs.
         if let Some(c) = changes.upgrade() {
-            c.wake_all();
+            c.listening();
         }
         let mut messages = pubsub.into_on_message();
         loop {
@@ -73,7 +74,7 @@ pub(crate) async fn listen(clients: Arc<Vec<redis::Client>>, channel: String, ch
         }
         tracing::warn!("the subscription to record changes ended; waiters poll until it is back");
         if let Some(c) = changes.upgrade() {
-            c.wake_all();
+            c.lost();
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }

@@ -144,6 +144,20 @@ mod support {
 idempotency::store_conformance_suite!(redis, self_expiring optional support::server_fixture());
 idempotency::store_conformance_suite!(redis_cluster, self_expiring optional support::cluster_fixture());
 
+/// Two processes, each behind a replay cache: a forget on one reaches the other's copy (PUBLISH).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_replay_cache_is_coherent_across_replicas() {
+    let Some(fx) = support::server_fixture().await else { return };
+    idempotency::conformance::replay_cache_is_coherent_across_replicas(fx).await;
+}
+
+/// The same on a cluster: the forget's announcement reaches a subscriber on any node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_replay_cache_is_coherent_across_replicas() {
+    let Some(fx) = support::cluster_fixture().await else { return };
+    idempotency::conformance::replay_cache_is_coherent_across_replicas(fx).await;
+}
+
 /// Requests and responses for the Redis-specific tests.
 mod common {
     use bytes::Bytes;

@@ -1,5 +1,5 @@
-//! Announcements that a record left `in_flight`, between processes on one PostgreSQL database,
-//! for both PostgreSQL stores: `complete` and `fail` hand the record's [`change_tag`] to a
+//! Announcements that a record left `in_flight` or was forgotten, between processes on one
+//! PostgreSQL database, for both PostgreSQL stores: `complete`, `fail` and `forget` hand the record's [`change_tag`] to a
 //! background task once their statement has committed, the task sends whatever tags are queued
 //! as `NOTIFY` payloads on [`CHANGES_CHANNEL`], and [`Store::changes`](idempotency::Store::changes)
 //! listens on one connection per store, so a request waiting with `Prefer: wait` in another
@@ -142,42 +142,52 @@ fn tags(payload: &str) -> impl Iterator<Item = &str> {
     payload.split(' ').filter(|t| !t.is_empty())
 }
 
-/// Wakes the waiters of each announced record until the store is dropped. A broken connection
-/// wakes every waiter (announcements may have been missed; each reads its record again) and is
-/// reopened, re-listening, by the next receive.
+/// Wakes the waiters of each announced record until the store is dropped. The feed is
+/// [`listening`](RecordChanges::listening) once `LISTEN` has run; a broken connection is
+/// [`lost`](RecordChanges::lost) (announcements may have been missed: every waiter reads its
+/// record again, a replay cache drops its copies) and is opened again, listening again.
 async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
-    let mut listener = loop {
-        if changes.strong_count() == 0 {
-            return;
+    loop {
+        let Some(mut listener) = connect(&pool, &changes).await else { return };
+        loop {
+            let received = listener.try_recv().await;
+            let Some(changes) = changes.upgrade() else { return };
+            match received {
+                Ok(Some(n)) => tags(n.payload()).for_each(|tag| changes.wake(tag)),
+                Ok(None) => {
+                    tracing::warn!("the connection listening for record changes broke; waiters poll until it is back");
+                    changes.lost();
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "listening for record changes failed; waiters poll until it is back");
+                    changes.lost();
+                    break;
+                }
+            }
         }
-        match PgListener::connect_with(&pool).await {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A connection that listens on [`CHANGES_CHANNEL`], tried once a second until one does, the
+/// feed then [`listening`](RecordChanges::listening); `None` once the store is gone.
+async fn connect(pool: &PgPool, changes: &Weak<RecordChanges>) -> Option<PgListener> {
+    loop {
+        if changes.strong_count() == 0 {
+            return None;
+        }
+        match PgListener::connect_with(pool).await {
             Ok(mut l) => match l.listen(CHANGES_CHANNEL).await {
                 Ok(()) => {
-                    // Waiters that subscribed before this listened may have missed theirs.
-                    if let Some(c) = changes.upgrade() {
-                        c.wake_all();
-                    }
-                    break l;
+                    changes.upgrade()?.listening();
+                    return Some(l);
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot LISTEN for record changes; waiters poll meanwhile"),
             },
             Err(e) => tracing::warn!(error = %e, "cannot open the connection that listens for record changes"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-    };
-    loop {
-        let received = listener.try_recv().await;
-        let Some(changes) = changes.upgrade() else { return };
-        match received {
-            Ok(Some(n)) => tags(n.payload()).for_each(|tag| changes.wake(tag)),
-            Ok(None) => changes.wake_all(),
-            Err(e) => {
-                tracing::warn!(error = %e, "listening for record changes failed; waiters poll until it is back");
-                changes.wake_all();
-                drop(changes);
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
     }
 }
 

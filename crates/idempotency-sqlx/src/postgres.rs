@@ -388,8 +388,13 @@ impl Store for PostgresStore {
         self.admin_get_by_id(id).await
     }
 
+    /// Announced like `complete`, so that other processes drop their copies of the record.
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
-        self.admin_forget(id).await
+        let forgot = self.admin_forget(id).await?;
+        if let Forget::Forgotten(r) = &forgot {
+            self.announcements.announce(&self.pool, &r.scope);
+        }
+        Ok(forgot)
     }
 
     async fn resolve(

@@ -44,6 +44,15 @@ mod support {
         Some(Fixture { store: Arc::new(Holding::new(store, db.clone())), peer: Arc::new(Holding::new(peer, db)) })
     }
 
+    /// [`postgres_fixture`] with each replica behind a replay cache of its own, as leasebroker
+    /// and the gateway run it by default.
+    pub(crate) async fn postgres_cached_fixture() -> Option<Fixture> {
+        use idempotency::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache, Store};
+        let fx = postgres_fixture(ClaimStrategy::InsertOrRead).await?;
+        let cached = |s: Arc<dyn Store>| Arc::new(ReplayCache::new(s, DEFAULT_REPLAY_CACHE_BYTES)) as Arc<dyn Store>;
+        Some(Fixture { store: cached(fx.store), peer: cached(fx.peer) })
+    }
+
     /// A fresh database with the layout partitioned by expiry day; two pools, as two replicas.
     pub(crate) async fn partitioned_fixture() -> Option<Fixture> {
         let (store, db) = partitioned_store().await?;
@@ -76,6 +85,21 @@ idempotency::store_conformance_suite!(
     optional support::postgres_fixture(ClaimStrategy::SeedUpsert)
 );
 idempotency::store_conformance_suite!(postgres_partitioned, whole_days optional support::partitioned_fixture());
+idempotency::store_conformance_suite!(postgres_replay_cache, optional support::postgres_cached_fixture());
+
+/// Two replicas, each behind a replay cache: a forget on one reaches the other's copy (NOTIFY).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_replay_cache_is_coherent_across_replicas() {
+    let Some(fx) = support::postgres_fixture(ClaimStrategy::InsertOrRead).await else { return };
+    idempotency::conformance::replay_cache_is_coherent_across_replicas(fx).await;
+}
+
+/// The same on the layout partitioned by expiry day.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_partitioned_replay_cache_is_coherent_across_replicas() {
+    let Some(fx) = support::partitioned_fixture().await else { return };
+    idempotency::conformance::replay_cache_is_coherent_across_replicas(fx).await;
+}
 
 /// Requests and responses for the backend-specific tests.
 mod common {

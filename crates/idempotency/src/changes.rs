@@ -1,9 +1,11 @@
-//! Announcements that a record left `in_flight`, for stores that can send them between
-//! processes (PostgreSQL's LISTEN/NOTIFY): a request waiting for another process's request with
-//! its key (`Prefer: wait`) is woken at once instead of at its next poll.
+//! Announcements that a record changed (left `in_flight`, or was forgotten), for stores that can
+//! send them between processes (PostgreSQL's LISTEN/NOTIFY, Redis's PUBLISH): a request waiting
+//! for another process's request with its key (`Prefer: wait`) is woken at once instead of at its
+//! next poll, and a [`ReplayCache`](crate::ReplayCache) drops its copy of a forgotten record.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
@@ -12,9 +14,40 @@ use crate::Scope;
 
 /// One [`Notify`] per record somebody waits for, woken by the store's announcements. A store
 /// that announces changes owns one and hands it out through [`Store::changes`](crate::Store::changes).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct RecordChanges {
     map: Mutex<HashMap<String, Arc<Notify>>>,
+    /// Whether the store hears announcements now ([`RecordChanges::listening`]).
+    listening: AtomicBool,
+    /// Those who watch every record rather than one.
+    observers: Mutex<Vec<Weak<dyn ChangeObserver>>>,
+}
+
+impl std::fmt::Debug for RecordChanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordChanges")
+            .field("waited_for", &self.waited_for())
+            .field("listening", &self.is_listening())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a store's announcements tell one who watches every record ([`RecordChanges::observe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Change<'a> {
+    /// The record whose [`change_tag`] this is changed.
+    Record(&'a str),
+    /// The store stopped hearing announcements: any may be missed until [`Change::Listening`].
+    Lost,
+    /// The store hears announcements (again), from now on.
+    Listening,
+}
+
+/// One who watches every record's announcements (a [`ReplayCache`](crate::ReplayCache)).
+pub trait ChangeObserver: Send + Sync {
+    /// Called for each announcement, on the task that hears it: must not block.
+    fn observe(&self, change: Change<'_>);
 }
 
 /// What identifies a record in an announcement: a hash of its scope, short and free of the
@@ -43,10 +76,49 @@ impl RecordChanges {
         ChangeSubscription { changes: self.clone(), tag, notify }
     }
 
-    /// Wakes the waiters of the record `tag` ([`change_tag`]) names.
+    /// Wakes the waiters of the record `tag` ([`change_tag`]) names, and tells the observers.
     pub fn wake(&self, tag: &str) {
         if let Some(n) = self.lock().get(tag) {
             n.notify_waiters();
+        }
+        self.tell(Change::Record(tag));
+    }
+
+    /// Adds `observer`, told of every announcement until it is dropped.
+    pub fn observe(&self, observer: Weak<dyn ChangeObserver>) {
+        let mut observers = self.observers.lock().unwrap_or_else(|e| e.into_inner());
+        observers.retain(|o| o.strong_count() > 0);
+        observers.push(observer);
+    }
+
+    /// Whether the store hears announcements now: from its [`RecordChanges::listening`] to its
+    /// next [`RecordChanges::lost`]. A store that never listens never is.
+    pub fn is_listening(&self) -> bool {
+        self.listening.load(Ordering::SeqCst)
+    }
+
+    /// For the store: it hears announcements from now on. Every waiter is woken (one that
+    /// subscribed before may have missed its announcement) and the observers are told.
+    pub fn listening(&self) {
+        self.listening.store(true, Ordering::SeqCst);
+        self.wake_all();
+        self.tell(Change::Listening);
+    }
+
+    /// For the store: it stopped hearing announcements (its connection broke). Every waiter is
+    /// woken (each reads its record again) and the observers are told, before any announcement
+    /// can be missed unseen.
+    pub fn lost(&self) {
+        self.listening.store(false, Ordering::SeqCst);
+        self.tell(Change::Lost);
+        self.wake_all();
+    }
+
+    fn tell(&self, change: Change<'_>) {
+        let observers: Vec<_> =
+            self.observers.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).collect();
+        for o in observers {
+            o.observe(change);
         }
     }
 

@@ -11,6 +11,7 @@
 //! (`faulty`).
 
 mod admin;
+mod cache;
 mod canonical_json;
 mod changes;
 mod derive;
@@ -31,7 +32,8 @@ pub mod conformance;
 pub mod faulty;
 
 pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery, Resolve};
-pub use changes::{ChangeSubscription, RecordChanges, change_tag};
+pub use cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
+pub use changes::{Change, ChangeObserver, ChangeSubscription, RecordChanges, change_tag};
 pub use derive::{SubKey, derive};
 pub use fingerprint::{DEFAULT_MAX_BODY, Fingerprint, FingerprintError, FingerprintMode, Fingerprinter, RequestParts};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

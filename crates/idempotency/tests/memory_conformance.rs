@@ -12,3 +12,13 @@ idempotency::store_conformance_suite!(memory, async {
     let store = Arc::new(MemoryStore::new());
     Fixture { peer: store.clone(), store }
 });
+
+// The same suite through a replay cache: every claim and read of a completed record after the
+// first is answered from the copy, and the answers must not change.
+idempotency::store_conformance_suite!(memory_replay_cache, async {
+    let store: Arc<dyn idempotency::Store> = Arc::new(idempotency::ReplayCache::local(
+        Arc::new(MemoryStore::new()),
+        idempotency::DEFAULT_REPLAY_CACHE_BYTES,
+    ));
+    Fixture { peer: store.clone(), store }
+});

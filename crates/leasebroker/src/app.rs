@@ -9,7 +9,7 @@ use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
-use idempotency::{Principal, ResponsePolicy, Store};
+use idempotency::{Principal, ReplayCache, ResponsePolicy, Store};
 use idempotency_stores::StoreUrl;
 use idempotency_tower::{DetachedHandlers, IdempotencyLayer, KeySources};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -90,10 +90,13 @@ impl Application {
         let hypervisor = hypervisor(&args, timeouts, &mut background).await?;
         let hypervisor_shown =
             args.hypervisor_url.as_ref().map_or_else(|| "in-process simulator".to_owned(), |u| u.to_string());
-        let store = wrap(match &args.record_store {
-            None => db.idempotency_store(),
-            Some(url) => record_store(url, &args).await?,
-        });
+        let store = wrap(ReplayCache::over(
+            match &args.record_store {
+                None => db.idempotency_store(),
+                Some(url) => record_store(url, &args).await?,
+            },
+            args.replay_cache,
+        ));
         let layer = idempotency_layer(store.clone(), &args)?;
         start_reaper_and_watcher(&mut background, &store, &domain, &hypervisor, &args);
 

@@ -185,6 +185,14 @@ pub struct ServeArgs {
           value_parser = UrlFlag(record_store_url))]
     pub record_store: Option<StoreUrl>,
 
+    /// The most bytes of completed responses kept in memory to answer replays without a round
+    /// trip to the record store (`64MiB`, `512KiB`, a number of bytes), on a store that announces
+    /// its changes (PostgreSQL, Redis): a forget on any replica drops every replica's copy. `0`
+    /// turns it off; on SQLite there is none.
+    #[arg(long, env = "LEASEBROKER_REPLAY_CACHE", default_value = "64MiB", value_name = "SIZE",
+          value_parser = parse_size)]
+    pub replay_cache: u64,
+
     /// Redis record store: after each transition, wait until this many replicas of the record's
     /// primary have it (`WAIT`); a transition fewer replicas acknowledge in time fails as 503
     /// `store-unavailable`. 0: no wait (a failover may lose the last acknowledged writes).
@@ -542,6 +550,11 @@ fn bmc_url(url: &str) -> Result<BmcUrl, String> {
 /// A usage error whose text is `message` alone.
 fn secret_error(message: &str) -> clap::Error {
     clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{message}\n"))
+}
+
+/// A size as `--replay-cache` takes it: `64MiB`, `512KiB`, `1 MB`, or a number of bytes.
+fn parse_size(s: &str) -> Result<u64, String> {
+    s.trim().parse::<bytesize::ByteSize>().map(|b| b.as_u64()).map_err(|_| "expected a size such as 64MiB".to_owned())
 }
 
 #[cfg(test)]

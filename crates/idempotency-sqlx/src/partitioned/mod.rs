@@ -426,8 +426,13 @@ impl Store for PartitionedPostgresStore {
         self.announcements.changes(&self.pool)
     }
 
+    /// Announced like `complete`, so that other processes drop their copies of the record.
     async fn forget(&self, id: &RecordId) -> Result<Forget, StoreError> {
-        self.admin_forget(id).await
+        let forgot = self.admin_forget(id).await?;
+        if let Forget::Forgotten(r) = &forgot {
+            self.announcements.announce(&self.pool, &r.scope);
+        }
+        Ok(forgot)
     }
 
     /// Creates the partition of `expires_at`'s day first when it is missing: the row moves there.

@@ -36,6 +36,7 @@ pub use holding::Holding;
 pub use lifecycle::*;
 pub use operating::*;
 pub use port::{HeldPort, free_port_with, free_ports};
+pub use replay_cache::*;
 pub use retention::*;
 pub use uncertain::*;
 
@@ -44,6 +45,7 @@ mod holding;
 mod lifecycle;
 mod operating;
 mod port;
+mod replay_cache;
 mod retention;
 mod uncertain;
 

@@ -192,3 +192,37 @@ async fn a_record_in_flight_is_listed_as_stuck_and_never_forgotten() {
     assert_eq!((after["state"].as_str(), after["response_status"].as_i64()), (Some("completed"), Some(201)));
     assert!(!lb.log().contains("an operator forgot"), "nothing was audited");
 }
+
+/// Two replicas on one PostgreSQL database, each with its replay cache (on by default): the
+/// replays on the second are answered from its copy, and a forget through the first reaches that
+/// copy (the store's announcement) within a second: the key then runs again on the second, as a
+/// new worker, where a stale copy would replay the forgotten one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forget_on_one_replica_reaches_the_replay_cache_of_another() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    let (a, b) = (serve_logged(pg.url(), &[]), serve_logged(pg.url(), &[]));
+    let first = create(&a.url, TOKEN, "cached-create-1", &worker_body()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&first.body));
+    for _ in 0..5 {
+        let replayed = create(&b.url, TOKEN, "cached-create-1", &worker_body()).await;
+        assert_eq!((replayed.status, replayed.replayed()), (StatusCode::CREATED, true));
+        assert_eq!(replayed.body, first.body);
+    }
+    let listed = all_pages(&a.url, "&principal=alice", 100).await;
+    let id = listed.iter().find(|r| r["key"] == "cached-create-1").expect("the create's record")["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let forgot = forget(&a.url, &id, Some("forget-cached-1")).await;
+    assert_eq!(forgot.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&forgot.body));
+
+    tokio::time::sleep(idempotency::conformance::INVALIDATION_BOUND).await;
+    let again = create(&b.url, TOKEN, "cached-create-1", &worker_body()).await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::CREATED, false),
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    assert_ne!(again.json()["id"], first.json()["id"], "the forgotten create runs again as a new worker");
+}
