@@ -57,6 +57,38 @@ async fn two_replicas_on_one_postgres_run_a_key_once() {
     two_replicas_run_a_key_once(pg.url()).await;
 }
 
+/// Two replicas on one PostgreSQL, each with its replay cache (on by default): replays on the
+/// second come from its copy, and a forget through the first's admin listener reaches that copy
+/// within a second: the key then runs again on the second, where a stale copy would replay.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forget_on_one_replica_reaches_the_replay_cache_of_another() {
+    let Some(pg) = testkit::postgres::TestDatabase::create().await else { return };
+    let upstream = Upstream::start(Lang::Python, &[]);
+    let (a, b) = (gateway(upstream.url(), pg.url(), &[]), gateway(upstream.url(), pg.url(), &[]));
+    let key = uuid_like();
+    let first = send(&a.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    for _ in 0..5 {
+        let replayed = send(&b.url, "/orders", &key, "{}", &[]).await;
+        assert_eq!((replayed.status, replayed.header("idempotent-replayed")), (StatusCode::CREATED, Some("true")));
+    }
+    assert_eq!(upstream.executions().await, 1);
+    let listed = crate::support::admin(&a, reqwest::Method::GET, "/admin/v1/records?state=completed", None).await;
+    let records = listed.json()["records"].as_array().expect("records").clone();
+    let id = records.iter().find(|r| r["key"] == key.as_str()).expect("the key's record")["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let forgot = crate::support::admin(&a, reqwest::Method::DELETE, &format!("/admin/v1/records/{id}"), None).await;
+    assert!(forgot.status.is_success(), "{} {}", forgot.status, forgot.body);
+
+    // The bound on a forget reaching another replica's copy.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let again = send(&b.url, "/orders", &key, "{}", &[]).await;
+    assert_eq!((again.status, again.header("idempotent-replayed")), (StatusCode::CREATED, None), "{}", again.body);
+    assert_eq!(upstream.executions().await, 2, "the forgotten key ran again on the other replica");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_upstream_gets_the_request_as_a_proxy_sends_it() {
     let upstream = Upstream::start(Lang::Node, &[]);
