@@ -5,20 +5,20 @@
 //! pending for reconciliation by tag, only a definite one marks it failed.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
-use reqwest::{Method, StatusCode, Url};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
+use reqwest::{Method, StatusCode};
 
 pub use super::api::{BmcNode, BmcState, BootRequest, FlashRequest, SimStats, Vm, VmDetail, VmState};
-use super::api::{RebootRequest, VmList};
 
 #[cfg(test)]
 mod tests;
 
 pub use super::error::HvError;
-use super::http::{Endpoint, check, check_success};
+use super::http::{Endpoint, expect, expect_success_status};
+use super::vms::HttpVms;
+pub use super::vms::Vms;
 
 /// A client for one hypervisor, with a per-call timeout.
 ///
@@ -28,14 +28,10 @@ use super::http::{Endpoint, check, check_success};
 /// [`HypervisorClient::with_ca_cert`], a private CA.
 #[derive(Debug, Clone)]
 pub struct HypervisorClient {
-    /// The HTTP client with the key propagation: a boot, reboot or flash carries its tag (the derived
-    /// sub-key) as `Idempotency-Key: "<tag>"`, so a hypervisor that honours the header
-    /// deduplicates it natively.
-    keyed: reqwest_middleware::ClientWithMiddleware,
-    base: Url,
-    /// Where the VMs live when not behind the HTTP API: a libvirt host.
-    #[cfg(feature = "libvirt")]
-    libvirt: Option<super::libvirt::LibvirtVms>,
+    /// The hypervisor API: its BMC calls, its counters, and its VMs unless they live elsewhere.
+    http: Endpoint,
+    /// Where the VMs live: the HTTP API's `/v1/vms` ([`HttpVms`]), or a libvirt host.
+    vms: Arc<dyn Vms>,
     /// Where the BMCs are when not behind the HTTP API: a Redfish service.
     redfish: Option<super::redfish::RedfishBmc>,
 }
@@ -73,14 +69,8 @@ impl HypervisorClient {
         ca_cert: Option<&Path>,
         pool_idle: Option<Duration>,
     ) -> Result<Self, HvError> {
-        let Endpoint { keyed, base } = Endpoint::new(base_url, timeout, headers, ca_cert, pool_idle)?;
-        Ok(Self {
-            keyed,
-            base,
-            #[cfg(feature = "libvirt")]
-            libvirt: None,
-            redfish: None,
-        })
+        let http = Endpoint::new(base_url, timeout, headers, ca_cert, pool_idle)?;
+        Ok(Self { vms: Arc::new(HttpVms(http.clone())), http, redfish: None })
     }
 
     /// This client with its BMCs behind a Redfish service instead of the HTTP API's `/v1/bmc`
@@ -100,110 +90,49 @@ impl HypervisorClient {
     /// calls still go to the HTTP API).
     #[cfg(feature = "libvirt")]
     pub fn with_libvirt(mut self, vms: super::libvirt::LibvirtVms) -> Self {
-        self.libvirt = Some(vms);
+        self.vms = Arc::new(vms);
         self
     }
 
-    /// Boots a VM (`POST /v1/vms`), stamping `req.tag` on it. Any `2xx` is success; of its body
-    /// only `vm_id` is read (the tag is the one sent, and the VM runs).
+    /// Boots a VM, stamping `req.tag` on it (`POST /v1/vms`, or a libvirt domain).
     pub async fn boot(&self, req: &BootRequest) -> Result<Vm, HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.boot(req).await;
-        }
-        #[derive(serde::Deserialize)]
-        struct Booted {
-            vm_id: String,
-        }
-        let response = self.send(Method::POST, &["v1", "vms"], None, Some(req), Some(&req.tag)).await?;
-        let booted: Booted = expect_success(response).await?;
-        Ok(Vm { vm_id: booted.vm_id, tag: req.tag.clone(), state: VmState::Running })
+        self.vms.boot(req).await
     }
 
     /// The VMs whose tag is exactly `tag` (`GET /v1/vms?tag=T`).
     pub async fn list_by_tag(&self, tag: &str) -> Result<Vec<Vm>, HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.list_by_tag(tag).await;
-        }
-        let response = self.send::<()>(Method::GET, &["v1", "vms"], Some(tag), None, None).await?;
-        Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
+        self.vms.list_by_tag(tag).await
     }
 
     /// Every VM (`GET /v1/vms`).
     pub async fn list_all(&self) -> Result<Vec<Vm>, HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.list_all().await;
-        }
-        let response = self.send::<()>(Method::GET, &["v1", "vms"], None, None, None).await?;
-        Ok(expect::<VmList<Vm>>(response, StatusCode::OK).await?.vms)
+        self.vms.list_all().await
     }
 
     /// One VM in full (`GET /v1/vms/{vm_id}`), or `None` when the hypervisor has no such VM.
     pub async fn get(&self, vm_id: &str) -> Result<Option<VmDetail>, HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.get(vm_id).await;
-        }
-        let response = self.send::<()>(Method::GET, &["v1", "vms", vm_id], None, None, None).await?;
-        if response.status() == StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        expect(response, StatusCode::OK).await.map(Some)
+        self.vms.get(vm_id).await
     }
 
-    /// Makes an adopted VM run. A VM the HTTP API lists was booted by one call that started it,
-    /// so there is nothing to do; on libvirt a boot is a define and then a start, and a domain
-    /// listed `stopped` under a boot's tag is one whose start never ran, or is still under way
-    /// in libvirtd (the start of a process killed mid-boot): it is started, or waited for.
+    /// Makes an adopted VM run ([`Vms::ensure_running`]).
     pub async fn ensure_running(&self, vm: &Vm) -> Result<(), HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt
-            && vm.state == VmState::Stopped
-        {
-            return vms.start(&vm.vm_id).await;
-        }
-        let _ = vm;
-        Ok(())
+        self.vms.ensure_running(vm).await
     }
 
-    /// [`HypervisorClient::ensure_running`] of the VM `vm_id`, read first (on libvirt only:
-    /// elsewhere there is nothing to do and nothing is called).
+    /// Makes the VM `vm_id` run ([`Vms::ensure_running_by_id`]).
     pub async fn ensure_running_by_id(&self, vm_id: &str) -> Result<(), HvError> {
-        #[cfg(feature = "libvirt")]
-        if self.libvirt.is_some()
-            && let Some(vm) = self.get(vm_id).await?
-        {
-            return self.ensure_running(&vm.summary()).await;
-        }
-        let _ = vm_id;
-        Ok(())
+        self.vms.ensure_running_by_id(vm_id).await
     }
 
-    /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot; any `2xx` is
-    /// success. A VM that does not exist is [`HvError::Status`] with `404` (definite).
+    /// Reboots a VM (`POST /v1/vms/{vm_id}/reboot`), stamping `tag` on the reboot. A VM that does
+    /// not exist is [`HvError::Status`] with `404` (definite).
     pub async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.reboot(vm_id, tag).await;
-        }
-        let body = RebootRequest { tag: tag.to_owned() };
-        let response = self.send(Method::POST, &["v1", "vms", vm_id, "reboot"], None, Some(&body), Some(tag)).await?;
-        expect_success_status(response).await
+        self.vms.reboot(vm_id, tag).await
     }
 
-    /// Deletes a VM (`DELETE /v1/vms/{vm_id}`): `true` if it existed (any `2xx`), `false` on `404`.
+    /// Deletes a VM (`DELETE /v1/vms/{vm_id}`): `true` if it existed, `false` if not.
     pub async fn delete(&self, vm_id: &str) -> Result<bool, HvError> {
-        #[cfg(feature = "libvirt")]
-        if let Some(vms) = &self.libvirt {
-            return vms.delete(vm_id).await;
-        }
-        let response = self.send::<()>(Method::DELETE, &["v1", "vms", vm_id], None, None, None).await?;
-        if response.status() == StatusCode::NOT_FOUND {
-            return Ok(false);
-        }
-        expect_success_status(response).await.map(|()| true)
+        self.vms.delete(vm_id).await
     }
 
     /// Starts a firmware flash on the BMC of `node_id` (`POST /v1/bmc/{node_id}/flash`), stamping
@@ -211,13 +140,13 @@ impl HypervisorClient {
     /// `2xx` is success, whatever its body holds or lacks: the contract promises nothing more.
     pub async fn flash(&self, node_id: &str, req: &FlashRequest) -> Result<(), HvError> {
         let response =
-            self.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req), Some(&req.tag)).await?;
+            self.http.send(Method::POST, &["v1", "bmc", node_id, "flash"], None, Some(req), Some(&req.tag)).await?;
         expect_success_status(response).await
     }
 
     /// The BMC of `node_id` (`GET /v1/bmc/{node_id}`), or `None` when it has no such node.
     pub async fn bmc(&self, node_id: &str) -> Result<Option<BmcNode>, HvError> {
-        let response = self.send::<()>(Method::GET, &["v1", "bmc", node_id], None, None, None).await?;
+        let response = self.http.send::<()>(Method::GET, &["v1", "bmc", node_id], None, None, None).await?;
         if response.status() == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -231,83 +160,13 @@ impl HypervisorClient {
         struct Holding {
             nodes: Vec<serde::de::IgnoredAny>,
         }
-        let response = self.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None, None).await?;
+        let response = self.http.send::<()>(Method::GET, &["v1", "bmc"], Some(tag), None, None).await?;
         Ok(expect::<Holding>(response, StatusCode::OK).await?.nodes.len())
     }
 
     /// The simulator's counters (`GET /v1/stats`); a real hypervisor may not serve them.
     pub async fn stats(&self) -> Result<SimStats, HvError> {
-        let response = self.send::<()>(Method::GET, &["v1", "stats"], None, None, None).await?;
+        let response = self.http.send::<()>(Method::GET, &["v1", "stats"], None, None, None).await?;
         expect(response, StatusCode::OK).await
     }
-
-    /// The base URL extended by `segments` (each percent-encoded, so an id cannot smuggle in a
-    /// `/` or `?`), with an optional `tag` query.
-    fn url(&self, segments: &[&str], tag: Option<&str>) -> Url {
-        let mut url = self.base.clone();
-        if let Ok(mut path) = url.path_segments_mut() {
-            path.pop_if_empty().extend(segments);
-        }
-        if let Some(tag) = tag {
-            url.query_pairs_mut().append_pair("tag", tag);
-        }
-        url
-    }
-
-    /// One call; `key` (a side effect's tag, its derived sub-key) goes out as its
-    /// `Idempotency-Key` through the key propagation middleware.
-    async fn send<B: Serialize>(
-        &self,
-        method: Method,
-        segments: &[&str],
-        tag: Option<&str>,
-        body: Option<&B>,
-        key: Option<&str>,
-    ) -> Result<reqwest::Response, HvError> {
-        let url = self.url(segments, tag);
-        let mut request = self.keyed.request(method.clone(), url);
-        if let Some(body) = body {
-            request = request.json(body);
-        }
-        if let Some(key) = key {
-            request = request.with_extension(idempotency_tower::CallKey::new(key));
-        }
-        // One span per downstream call (target `leasebroker::downstream`, exported as a trace's
-        // child span): the method and the route's first segment, never the URL (credentials).
-        let span = tracing::info_span!(
-            target: "leasebroker::downstream",
-            "hypervisor.call",
-            otel.name = %format!("{method} hypervisor /{}", segments.first().copied().unwrap_or("")),
-            otel.kind = "client",
-            http.request.method = %method,
-            http.response.status_code = tracing::field::Empty,
-        );
-        let result = tracing::Instrument::instrument(request.send(), span.clone()).await;
-        if let Ok(response) = &result {
-            span.record("http.response.status_code", response.status().as_u16());
-        }
-        if let Err(err) = &result {
-            // reqwest's error names the URL, which may carry credentials.
-            tracing::debug!(%method, error = %crate::db::redact(&err.to_string()), "hypervisor call failed");
-        }
-        result.map_err(HvError::from_middleware)
-    }
-}
-
-/// Reads a `want` answer's JSON body, or turns any other answer into an error.
-async fn expect<T: DeserializeOwned>(response: reqwest::Response, want: StatusCode) -> Result<T, HvError> {
-    let response = check(response, want).await?;
-    response.json().await.map_err(HvError::from_transport)
-}
-
-/// Reads a success (any `2xx`) answer's JSON body, or turns any other answer into an error.
-async fn expect_success<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, HvError> {
-    let response = check_success(response).await?;
-    response.json().await.map_err(HvError::from_transport)
-}
-
-/// Checks for a success (any `2xx`) answer, reading (and dropping) its body whatever it holds.
-async fn expect_success_status(response: reqwest::Response) -> Result<(), HvError> {
-    let response = check_success(response).await?;
-    response.bytes().await.map(drop).map_err(HvError::from_transport)
 }

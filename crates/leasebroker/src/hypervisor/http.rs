@@ -5,14 +5,17 @@
 use std::path::Path;
 use std::time::Duration;
 
-use reqwest::{StatusCode, Url};
+use reqwest::{Method, StatusCode, Url};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use super::error::HvError;
 
 /// The most of an error body kept in an [`HvError`], so a misbehaving hypervisor cannot bloat logs.
 const MAX_ERROR_BODY: usize = 2048;
 
-/// An HTTP service's base URL and the client that calls it.
+/// An HTTP service's base URL and the client that calls it. Cheap to clone (the pool is shared).
+#[derive(Debug, Clone)]
 pub(super) struct Endpoint {
     /// The HTTP client with the key propagation: a boot, reboot or flash carries its tag (the
     /// derived sub-key) as `Idempotency-Key: "<tag>"`, so a service that honours the header
@@ -73,6 +76,76 @@ impl Endpoint {
             reqwest_middleware::ClientBuilder::new(http).with(idempotency_tower::PropagateIdempotencyKey).build();
         Ok(Self { keyed, base })
     }
+
+    /// The base URL extended by `segments` (each percent-encoded, so an id cannot smuggle in a
+    /// `/` or `?`), with an optional `tag` query.
+    pub(super) fn url(&self, segments: &[&str], tag: Option<&str>) -> Url {
+        let mut url = self.base.clone();
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.pop_if_empty().extend(segments);
+        }
+        if let Some(tag) = tag {
+            url.query_pairs_mut().append_pair("tag", tag);
+        }
+        url
+    }
+
+    /// One call; `key` (a side effect's tag, its derived sub-key) goes out as its
+    /// `Idempotency-Key` through the key propagation middleware.
+    pub(super) async fn send<B: Serialize>(
+        &self,
+        method: Method,
+        segments: &[&str],
+        tag: Option<&str>,
+        body: Option<&B>,
+        key: Option<&str>,
+    ) -> Result<reqwest::Response, HvError> {
+        let url = self.url(segments, tag);
+        let mut request = self.keyed.request(method.clone(), url);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        if let Some(key) = key {
+            request = request.with_extension(idempotency_tower::CallKey::new(key));
+        }
+        // One span per downstream call (target `leasebroker::downstream`, exported as a trace's
+        // child span): the method and the route's first segment, never the URL (credentials).
+        let span = tracing::info_span!(
+            target: "leasebroker::downstream",
+            "hypervisor.call",
+            otel.name = %format!("{method} hypervisor /{}", segments.first().copied().unwrap_or("")),
+            otel.kind = "client",
+            http.request.method = %method,
+            http.response.status_code = tracing::field::Empty,
+        );
+        let result = tracing::Instrument::instrument(request.send(), span.clone()).await;
+        if let Ok(response) = &result {
+            span.record("http.response.status_code", response.status().as_u16());
+        }
+        if let Err(err) = &result {
+            // reqwest's error names the URL, which may carry credentials.
+            tracing::debug!(%method, error = %crate::db::redact(&err.to_string()), "hypervisor call failed");
+        }
+        result.map_err(HvError::from_middleware)
+    }
+}
+
+/// Reads a `want` answer's JSON body, or turns any other answer into an error.
+pub(super) async fn expect<T: DeserializeOwned>(response: reqwest::Response, want: StatusCode) -> Result<T, HvError> {
+    let response = check(response, want).await?;
+    response.json().await.map_err(HvError::from_transport)
+}
+
+/// Reads a success (any `2xx`) answer's JSON body, or turns any other answer into an error.
+pub(super) async fn expect_success<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, HvError> {
+    let response = check_success(response).await?;
+    response.json().await.map_err(HvError::from_transport)
+}
+
+/// Checks for a success (any `2xx`) answer, reading (and dropping) its body whatever it holds.
+pub(super) async fn expect_success_status(response: reqwest::Response) -> Result<(), HvError> {
+    let response = check_success(response).await?;
+    response.bytes().await.map(drop).map_err(HvError::from_transport)
 }
 
 /// The answer when it is a success (any `2xx`), or an [`HvError::Status`] with its body.

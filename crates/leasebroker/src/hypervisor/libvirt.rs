@@ -31,6 +31,7 @@ use virt::error::ErrorNumber;
 
 use super::api::{BootRequest, Vm, VmDetail, VmState};
 use super::error::HvError;
+use super::vms::Vms;
 
 /// The XML namespace of the service's domain metadata.
 pub const METADATA_NS: &str = "https://leasebroker.example/ns/1";
@@ -267,6 +268,45 @@ impl LibvirtVms {
 /// When a libvirt call's caller stops waiting for it ([`LibvirtVms::call`]).
 #[derive(Debug, Clone, Copy)]
 struct Deadline(std::time::Instant);
+
+/// The VM calls, on this host.
+#[async_trait::async_trait]
+impl Vms for LibvirtVms {
+    async fn boot(&self, req: &BootRequest) -> Result<Vm, HvError> {
+        LibvirtVms::boot(self, req).await
+    }
+    async fn list_by_tag(&self, tag: &str) -> Result<Vec<Vm>, HvError> {
+        LibvirtVms::list_by_tag(self, tag).await
+    }
+    async fn list_all(&self) -> Result<Vec<Vm>, HvError> {
+        LibvirtVms::list_all(self).await
+    }
+    async fn get(&self, vm_id: &str) -> Result<Option<VmDetail>, HvError> {
+        LibvirtVms::get(self, vm_id).await
+    }
+    /// A boot is a define and then a start: a domain listed `stopped` under a boot's tag is one
+    /// whose start never ran, or is still under way in libvirtd (the start of a process killed
+    /// mid-boot): it is started, or waited for.
+    async fn ensure_running(&self, vm: &Vm) -> Result<(), HvError> {
+        if vm.state == VmState::Stopped {
+            return self.start(&vm.vm_id).await;
+        }
+        Ok(())
+    }
+    /// [`Vms::ensure_running`] of the domain, read first.
+    async fn ensure_running_by_id(&self, vm_id: &str) -> Result<(), HvError> {
+        match LibvirtVms::get(self, vm_id).await? {
+            Some(vm) => Vms::ensure_running(self, &vm.summary()).await,
+            None => Ok(()),
+        }
+    }
+    async fn reboot(&self, vm_id: &str, tag: &str) -> Result<(), HvError> {
+        LibvirtVms::reboot(self, vm_id, tag).await
+    }
+    async fn delete(&self, vm_id: &str) -> Result<bool, HvError> {
+        LibvirtVms::delete(self, vm_id).await
+    }
+}
 
 impl Deadline {
     /// Nothing more may be sent once the caller stopped waiting: a definite error (this step

@@ -6,7 +6,8 @@
 //!
 //! - [`sim`]: the simulator, an axum app with injectable faults and the counters the fault harness
 //!   checks ([`SimStats`]).
-//! - [`client`]: [`HypervisorClient`], which tells a definite failure from an ambiguous one.
+//! - [`client`]: [`HypervisorClient`], which tells a definite failure from an ambiguous one; its
+//!   VM calls go to a [`Vms`]: the HTTP API's `/v1/vms`, or a libvirt host.
 //! - [`redfish`]: the BMCs behind a Redfish service instead of the HTTP API
 //!   (`--bmc-url redfish+http://HOST:PORT`), for firmware flashes.
 //! - `libvirt` (cargo feature `libvirt`): the VMs on a real libvirt/QEMU host instead of the HTTP
@@ -45,10 +46,11 @@ pub mod libvirt;
 pub mod redfish;
 pub mod sim;
 pub mod url;
+mod vms;
 
 pub use api::{
     BmcList, BmcNode, BmcState, BootRequest, FlashRequest, RebootRequest, SimStats, Vm, VmDetail, VmList, VmState,
 };
-pub use client::{HvError, HypervisorClient};
+pub use client::{HvError, HypervisorClient, Vms};
 pub use redfish::RedfishBmc;
 pub use sim::{RedfishOptions, SimConfig, Simulator, serve};

@@ -86,7 +86,7 @@ async fn boot_reboot_and_flash_carry_their_tag_as_their_idempotency_key() {
     client.flash("node-1", &flash).await.expect("flash");
     client.list_by_tag("wkr-1.boot").await.expect("list");
     assert_eq!(sim.stats().tag_keyed_calls, 3, "{:?}", sim.stats());
-    let url = client.base.as_str().trim_end_matches('/').to_owned();
+    let url = client.http.base.as_str().trim_end_matches('/').to_owned();
     let raw =
         reqwest::Client::new().post(format!("{url}/v1/vms")).json(&boot_req("raw")).send().await.expect("raw boot");
     assert_eq!(raw.status(), StatusCode::CREATED);
@@ -140,7 +140,7 @@ async fn a_timeout_is_ambiguous() {
     // The client's timeout leaves a busy machine time to send the request; the latency makes
     // sure the answer comes after it.
     let (sim, patient) = start(SimConfig { latency: Duration::from_millis(2000), ..SimConfig::default() }).await;
-    let client = HypervisorClient::new(patient.base.as_str(), Duration::from_millis(500)).expect("client");
+    let client = HypervisorClient::new(patient.http.base.as_str(), Duration::from_millis(500)).expect("client");
     let err = client.boot(&boot_req("slow")).await.expect_err("timeout");
     assert!(matches!(err, HvError::Timeout(_)), "{err:?}");
     assert!(err.may_have_happened());
@@ -333,9 +333,9 @@ async fn a_redfish_bmc_over_https_works_with_its_ca_and_an_untrusted_one_is_defi
 #[tokio::test]
 async fn a_base_path_prefix_is_kept() {
     let (_sim, client) = start(SimConfig::default()).await;
-    let prefixed = HypervisorClient::new(&format!("{}hv/", client.base), TIMEOUT).expect("client");
-    assert_eq!(prefixed.url(&["v1", "vms", "a b"], Some("t&u")).path(), "/hv/v1/vms/a%20b");
-    assert_eq!(prefixed.url(&["v1", "vms"], Some("t&u")).query(), Some("tag=t%26u"));
+    let prefixed = HypervisorClient::new(&format!("{}hv/", client.http.base), TIMEOUT).expect("client");
+    assert_eq!(prefixed.http.url(&["v1", "vms", "a b"], Some("t&u")).path(), "/hv/v1/vms/a%20b");
+    assert_eq!(prefixed.http.url(&["v1", "vms"], Some("t&u")).query(), Some("tag=t%26u"));
     // Against the simulator (no prefix), a prefixed path is an unknown route: a definite 404.
     let err = prefixed.list_all().await.expect_err("no such route");
     assert_eq!(err.status(), Some(StatusCode::NOT_FOUND));
