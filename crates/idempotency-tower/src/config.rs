@@ -168,25 +168,18 @@ pub(crate) struct Config {
     pub(crate) max_wait: Duration,
     /// The first and the longest time between two reads of a record a request waits for.
     pub(crate) wait_poll: (Duration, Duration),
-    /// Requests of this process waiting for a record in flight.
-    pub(crate) waiters: Arc<crate::waiters::Waiters>,
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) compression_threshold: usize,
     pub(crate) problem_base: Cow<'static, str>,
     pub(crate) max_stored_response: usize,
     pub(crate) oversize: OversizeResponse,
     pub(crate) completion_retry: CompletionRetry,
-    /// The bound on every store call: the store timeouts and the writes the store took.
-    pub(crate) deadline: Arc<crate::deadline::StoreDeadline>,
     pub(crate) anonymous: Option<Principal>,
     pub(crate) operation_link: Option<Box<OperationLinkFn>>,
-    /// Claims whose `fail` waits for the store to answer again.
-    pub(crate) releases: crate::release::Releases,
-    /// The layer's work that runs on after its client stopped waiting, for a shutdown to wait for.
-    pub(crate) detached: crate::detached::DetachedHandlers,
-    pub(crate) record_limit: Option<crate::quota::RecordLimit>,
     pub(crate) stale_claims: crate::uncertain::StaleClaims,
     pub(crate) on_uncertain: crate::uncertain::OnUncertain,
+    /// What the layer keeps while it runs, apart from what it was configured with.
+    pub(crate) state: crate::runtime::Runtime,
 }
 
 /// How a failed `complete` is retried in the background.
@@ -215,10 +208,10 @@ impl fmt::Debug for Config {
             .field("max_stored_response", &self.max_stored_response)
             .field("oversize", &self.oversize)
             .field("completion_retry", &self.completion_retry)
-            .field("deadline", &self.deadline)
             .field("anonymous", &self.anonymous)
             .field("stale_claims", &self.stale_claims)
             .field("on_uncertain", &self.on_uncertain)
+            .field("state", &self.state)
             .finish_non_exhaustive()
     }
 }

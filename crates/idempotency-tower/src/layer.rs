@@ -19,6 +19,7 @@ use crate::deadline::StoreDeadline;
 use crate::detached::DetachedHandlers;
 use crate::problem::DEFAULT_PROBLEM_BASE;
 use crate::release::Releases;
+use crate::runtime::Runtime;
 use crate::service::IdempotencyService;
 use crate::uncertain::{OnUncertain, StaleClaims};
 
@@ -130,7 +131,7 @@ impl IdempotencyLayer {
     /// shuts down [`close`](DetachedHandlers::close)s them and [`wait`](DetachedHandlers::wait)s
     /// for them, bounded by its own timeout, so their responses are stored before it exits.
     pub fn detached(&self) -> DetachedHandlers {
-        self.config.detached.clone()
+        self.config.state.detached.clone()
     }
 }
 
@@ -513,21 +514,23 @@ impl IdempotencyLayerBuilder {
                 wait_for_in_flight: self.wait_for_in_flight,
                 max_wait: self.max_wait,
                 wait_poll: self.wait_poll,
-                waiters: Default::default(),
                 in_progress_retry_after: self.in_progress_retry_after,
                 compression_threshold: self.compression_threshold,
                 problem_base: self.problem_base,
                 max_stored_response: self.max_stored_response,
                 oversize: self.oversize,
                 completion_retry: self.completion_retry,
-                deadline,
                 anonymous: self.anonymous,
                 operation_link: self.operation_link,
-                releases,
-                detached,
-                record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
                 stale_claims: self.stale_claims,
                 on_uncertain: self.on_uncertain,
+                state: Runtime {
+                    deadline,
+                    waiters: Default::default(),
+                    releases,
+                    detached,
+                    record_limit: self.max_records_per_principal.map(crate::quota::RecordLimit::new),
+                },
             }),
         })
     }

@@ -66,6 +66,7 @@ mod protect;
 mod quota;
 mod release;
 mod replay;
+mod runtime;
 mod service;
 mod sources;
 mod sweeper;

@@ -153,7 +153,7 @@ where
             // task of its own, counted in the layer's detached handlers, if this future is dropped
             // first.
             let protected = Protected { cfg: cfg.clone(), inner, parts, body, scope, fingerprint };
-            let work = Detach::new(run(protected), &cfg.detached);
+            let work = Detach::new(run(protected), &cfg.state.detached);
             match work.await {
                 Ok(result) => result.map(answer),
                 Err(_panic) => {

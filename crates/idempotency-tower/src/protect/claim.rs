@@ -146,7 +146,7 @@ impl Waiting {
             preferred,
             wait,
             deadline: tokio::time::Instant::now() + wait,
-            subscription: listens.then(|| cfg.waiters.subscribe(scope)),
+            subscription: listens.then(|| cfg.state.waiters.subscribe(scope)),
             announced: if listens { cfg.store.changes().map(|c| c.subscribe(scope)) } else { None },
         }
     }
@@ -196,18 +196,19 @@ impl Claiming<'_> {
     async fn reserve(&self, reserved: &mut Option<tokio::time::Instant>) -> Result<bool, Response<Body>> {
         let cfg = self.cfg;
         let store = &cfg.store;
-        let Some(limit) = cfg.record_limit.as_ref().filter(|_| self.extensions.get::<PassesRecordLimit>().is_none())
+        let Some(limit) =
+            cfg.state.record_limit.as_ref().filter(|_| self.extensions.get::<PassesRecordLimit>().is_none())
         else {
             return Ok(true);
         };
-        match cfg.deadline.bounded("count", limit.reserve(store.as_ref(), &self.scope.principal, now())).await {
+        match cfg.state.deadline.bounded("count", limit.reserve(store.as_ref(), &self.scope.principal, now())).await {
             Ok(true) => {
                 *reserved = Some(tokio::time::Instant::now());
                 Ok(true)
             }
             // At the limit only a key the principal already holds is answered (replay, resume);
             // a failed one holds nothing, and running it again would make one record more.
-            Ok(false) => match cfg.deadline.bounded("get", store.get(self.scope)).await {
+            Ok(false) => match cfg.state.deadline.bounded("get", store.get(self.scope)).await {
                 Ok(Some(record))
                     if !record.is_free(now(), cfg.in_flight_ttl) && record.state != RecordState::Failed =>
                 {
@@ -233,7 +234,7 @@ impl Claiming<'_> {
             in_flight_ttl: cfg.in_flight_ttl,
             expires_at: idempotency::later(t, cfg.retention),
         };
-        match cfg.deadline.bounded("claim", cfg.store.claim(req)).await {
+        match cfg.state.deadline.bounded("claim", cfg.store.claim(req)).await {
             Ok(ClaimOutcome::Owned(claim)) => ControlFlow::Break(Step::Own(claim, Run::Executed)),
             Ok(ClaimOutcome::Existing(record)) => {
                 // A failed record keeps the place: running it again makes it count again.
@@ -246,7 +247,7 @@ impl Claiming<'_> {
                 release(cfg, self.scope, reserved);
                 if timed_out(&e) {
                     // The claim may still land after this answer: released if it does.
-                    cfg.releases.push_unknown(self.scope.clone(), t);
+                    cfg.state.releases.push_unknown(self.scope.clone(), t);
                 }
                 ControlFlow::Break(Step::Answer(store_down(cfg, "claim", e)))
             }
@@ -255,7 +256,7 @@ impl Claiming<'_> {
 
     /// Reads the record again: still held, or free to claim afresh.
     async fn read(&self, t: Timestamp) -> ControlFlow<Step, Record> {
-        match self.cfg.deadline.bounded("get", self.cfg.store.get(self.scope)).await {
+        match self.cfg.state.deadline.bounded("get", self.cfg.store.get(self.scope)).await {
             Ok(Some(record)) if !record.is_free(t, self.cfg.in_flight_ttl) => ControlFlow::Continue(record),
             // Swept or expired since we looked: the key is free, claim it afresh.
             Ok(_) => ControlFlow::Break(Step::Free),
@@ -309,7 +310,7 @@ impl Claiming<'_> {
     async fn reclaim(&self, record: &Record, t: Timestamp) -> Step {
         let cfg = self.cfg;
         let how = if record.state == RecordState::InFlight { Run::StaleReclaimed } else { Run::Executed };
-        match cfg.deadline.bounded("reclaim", cfg.store.reclaim(uncertain::on_record(cfg, record, t))).await {
+        match cfg.state.deadline.bounded("reclaim", cfg.store.reclaim(uncertain::on_record(cfg, record, t))).await {
             Ok(Some(claim)) => {
                 if matches!(how, Run::StaleReclaimed) {
                     tracing::warn!(
@@ -323,7 +324,7 @@ impl Claiming<'_> {
             Ok(None) => Step::Again,
             Err(e) => {
                 if timed_out(&e) {
-                    cfg.releases.push_unknown(self.scope.clone(), t);
+                    cfg.state.releases.push_unknown(self.scope.clone(), t);
                 }
                 Step::Answer(store_down(cfg, "reclaim", e))
             }
@@ -373,7 +374,7 @@ fn with_operation_link(cfg: &Config, record: &Record, mut response: Response<Bod
 /// Gives back the record place this request reserved, once: it created no record.
 fn release(cfg: &Config, scope: &Scope, reserved: &mut Option<tokio::time::Instant>) {
     if let Some(at) = reserved.take()
-        && let Some(limit) = &cfg.record_limit
+        && let Some(limit) = &cfg.state.record_limit
     {
         limit.release(&scope.principal, at);
     }

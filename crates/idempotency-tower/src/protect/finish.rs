@@ -32,10 +32,10 @@ pub(super) async fn complete(
     stored: StoredResponse,
     expires_at: Timestamp,
 ) -> Option<StoreError> {
-    let first = cfg.deadline.bounded("complete", cfg.store.complete(claim, &stored, expires_at)).await;
+    let first = cfg.state.deadline.bounded("complete", cfg.store.complete(claim, &stored, expires_at)).await;
     let error = match first {
         Ok(()) => {
-            cfg.waiters.wake(claim.scope());
+            cfg.state.waiters.wake(claim.scope());
             return None;
         }
         Err(StoreError::Fenced { generation }) => {
@@ -54,7 +54,7 @@ pub(super) async fn complete(
         retries = retry.times,
         "storing the response failed; retrying in the background"
     );
-    let detached = &cfg.detached;
+    let detached = &cfg.state.detached;
     let (cfg, claim) = (cfg.clone(), claim.clone());
     let task = async move {
         let delays = ExponentialBuilder::default()
@@ -67,7 +67,7 @@ pub(super) async fn complete(
             let mut last = error;
             for delay in delays {
                 tokio::time::sleep(delay).await;
-                match cfg.deadline.bounded("complete", cfg.store.complete(&claim, &stored, expires_at)).await {
+                match cfg.state.deadline.bounded("complete", cfg.store.complete(&claim, &stored, expires_at)).await {
                     Ok(()) => return Ok(()),
                     Err(e @ StoreError::Fenced { .. }) => return Err(e),
                     Err(e) => {
@@ -80,7 +80,7 @@ pub(super) async fn complete(
         };
         match with_heartbeat(&cfg, &claim, retried).await {
             Ok(()) => {
-                cfg.waiters.wake(claim.scope());
+                cfg.state.waiters.wake(claim.scope());
                 tracing::info!("the response was stored on a retry")
             }
             Err(StoreError::Fenced { generation }) => {
@@ -103,14 +103,14 @@ pub(super) async fn complete(
 /// ([`Releases`](crate::release::Releases)).
 pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static str) {
     let sent = tokio::time::Instant::now();
-    match cfg.deadline.bounded("fail", cfg.store.fail(claim)).await {
+    match cfg.state.deadline.bounded("fail", cfg.store.fail(claim)).await {
         Ok(()) => {
             // A failed record holds nothing that counts against the record limit.
-            if let Some(limit) = &cfg.record_limit {
+            if let Some(limit) = &cfg.state.record_limit {
                 limit.release(&claim.scope().principal, sent);
             }
             // A waiter takes the record over and runs the handler itself.
-            cfg.waiters.wake(claim.scope());
+            cfg.state.waiters.wake(claim.scope());
             tracing::info!(why, "attempt failed; a retry runs the handler again")
         }
         Err(StoreError::Fenced { generation }) => {
@@ -122,7 +122,7 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
                 why,
                 "marking the attempt failed did not work; it is released when the store answers again"
             );
-            cfg.releases.push(claim.clone(), why);
+            cfg.state.releases.push(claim.clone(), why);
         }
     }
 }
@@ -132,9 +132,9 @@ pub(super) async fn fail(cfg: &Arc<Config>, claim: &Arc<Claim>, why: &'static st
 /// stale, a layer with [`StaleClaims::Uncertain`](crate::StaleClaims::Uncertain) makes it
 /// uncertain then.
 pub(super) async fn mark_uncertain(cfg: &Arc<Config>, claim: &Arc<Claim>) -> Response<Body> {
-    match cfg.deadline.bounded("mark_uncertain", cfg.store.mark_uncertain(claim)).await {
+    match cfg.state.deadline.bounded("mark_uncertain", cfg.store.mark_uncertain(claim)).await {
         Ok(()) => {
-            cfg.waiters.wake(claim.scope());
+            cfg.state.waiters.wake(claim.scope());
             tracing::warn!(
                 record_id = %claim.record().record_id.to_hex(),
                 "the handler does not know whether its request acted; the record is uncertain"

@@ -29,7 +29,7 @@ pub(super) async fn with_heartbeat<F: Future>(cfg: &Config, claim: &Claim, work:
                 in_flight_ttl: cfg.in_flight_ttl,
                 expires_at: idempotency::later(at, cfg.retention),
             };
-            match cfg.deadline.bounded("heartbeat", cfg.store.heartbeat(claim, renewal)).await {
+            match cfg.state.deadline.bounded("heartbeat", cfg.store.heartbeat(claim, renewal)).await {
                 Ok(()) => {}
                 Err(StoreError::Fenced { generation }) => {
                     tracing::warn!(generation, "the claim is no longer this attempt's; renewal stops");

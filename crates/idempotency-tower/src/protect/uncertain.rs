@@ -41,14 +41,15 @@ pub(super) fn on_record<'a>(cfg: &Config, record: &'a Record, t: Timestamp) -> R
 /// Turns `record`, in flight with a stale claim, uncertain. `Some`: this request did (the record
 /// as it now is); `None`: the record changed first (read it again).
 pub(super) async fn mark_stale(cfg: &Config, record: &Record, t: Timestamp) -> Result<Option<Record>, Response<Body>> {
-    match cfg.deadline.bounded("mark_uncertain", cfg.store.mark_stale_uncertain(on_record(cfg, record, t))).await {
+    match cfg.state.deadline.bounded("mark_uncertain", cfg.store.mark_stale_uncertain(on_record(cfg, record, t))).await
+    {
         Ok(Some(marked)) => {
             tracing::warn!(
                 record_id = %marked.record_id.to_hex(),
                 generation = marked.generation,
                 "a stale in-flight claim is marked uncertain: its attempt may have acted, it is not run again on a guess"
             );
-            cfg.waiters.wake(&marked.scope);
+            cfg.state.waiters.wake(&marked.scope);
             Ok(Some(marked))
         }
         Ok(None) => Ok(None),
@@ -82,7 +83,12 @@ fn held(cfg: &Config, record: &Record) -> Response<Body> {
 }
 
 async fn take_over(cfg: &Config, record: &Record, t: Timestamp) -> Next {
-    match cfg.deadline.bounded("take_over_uncertain", cfg.store.take_over_uncertain(on_record(cfg, record, t))).await {
+    match cfg
+        .state
+        .deadline
+        .bounded("take_over_uncertain", cfg.store.take_over_uncertain(on_record(cfg, record, t)))
+        .await
+    {
         Ok(Some(claim)) => {
             tracing::warn!(
                 record_id = %record.record_id.to_hex(),
@@ -105,10 +111,10 @@ async fn resolve(cfg: &Config, record: &Record, t: Timestamp, response: http::Re
         body: StoredBody::encode(body, cfg.compression_threshold),
     };
     let expires_at = idempotency::later(t, cfg.retention);
-    match cfg.deadline.bounded("resolve", cfg.store.resolve(&record.record_id, &stored, expires_at)).await {
+    match cfg.state.deadline.bounded("resolve", cfg.store.resolve(&record.record_id, &stored, expires_at)).await {
         Ok(Resolve::Resolved(resolved)) => {
             tracing::info!(record_id = %record.record_id.to_hex(), status = stored.status, "an uncertain record is resolved by its probe");
-            cfg.waiters.wake(&record.scope);
+            cfg.state.waiters.wake(&record.scope);
             Next::Answer(with_expiry(replay(cfg, &stored), resolved.expires_at))
         }
         Ok(Resolve::NotUncertain(_) | Resolve::Absent) => Next::Again,
