@@ -31,6 +31,10 @@ pub fn describe_metrics() {
         "Latency of idempotency store calls, by operation"
     );
     metrics::describe_counter!(RECORDS_SWEPT_TOTAL, "Expired idempotency records deleted by the sweeper");
+    metrics::describe_counter!(
+        idempotency::REPLAY_CACHE_HITS_TOTAL,
+        "Claims and reads of completed records answered from the replay cache, without the store"
+    );
 }
 
 /// `metrics::$kind!` of the metric `$name` (a literal equal to `$constant`) labelled

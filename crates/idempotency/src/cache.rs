@@ -31,6 +31,9 @@ use crate::{
     RecordState, Renewal, Resolve, Scope, Store, StoreError, StoredResponse, Timestamp,
 };
 
+/// The counter of the claims and reads a replay cache answered (feature `metrics`).
+pub const REPLAY_CACHE_HITS_TOTAL: &str = "idempotency_replay_cache_hits_total";
+
 /// The default size of a replay cache: 64 MiB of stored responses.
 pub const DEFAULT_REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
@@ -176,6 +179,8 @@ impl ReplayCache {
             return None;
         }
         self.shared.hits.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::counter!(REPLAY_CACHE_HITS_TOTAL).increment(1);
         Some(Record::clone(&record))
     }
 

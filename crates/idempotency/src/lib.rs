@@ -32,7 +32,7 @@ pub mod conformance;
 pub mod faulty;
 
 pub use admin::{Forget, MAX_PAGE, RecordPage, RecordQuery, Resolve};
-pub use cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
+pub use cache::{DEFAULT_REPLAY_CACHE_BYTES, REPLAY_CACHE_HITS_TOTAL, ReplayCache};
 pub use changes::{Change, ChangeObserver, ChangeSubscription, RecordChanges, change_tag};
 pub use derive::{SubKey, derive};
 pub use fingerprint::{DEFAULT_MAX_BODY, Fingerprint, FingerprintError, FingerprintMode, Fingerprinter, RequestParts};

@@ -91,6 +91,7 @@ pub fn start_at_zero() {
         DELETES_FINISHED_TOTAL,
         FORGOTTEN_TOTAL,
         idempotency_tower::RECORDS_SWEPT_TOTAL,
+        idempotency::REPLAY_CACHE_HITS_TOTAL,
     ] {
         metrics::counter!(name).increment(0);
     }

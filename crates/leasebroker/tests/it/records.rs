@@ -208,6 +208,14 @@ async fn a_forget_on_one_replica_reaches_the_replay_cache_of_another() {
         assert_eq!((replayed.status, replayed.replayed()), (StatusCode::CREATED, true));
         assert_eq!(replayed.body, first.body);
     }
+    // The copy answered them: B's /metrics counts the hits.
+    let metrics = reqwest::get(format!("{}/metrics", b.url)).await.expect("metrics").text().await.expect("text");
+    let hits: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idempotency_replay_cache_hits_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the replay cache's counter");
+    assert!(hits >= 3.0, "{hits} replays from the cache of 5");
     let listed = all_pages(&a.url, "&principal=alice", 100).await;
     let id = listed.iter().find(|r| r["key"] == "cached-create-1").expect("the create's record")["id"]
         .as_str()
