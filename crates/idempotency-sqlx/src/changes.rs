@@ -154,13 +154,9 @@ async fn listen(pool: PgPool, changes: Weak<RecordChanges>) {
             let Some(changes) = changes.upgrade() else { return };
             match received {
                 Ok(Some(n)) => tags(n.payload()).for_each(|tag| changes.wake(tag)),
-                Ok(None) => {
-                    tracing::warn!("the connection listening for record changes broke; waiters poll until it is back");
-                    changes.lost();
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "listening for record changes failed; waiters poll until it is back");
+                broken => {
+                    let error = broken.err().map(|e| e.to_string());
+                    tracing::warn!(?error, "listening for record changes broke; waiters poll until it is back");
                     changes.lost();
                     break;
                 }

@@ -115,8 +115,13 @@ impl RecordChanges {
     }
 
     fn tell(&self, change: Change<'_>) {
-        let observers: Vec<_> =
-            self.observers.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).collect();
+        let observers: Vec<_> = {
+            let observers = self.observers.lock().unwrap_or_else(|e| e.into_inner());
+            if observers.is_empty() {
+                return;
+            }
+            observers.iter().filter_map(Weak::upgrade).collect()
+        };
         for o in observers {
             o.observe(change);
         }
