@@ -49,8 +49,7 @@ class Leasebroker:
             f"{TOKEN}=alice",
             "--admin-token",
             ADMIN,
-            "--pool-nodes",
-            "16",
+            *([] if "--pool-nodes" in extra else ["--pool-nodes", "16"]),
             *extra,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -97,6 +96,16 @@ class Leasebroker:
         total = 0.0
         for line in text.splitlines():
             if line.startswith("idempotency_requests_total{") and f'outcome="{outcome}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def responses(self, code: str) -> float:
+        """``leasebroker_http_responses_total{code=...}`` from ``/metrics``: the answers it sent
+        with that status."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("leasebroker_http_responses_total{") and f'code="{code}"' in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sqlite3
-import subprocess
-import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,10 +16,9 @@ from idempotency_client import Client, GaveUp, KeyReused, OperationReused
 
 from .conftest import Call
 from .leasebroker import TOKEN, Leasebroker
+from .support import WORKER, journaled_key, operation, result, until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-WORKER = {"image": "worker-base:2025.11", "cpu": 2, "memory_gb": 4, "labels": {"team": "ci"}}
-OPERATION = Path(__file__).with_name("operation.py")
 
 
 @pytest.fixture
@@ -32,35 +28,6 @@ def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Leasebrok
     server = Leasebroker(tmp_path, *extra)
     yield server
     server.stop()
-
-
-def until(what: str, check: Callable[[], bool], deadline: float = 60.0) -> None:
-    """Waits for ``check`` to hold (polling a state, not sleeping a guess)."""
-    end = time.monotonic() + deadline
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {deadline:.0f} s")
-        time.sleep(0.05)
-
-
-def operation(url: str, journal: Path, op: str, body: dict[str, Any] = WORKER) -> subprocess.Popen[str]:
-    """The client as a process of its own, making one create under ``op``."""
-    args = [sys.executable, str(OPERATION), url, TOKEN, str(journal), op, json.dumps(body)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def result(process: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = process.communicate(timeout=180)
-    assert process.returncode == 0, f"client exited {process.returncode}: {out} {err}"
-    answer: dict[str, Any] = json.loads(out)
-    return answer
-
-
-def journaled_key(journal: Path, op: str) -> str:
-    with sqlite3.connect(journal) as db:
-        row = db.execute("SELECT idem_key FROM operations WHERE op_id = ?", (op,)).fetchone()
-    assert row is not None, f"{op} is not in {journal}"
-    return str(row[0])
 
 
 def test_a_rerun_after_the_final_outcome_answers_from_the_journal(
@@ -176,3 +143,53 @@ def test_each_call_without_an_operation_is_its_own_operation(broker: Leasebroker
         listed = client.request("GET", "/v1/workers").json()["workers"]
     assert first.json()["id"] != second.json()["id"]
     assert len(listed) == 2
+
+
+@pytest.mark.leasebroker("--rate-limit", "1", "--rate-limit-burst", "1")
+def test_a_429_is_waited_out_for_its_retry_after(call: Call, broker: Leasebroker, tmp_path: Path) -> None:
+    journal = tmp_path / "journal.db"
+    call(broker.url, "POST", "/v1/workers", json=WORKER, operation="ci-1", journal=journal, headers=AUTH)
+    # The principal's one request a second is spent: the next create is refused with Retry-After: 1.
+    started = time.monotonic()
+    second = call(
+        broker.url, "POST", "/v1/workers", json=WORKER, operation="ci-2", journal=journal, headers=AUTH
+    )
+    waited = time.monotonic() - started
+    assert second.status_code == 201
+    assert broker.responses("429") == 1, "the client came back before Retry-After"
+    assert waited >= 1.0, f"answered after {waited:.2f} s, sooner than Retry-After"
+    fleet = broker.fleet()
+    assert (fleet["workers_active"], fleet["vm_boots_total"]) == (2, 2), fleet
+
+
+@pytest.mark.leasebroker("--pool-nodes", "1")
+def test_a_503_is_waited_out_for_its_retry_after(call: Call, broker: Leasebroker, tmp_path: Path) -> None:
+    journal = tmp_path / "journal.db"
+    first = call(
+        broker.url, "POST", "/v1/workers", json=WORKER, operation="ci-1", journal=journal, headers=AUTH
+    )
+
+    # The pool's one node is taken: the next create answers 503 capacity-exhausted, Retry-After: 5.
+    # Once it did, the first worker is deleted, so the retry the client makes after 5 s finds a node.
+    def free_the_node() -> None:
+        until("the create was refused with 503", lambda: broker.responses("503") == 1)
+        deleted = httpx.delete(
+            f"{broker.url}/v1/workers/{first.json()['id']}",
+            headers={**AUTH, "Idempotency-Key": '"free-the-node"'},
+            timeout=60,
+        )
+        assert deleted.status_code in (200, 202, 204), deleted.text
+
+    freeing = threading.Thread(target=free_the_node)
+    freeing.start()
+    started = time.monotonic()
+    second = call(
+        broker.url, "POST", "/v1/workers", json=WORKER, operation="ci-2", journal=journal, headers=AUTH
+    )
+    waited = time.monotonic() - started
+    freeing.join(timeout=60)
+    assert second.status_code == 201, second.text
+    assert broker.responses("503") == 1, "the client came back before Retry-After"
+    assert waited >= 5.0, f"answered after {waited:.2f} s, sooner than Retry-After"
+    fleet = broker.fleet()
+    assert (fleet["workers_active"], fleet["vm_boots_total"]) == (1, 2), fleet

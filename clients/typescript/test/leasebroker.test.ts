@@ -1,21 +1,18 @@
 /** Against the real leasebroker binary: one worker per operation, whatever happens to the client. */
 
 import assert from "node:assert/strict";
-import { spawn, type ChildProcess } from "node:child_process";
 import { mkdtemp, readFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
-import { dirname, join } from "node:path";
+import { join } from "node:path";
 import { test } from "node:test";
-import { fileURLToPath } from "node:url";
 
-import { Client, GaveUp, KeyReused, OperationReused, type ClientOptions, type Json, type RequestOptions } from "../src/index.js";
+import { Client, GaveUp, KeyReused, OperationReused, type ClientOptions, type RequestOptions } from "../src/index.js";
 import { binary, Leasebroker, TOKEN } from "./leasebroker.js";
+import { journaledKey, operation, result, until, WORKER } from "./processes.js";
 import { failure } from "./support.js";
 
 const AUTH = { Authorization: `Bearer ${TOKEN}` };
-const WORKER = { image: "worker-base:2025.11", cpu: 2, memory_gb: 4, labels: { team: "ci" } };
 const CREATE: RequestOptions = { method: "POST", path: "/v1/workers", body: WORKER };
-const OPERATION = join(dirname(fileURLToPath(import.meta.url)), "operation.js");
 const bin = binary();
 const skip = "missing" in bin ? { skip: bin.missing } : {};
 
@@ -33,39 +30,6 @@ async function withBroker(extra: string[], body: (broker: Leasebroker, journal: 
 
 function client(url: string, journal: string, options: Partial<ClientOptions> = {}): Client {
   return new Client({ baseUrl: url, headers: AUTH, journal, ...options });
-}
-
-/** Waits for `check` to hold (polling a state, not sleeping a guess). */
-async function until(what: string, check: () => Promise<boolean>, deadlineMs = 60_000): Promise<void> {
-  const end = Date.now() + deadlineMs;
-  while (!(await check())) {
-    if (Date.now() > end) assert.fail(`${what}: not within ${String(deadlineMs / 1000)} s`);
-    await new Promise((resolve) => setTimeout(resolve, 50));
-  }
-}
-
-/** The client as a process of its own, making one create under `op`. */
-function operation(url: string, journal: string, op: string, body: Json = WORKER): ChildProcess {
-  return spawn(process.execPath, [OPERATION, url, TOKEN, journal, op, JSON.stringify(body)], { stdio: ["ignore", "pipe", "inherit"] });
-}
-
-interface Outcome {
-  status: number;
-  body: { id: string };
-  journal: boolean;
-}
-
-async function result(child: ChildProcess): Promise<Outcome> {
-  let out = "";
-  child.stdout?.on("data", (chunk: Buffer) => (out += chunk.toString()));
-  const code = await new Promise((resolve) => child.once("exit", resolve));
-  assert.equal(code, 0, `client exited ${String(code)}: ${out}`);
-  return JSON.parse(out) as Outcome;
-}
-
-async function journaledKey(journal: string, op: string): Promise<string | undefined> {
-  const file = JSON.parse(await readFile(journal, "utf8")) as { operations: Record<string, { idem_key: string }> };
-  return file.operations[op]?.idem_key;
 }
 
 test("a rerun after the final outcome answers from the journal", skip, async () => {
@@ -162,5 +126,45 @@ test("each call without an operation is its own operation", skip, async () => {
     const listed = (await (await plain.request({ method: "GET", path: "/v1/workers" })).json()) as { workers: unknown[] };
     assert.notEqual(first.id, second.id);
     assert.equal(listed.workers.length, 2);
+  });
+});
+
+test("a 429 is waited out for its Retry-After", skip, async () => {
+  await withBroker(["--rate-limit", "1", "--rate-limit-burst", "1"], async (broker, journal) => {
+    await client(broker.url, journal).request({ ...CREATE, operation: "ci-1" });
+    // The principal's one request a second is spent: the next create is refused with Retry-After: 1.
+    const started = Date.now();
+    const second = await client(broker.url, journal).request({ ...CREATE, operation: "ci-2" });
+    const waited = Date.now() - started;
+    assert.equal(second.status, 201);
+    assert.equal(await broker.responses("429"), 1, "the client came back before Retry-After");
+    assert.ok(waited >= 1000, `answered after ${String(waited)} ms, sooner than Retry-After`);
+    const fleet = await broker.fleet();
+    assert.deepEqual([fleet["workers_active"], fleet["vm_boots_total"]], [2, 2], JSON.stringify(fleet));
+  });
+});
+
+test("a 503 is waited out for its Retry-After", skip, async () => {
+  await withBroker(["--pool-nodes", "1"], async (broker, journal) => {
+    const first = (await (await client(broker.url, journal).request({ ...CREATE, operation: "ci-1" })).json()) as { id: string };
+    // The pool's one node is taken: the next create answers 503 capacity-exhausted, Retry-After: 5.
+    // Once it did, the first worker is deleted, so the retry the client makes after 5 s finds a node.
+    const freeing = (async () => {
+      await until("the create was refused with 503", async () => (await broker.responses("503")) === 1);
+      const deleted = await fetch(`${broker.url}/v1/workers/${first.id}`, {
+        method: "DELETE",
+        headers: { ...AUTH, "Idempotency-Key": '"free-the-node"' },
+      });
+      assert.ok([200, 202, 204].includes(deleted.status), await deleted.text());
+    })();
+    const started = Date.now();
+    const second = await client(broker.url, journal).request({ ...CREATE, operation: "ci-2" });
+    const waited = Date.now() - started;
+    await freeing;
+    assert.equal(second.status, 201, await second.clone().text());
+    assert.equal(await broker.responses("503"), 1, "the client came back before Retry-After");
+    assert.ok(waited >= 5000, `answered after ${String(waited)} ms, sooner than Retry-After`);
+    const fleet = await broker.fleet();
+    assert.deepEqual([fleet["workers_active"], fleet["vm_boots_total"]], [1, 2], JSON.stringify(fleet));
   });
 });

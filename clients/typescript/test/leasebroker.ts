@@ -44,8 +44,7 @@ export class Leasebroker {
       `${TOKEN}=alice`,
       "--admin-token",
       ADMIN,
-      "--pool-nodes",
-      "16",
+      ...(extra.includes("--pool-nodes") ? [] : ["--pool-nodes", "16"]),
       ...extra,
     ];
     const child = spawn(bin, args, { stdio: ["ignore", "pipe", "inherit"] });
@@ -93,6 +92,18 @@ export class Leasebroker {
     let total = 0;
     for (const line of text.split("\n")) {
       if (line.startsWith("idempotency_requests_total{") && line.includes(`outcome="${outcome}"`)) {
+        total += Number(line.slice(line.lastIndexOf(" ") + 1));
+      }
+    }
+    return total;
+  }
+
+  /** `leasebroker_http_responses_total{code=...}` from `/metrics`: the answers it sent with that status. */
+  async responses(code: string): Promise<number> {
+    const text = await (await fetch(`${this.url}/metrics`)).text();
+    let total = 0;
+    for (const line of text.split("\n")) {
+      if (line.startsWith("leasebroker_http_responses_total{") && line.includes(`code="${code}"`)) {
         total += Number(line.slice(line.lastIndexOf(" ") + 1));
       }
     }
