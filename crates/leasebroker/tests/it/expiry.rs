@@ -53,6 +53,22 @@ fn a_retention_not_longer_than_the_in_flight_ttl_is_refused_at_start() {
     assert_eq!((code, stderr.trim().lines().count()), (Some(2), 1), "{stderr}");
 }
 
+/// Every other contradiction `serve` checks at start is refused the same way: exit 2, one line
+/// naming the settings.
+#[test]
+fn every_contradiction_serve_refuses_exits_2_with_one_line() {
+    let token = "tok-both-sides-0123456789";
+    let tenant = format!("{token}=alice");
+    for (args, names) in [
+        (vec!["--token", tenant.as_str(), "--admin-token", token], "--token"),
+        (vec!["--record-store-replicas", "1"], "--record-store-replicas"),
+    ] {
+        let (code, stderr) = refused_at_start(&args);
+        assert_eq!((code, stderr.trim().lines().count()), (Some(2), 1), "{args:?}: {stderr}");
+        assert!(stderr.contains(names), "{args:?}: {stderr}");
+    }
+}
+
 /// The legal configuration closest to the issue's: a retention just longer than the TTL, and a
 /// create (8 s on the simulator) slower than both. A retry after the retention finds the create
 /// in flight (`409`), never a free key; afterwards it replays. One worker, one boot.

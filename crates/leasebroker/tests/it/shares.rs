@@ -103,13 +103,15 @@ impl Answers {
     }
 }
 
-/// Bob's listing and `/healthz` are answered, with 200.
+/// Bob's listing, `/healthz`, `/readyz` and `/metrics` are answered, with 200.
 async fn bob_and_healthz_are_answered(lb: &Proc) {
     let client = http();
     let list = send(&client, Method::GET, &format!("{}/v1/workers", lb.url), Some(BOB), None, None).await;
     assert_eq!(list.status, StatusCode::OK, "{}", list.text());
-    let health = client.get(format!("{}/healthz", lb.url)).send().await.expect("healthz");
-    assert_eq!(health.status(), StatusCode::OK);
+    for route in ["/healthz", "/readyz", "/metrics"] {
+        let answer = client.get(format!("{}{route}", lb.url)).send().await.expect(route);
+        assert_eq!(answer.status(), StatusCode::OK, "{route}");
+    }
 }
 
 // Item 10: a principal's share of the process.

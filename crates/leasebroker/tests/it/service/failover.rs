@@ -117,6 +117,27 @@ async fn a_redis_replica_that_does_not_acknowledge_answers_503_and_nothing_runs_
 /// is back, the refused keys run, one boot each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
+    one_shard_in_trouble(ShardTrouble::ReplicaPaused).await;
+}
+
+/// The same with the primary itself down (killed, its replica told not to take over,
+/// `cluster-replica-no-failover`): the six keys it owns answer `503 store-unavailable`, the six on
+/// the other primaries `201`. Once it is back, the refused keys run, one boot each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_redis_primary_down_refuses_only_its_own_keys() {
+    one_shard_in_trouble(ShardTrouble::PrimaryDown).await;
+}
+
+/// What goes wrong with the shard that holds the principal's record index.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ShardTrouble {
+    /// Its replica is paused (`SIGSTOP`): no write on the primary can be acknowledged.
+    ReplicaPaused,
+    /// Its primary is killed and its replica does not take over.
+    PrimaryDown,
+}
+
+async fn one_shard_in_trouble(trouble: ShardTrouble) {
     use idempotency::{Endpoint, IdempotencyKey, Principal, Scope};
 
     if !have_redis() {
@@ -167,7 +188,17 @@ async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
         (victim, near, far)
     });
 
-    cluster.replicas[victim].pause();
+    let break_shard = || match trouble {
+        ShardTrouble::ReplicaPaused => cluster.replicas[victim].pause(),
+        ShardTrouble::PrimaryDown => {
+            redis::cmd("CONFIG")
+                .arg(&["SET", "cluster-replica-no-failover", "yes"][..])
+                .exec(&mut cluster.replicas[victim].connection())
+                .expect("config set");
+            cluster.nodes[victim].kill();
+        }
+    };
+    tokio::task::block_in_place(break_shard);
     let sent: Vec<_> = near
         .iter()
         .chain(&far)
@@ -189,7 +220,10 @@ async fn one_redis_shard_without_its_replica_refuses_only_its_own_keys() {
     }
     let ready = http().get(format!("{base}/readyz")).send().await.expect("readyz").status();
     assert_eq!(ready, StatusCode::OK, "two shards of three serve: ready");
-    cluster.replicas[victim].resume();
+    match trouble {
+        ShardTrouble::ReplicaPaused => cluster.replicas[victim].resume(),
+        ShardTrouble::PrimaryDown => tokio::task::block_in_place(|| cluster.nodes[victim].restart()),
+    }
     wait_for_link(&cluster.replicas[victim]);
 
     for key in &near {
