@@ -24,6 +24,12 @@ impl Principal {
     }
 }
 
+impl From<String> for Principal {
+    fn from(name: String) -> Self {
+        Self::new(name)
+    }
+}
+
 impl fmt::Display for Principal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

@@ -37,13 +37,13 @@ impl TryFrom<WorkerRow> for Worker {
 
     fn try_from(w: WorkerRow) -> Result<Self, DomainError> {
         Ok(Self {
-            id: w.worker_id.try_into().map_err(bad_row)?,
+            id: w.worker_id,
             state: w.state.parse().map_err(bad_row)?,
             image: w.image,
             cpu: size(w.cpu),
             memory_gb: size(w.memory_gb),
             labels: serde_json::from_str(&w.labels).unwrap_or_default(),
-            node_id: Some(w.node_id),
+            node_id: Some(w.node_id.into()),
             lease_id: Some(w.lease_id),
             vm_id: Some(w.vm_id),
             reboot_count: count(w.reboot_count),
@@ -57,9 +57,9 @@ impl TryFrom<FlashRow> for Operation {
 
     fn try_from(f: FlashRow) -> Result<Self, DomainError> {
         Ok(Self {
-            id: f.op_id.try_into().map_err(bad_row)?,
+            id: f.op_id,
             kind: OperationKind::FirmwareFlash,
-            node_id: f.node_id.try_into().map_err(bad_row)?,
+            node_id: f.node_id,
             version: f.version,
             state: f.state,
             error: f.error,
@@ -104,13 +104,13 @@ mod tests {
 
     fn row() -> WorkerRow {
         WorkerRow {
-            worker_id: "wkr-3f9c2a7d1e5b8c04".into(),
-            principal: "team-a".into(),
+            worker_id: "wkr-3f9c2a7d1e5b8c04".parse().unwrap(),
+            principal: idempotency::Principal::new("team-a"),
             image: "worker-base:2025.11".into(),
             cpu: 16,
             memory_gb: 64,
             labels: r#"{"team":"ml-eval"}"#.into(),
-            node_id: "node-0417".into(),
+            node_id: "node-0417".parse().unwrap(),
             lease_id: "lease-9a1b2c3d4e5f6071".into(),
             vm_id: "vm-5c0ffee".into(),
             state: "running".into(),
@@ -131,10 +131,6 @@ mod tests {
 
     #[test]
     fn a_row_the_service_never_writes_is_an_error_and_counts_never_wrap() {
-        assert!(matches!(
-            Worker::try_from(WorkerRow { worker_id: "a/b".into(), ..row() }),
-            Err(DomainError::BadRow(_))
-        ));
         assert!(matches!(Worker::try_from(WorkerRow { state: "gone".into(), ..row() }), Err(DomainError::BadRow(_))));
         let odd = Worker::try_from(WorkerRow { cpu: -1, memory_gb: i64::MAX, reboot_count: -5, ..row() }).unwrap();
         assert_eq!((odd.cpu, odd.memory_gb, odd.reboot_count), (0, u32::MAX, 0));

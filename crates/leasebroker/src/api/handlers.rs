@@ -45,7 +45,7 @@ pub async fn create_worker(
 ) -> Result<Response, ApiError> {
     let req: CreateWorker = parse_json(&headers, &body, state.body_key_field)?;
     let op = RequestRecord::new(ctx.claim().record().clone());
-    let worker = Worker::try_from(state.workers.create(principal.as_str(), &req, &op).await?)?;
+    let worker = Worker::try_from(state.workers.create(&principal, &req, &op).await?)?;
     let location = format!("/v1/workers/{}", worker.id);
     Ok(located(StatusCode::CREATED, Json(worker), &location))
 }
@@ -69,7 +69,8 @@ pub async fn get_worker(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    match state.workers.domain.worker(principal.as_str(), &id).await? {
+    let Ok(worker) = id.parse::<WorkerId>() else { return Err(ServiceError::NotFound(id).into()) };
+    match state.workers.domain.worker(&principal, &worker).await? {
         Some(w) => Ok(Json(Worker::try_from(w)?).into_response()),
         None => Err(ServiceError::NotFound(id).into()),
     }
@@ -92,11 +93,12 @@ pub async fn list_workers(
         return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")).into());
     }
     // A cursor is the last worker id of a page; anything else would read as an empty last page.
-    if q.cursor.as_deref().is_some_and(|c| !is_worker_id(c)) {
-        return Err(invalid("cursor is not a cursor this listing gave out".into()).into());
-    }
-    let rows = state.workers.domain.list_workers(principal.as_str(), limit, q.cursor.as_deref()).await?;
-    let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.clone())).flatten();
+    let cursor = match q.cursor.map(WorkerId::try_from).transpose() {
+        Ok(cursor) if cursor.as_ref().is_none_or(|c| is_worker_id(c.as_str())) => cursor,
+        _ => return Err(invalid("cursor is not a cursor this listing gave out".into()).into()),
+    };
+    let rows = state.workers.domain.list_workers(&principal, limit, cursor.as_ref()).await?;
+    let next_cursor = (rows.len() == limit as usize).then(|| rows.last().map(|w| w.worker_id.to_string())).flatten();
     let workers = rows.into_iter().map(Worker::try_from).collect::<Result<_, _>>()?;
     Ok(Json(WorkerPage { workers, next_cursor }).into_response())
 }
@@ -115,8 +117,9 @@ pub async fn delete_worker(
     ctx: IdempotencyContext,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    let Ok(worker) = id.parse::<WorkerId>() else { return Err(ServiceError::NotFound(id).into()) };
     let op = RequestRecord::new(ctx.claim().record().clone());
-    state.workers.delete(principal.as_str(), &id, &op).await?;
+    state.workers.delete(&principal, &worker, &op).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -137,7 +140,7 @@ pub async fn reboot_worker(
 ) -> Result<Response, ApiError> {
     let Ok(id) = id.parse::<WorkerId>() else { return Err(ServiceError::NotFound(id).into()) };
     let op = RequestRecord::new(ctx.claim().record().clone());
-    let reboot_count = state.workers.reboot(principal.as_str(), id.as_str(), &op).await?;
+    let reboot_count = state.workers.reboot(&principal, &id, &op).await?;
     let reboot_count = u64::try_from(reboot_count).unwrap_or(0);
     Ok((StatusCode::ACCEPTED, Json(RebootResult { id, reboot_count })).into_response())
 }
@@ -183,7 +186,7 @@ pub async fn flash_firmware(
         .into());
     }
     let operation = dto::Operation::try_from(state.firmware.flash(&node_id, &req, &op).await?)?;
-    let location = crate::firmware::operation_location(operation.id.as_str());
+    let location = crate::firmware::operation_location(&operation.id);
     Ok(located(StatusCode::ACCEPTED, Json(operation), &location))
 }
 
@@ -194,10 +197,8 @@ pub async fn flash_firmware(
               (status = 404, description = "No such operation")),
     security(("bearer" = [])))]
 pub async fn get_operation(State(state): State<AppState>, Path(op_id): Path<String>) -> Result<Response, ApiError> {
-    if !leasebroker_api::is_path_id(&op_id) {
-        return Err(ServiceError::NoSuchOperation(op_id).into());
-    }
-    match state.workers.domain.flash_operation(&op_id).await? {
+    let Ok(op) = op_id.parse::<OperationId>() else { return Err(ServiceError::NoSuchOperation(op_id).into()) };
+    match state.workers.domain.flash_operation(&op).await? {
         Some(row) => Ok(Json(dto::Operation::try_from(row)?).into_response()),
         None => Err(ServiceError::NoSuchOperation(op_id).into()),
     }

@@ -125,7 +125,9 @@ fn worker_named(req: &Request) -> Option<(Principal, String)> {
 
 /// Whether `principal` holds the worker `id`.
 async fn holds_worker(state: &AppState, principal: &Principal, id: &str) -> bool {
-    match state.workers.domain.worker(principal.as_str(), id).await {
+    // Not an id at all: no principal holds it.
+    let Ok(id) = id.parse::<leasebroker_api::WorkerId>() else { return false };
+    match state.workers.domain.worker(principal, &id).await {
         Ok(found) => found.is_some(),
         // The limit then applies as to any request; the layer's own store calls report an outage.
         Err(e) => {

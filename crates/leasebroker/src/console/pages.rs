@@ -285,14 +285,14 @@ fn latest_workers(b: &mut String, o: &Overview) {
                 let _ = write!(
                     b,
                     r#"<tr data-worker="{}"><td class="mono">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class="mono">{}</td><td>{}</td><td class="mono">{}</td><td>{}</td><td>{}</td></tr>"#,
-                    E(&w.worker_id),
-                    E(&w.worker_id),
-                    E(&w.principal),
+                    E(w.worker_id.as_str()),
+                    E(w.worker_id.as_str()),
+                    E(w.principal.as_str()),
                     E(&w.image),
                     w.cpu,
                     w.memory_gb,
                     E(&labels(&w.labels)),
-                    E(&w.node_id),
+                    E(w.node_id.as_str()),
                     E(&w.vm_id),
                     E(&w.state),
                     duration(o.now - w.created_at)

@@ -74,13 +74,13 @@ pub struct StartCreate<'a> {
     /// The boot effect.
     pub boot: &'a dyn Effect,
     /// The principal.
-    pub principal: &'a str,
+    pub principal: &'a Principal,
     /// The allocation's sub-key.
     pub alloc_id: &'a str,
     /// The lease's public id.
     pub lease_id: &'a str,
     /// The worker's public id: when it exists, or its tombstone does, the create finished.
-    pub worker_id: &'a str,
+    pub worker_id: &'a WorkerId,
     /// The most nodes the principal may hold (0: no limit).
     pub quota: u32,
     /// Now (µs since the epoch).
@@ -103,7 +103,7 @@ impl Domain {
     /// resolves it.
     pub async fn start_create(&self, s: StartCreate<'_>) -> Result<CreateStart> {
         let postgres = self.db.is_postgres();
-        let (principal, now) = (s.principal, s.now);
+        let (principal, now) = (s.principal.as_str(), s.now);
         with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let decided = match LedgerTx::decide(&mut *tx, s.attempt, s.boot).await {
@@ -119,11 +119,15 @@ impl Domain {
                 "SELECT EXISTS (SELECT 1 FROM lb_workers WHERE worker_id = $1) \
                  OR EXISTS (SELECT 1 FROM lb_tombstones WHERE worker_id = $1), n.node_id, n.cpu, n.memory_gb \
                  FROM (SELECT 1 AS one) AS one LEFT JOIN lb_nodes n ON n.alloc_id = $2")
-                .bind(s.worker_id).bind(s.alloc_id).fetch_one(&mut *tx).await
+                .bind(s.worker_id.as_str()).bind(s.alloc_id).fetch_one(&mut *tx).await
                 .map(|(finished, node_id, cpu, memory_gb)| {
-                    let held = node_id.map(|node_id| Node { node_id, cpu: cpu.unwrap_or(0), memory_gb: memory_gb.unwrap_or(0) });
-                    (finished, held)
-                })?;
+                    let held = node_id.map(|node_id| Ok::<_, sqlx::Error>(Node {
+                        node_id: NodeId::try_from(node_id).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+                        cpu: cpu.unwrap_or(0),
+                        memory_gb: memory_gb.unwrap_or(0),
+                    }));
+                    held.transpose().map(|held| (finished, held))
+                })??;
             if finished {
                 tx.rollback().await?;
                 return Ok(CreateStart::Finished);
@@ -142,7 +146,7 @@ impl Domain {
             };
             sqlx::query("INSERT INTO lb_leases (lease_id, node_id, principal, created_at) VALUES ($1, $2, $3, $4) \
                          ON CONFLICT (lease_id) DO NOTHING")
-                .bind(s.lease_id).bind(&node.node_id).bind(principal).bind(now)
+                .bind(s.lease_id).bind(node.node_id.as_str()).bind(principal).bind(now)
                 .execute(&mut *tx).await?;
             tx.commit().await?;
             Ok(CreateStart::Held { node, decided })
@@ -174,8 +178,8 @@ impl Domain {
             let inserted = sqlx::query("INSERT INTO lb_workers (worker_id, principal, image, cpu, memory_gb, labels, node_id, lease_id, \
                          vm_id, state, reboot_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (worker_id) DO NOTHING")
-                .bind(&w.worker_id).bind(&w.principal).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
-                .bind(&w.labels).bind(&w.node_id).bind(&w.lease_id).bind(vm_id).bind(&w.state)
+                .bind(w.worker_id.as_str()).bind(w.principal.as_str()).bind(&w.image).bind(w.cpu).bind(w.memory_gb)
+                .bind(&w.labels).bind(w.node_id.as_str()).bind(&w.lease_id).bind(vm_id).bind(&w.state)
                 .bind(w.reboot_count).bind(w.created_at)
                 .execute(&mut *tx).await?.rows_affected() == 1;
             // Last: the counter's row stays locked until the commit (64 rows, so creates rarely meet).
@@ -194,7 +198,8 @@ impl Domain {
     /// this attempt's call did (`reboot`, when it ran one) and, when this call finished it,
     /// counts the reboot on the worker, in one transaction; an operation finished already
     /// counts nothing again. Returns the worker's reboot count.
-    pub async fn finish_reboot(&self, attempt: &Attempt, reboot: Option<&Made>, worker_id: &str) -> Result<i64> {
+    pub async fn finish_reboot(&self, attempt: &Attempt, reboot: Option<&Made>, worker_id: &WorkerId) -> Result<i64> {
+        let worker_id = worker_id.as_str();
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let finished = match reboot {
@@ -230,11 +235,12 @@ impl Domain {
     pub async fn finish_delete(
         &self,
         attempt: &Attempt,
-        principal: &str,
-        worker_id: &str,
+        principal: &Principal,
+        worker_id: &WorkerId,
         tombstone_id: &str,
         now: i64,
     ) -> Result<bool> {
+        let (principal, worker_id) = (principal.as_str(), worker_id.as_str());
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             if let Err(e) = LedgerTx::finish(&mut *tx, attempt).await {

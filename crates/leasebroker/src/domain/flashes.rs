@@ -9,9 +9,9 @@ use leasebroker_api::OperationState;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashRow {
     /// `op-...`: a prefix and 16 hex digits of the request's derived sub-key `flash-op`.
-    pub op_id: String,
+    pub op_id: OperationId,
     /// The node whose BMC is flashed.
-    pub node_id: String,
+    pub node_id: NodeId,
     /// The firmware version.
     pub version: String,
     /// `running`, `succeeded`, `failed` or `uncertain` (stored as its wire name).
@@ -38,8 +38,8 @@ pub struct FlashRow {
 }
 
 from_row!(FlashRow {
-    op_id,
-    node_id,
+    op_id as String,
+    node_id as String,
     version,
     state as String,
     error,
@@ -137,7 +137,8 @@ macro_rules! select {
 
 impl Domain {
     /// The flash operation `op_id`.
-    pub async fn flash_operation(&self, op_id: &str) -> Result<Option<FlashRow>> {
+    pub async fn flash_operation(&self, op_id: &OperationId) -> Result<Option<FlashRow>> {
+        let op_id = op_id.as_str();
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, FlashRow>(select!("WHERE op_id = $1")).bind(op_id).fetch_optional(p).await?
         }))
@@ -151,7 +152,8 @@ impl Domain {
     }
 
     /// The operation that holds `node_id`, if any: running, or ended `uncertain`.
-    pub async fn open_flash_on(&self, node_id: &str) -> Result<Option<FlashRow>> {
+    pub async fn open_flash_on(&self, node_id: &NodeId) -> Result<Option<FlashRow>> {
+        let node_id = node_id.as_str();
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, FlashRow>(select!("WHERE node_id = $1 AND state IN ('running', 'uncertain')"))
                 .bind(node_id).fetch_optional(p).await?
@@ -159,7 +161,8 @@ impl Domain {
     }
 
     /// Whether the node is allocated: a worker holds it, or a create is taking it.
-    pub async fn node_allocated(&self, node_id: &str) -> Result<bool> {
+    pub async fn node_allocated(&self, node_id: &NodeId) -> Result<bool> {
+        let node_id = node_id.as_str();
         Ok(with_pool!(&self.db, p => {
             sqlx::query("SELECT 1 FROM lb_nodes WHERE node_id = $1 AND alloc_id IS NOT NULL")
                 .bind(node_id).fetch_optional(p).await?.is_some()
@@ -172,13 +175,14 @@ impl Domain {
     /// one holds it, this one is not created and that one is returned as a conflict.
     pub async fn start_flash(
         &self,
-        op_id: &str,
+        op_id: &OperationId,
         ledger_op: &str,
-        node_id: &str,
+        node: &NodeId,
         version: &str,
         tag: &str,
         now: i64,
     ) -> Result<FlashStart> {
+        let node_id = node.as_str();
         // A conflicting operation can end between the failed insert and the read of it: then
         // the insert is tried again (a few times; a node flashed back to back is rare).
         for _ in 0..3 {
@@ -195,14 +199,14 @@ impl Domain {
                 sqlx::query("INSERT INTO lb_flash_operations \
                              (op_id, node_id, version, state, intent, tag, created_at, ledger_op) \
                              VALUES ($1, $2, $3, 'running', 'unsent', $4, $5, $6) ON CONFLICT (op_id) DO NOTHING")
-                    .bind(op_id).bind(node_id).bind(version).bind(tag).bind(now).bind(ledger_op)
+                    .bind(op_id.as_str()).bind(node_id).bind(version).bind(tag).bind(now).bind(ledger_op)
                     .execute(p).await.map(|r| r.rows_affected())
             });
             match inserted {
                 Ok(_) => continue, // read back above: ours, or an overlapping attempt's
                 Err(e) if is_unique_violation(&e) => {
-                    if let Some(running) = self.open_flash_on(node_id).await?
-                        && running.op_id != op_id
+                    if let Some(running) = self.open_flash_on(node).await?
+                        && running.op_id != *op_id
                     {
                         return Ok(FlashStart::Conflict(running));
                     }
@@ -210,7 +214,7 @@ impl Domain {
                 Err(e) => return Err(e.into()),
             }
         }
-        match self.open_flash_on(node_id).await? {
+        match self.open_flash_on(node).await? {
             Some(running) => Ok(FlashStart::Conflict(running)),
             None => Err(DomainError::Db(sqlx::Error::RowNotFound)),
         }
@@ -219,7 +223,8 @@ impl Domain {
     /// Records that the BMC took the flash (it answered, or it holds the tag), counting the flash
     /// once, and where its task is followed when the BMC said (`task`, a path on the BMC).
     /// Returns the row.
-    pub async fn accept_flash(&self, op_id: &str, task: Option<&str>) -> Result<FlashRow> {
+    pub async fn accept_flash(&self, op: &OperationId, task: Option<&str>) -> Result<FlashRow> {
+        let op_id = op.as_str();
         with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let changed = sqlx::query("UPDATE lb_flash_operations SET intent = 'accepted' \
@@ -234,11 +239,12 @@ impl Domain {
             }
             tx.commit().await?;
         });
-        self.flash_operation(op_id).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
+        self.flash_operation(op).await?.ok_or(DomainError::Db(sqlx::Error::RowNotFound))
     }
 
     /// Sets (or, with `None`, forgets) where the flash's task is followed.
-    pub async fn follow_flash_task(&self, op_id: &str, task: Option<&str>) -> Result<()> {
+    pub async fn follow_flash_task(&self, op_id: &OperationId, task: Option<&str>) -> Result<()> {
+        let op_id = op_id.as_str();
         with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET task_uri = $2 WHERE op_id = $1")
                 .bind(op_id).bind(task).execute(p).await?;
@@ -247,7 +253,8 @@ impl Domain {
     }
 
     /// Ends a running operation whose flash was accepted. False when it had ended already.
-    pub async fn finish_flash(&self, op_id: &str, end: &FlashEnd, now: i64) -> Result<bool> {
+    pub async fn finish_flash(&self, op_id: &OperationId, end: &FlashEnd, now: i64) -> Result<bool> {
+        let op_id = op_id.as_str();
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $2, error = $3, finished_at = $4 \
                          WHERE op_id = $1 AND state = 'running' AND intent = 'accepted'")
@@ -259,7 +266,7 @@ impl Domain {
     /// abandoned). The caller holds the fence: the ledger's intent was refused (released), or
     /// its operation is taken for a rollback or finished, so no attempt can send it any more.
     /// False when the row moved on.
-    pub async fn fail_unaccepted_flash(&self, op_id: &str, error: &str, now: i64) -> Result<bool> {
+    pub async fn fail_unaccepted_flash(&self, op_id: &OperationId, error: &str, now: i64) -> Result<bool> {
         self.end_unaccepted_flash(op_id, &FlashEnd::Failed(error.to_owned()), now).await
     }
 
@@ -267,7 +274,8 @@ impl Domain {
     /// [`Domain::fail_unaccepted_flash`] is: `failed`, `uncertain` (sent, and what came of it
     /// cannot be read), or `succeeded` (nothing needed flashing, or the inventory shows the
     /// version). False when the row moved on.
-    pub async fn end_unaccepted_flash(&self, op_id: &str, end: &FlashEnd, now: i64) -> Result<bool> {
+    pub async fn end_unaccepted_flash(&self, op_id: &OperationId, end: &FlashEnd, now: i64) -> Result<bool> {
+        let op_id = op_id.as_str();
         Ok(with_pool!(&self.db, p => {
             sqlx::query("UPDATE lb_flash_operations SET state = $4, error = $2, finished_at = $3 \
                          WHERE op_id = $1 AND state = 'running' AND intent <> 'accepted'")
@@ -279,7 +287,8 @@ impl Domain {
     /// (with the reason as its error); `reason` is kept either way. The node is free again. A
     /// flash the BMC was never seen to take and that the operator found done is counted as taken
     /// then (the fleet's `firmware_flashes_total`).
-    pub async fn resolve_flash(&self, op_id: &str, succeeded: bool, reason: &str, now: i64) -> Result<Resolved> {
+    pub async fn resolve_flash(&self, op: &OperationId, succeeded: bool, reason: &str, now: i64) -> Result<Resolved> {
+        let op_id = op.as_str();
         let (state, error) = if succeeded {
             (OperationState::Succeeded, None)
         } else {
@@ -299,7 +308,7 @@ impl Domain {
             tx.commit().await?;
             changed == 1
         });
-        Ok(match self.flash_operation(op_id).await? {
+        Ok(match self.flash_operation(op).await? {
             Some(row) if changed => Resolved::Resolved(row),
             Some(row) => Resolved::NotUncertain(row),
             None => Resolved::NoOperation,
@@ -318,7 +327,8 @@ impl Domain {
     }
 
     /// Records that a watcher saw `node_id` bricked.
-    pub async fn note_bricked(&self, node_id: &str, now: i64) -> Result<()> {
+    pub async fn note_bricked(&self, node_id: &NodeId, now: i64) -> Result<()> {
+        let node_id = node_id.as_str();
         with_pool!(&self.db, p => {
             sqlx::query("INSERT INTO lb_bricked_nodes (node_id, seen_at) VALUES ($1, $2) ON CONFLICT (node_id) DO NOTHING")
                 .bind(node_id).bind(now).execute(p).await?;

@@ -9,6 +9,8 @@ use serde::Serialize;
 use sqlx::Row;
 
 use crate::db::{Db, with_pool};
+pub use idempotency::Principal;
+pub use leasebroker_api::{NodeId, OperationId, WorkerId};
 
 /// An error of the domain tables.
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +70,8 @@ type Result<T> = std::result::Result<T, DomainError>;
 /// `#[derive(sqlx::FromRow)]` writes, without sqlx's `macros` feature (which builds both database
 /// drivers a second time, for the compiler). A field left out is a compile error. `field as
 /// String` reads the column as a `String` and converts it into the field's type (a closed set
-/// such as [`OperationState`](leasebroker_api::OperationState), stored as its wire name).
+/// such as [`OperationState`](leasebroker_api::OperationState), stored as its wire name, or an id
+/// such as [`WorkerId`]); a stored value the type refuses is a decode error.
 macro_rules! from_row {
     ($ty:ident { $($field:ident $(as $raw:ty)?),+ $(,)? }) => {
         from_row!(@one $ty sqlx::sqlite::SqliteRow { $($field $(as $raw)?),+ });
@@ -86,7 +89,8 @@ macro_rules! from_row {
         $row.try_get(stringify!($field))?
     };
     (@get $row:ident $field:ident $raw:ty) => {
-        $row.try_get::<$raw, _>(stringify!($field))?.into()
+        TryFrom::try_from($row.try_get::<$raw, _>(stringify!($field))?)
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))?
     };
 }
 
@@ -98,14 +102,14 @@ pub use nodes::{ALLOCATE_CAPPED_PG, ALLOCATE_CAPPED_SQLITE, ALLOCATE_PG, ALLOCAT
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
     /// `node-0001`...
-    pub node_id: String,
+    pub node_id: NodeId,
     /// CPUs.
     pub cpu: i64,
     /// Memory in GB.
     pub memory_gb: i64,
 }
 
-from_row!(Node { node_id, cpu, memory_gb });
+from_row!(Node { node_id as String, cpu, memory_gb });
 
 /// A live operation, as the console lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,9 +145,9 @@ pub struct Released {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerRow {
     /// `wkr-...`.
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     /// Its owner.
-    pub principal: String,
+    pub principal: Principal,
     /// The image.
     pub image: String,
     /// CPUs.
@@ -153,7 +157,7 @@ pub struct WorkerRow {
     /// Labels as a JSON object.
     pub labels: String,
     /// Its node.
-    pub node_id: String,
+    pub node_id: NodeId,
     /// Its lease.
     pub lease_id: String,
     /// Its VM.
@@ -167,13 +171,13 @@ pub struct WorkerRow {
 }
 
 from_row!(WorkerRow {
-    worker_id,
-    principal,
+    worker_id as String,
+    principal as String,
     image,
     cpu,
     memory_gb,
     labels,
-    node_id,
+    node_id as String,
     lease_id,
     vm_id,
     state,

@@ -84,11 +84,12 @@ impl Domain {
     pub async fn allocate_within(
         &self,
         alloc_id: &str,
-        principal: &str,
+        principal: &Principal,
         now: i64,
         quota: u32,
         op_id: &str,
     ) -> Result<Allocation> {
+        let principal = principal.as_str();
         if let Some(node) = self.allocation(alloc_id).await? {
             return Ok(Allocation::Node(node));
         }
@@ -138,22 +139,22 @@ impl Domain {
     pub async fn insert_lease(
         &self,
         lease_id: &str,
-        node_id: &str,
-        principal: &str,
+        node_id: &NodeId,
+        principal: &Principal,
         now: i64,
         op_id: &str,
-    ) -> Result<String> {
+    ) -> Result<NodeId> {
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             guard!(self, tx, op_id);
             sqlx::query("INSERT INTO lb_leases (lease_id, node_id, principal, created_at) VALUES ($1, $2, $3, $4) \
                          ON CONFLICT (lease_id) DO NOTHING")
-                .bind(lease_id).bind(node_id).bind(principal).bind(now)
+                .bind(lease_id).bind(node_id.as_str()).bind(principal.as_str()).bind(now)
                 .execute(&mut *tx).await?;
             let node = sqlx::query("SELECT node_id FROM lb_leases WHERE lease_id = $1")
                 .bind(lease_id).fetch_one(&mut *tx).await?.try_get::<String, _>(0)?;
             tx.commit().await?;
-            node
+            NodeId::try_from(node).map_err(|e| sqlx::Error::Decode(Box::new(e)))?
         }))
     }
 }

@@ -48,19 +48,24 @@ pub(super) use delete_worker_in;
 
 impl Domain {
     /// A principal's worker.
-    pub async fn worker(&self, principal: &str, worker_id: &str) -> Result<Option<WorkerRow>> {
+    pub async fn worker(&self, principal: &Principal, worker_id: &WorkerId) -> Result<Option<WorkerRow>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, WorkerRow>("SELECT * FROM lb_workers WHERE worker_id = $1 AND principal = $2")
-                .bind(worker_id).bind(principal).fetch_optional(p).await?
+                .bind(worker_id.as_str()).bind(principal.as_str()).fetch_optional(p).await?
         }))
     }
 
     /// A principal's workers after `cursor` (exclusive), in id order.
-    pub async fn list_workers(&self, principal: &str, limit: u32, cursor: Option<&str>) -> Result<Vec<WorkerRow>> {
+    pub async fn list_workers(
+        &self,
+        principal: &Principal,
+        limit: u32,
+        cursor: Option<&WorkerId>,
+    ) -> Result<Vec<WorkerRow>> {
         Ok(with_pool!(&self.db, p => {
             sqlx::query_as::<_, WorkerRow>(
                 "SELECT * FROM lb_workers WHERE principal = $1 AND worker_id > $2 ORDER BY worker_id LIMIT $3")
-                .bind(principal).bind(cursor.unwrap_or("")).bind(i64::from(limit))
+                .bind(principal.as_str()).bind(cursor.map_or("", WorkerId::as_str)).bind(i64::from(limit))
                 .fetch_all(p).await?
         }))
     }
@@ -76,7 +81,14 @@ impl Domain {
 
     /// Deletes a worker, its lease, and frees its node, and leaves the tombstone
     /// `tombstone_id`, in one transaction. False if it was already gone.
-    pub async fn delete_worker(&self, principal: &str, worker_id: &str, tombstone_id: &str, now: i64) -> Result<bool> {
+    pub async fn delete_worker(
+        &self,
+        principal: &Principal,
+        worker_id: &WorkerId,
+        tombstone_id: &str,
+        now: i64,
+    ) -> Result<bool> {
+        let (principal, worker_id) = (principal.as_str(), worker_id.as_str());
         Ok(with_pool!(&self.db, p => {
             let mut tx = p.begin().await?;
             let deleted = delete_worker_in!(tx, principal, worker_id, tombstone_id, now);
@@ -86,17 +98,18 @@ impl Domain {
     }
 
     /// The worker a delete under `tombstone_id` deleted, if one did.
-    pub async fn tombstone(&self, tombstone_id: &str) -> Result<Option<String>> {
-        Ok(with_pool!(&self.db, p => {
+    pub async fn tombstone(&self, tombstone_id: &str) -> Result<Option<WorkerId>> {
+        let worker: Option<String> = with_pool!(&self.db, p => {
             sqlx::query("SELECT worker_id FROM lb_tombstones WHERE tombstone_id = $1")
                 .bind(tombstone_id).fetch_optional(p).await?.map(|r| r.try_get::<String, _>(0)).transpose()?
-        }))
+        });
+        Ok(worker.map(WorkerId::try_from).transpose().map_err(|e| sqlx::Error::Decode(Box::new(e)))?)
     }
 
     /// Whether the worker `worker_id` was deleted (within the tombstones' retention).
-    pub async fn is_deleted(&self, worker_id: &str) -> Result<bool> {
+    pub async fn is_deleted(&self, worker_id: &WorkerId) -> Result<bool> {
         Ok(with_pool!(&self.db, p => {
-            sqlx::query("SELECT 1 FROM lb_tombstones WHERE worker_id = $1").bind(worker_id).fetch_optional(p).await?.is_some()
+            sqlx::query("SELECT 1 FROM lb_tombstones WHERE worker_id = $1").bind(worker_id.as_str()).fetch_optional(p).await?.is_some()
         }))
     }
 }

@@ -10,7 +10,7 @@ use crate::domain::{Domain, DomainError, FlashEnd, FlashRow};
 use crate::hypervisor::client::{BmcNode, BmcState, HypervisorClient};
 use crate::hypervisor::redfish::{Firmware, RedfishBmc, TaskLookup, TaskOutcome};
 use crate::service::{call_error, now_micros};
-use leasebroker_api::OperationState;
+use leasebroker_api::{NodeId, OperationState};
 
 /// A firmware flash as the effect ledger runs it: long-running (accepted with `202`, finished
 /// minutes later), found by the tag the BMC keeps (simulator: the BMCs holding it; Redfish: a
@@ -21,7 +21,7 @@ pub(super) struct FlashCall {
     pub(super) hypervisor: HypervisorClient,
     pub(super) domain: Domain,
     /// The node flashed, for a probe (the watcher's instance has none: it polls by tag).
-    pub(super) node_id: Option<String>,
+    pub(super) node_id: Option<NodeId>,
 }
 
 #[async_trait]
@@ -35,7 +35,8 @@ impl Effect for FlashCall {
             Some(bmc) => matches!(bmc.find_task(tag).await.map_err(call_error)?, TaskLookup::Found(_)),
             None => self.hypervisor.bmcs_by_tag(tag).await.map_err(call_error)? > 0,
         };
-        Ok(found.then(|| self.node_id.clone().unwrap_or_default()).into_iter().collect())
+        let node = self.node_id.as_ref().map(NodeId::to_string).unwrap_or_default();
+        Ok(found.then_some(node).into_iter().collect())
     }
 
     fn keeps(&self) -> bool {
@@ -87,7 +88,7 @@ impl FlashCall {
 
     /// The simulator's BMC: its state says how the flash went.
     async fn poll_bmc(&self, row: &FlashRow) -> Result<Option<FlashEnd>, CallError> {
-        let Some(bmc) = self.hypervisor.bmc(&row.node_id).await.map_err(call_error)? else {
+        let Some(bmc) = self.hypervisor.bmc(row.node_id.as_str()).await.map_err(call_error)? else {
             return self.end(row, FlashEnd::Failed("the BMC no longer knows the node".into())).await;
         };
         match outcome(row, &bmc) {
@@ -127,7 +128,8 @@ impl FlashCall {
             TaskOutcome::Succeeded => self.end(row, FlashEnd::Succeeded).await,
             TaskOutcome::Failed(reason) => {
                 // Some BMCs fail the task of an image the machine already runs: that is done.
-                let runs = bmc.runs_version(&row.node_id, &row.version).await.map_err(call_error)? == Firmware::Runs;
+                let runs =
+                    bmc.runs_version(row.node_id.as_str(), &row.version).await.map_err(call_error)? == Firmware::Runs;
                 if runs {
                     tracing::info!(op_id = %row.op_id, reason, "the task failed, but the node runs the version");
                 }

@@ -44,6 +44,8 @@
 //!   the value it decided on, so an attempt woken from a pause finds the stamp moved and sends
 //!   nothing, and one that moved it first makes the conclusion wait for its window.
 
+use leasebroker_api::OperationId;
+
 use crate::service::{RequestRecord, public_id};
 
 mod call;
@@ -56,12 +58,13 @@ pub use request::Firmware;
 pub use watcher::{WatchReport, WatchSettings, Watcher};
 
 /// The sub-keys of one flash request: the operation's id and the BMC call's tag.
-fn keys(op: &RequestRecord) -> (String, String) {
+fn keys(op: &RequestRecord) -> (OperationId, String) {
     (operation_id(|label| op.derive(label)), op.derive("flash").as_str().to_owned())
 }
 
-fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> String {
-    public_id("op", &derive("flash-op"))
+fn operation_id(derive: impl Fn(&str) -> idempotency::SubKey) -> OperationId {
+    // `op-` and hex digits: always a valid id.
+    OperationId::try_from(public_id("op", &derive("flash-op"))).expect("an operation's public id is path-safe")
 }
 
 /// Where the operation a flash request's record starts can be followed: what the idempotency
@@ -74,7 +77,7 @@ pub fn operation_link(record: &idempotency::Record) -> Option<String> {
 }
 
 /// Where the operation `op_id` is read: its `Location`.
-pub fn operation_location(op_id: &str) -> String {
+pub fn operation_location(op_id: &OperationId) -> String {
     format!("/admin/v1/operations/{op_id}")
 }
 

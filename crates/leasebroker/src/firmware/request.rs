@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idempotency::ErrorChain;
 use idempotency_effects::{Attempt, Decided, EffectError, Effects, IntentState, Sent};
-use leasebroker_api::{FlashFirmware, is_path_id};
+use leasebroker_api::{FlashFirmware, NodeId, OperationId};
 
 use super::call::FlashCall;
 use super::settle::{Pending, SettleError, settle_pending};
@@ -44,14 +44,16 @@ impl Firmware {
         req: &FlashFirmware,
         op: &RequestRecord,
     ) -> Result<bool, ServiceError> {
-        if req.force || !is_path_id(node_id) {
+        // Not a node id at all: the flash answers that there is no such node.
+        let Ok(node) = node_id.parse::<NodeId>() else { return Ok(false) };
+        if req.force {
             return Ok(false);
         }
         let (op_id, _) = keys(op);
         if self.domain.flash_operation(&op_id).await?.is_some() {
             return Ok(false);
         }
-        Ok(self.domain.node_allocated(node_id).await?)
+        Ok(self.domain.node_allocated(&node).await?)
     }
 
     /// The side-effect runner on the service's database.
@@ -69,18 +71,18 @@ impl Firmware {
         op: &RequestRecord,
     ) -> Result<FlashRow, ServiceError> {
         req.validate()?;
-        if !is_path_id(node_id) {
+        let Ok(node) = node_id.parse::<NodeId>() else {
             return Err(ServiceError::NoSuchNode(node_id.to_owned()));
-        }
+        };
         let (op_id, tag) = keys(op);
         let attempt = self.effects().attempt(&op.effects_op(crate::service::OpKind::Flash));
         let ledger_op = attempt.operation().id().to_owned();
-        let row = match self.domain.start_flash(&op_id, &ledger_op, node_id, &req.version, &tag, now_micros()).await? {
+        let row = match self.domain.start_flash(&op_id, &ledger_op, &node, &req.version, &tag, now_micros()).await? {
             FlashStart::Operation(row) => row,
             FlashStart::Conflict(open) => {
                 tracing::info!(node_id, open = %open.op_id, state = %open.state, "another key's flash holds the node; refused");
                 let uncertain = open.is_uncertain();
-                return Err(ServiceError::OperationConflict { op_id: open.op_id, uncertain });
+                return Err(ServiceError::OperationConflict { op_id: open.op_id.into(), uncertain });
             }
             FlashStart::NoNode => return Err(ServiceError::NoSuchNode(node_id.to_owned())),
         };
@@ -136,7 +138,7 @@ impl Firmware {
         self.hook.at(Step::FlashSend).await;
         let effect = self.effect(Some(row.node_id.clone()));
         let (task, version, node) = (Mutex::new(None), req.version.as_str(), row.node_id.as_str());
-        let (task_ref, domain, op_id) = (&task, &self.domain, row.op_id.as_str());
+        let (task_ref, domain, op_id) = (&task, &self.domain, &row.op_id);
         let sent = attempt
             .run_decided(&effect, decided, |tag| async move {
                 metrics::counter!(FLASHES_SENT_TOTAL).increment(1);
@@ -146,7 +148,7 @@ impl Firmware {
                 if let Some(task) = &followed
                     && let Err(e) = domain.follow_flash_task(op_id, Some(task)).await
                 {
-                    tracing::warn!(error = %ErrorChain(&e), op_id, "cannot keep where the flash's task is; kept on acceptance");
+                    tracing::warn!(error = %ErrorChain(&e), %op_id, "cannot keep where the flash's task is; kept on acceptance");
                 }
                 *task_ref.lock().unwrap_or_else(PoisonError::into_inner) = followed;
                 Ok(Sent::Accepted(node.to_owned()))
@@ -157,7 +159,12 @@ impl Firmware {
 
     /// Records what the send step came to: accepted (with where its task is followed), refused
     /// (the operation fails), or an error to answer.
-    async fn after_send(&self, op_id: &str, attempt: &Attempt, (sent, task): SendResult) -> Result<(), ServiceError> {
+    async fn after_send(
+        &self,
+        op_id: &OperationId,
+        attempt: &Attempt,
+        (sent, task): SendResult,
+    ) -> Result<(), ServiceError> {
         match sent {
             Ok(_) => {
                 self.domain.accept_flash(op_id, task.as_deref()).await?;
@@ -166,7 +173,7 @@ impl Firmware {
             Err(EffectError::Refused(e)) => match e.status() {
                 // The BMC refused: the operation fails, and the `202` says so.
                 Some(status) => {
-                    tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC refused the flash");
+                    tracing::warn!(error = %ErrorChain(&e), %op_id, "the BMC refused the flash");
                     let end = FlashEnd::Failed(format!("the BMC refused the flash (status {status})"));
                     if self.domain.end_unaccepted_flash(op_id, &end, now_micros()).await? {
                         count_end(&end);
@@ -175,7 +182,7 @@ impl Firmware {
                 }
                 // Never sent: the intent is released, a retry sends it without waiting.
                 None => {
-                    tracing::warn!(error = %ErrorChain(&e), op_id, "the BMC is unreachable; the flash was not sent");
+                    tracing::warn!(error = %ErrorChain(&e), %op_id, "the BMC is unreachable; the flash was not sent");
                     return Err(ServiceError::upstream("the BMC is unreachable"));
                 }
             },
@@ -187,13 +194,13 @@ impl Firmware {
     }
 
     /// The flash's effect, for the ledger (`node_id`: what a probe by tag reports found).
-    fn effect(&self, node_id: Option<String>) -> FlashCall {
+    fn effect(&self, node_id: Option<NodeId>) -> FlashCall {
         FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id }
     }
 
     /// The operation `op_id` as it is now.
-    async fn operation(&self, op_id: &str) -> Result<FlashRow, ServiceError> {
-        self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_owned()))
+    async fn operation(&self, op_id: &OperationId) -> Result<FlashRow, ServiceError> {
+        self.domain.flash_operation(op_id).await?.ok_or_else(|| ServiceError::NoSuchOperation(op_id.to_string()))
     }
 
     /// On a Redfish BMC, what comes before the send (module docs): a flash sent by an earlier
@@ -208,7 +215,7 @@ impl Firmware {
         row: &FlashRow,
         attempt: &Attempt,
     ) -> Result<Option<(Target, Decided)>, ServiceError> {
-        let op_id = row.op_id.as_str();
+        let op_id = &row.op_id;
         let ledger = self.domain.ledger();
         if let Some(intent) = ledger.intent(&row.tag).await.map_err(DomainError::from)? {
             match intent.state {
@@ -223,18 +230,19 @@ impl Firmware {
                 IntentState::Failed => {} // definitely not sent: sent again below
             }
         }
-        let target = bmc.target(&row.node_id).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
+        let target =
+            bmc.target(row.node_id.as_str()).await.map_err(|e| bmc_unavailable(&e, "list the BMC's systems"))?;
         let ended = match &target {
             Target::NotListed { systems } => {
                 Some(FlashEnd::Failed(format!("the BMC lists {systems} systems and none is {}", row.node_id)))
             }
             _ => {
                 let seen = bmc
-                    .firmware(&target, &row.node_id, &req.version)
+                    .firmware(&target, row.node_id.as_str(), &req.version)
                     .await
                     .map_err(|e| bmc_unavailable(&e, "read the firmware inventory"))?;
                 if seen == Inventory::Runs {
-                    tracing::info!(op_id, "the node already runs this version; nothing to flash");
+                    tracing::info!(%op_id, "the node already runs this version; nothing to flash");
                 }
                 (seen == Inventory::Runs).then_some(FlashEnd::Succeeded)
             }

@@ -1,6 +1,6 @@
 //! An operator's word on an `uncertain` flash: `POST /admin/v1/operations/{op_id}/resolve`.
 
-use leasebroker_api::{Resolution, ResolveOperation, is_path_id};
+use leasebroker_api::{OperationId, Resolution, ResolveOperation};
 
 use super::request::Firmware;
 use crate::domain::{FlashRow, Resolved};
@@ -18,11 +18,11 @@ impl Firmware {
         request_key: &str,
     ) -> Result<FlashRow, ServiceError> {
         req.validate()?;
-        if !is_path_id(op_id) {
+        let Ok(op) = op_id.parse::<OperationId>() else {
             return Err(ServiceError::NoSuchOperation(op_id.to_owned()));
-        }
+        };
         let succeeded = req.state == Resolution::Succeeded;
-        match self.domain.resolve_flash(op_id, succeeded, &req.reason, now_micros()).await? {
+        match self.domain.resolve_flash(&op, succeeded, &req.reason, now_micros()).await? {
             Resolved::Resolved(row) => {
                 tracing::info!(
                     target: "leasebroker::audit",
@@ -38,7 +38,7 @@ impl Firmware {
                 Ok(row)
             }
             Resolved::NotUncertain(row) => {
-                Err(ServiceError::OperationNotUncertain { op_id: row.op_id, state: row.state.into() })
+                Err(ServiceError::OperationNotUncertain { op_id: row.op_id.into(), state: row.state.into() })
             }
             Resolved::NoOperation => Err(ServiceError::NoSuchOperation(op_id.to_owned())),
         }

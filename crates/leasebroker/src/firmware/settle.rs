@@ -37,7 +37,7 @@ pub(super) async fn adopt(
         // Before the ledger records it accepted: any replica's watcher may take it from then on.
         domain.follow_flash_task(&row.op_id, task).await?;
     }
-    match ledger.record(&intent.op_id, &intent.intent_id, &row.node_id, IntentState::Accepted).await {
+    match ledger.record(&intent.op_id, &intent.intent_id, row.node_id.as_str(), IntentState::Accepted).await {
         Ok(_) | Err(LedgerError::Finished | LedgerError::RolledBack) => {}
         Err(e) => return Err(e.into()),
     }
@@ -65,7 +65,7 @@ pub(super) async fn end_without_task(
     if matches!(lookup, TaskLookup::Found(_) | TaskLookup::NotFound { busy: true }) {
         return Ok(None);
     }
-    Ok(Some(match (bmc.runs_version(&row.node_id, &row.version).await?, lookup) {
+    Ok(Some(match (bmc.runs_version(row.node_id.as_str(), &row.version).await?, lookup) {
         (Firmware::Runs, _) => FlashEnd::Succeeded,
         (Firmware::Absent, TaskLookup::NotFound { .. }) => FlashEnd::Failed(ABSENT.to_owned()),
         (Firmware::Absent, _) => FlashEnd::Uncertain(UNLISTED.to_owned()),

@@ -112,7 +112,7 @@ impl Watcher {
         let next = if rows.len() < PAGE as usize {
             String::new()
         } else {
-            rows.last().map(|r| r.op_id.clone()).unwrap_or_default()
+            rows.last().map(|r| r.op_id.to_string()).unwrap_or_default()
         };
         *self.cursor.lock().unwrap_or_else(PoisonError::into_inner) = next;
         for row in rows {

@@ -11,7 +11,8 @@ impl Operations {
     /// result, never rolled back.
     pub(super) async fn create_finished(&self, op: &OperationRow) -> anyhow::Result<bool> {
         let worker_id = keys_of(op)?.worker_id();
-        Ok(self.domain.worker(&op.principal, &worker_id).await?.is_some() || self.domain.is_deleted(&worker_id).await?)
+        let principal = idempotency::Principal::new(op.principal.as_str());
+        Ok(self.domain.worker(&principal, &worker_id).await?.is_some() || self.domain.is_deleted(&worker_id).await?)
     }
 
     /// Frees the lease and the node the create `op` took (after its VM was deleted and its

@@ -22,17 +22,22 @@ impl Operations {
             Some(worker) => worker.as_str(),
             None => op.endpoint.rsplit('/').next().unwrap_or_default(),
         };
+        let principal = idempotency::Principal::new(op.principal.as_str());
+        // Not an id at all (the handler refused it): there is no worker to delete.
+        let worker = worker_id.parse::<leasebroker_api::WorkerId>().ok();
         let mut finished = false;
-        if let Some(w) = self.domain.worker(&op.principal, worker_id).await? {
+        if let Some(id) = &worker
+            && let Some(w) = self.domain.worker(&principal, id).await?
+        {
             if let Err(e) = self.hypervisor.delete(&w.vm_id).await {
                 anyhow::bail!("cannot delete the abandoned delete's VM: {e}");
             }
-            finished = self.domain.delete_worker(&op.principal, worker_id, tombstone.as_str(), now_micros()).await?;
+            finished = self.domain.delete_worker(&principal, id, tombstone.as_str(), now_micros()).await?;
             if let Err(e) = self.domain.ledger().disown(&w.vm_id).await {
                 tracing::warn!(error = %ErrorChain(&e), vm_id = %w.vm_id, "cannot disown a deleted worker's VM");
             }
         }
-        let ours = self.domain.tombstone(tombstone.as_str()).await?.is_some_and(|w| w == worker_id);
+        let ours = self.domain.tombstone(tombstone.as_str()).await?.is_some_and(|w| w.as_str() == worker_id);
         if let Some(claim) = claim {
             if ours {
                 let no_content = idempotency::StoredResponse {

@@ -2,6 +2,7 @@
 //! from it.
 
 use idempotency::{Record, SubKey};
+use leasebroker_api::WorkerId;
 
 /// The idempotency record a mutating request's work runs under: every side effect derives its
 /// sub-key from it, and the reaper finds the record again through it. (Not the API's
@@ -68,8 +69,9 @@ impl CreateKeys {
     }
 
     /// The worker's public id.
-    pub fn worker_id(&self) -> String {
-        public_id("wkr", &self.worker)
+    pub fn worker_id(&self) -> WorkerId {
+        // `wkr-` and hex digits: always a valid id.
+        WorkerId::try_from(public_id("wkr", &self.worker)).expect("a worker's public id is path-safe")
     }
 }
 

@@ -44,7 +44,10 @@ pub use leasebroker_api::{
 
 use idempotency_effects::{Attempt, Decided, Effect, Effects, IntentState, Sent};
 
-use crate::domain::{Allocation, CreateStart, Domain, DomainError, Node, StartCreate, WorkerRow, is_unique_violation};
+use crate::domain::{
+    Allocation, CreateStart, Domain, DomainError, Node, Principal, StartCreate, WorkerId, WorkerRow,
+    is_unique_violation,
+};
 use crate::hypervisor::client::{BootRequest, HypervisorClient};
 
 mod calls;
@@ -92,7 +95,7 @@ impl Workers {
     /// Creates a worker, resuming whatever an earlier attempt of the same record did.
     pub async fn create(
         &self,
-        principal: &str,
+        principal: &Principal,
         req: &CreateWorker,
         op: &RequestRecord,
     ) -> Result<WorkerRow, ServiceError> {
@@ -167,7 +170,7 @@ impl Workers {
         let labels = serde_json::to_string(&req.labels.clone().unwrap_or_default()).unwrap_or_else(|_| "{}".into());
         let row = WorkerRow {
             worker_id,
-            principal: principal.to_owned(),
+            principal: principal.clone(),
             image: req.image.clone(),
             cpu: req.cpu,
             memory_gb: req.memory_gb,
@@ -193,12 +196,12 @@ impl Workers {
 
     /// The answer of a create that finished already: its worker, or `410` when the worker was
     /// deleted since. Never runs a step again.
-    async fn finished(&self, principal: &str, worker_id: &str) -> Result<WorkerRow, ServiceError> {
+    async fn finished(&self, principal: &Principal, worker_id: &WorkerId) -> Result<WorkerRow, ServiceError> {
         if let Some(w) = self.domain.worker(principal, worker_id).await? {
             return Ok(w);
         }
         if self.domain.is_deleted(worker_id).await? {
-            return Err(ServiceError::Gone(worker_id.to_owned()));
+            return Err(ServiceError::Gone(worker_id.to_string()));
         }
         Err(DomainError::Finished.into())
     }
@@ -212,7 +215,7 @@ impl Workers {
         keys: &CreateKeys,
         attempt: &Attempt,
         boot: &dyn Effect,
-        principal: &str,
+        principal: &Principal,
     ) -> Result<(Node, Decided), ServiceError> {
         let decided = attempt.decide(boot).await.map_err(|e| ServiceError::Database(e.into()))?;
         let now = now_micros();
@@ -265,16 +268,21 @@ impl Workers {
     /// the worker, its lease and its node in one transaction that finishes the operation and
     /// leaves a tombstone keyed by the delete's sub-key. A retry that finds its own tombstone
     /// answers 204, not 404.
-    pub async fn delete(&self, principal: &str, worker_id: &str, op: &RequestRecord) -> Result<(), ServiceError> {
+    pub async fn delete(
+        &self,
+        principal: &Principal,
+        worker_id: &WorkerId,
+        op: &RequestRecord,
+    ) -> Result<(), ServiceError> {
         let tombstone = op.derive("delete");
         let gone = || async {
             match self.domain.tombstone(tombstone.as_str()).await? {
-                Some(deleted) if deleted == worker_id => Ok(()),
-                _ => Err(ServiceError::NotFound(worker_id.into())),
+                Some(deleted) if deleted == *worker_id => Ok(()),
+                _ => Err(ServiceError::NotFound(worker_id.to_string())),
             }
         };
         let Some(w) = self.domain.worker(principal, worker_id).await? else { return gone().await };
-        let attempt = self.effects().attempt(&op.effects_op(OpKind::Delete).with_subject(worker_id));
+        let attempt = self.effects().attempt(&op.effects_op(OpKind::Delete).with_subject(worker_id.as_str()));
         let effect = DeleteVm { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
         let hypervisor = &self.hypervisor;
         let vm_id = w.vm_id.as_str();
@@ -304,9 +312,14 @@ impl Workers {
     /// Reboots a worker once per record: the intent keyed by the record's `reboot` sub-key is
     /// reconciled against the VM's `reboot_tags` before any second call, and a second call waits
     /// out the settle window of the first.
-    pub async fn reboot(&self, principal: &str, worker_id: &str, op: &RequestRecord) -> Result<i64, ServiceError> {
-        let w =
-            self.domain.worker(principal, worker_id).await?.ok_or_else(|| ServiceError::NotFound(worker_id.into()))?;
+    pub async fn reboot(
+        &self,
+        principal: &Principal,
+        worker_id: &WorkerId,
+        op: &RequestRecord,
+    ) -> Result<i64, ServiceError> {
+        let not_found = || ServiceError::NotFound(worker_id.to_string());
+        let w = self.domain.worker(principal, worker_id).await?.ok_or_else(not_found)?;
         let attempt = self.effects().attempt(&op.effects_op(OpKind::Reboot));
         self.hook.at(Step::RebootDecide).await;
         let effect = Reboot { hypervisor: self.hypervisor.clone(), vm_id: w.vm_id.clone() };
@@ -331,15 +344,15 @@ impl Workers {
             // No such VM: a delete of this worker removed it (a delete takes the VM first, then
             // the row). Nothing was rebooted, and there is nothing left to reboot.
             Err(idempotency_effects::EffectError::Refused(e)) if e.status() == Some(404) => {
-                tracing::info!(worker_id, vm_id = %w.vm_id, "reboot of a worker whose VM is gone");
-                return Err(ServiceError::NotFound(worker_id.into()));
+                tracing::info!(%worker_id, vm_id = %w.vm_id, "reboot of a worker whose VM is gone");
+                return Err(not_found());
             }
             Err(e) => return Err(effect_failed(e, "hypervisor")),
         };
         self.domain.finish_reboot(&attempt, made.as_ref(), worker_id).await?;
         match self.domain.worker(principal, worker_id).await? {
             Some(w) => Ok(w.reboot_count),
-            None => Err(ServiceError::NotFound(worker_id.into())),
+            None => Err(not_found()),
         }
     }
 }

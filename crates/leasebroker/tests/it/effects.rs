@@ -635,6 +635,8 @@ mod racing_attempts {
     use leasebroker::service::{CreateWorker, Hook, Limits, RequestRecord, Step, Workers};
 
     const ATTEMPTS: usize = 16;
+    /// The principal every racing attempt acts for.
+    static ALICE: std::sync::LazyLock<Principal> = std::sync::LazyLock::new(|| Principal::new("alice"));
 
     struct Rig {
         workers: Workers,
@@ -738,9 +740,9 @@ mod racing_attempts {
         let op = operation("POST", "/v1/workers");
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
-        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first call fails");
+        assert!(rig.workers.create(&ALICE, &req, &op).await.is_err(), "the first call fails");
         first_call_failed_then_slow(&rig.sim).await;
-        let results = futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.create("alice", &req, &op))).await;
+        let results = futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.create(&ALICE, &req, &op))).await;
         let ok = results.iter().filter(|r| r.is_ok()).count();
         assert_eq!(rig.sim.stats().boots_total, 1, "one boot for {ATTEMPTS} racing attempts ({ok} answered)");
         assert!(ok >= 1, "one attempt finished: {results:?}");
@@ -750,13 +752,13 @@ mod racing_attempts {
     async fn racing_reboots_reboot_once() {
         let rig = rig().await;
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
-        let worker = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await.expect("create");
+        let worker = rig.workers.create(&ALICE, &req, &operation("POST", "/v1/workers")).await.expect("create");
         let op = operation("POST", &format!("/v1/workers/{}/reboot", worker.worker_id));
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
-        assert!(rig.workers.reboot("alice", &worker.worker_id, &op).await.is_err(), "the first call fails");
+        assert!(rig.workers.reboot(&ALICE, &worker.worker_id, &op).await.is_err(), "the first call fails");
         first_call_failed_then_slow(&rig.sim).await;
         let results =
-            futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.reboot("alice", &worker.worker_id, &op))).await;
+            futures::future::join_all((0..ATTEMPTS).map(|_| rig.workers.reboot(&ALICE, &worker.worker_id, &op))).await;
         let ok = results.iter().filter(|r| r.is_ok()).count();
         assert_eq!(rig.sim.stats().reboots_total, 1, "one reboot for {ATTEMPTS} racing attempts ({ok} answered)");
         assert!(ok >= 1, "one attempt finished: {results:?}");
@@ -792,7 +794,7 @@ mod racing_attempts {
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         // The first attempt's boot may or may not have happened; its client never comes back.
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
-        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first call fails");
+        assert!(rig.workers.create(&ALICE, &req, &op).await.is_err(), "the first call fails");
         store.fail(&claim).await.expect("fail");
         tokio::time::sleep(Duration::from_millis(2500)).await; // past the settle window
         let reaper = leasebroker::reaper::Reaper::new(
@@ -811,7 +813,7 @@ mod racing_attempts {
         assert_eq!(report.rolled_back, 1, "{report:?}");
         // The attempt that still ran goes on, against a healthy hypervisor.
         rig.sim.set_faults(SimConfig::default());
-        let late = rig.workers.create("alice", &req, &op).await;
+        let late = rig.workers.create(&ALICE, &req, &op).await;
         assert!(late.is_err(), "a rolled-back operation does not finish: {late:?}");
         let counts = rig.workers.domain.counts().await.expect("counts");
         assert_eq!(
@@ -885,12 +887,12 @@ mod racing_attempts {
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         let a1 = {
             let (workers, op, req) = (rig.workers.clone(), op.clone(), req.clone());
-            tokio::spawn(async move { workers.create("alice", &req, &op).await })
+            tokio::spawn(async move { workers.create(&ALICE, &req, &op).await })
         };
         held.reached().await;
-        let w = rig.workers.create("alice", &req, &op).await.expect("A2 creates the worker");
+        let w = rig.workers.create(&ALICE, &req, &op).await.expect("A2 creates the worker");
         let delete = operation("DELETE", &format!("/v1/workers/{}", w.worker_id));
-        rig.workers.delete("alice", &w.worker_id, &delete).await.expect("the client deletes it");
+        rig.workers.delete(&ALICE, &w.worker_id, &delete).await.expect("the client deletes it");
         assert_eq!((rig.sim.stats().boots_total, rig.sim.stats().running), (1, 0));
 
         held.release.send(()).expect("release A1");
@@ -914,7 +916,7 @@ mod racing_attempts {
         let (hook, mut held) = hold_first(Step::RebootDecide);
         let rig = rig_with(hook).await;
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
-        let w = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await.expect("create");
+        let w = rig.workers.create(&ALICE, &req, &operation("POST", "/v1/workers")).await.expect("create");
         let store = rig.db.idempotency_store();
         let now = idempotency::now();
         let scope = Scope::new(
@@ -933,10 +935,10 @@ mod racing_attempts {
         let op = RequestRecord::new(claim.record().clone());
         let a1 = {
             let (workers, op, id) = (rig.workers.clone(), op.clone(), w.worker_id.clone());
-            tokio::spawn(async move { workers.reboot("alice", &id, &op).await })
+            tokio::spawn(async move { workers.reboot(&ALICE, &id, &op).await })
         };
         held.reached().await;
-        assert_eq!(rig.workers.reboot("alice", &w.worker_id, &op).await.expect("A2 reboots"), 1);
+        assert_eq!(rig.workers.reboot(&ALICE, &w.worker_id, &op).await.expect("A2 reboots"), 1);
         let accepted =
             StoredResponse { status: 202, headers: Vec::new(), body: StoredBody::encode(Default::default(), 1024) };
         store.complete(&claim, &accepted, now + chrono::Duration::hours(1)).await.expect("complete");
@@ -988,7 +990,7 @@ mod racing_attempts {
         let Db::Sqlite(sqlite) = &rig.db else { panic!("the rig runs on SQLite") };
         pool.set(sqlite.clone()).expect("set once");
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
-        let created = rig.workers.create("alice", &req, &operation("POST", "/v1/workers")).await;
+        let created = rig.workers.create(&ALICE, &req, &operation("POST", "/v1/workers")).await;
         assert!(created.is_ok(), "a create that waited for the database was refused: {created:?}");
         assert_eq!(rig.sim.stats().boots_total, 1);
     }
@@ -1034,7 +1036,7 @@ mod racing_attempts {
         let op = RequestRecord::new(claim.record().clone());
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_before: 1.0, ..SimConfig::default() });
-        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the victim's boot fails");
+        assert!(rig.workers.create(&ALICE, &req, &op).await.is_err(), "the victim's boot fails");
         rig.sim.set_faults(SimConfig::default());
         store.fail(&claim).await.expect("fail");
         assert_eq!(rig.workers.domain.counts().await.expect("counts").nodes_allocated, 1);
@@ -1070,14 +1072,14 @@ mod racing_attempts {
         let op = operation("POST", "/v1/workers");
         let req = CreateWorker { image: "img".into(), cpu: 2, memory_gb: 4, labels: None };
         rig.sim.set_faults(SimConfig { fail_after: 1.0, ..SimConfig::default() });
-        assert!(rig.workers.create("alice", &req, &op).await.is_err(), "the first boot's answer is lost");
+        assert!(rig.workers.create(&ALICE, &req, &op).await.is_err(), "the first boot's answer is lost");
         rig.sim.set_faults(SimConfig::default());
         let a1 = {
             let (workers, op, req) = (rig.workers.clone(), op.clone(), req.clone());
-            tokio::spawn(async move { workers.create("alice", &req, &op).await })
+            tokio::spawn(async move { workers.create(&ALICE, &req, &op).await })
         };
         held.reached().await;
-        let w = rig.workers.create("alice", &req, &op).await.expect("A2 adopts the VM");
+        let w = rig.workers.create(&ALICE, &req, &op).await.expect("A2 adopts the VM");
         let hv = &rig.workers.hypervisor;
         let boot =
             BootRequest { image: "img".into(), cpu: 2, memory_gb: 4, tag: op.derive("boot").as_str().to_owned() };

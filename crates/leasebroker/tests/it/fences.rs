@@ -265,7 +265,7 @@ async fn the_upgrade_to_the_effect_ledger_keeps_the_work_in_progress() {
     assert_eq!((accepted.state, accepted.resource_id.as_deref()), (IntentState::Accepted, Some("node-0002")));
     let pending = ledger.intent("sk-flash-p").await.expect("read").expect("the pending flash's call");
     assert_eq!((pending.state, pending.sent_at), (IntentState::Pending, 400));
-    let row = domain.flash_operation("op-pending").await.expect("read").expect("row");
+    let row = domain.flash_operation(&"op-pending".parse().expect("id")).await.expect("read").expect("row");
     assert_eq!((row.intent.as_str(), row.ledger_op.as_deref()), ("unsent", Some("op-pending")));
     let leasebroker::db::Db::Sqlite(pool) = &db else { panic!("SQLite") };
     let old_tables: i64 = sqlx::query_scalar(

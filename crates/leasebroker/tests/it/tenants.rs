@@ -602,7 +602,8 @@ async fn concurrent_allocations_case(url: &str) {
             let attempt = create_attempt(&domain, i);
             tokio::spawn(async move {
                 attempt.decide(&idle_boot()).await.expect("the attempt begins");
-                domain.allocate_within(&format!("alloc-{i}"), "alice", 0, 5, attempt.operation().id()).await
+                let alice = idempotency::Principal::new("alice");
+                domain.allocate_within(&format!("alloc-{i}"), &alice, 0, 5, attempt.operation().id()).await
             })
         })
         .collect();
@@ -644,13 +645,14 @@ async fn concurrent_create_starts_case(url: &str) {
     let start = |domain: Domain, i: usize| async move {
         let attempt = create_attempt(&domain, i);
         let (alloc, lease) = (format!("alloc-{i}"), format!("lse-{i}"));
+        let (alice, none) = (idempotency::Principal::new("alice"), "wkr-none".parse().expect("id"));
         let s = StartCreate {
             attempt: &attempt,
             boot: &idle_boot(),
-            principal: "alice",
+            principal: &alice,
             alloc_id: &alloc,
             lease_id: &lease,
-            worker_id: "wkr-none",
+            worker_id: &none,
             quota: 5,
             now: 10,
         };
