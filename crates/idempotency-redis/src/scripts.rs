@@ -1,4 +1,8 @@
-//! The Lua scripts: one per transition, each on exactly one key (`KEYS[1]`, the record's hash).
+//! The Lua scripts: one per transition, each on one key (`KEYS[1]`, the record's hash). On a
+//! single server `claim` and `complete` also take the principal's index (`KEYS[2]`,
+//! [`crate::store`]'s per-principal sorted set) and add the record to it in the same script: the
+//! first execution's two transitions are then two round trips, not four. On a cluster the index
+//! is on another slot, and is written after the transition by plain commands.
 //!
 //! Stored fields: `p`, `e`, `k` (principal, endpoint, key), `rid` (record id, hex), `fp`, `st`
 //! (state), `gen`, `cat`, `sat`, `eat` (created, started, expires: see [`crate::codec`]), and
@@ -22,6 +26,27 @@ macro_rules! fence {
     };
 }
 
+/// With the principal's index as `KEYS[2]` (a single server): the record's key added to it, scored
+/// by `ARGV[N]` (its expiry in epoch milliseconds), and the index made to expire no earlier than
+/// that (`NX`, then `GT`), as [`crate::store`]'s `index_key` does with plain commands.
+macro_rules! index {
+    ($argv:literal) => {
+        concat!(
+            "if KEYS[2] then\n",
+            "  redis.call('ZADD', KEYS[2], ARGV[",
+            $argv,
+            "], KEYS[1])\n",
+            "  redis.call('PEXPIREAT', KEYS[2], ARGV[",
+            $argv,
+            "], 'NX')\n",
+            "  redis.call('PEXPIREAT', KEYS[2], ARGV[",
+            $argv,
+            "], 'GT')\n",
+            "end\n"
+        )
+    };
+}
+
 /// Insert-or-read. ARGV: record id, fingerprint, now, expires_at, expires_at in epoch
 /// milliseconds (rounded up), principal, endpoint, key, stale cutoff (the latest `started_at`
 /// that is stale; empty when no claim can be that old).
@@ -30,8 +55,10 @@ macro_rules! fence {
 /// (`eat > now`), or one in flight under a claim that is not stale (`sat > cutoff`), whatever its
 /// expiry. Otherwise, no record or one whose key is free, a new in-flight record replaces it, the
 /// key expires at `expires_at` (the store makes it no earlier than the claim plus the in-flight
-/// TTL), and the script returns 1: the caller owns it.
-pub(crate) const CLAIM: &str = "\
+/// TTL), the record is indexed when `KEYS[2]` is given, and the script returns 1: the caller
+/// owns it.
+pub(crate) const CLAIM: &str = concat!(
+    "\
 local h = redis.call('HMGET', KEYS[1], 'eat', 'st', 'sat')
 local eat = h[1]
 if eat then
@@ -46,8 +73,10 @@ end
 redis.call('HSET', KEYS[1], 'p', ARGV[6], 'e', ARGV[7], 'k', ARGV[8], 'rid', ARGV[1], 'fp', ARGV[2],
   'st', 'in_flight', 'gen', '1', 'cat', ARGV[3], 'sat', ARGV[3], 'eat', ARGV[4])
 redis.call('PEXPIREAT', KEYS[1], ARGV[5])
-return 1
-";
+",
+    index!("5"),
+    "return 1\n"
+);
 
 /// Compare-and-set re-claim. ARGV: record id, generation, now, stale cutoff (the latest
 /// `started_at` that is stale; empty when no claim can be that old), expires_at (at least `now`
@@ -71,13 +100,15 @@ return redis.call('HGETALL', KEYS[1])
 ";
 
 /// in_flight -> completed, fenced. ARGV after the fence: status, headers, body, body encoding,
-/// expires_at, expires_at in epoch milliseconds. Returns 1, or 0 when fenced.
+/// expires_at, expires_at in epoch milliseconds. Indexed when `KEYS[2]` is given. Returns 1, or 0
+/// when fenced.
 pub(crate) const COMPLETE: &str = concat!(
     fence!(),
     "redis.call('HSET', KEYS[1], 'st', 'completed', 'rs', ARGV[3], 'rh', ARGV[4], 'rb', ARGV[5], \
        're', ARGV[6], 'eat', ARGV[7])\n\
-     redis.call('PEXPIREAT', KEYS[1], ARGV[8])\n\
-     return 1\n"
+     redis.call('PEXPIREAT', KEYS[1], ARGV[8])\n",
+    index!("8"),
+    "return 1\n"
 );
 
 /// in_flight -> failed, fenced. Returns 1, or 0 when fenced.

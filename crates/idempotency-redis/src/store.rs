@@ -122,10 +122,23 @@ impl RedisStore {
 
     /// [`Self::run`] without a wait, for the admin routes.
     pub(crate) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
-        Ok(self.run(lua, key, args, false).await?.reply)
+        Ok(self.run(lua, key, None, args, false).await?.reply)
     }
 
-    /// Runs one script on one key, and when `wait` says so and the store waits for replicas
+    /// The principal's index for a script that can write it itself (`claim`, `complete`: see
+    /// [`crate::scripts`]): on a single server, where it is on the record's server; `None` on a
+    /// cluster, where it is written after the transition ([`Self::index_record`]).
+    pub(crate) fn inline_index(&self, scope: &Scope) -> Option<String> {
+        self.indexes_inline().then(|| index::principal_index(&self.prefix, &scope.principal))
+    }
+
+    /// Whether `claim` and `complete` index their record themselves: on a single server.
+    pub(crate) fn indexes_inline(&self) -> bool {
+        matches!(self.conn, Conn::Server(_))
+    }
+
+    /// Runs one script on one key (and the principal's index `index`, for a script that takes it
+    /// as `KEYS[2]`), and when `wait` says so and the store waits for replicas
     /// ([`RedisStoreOptions::replicas`]) the `WAIT` after it: both as one pipeline over one
     /// connection to the key's primary, since `WAIT` counts the writes of its own connection.
     ///
@@ -137,12 +150,23 @@ impl RedisStore {
     ///
     /// Before it, the eviction policy is read again if a connection was lost since it was last
     /// read ([`crate::policy`]).
-    async fn run(&self, lua: &Lua, key: &str, args: &[&[u8]], wait: bool) -> Result<Sent, StoreError> {
+    async fn run(
+        &self,
+        lua: &Lua,
+        key: &str,
+        index: Option<&str>,
+        args: &[&[u8]],
+        wait: bool,
+    ) -> Result<Sent, StoreError> {
         self.policy.verified(&self.conn).await?;
         let wait = self.ack.as_ref().filter(|_| wait).map(Ack::command);
         let build = |verb: &str, script: &str| {
             let mut pipe = redis::pipe();
-            pipe.cmd(verb).arg(script).arg(1).arg(key);
+            pipe.cmd(verb).arg(script);
+            match index {
+                Some(index) => pipe.arg(2).arg(key).arg(index),
+                None => pipe.arg(1).arg(key),
+            };
             for a in args {
                 pipe.arg(*a);
             }
@@ -185,7 +209,9 @@ impl RedisStore {
         let mut args: Vec<&[u8]> = fence.args().to_vec();
         args.extend_from_slice(extra);
         let key = self.key_of(&r.scope);
-        let ack = match self.run(lua, &key, &args, wait).await? {
+        // A completion on a single server indexes its record in its own script.
+        let index = std::ptr::eq(lua, &self.scripts.complete).then(|| self.inline_index(&r.scope)).flatten();
+        let ack = match self.run(lua, &key, index.as_deref(), &args, wait).await? {
             Sent { reply: Value::Int(1), ack } => ack,
             Sent { reply: Value::Int(0), ack } => match leaves {
                 Some(leaves) => match self.again(&key, r, leaves, ack.filter(|_| wait)).await? {
@@ -233,7 +259,7 @@ impl RedisStore {
         for (field, value) in leaves.fields {
             args.extend([field.as_bytes(), *value]);
         }
-        match self.run(&self.scripts.touch, key, &args, wait).await? {
+        match self.run(&self.scripts.touch, key, None, &args, wait).await? {
             Sent { reply: Value::Int(1), ack } => Ok(Some(ack)),
             Sent { reply: Value::Int(0), .. } => Ok(None),
             Sent { reply, .. } => Err(StoreError::Corrupt(format!("unexpected script reply {reply:?}"))),

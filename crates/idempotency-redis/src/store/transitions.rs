@@ -30,7 +30,8 @@ impl RedisStore {
         let args = ClaimArgs::new(req, &fresh);
         let eat_ms = args.eat_ms.clone();
         let key = self.key_of(&req.scope);
-        let sent = match self.run(&self.scripts.claim, &key, &args.args(), true).await {
+        let index = self.inline_index(&req.scope);
+        let sent = match self.run(&self.scripts.claim, &key, index.as_deref(), &args.args(), true).await {
             Ok(sent) => sent,
             Err(e) => {
                 // Its reply lost or late (a timeout): the script may have run, or run yet.
@@ -61,7 +62,9 @@ impl RedisStore {
             return Err(e);
         }
         *self.refused_for_memory.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        self.index_record(&req.scope, &eat_ms).await;
+        if index.is_none() {
+            self.index_record(&req.scope, &eat_ms).await;
+        }
         Ok(ClaimOutcome::Owned(claim))
     }
 }
@@ -130,7 +133,7 @@ impl RedisStore {
             TakeOver::Uncertain => ("take_over_uncertain", &self.scripts.take_over_uncertain, Undo::Uncertain),
         };
         let key = self.key_of(&record.scope);
-        let sent = match self.run(lua, &key, args, true).await {
+        let sent = match self.run(lua, &key, None, args, true).await {
             Ok(sent) => sent,
             Err(e) => {
                 // The script may have run: the record, taken over by this call, under `taken`.
@@ -229,7 +232,7 @@ impl Store for RedisStore {
         let args: [&[u8]; 5] =
             [rid.as_bytes(), generation.as_bytes(), cutoff.as_bytes(), eat.as_bytes(), eat_ms.as_bytes()];
         let key = self.key_of(&record.scope);
-        let sent = self.run(&self.scripts.mark_stale_uncertain, &key, &args, true).await?;
+        let sent = self.run(&self.scripts.mark_stale_uncertain, &key, None, &args, true).await?;
         let Some(marked) = record_reply(sent.reply)?.map(|r| of_scope(r, &record.scope)) else {
             return Ok(None);
         };
@@ -284,8 +287,11 @@ impl Store for RedisStore {
         let [status, headers, body, encoding, ..] = args;
         let fields = [("rs", status), ("rh", headers), ("rb", body), ("re", encoding)];
         let completed = Leaves { state: RecordState::Completed, fields: &fields };
+        // On a single server the script indexed the record ([`Self::inline_index`]).
         self.fenced("complete", &self.scripts.complete, claim, &args, Some(completed), true).await?;
-        self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
+        if !self.indexes_inline() {
+            self.index_record(claim.scope(), &expiry_millis(expires_at).to_string()).await;
+        }
         self.announce(claim);
         Ok(())
     }
