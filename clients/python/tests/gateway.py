@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from .leasebroker import REPO, binary
+from .leasebroker import REPO, binary, metric_total
 
 UPSTREAM = REPO / "crates" / "idempotency-gateway" / "tests" / "upstreams" / "upstream.py"
 ADMIN = "tok-gateway-admin-3e9b51c0"
@@ -99,11 +99,7 @@ class Gateway:
     def requests(self, outcome: str) -> float:
         """``idempotency_requests_total{outcome=...}`` from the admin listener's ``/metrics``."""
         text = httpx.get(self.admin_url + "/metrics", timeout=30).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("idempotency_requests_total{") and f'outcome="{outcome}"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(text, "idempotency_requests_total", "outcome", outcome)
 
     def stop_gateway(self) -> None:
         self.gateway.stop()

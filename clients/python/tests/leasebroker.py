@@ -34,6 +34,16 @@ def binary(name: str = "leasebroker", variable: str = "LEASEBROKER_BIN") -> Path
     return path
 
 
+def metric_total(text: str, name: str, label: str, value: str) -> float:
+    """The sum of the Prometheus counter ``name`` over its series whose ``label`` is ``value``, in
+    the exposition ``text``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="{value}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 class Leasebroker:
     """A running ``leasebroker serve``; :meth:`stop` ends it."""
 
@@ -93,21 +103,13 @@ class Leasebroker:
     def requests(self, outcome: str) -> float:
         """``idempotency_requests_total{outcome=...}`` from ``/metrics``."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("idempotency_requests_total{") and f'outcome="{outcome}"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(text, "idempotency_requests_total", "outcome", outcome)
 
     def responses(self, code: str) -> float:
         """``leasebroker_http_responses_total{code=...}`` from ``/metrics``: the answers it sent
         with that status."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("leasebroker_http_responses_total{") and f'code="{code}"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(text, "leasebroker_http_responses_total", "code", code)
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -8,7 +8,7 @@ import { spawn, type ChildProcess } from "node:child_process";
 import { join } from "node:path";
 import { createInterface } from "node:readline";
 
-import { REPO } from "./leasebroker.js";
+import { metricTotal, REPO } from "./leasebroker.js";
 
 const UPSTREAM = join(REPO, "crates", "idempotency-gateway", "tests", "upstreams", "upstream.mjs");
 const ADMIN = "tok-gateway-admin-3e9b51c0";
@@ -85,14 +85,7 @@ export class Gateway {
 
   /** `idempotency_requests_total{outcome=...}` from the admin listener's `/metrics`. */
   async requests(outcome: string): Promise<number> {
-    const text = await (await fetch(`${this.adminUrl}/metrics`)).text();
-    let total = 0;
-    for (const line of text.split("\n")) {
-      if (line.startsWith("idempotency_requests_total{") && line.includes(`outcome="${outcome}"`)) {
-        total += Number(line.slice(line.lastIndexOf(" ") + 1));
-      }
-    }
-    return total;
+    return metricTotal(await (await fetch(`${this.adminUrl}/metrics`)).text(), "idempotency_requests_total", "outcome", outcome);
   }
 
   /** Stops the gateway only: the upstream still counts. */

@@ -25,6 +25,17 @@ export function binary(name = "leasebroker", variable = "LEASEBROKER_BIN"): { pa
   return { missing };
 }
 
+/** The sum of the Prometheus counter `name` over its series whose `label` is `value`, in the exposition `text`. */
+export function metricTotal(text: string, name: string, label: string, value: string): number {
+  let total = 0;
+  for (const line of text.split("\n")) {
+    if (line.startsWith(`${name}{`) && line.includes(`${label}="${value}"`)) {
+      total += Number(line.slice(line.lastIndexOf(" ") + 1));
+    }
+  }
+  return total;
+}
+
 export class Leasebroker {
   readonly log: string[] = [];
 
@@ -88,26 +99,12 @@ export class Leasebroker {
 
   /** `idempotency_requests_total{outcome=...}` from `/metrics`. */
   async requests(outcome: string): Promise<number> {
-    const text = await (await fetch(`${this.url}/metrics`)).text();
-    let total = 0;
-    for (const line of text.split("\n")) {
-      if (line.startsWith("idempotency_requests_total{") && line.includes(`outcome="${outcome}"`)) {
-        total += Number(line.slice(line.lastIndexOf(" ") + 1));
-      }
-    }
-    return total;
+    return metricTotal(await (await fetch(`${this.url}/metrics`)).text(), "idempotency_requests_total", "outcome", outcome);
   }
 
   /** `leasebroker_http_responses_total{code=...}` from `/metrics`: the answers it sent with that status. */
   async responses(code: string): Promise<number> {
-    const text = await (await fetch(`${this.url}/metrics`)).text();
-    let total = 0;
-    for (const line of text.split("\n")) {
-      if (line.startsWith("leasebroker_http_responses_total{") && line.includes(`code="${code}"`)) {
-        total += Number(line.slice(line.lastIndexOf(" ") + 1));
-      }
-    }
-    return total;
+    return metricTotal(await (await fetch(`${this.url}/metrics`)).text(), "leasebroker_http_responses_total", "code", code);
   }
 
   async stop(): Promise<void> {
