@@ -209,11 +209,14 @@
 //! reads a sorted set per principal (`PREFIXprincipal:<sha256>`, members the record keys scored
 //! by expiry): a claim, a reclaim, a renewal and a completion add their record (at its expiry),
 //! a failure, a remove and a forget take it out, so it counts what the SQL stores count (records
-//! completed or in flight, not failed). Written with plain commands after each transition, not
-//! atomically with it (Redis 7.0 or later for its expiry); a record it misses is not counted
-//! until its next transition. The set is one key, on one shard, while the principal's records
-//! are on all of them: a transition waits at most half a second for its index write (which goes
-//! on after it), and a count its primary does not answer within a second is `None` (the record
+//! completed or in flight, not failed). On a single server the claim and the completion, a first
+//! execution's two transitions, add their record in their own script (the set is the script's
+//! second key), atomically, and cost no round trip more; the other transitions, and every
+//! transition on a cluster, write it with plain commands after the transition, not atomically with
+//! it (Redis 7.0 or later for its expiry); a record it misses is not counted until its next
+//! transition. On a cluster the set is one key, on one shard, while the principal's records are
+//! on all of them: a transition waits at most half a second for its index write (which goes on
+//! after it), and a count its primary does not answer within a second is `None` (the record
 //! limit is not enforced for that call) rather than an error that would refuse every key of the
 //! principal.
 //!
