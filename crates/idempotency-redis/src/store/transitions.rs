@@ -97,7 +97,13 @@ impl RedisStore {
                 Undo::Uncertain => ("mark_uncertain", &store.scripts.mark_uncertain),
             };
             match store.fenced(what, lua, &claim, &[], None, false).await {
-                Ok(()) => tracing::info!(?how, "a claim that was not taken is taken back"),
+                Ok(()) => {
+                    // On a single server the claim's own script indexed the record: it goes too.
+                    if matches!(how, Undo::Remove) && store.indexes_inline() {
+                        store.unindex_record(&claim.scope().principal, &store.key_of(claim.scope())).await;
+                    }
+                    tracing::info!(?how, "a claim that was not taken is taken back");
+                }
                 Err(StoreError::Fenced { .. }) => {}
                 Err(e) => tracing::warn!(error = %idempotency::ErrorChain(&e), ?how,
                     "a claim that was not taken could not be taken back; it holds its key until it goes stale"),

@@ -63,6 +63,14 @@ async fn a_replica_that_does_not_answer_fails_the_transition() {
     let d = scope();
     assert!(not_acknowledged(&too_many.claim(request(&d)).await));
     assert!(store.get(&d).await.expect("get d").is_none(), "an unacknowledged claim must not hold its key");
+    // Nor count against its principal: the claim script indexed it, and the take-back unindexes it.
+    let principal = d.principal.clone();
+    let counted = || async { store.count_records(&principal, idempotency::now()).await.expect("count") };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counted().await != Some(2) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(counted().await, Some(2), "a completed and an in-flight record count; the taken-back claim does not");
 
     replica.pause();
     let claimed = store.claim(request(&c)).await;
