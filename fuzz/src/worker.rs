@@ -48,6 +48,7 @@ fn judge(req: &CreateWorker, limits: Limits) {
     });
     let expected = (1..=200).contains(&image)
         && !req.image.chars().any(char::is_control)
+        && !req.image.trim().is_empty()
         && (1..=limits.node_cpu).contains(&req.cpu)
         && (1..=limits.node_memory_gb).contains(&req.memory_gb)
         && labels_ok;

@@ -17,7 +17,7 @@ use crate::{InvalidRequest, WorkerId};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateWorker {
-    /// The image to boot, 1-200 characters.
+    /// The image to boot, 1-200 characters, not blank, no control characters.
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 200, example = "worker-base:2025.11"))]
     pub image: String,
     /// CPUs, 1 to the node size.
