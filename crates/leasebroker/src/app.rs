@@ -23,7 +23,7 @@ use crate::background::Background;
 use crate::config::{ConfigError, KeySource, ServeArgs};
 use crate::db::{Db, redact};
 use crate::domain::Domain;
-use crate::firmware::{Firmware, WatchSettings, Watcher};
+use crate::firmware::{ApiBmc, Bmc, Firmware, WatchSettings, Watcher};
 use crate::hypervisor::client::HypervisorClient;
 use crate::hypervisor::redfish::RedfishBmc;
 use crate::hypervisor::sim::{SimConfig, Simulator};
@@ -87,7 +87,7 @@ impl Application {
 
         let mut background = Background::new();
         let timeouts = timeouts(&args);
-        let hypervisor = hypervisor(&args, timeouts, &mut background).await?;
+        let (hypervisor, bmc) = hypervisor(&args, timeouts, &mut background).await?;
         let hypervisor_shown =
             args.hypervisor_url.as_ref().map_or_else(|| "in-process simulator".to_owned(), |u| u.to_string());
         let store = wrap(ReplayCache::over(
@@ -98,14 +98,14 @@ impl Application {
             args.replay_cache,
         ));
         let layer = idempotency_layer(store.clone(), &args)?;
-        start_reaper_and_watcher(&mut background, &store, &domain, &hypervisor, &args);
+        start_reaper_and_watcher(&mut background, &store, &domain, &hypervisor, &bmc, &args);
 
         let (tokens, generated_token) = tokens(&args);
         let probe = crate::outage::StoreProbe::new(db.clone());
         let state = AppState::new(api::AppStateInner {
             firmware: Firmware {
                 domain: domain.clone(),
-                hypervisor: hypervisor.clone(),
+                bmc,
                 settle: args.hypervisor_settle,
                 hook: Default::default(),
             },
@@ -194,7 +194,7 @@ async fn hypervisor(
     args: &ServeArgs,
     timeouts: Timeouts,
     background: &mut Background,
-) -> anyhow::Result<HypervisorClient> {
+) -> anyhow::Result<(HypervisorClient, Arc<dyn Bmc>)> {
     let hypervisor = match &args.hypervisor_url {
         Some(HypervisorUrl::Http(url)) => {
             HypervisorClient::with_ca_cert(url, args.hypervisor_timeout, args.hypervisor_ca_cert.as_deref())
@@ -205,13 +205,14 @@ async fn hypervisor(
         }
         None => private_simulator(args, timeouts, background).await?,
     };
-    Ok(match &args.bmc_url {
-        Some(BmcUrl::Redfish(url)) => hypervisor.with_redfish(
+    let bmc: Arc<dyn Bmc> = match &args.bmc_url {
+        Some(BmcUrl::Redfish(url)) => Arc::new(
             RedfishBmc::new(url, args.hypervisor_timeout, args.bmc_ca_cert.as_deref(), &args.firmware_images)
                 .map_err(|e| anyhow::anyhow!("{}", redact(&e.to_string())))?,
         ),
-        None => hypervisor,
-    })
+        None => Arc::new(ApiBmc::new(hypervisor.clone())),
+    };
+    Ok((hypervisor, bmc))
 }
 
 /// The idempotency layer, with the settings the flags give it.
@@ -243,6 +244,7 @@ fn start_reaper_and_watcher(
     store: &Arc<dyn Store>,
     domain: &Domain,
     hypervisor: &HypervisorClient,
+    bmc: &Arc<dyn Bmc>,
     args: &ServeArgs,
 ) {
     let reaper = Reaper::new(
@@ -264,7 +266,7 @@ fn start_reaper_and_watcher(
     );
     let watcher = Watcher::new(
         domain.clone(),
-        hypervisor.clone(),
+        bmc.clone(),
         store.clone(),
         watcher_name(),
         WatchSettings {

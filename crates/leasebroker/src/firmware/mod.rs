@@ -25,6 +25,9 @@
 //!   was abandoned before acceptance: it adopts a flash the BMC holds by tag, and fails one nobody
 //!   sent or retried within `--abandon-after`, after taking its ledger operation for a rollback
 //!   (so no late attempt can send it).
+//! - **Two kinds of BMC, one trait** ([`Bmc`], [`bmc`]): the hypervisor API's BMCs
+//!   ([`ApiBmc`]) and a Redfish service keep different rules for a flash whose answer was lost,
+//!   and each runs its own behind the same steps.
 //! - **On a Redfish BMC** (`--bmc-url redfish+...`, [`crate::hypervisor::redfish`]) the tag rides in
 //!   the image URI, and a flash whose send was stamped is never sent again. Every read the flash
 //!   needs (the node's `Systems` member, whether it already runs the version) comes before the
@@ -48,12 +51,14 @@ use leasebroker_api::OperationId;
 
 use crate::service::{RequestRecord, public_id};
 
+pub mod bmc;
 mod call;
 mod request;
 mod resolve;
 mod settle;
 mod watcher;
 
+pub use bmc::{ApiBmc, Bmc};
 pub use request::Firmware;
 pub use watcher::{WatchReport, WatchSettings, Watcher};
 

@@ -5,24 +5,23 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use idempotency::{ErrorChain, RecordState, Store};
-use idempotency_effects::{Effect, Effects, IntentState, Mark, OperationRow};
+use idempotency_effects::{IntentState, Mark, OperationRow};
 
+use super::bmc::{Abandoned, Bmc, Flashes};
 use super::call::FlashCall;
 use super::count_end;
-use super::settle::{Pending, adopt, settle_pending};
 use crate::background::Pass;
 use crate::domain::{Domain, FlashEnd, FlashRow};
-use crate::hypervisor::client::HypervisorClient;
 use crate::metric::OPERATION_WATCHES_TOTAL;
-use crate::service::{micros, now_micros};
+use crate::service::{Hook, micros, now_micros};
 
 /// The watcher's settings and handles.
 #[derive(Clone)]
 pub struct Watcher {
     /// The tables.
     pub domain: Domain,
-    /// The hypervisor, whose API serves the BMCs too.
-    pub hypervisor: HypervisorClient,
+    /// Where the flashes go.
+    pub bmc: Arc<dyn Bmc>,
     /// The idempotency store, to ask whether an attempt still holds a flash request's claim.
     pub store: Arc<dyn Store>,
     /// This replica's name on the leases it holds (unique per process).
@@ -69,12 +68,17 @@ impl Watcher {
     /// A watcher named `name` (unique per process).
     pub fn new(
         domain: Domain,
-        hypervisor: HypervisorClient,
+        bmc: Arc<dyn Bmc>,
         store: Arc<dyn Store>,
         name: String,
         settings: WatchSettings,
     ) -> Self {
-        Self { domain, hypervisor, store, name, settings, cursor: Arc::default() }
+        Self { domain, bmc, store, name, settings, cursor: Arc::default() }
+    }
+
+    /// What the BMC's steps work with (the watcher runs no hook).
+    fn flashes(&self) -> Flashes {
+        Flashes { domain: self.domain.clone(), settle: self.settings.settle, hook: Hook::default() }
     }
 
     /// How long a lease holds: several polls, so a live watcher always renews it in time.
@@ -86,7 +90,7 @@ impl Watcher {
     /// then a page of the operations whose flash the BMC has not been seen to take.
     pub async fn run_once(&self) -> WatchReport {
         let mut report = WatchReport::default();
-        let effect = FlashCall { hypervisor: self.hypervisor.clone(), domain: self.domain.clone(), node_id: None };
+        let effect = FlashCall { bmc: self.bmc.clone(), flashes: self.flashes(), node_id: None };
         let watcher =
             idempotency_effects::Watcher::new(self.domain.ledger(), vec![Arc::new(effect)], &self.name, self.lease())
                 .batch(PAGE);
@@ -129,11 +133,11 @@ impl Watcher {
 
     /// An operation whose flash the BMC has not been seen to take: its request was abandoned, or
     /// its attempt still runs. Nothing is concluded while an attempt holds the request's claim
-    /// (it may be sending). Otherwise: adopts the flash when the BMC holds its tag; on Redfish,
-    /// ends a flash whose task nobody can find by what the BMC serves once no call can still
-    /// land ([`settle_pending`]); fails one that nobody sent (or retried) for `--abandon-after`
-    /// and whose call cannot land, after taking its ledger operation for a rollback, so no late
-    /// attempt can send it.
+    /// (it may be sending). Otherwise a flash that was sent goes to its BMC's rule
+    /// ([`Bmc::settle_abandoned`]: adopted when the BMC holds its tag; on Redfish, ended by what
+    /// the BMC serves once no call can still land); one that nobody sent (or retried) for
+    /// `--abandon-after` and whose call cannot land fails, after its ledger operation is taken for
+    /// a rollback, so no late attempt can send it.
     async fn settle_unaccepted(&self, row: &FlashRow) -> anyhow::Result<bool> {
         let ledger = self.domain.ledger();
         let op = match row.ledger_op.as_deref() {
@@ -153,27 +157,11 @@ impl Watcher {
                     self.domain.accept_flash(&row.op_id, None).await?; // its acceptance was cut short
                     return Ok(false);
                 }
-                IntentState::Pending => {
-                    if let Some(bmc) = self.hypervisor.redfish() {
-                        // A Redfish flash is never sent twice: what the BMC serves decides.
-                        let effects = Effects::new(ledger.clone()).settle(self.settings.settle);
-                        let pending = settle_pending(&effects, &self.domain, bmc, row, intent).await?;
-                        return Ok(matches!(pending, Pending::Ended));
-                    }
-                    let effect = FlashCall {
-                        hypervisor: self.hypervisor.clone(),
-                        domain: self.domain.clone(),
-                        node_id: Some(row.node_id.clone()),
-                    };
-                    if !effect.probe(&row.tag).await?.is_empty() {
-                        adopt(&self.domain, row, intent, None).await?;
-                        tracing::info!(op_id = %row.op_id, "adopted a flash whose request was abandoned after sending it");
-                        return Ok(false);
-                    }
-                    if now.saturating_sub(intent.sent_at) < micros(self.settings.settle) {
-                        return Ok(false); // its call may still land
-                    }
-                }
+                IntentState::Pending => match self.bmc.settle_abandoned(&self.flashes(), row, intent, now).await? {
+                    Abandoned::Ended => return Ok(true),
+                    Abandoned::Wait => return Ok(false),
+                    Abandoned::NeverTaken => {}
+                },
                 IntentState::Failed => {}
             }
         }

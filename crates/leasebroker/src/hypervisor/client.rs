@@ -32,8 +32,6 @@ pub struct HypervisorClient {
     http: Endpoint,
     /// Where the VMs live: the HTTP API's `/v1/vms` ([`HttpVms`]), or a libvirt host.
     vms: Arc<dyn Vms>,
-    /// Where the BMCs are when not behind the HTTP API: a Redfish service.
-    redfish: Option<super::redfish::RedfishBmc>,
 }
 
 impl HypervisorClient {
@@ -70,20 +68,7 @@ impl HypervisorClient {
         pool_idle: Option<Duration>,
     ) -> Result<Self, HvError> {
         let http = Endpoint::new(base_url, timeout, headers, ca_cert, pool_idle)?;
-        Ok(Self { vms: Arc::new(HttpVms(http.clone())), http, redfish: None })
-    }
-
-    /// This client with its BMCs behind a Redfish service instead of the HTTP API's `/v1/bmc`
-    /// (the VM calls stay where they were). The firmware flow asks [`HypervisorClient::redfish`]
-    /// which one to drive.
-    pub fn with_redfish(mut self, bmc: super::redfish::RedfishBmc) -> Self {
-        self.redfish = Some(bmc);
-        self
-    }
-
-    /// The Redfish BMC the flashes go to, when one was given (`--bmc-url redfish+...`).
-    pub fn redfish(&self) -> Option<&super::redfish::RedfishBmc> {
-        self.redfish.as_ref()
+        Ok(Self { vms: Arc::new(HttpVms(http.clone())), http })
     }
 
     /// This client with its VMs on a libvirt host instead of the HTTP API's `/v1/vms` (the BMC

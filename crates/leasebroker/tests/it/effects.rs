@@ -1117,7 +1117,7 @@ mod racing_attempts {
         let bmc = RedfishBmc::new(&url, Duration::from_millis(500), None, "http://images.test/fw").expect("bmc");
         let firmware = leasebroker::firmware::Firmware {
             domain: rig.workers.domain.clone(),
-            hypervisor: rig.workers.hypervisor.clone().with_redfish(bmc),
+            bmc: std::sync::Arc::new(bmc),
             settle: rig.workers.settle,
             hook,
         };
@@ -1181,8 +1181,7 @@ mod racing_attempts {
             abandon_after: Duration::from_secs(3600),
             in_flight_ttl: Duration::from_secs(300),
         };
-        let watcher =
-            Watcher::new(rig.workers.domain.clone(), firmware.hypervisor.clone(), store, "w".into(), settings);
+        let watcher = Watcher::new(rig.workers.domain.clone(), firmware.bmc.clone(), store, "w".into(), settings);
         watcher.run_once().await;
         let row = rig.workers.domain.flash_by_tag(&tag).await.expect("read").expect("the operation");
         assert_eq!(row.state, leasebroker_api::OperationState::Running, "concluded under a live claim: {row:?}");
@@ -1246,7 +1245,7 @@ mod racing_attempts {
         .expect("operations");
         let firmware = Firmware {
             domain: rig.workers.domain.clone(),
-            hypervisor: rig.workers.hypervisor.clone(),
+            bmc: std::sync::Arc::new(leasebroker::firmware::ApiBmc::new(rig.workers.hypervisor.clone())),
             settle: rig.workers.settle,
             hook: Hook::default(),
         };
@@ -1258,7 +1257,7 @@ mod racing_attempts {
         assert!(flash.is_accepted(), "{flash:?}");
         let watcher = Watcher::new(
             rig.workers.domain.clone(),
-            rig.workers.hypervisor.clone(),
+            firmware.bmc.clone(),
             rig.db.idempotency_store(),
             "watcher-1".into(),
             WatchSettings {
