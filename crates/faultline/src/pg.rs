@@ -168,17 +168,12 @@ impl Drop for LocalCluster {
 
 /// The newest `/usr/lib/postgresql/<version>/bin` with initdb and pg_ctl in it.
 fn pg_bin_dir() -> anyhow::Result<PathBuf> {
-    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .context("no /usr/lib/postgresql: install PostgreSQL's server binaries for --postgres-restarts")?
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.split('.').next()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            (bin.join("initdb").is_file() && bin.join("pg_ctl").is_file()).then_some((version, bin))
-        })
-        .collect();
-    found.sort();
-    found.pop().map(|(_, bin)| bin).ok_or_else(|| anyhow!("no initdb and pg_ctl under /usr/lib/postgresql/*/bin"))
+    idempotency_sqlx::testing::postgres_bin_dir().ok_or_else(|| {
+        anyhow!(
+            "no initdb, pg_ctl and pg_basebackup (pg_config --bindir, /usr/lib/postgresql/*/bin): \
+             install PostgreSQL's server binaries for --postgres-restarts"
+        )
+    })
 }
 
 /// `id -u postgres` or `id -g postgres`.

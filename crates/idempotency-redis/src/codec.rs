@@ -129,12 +129,7 @@ pub(crate) fn decode_record(mut f: HashMap<String, Vec<u8>>) -> Result<Record, S
         }
         _ => return Err(corrupt("a response stored in part")),
     };
-    if (state == RecordState::Completed) != response.is_some() {
-        return Err(corrupt(format!(
-            "a {state} record {} a response",
-            if response.is_some() { "with" } else { "without" }
-        )));
-    }
+    state.check_response(response.as_ref()).map_err(corrupt)?;
     Ok(Record {
         scope: Scope::new(Principal::new(principal), Endpoint::from_stored(endpoint), key),
         record_id,

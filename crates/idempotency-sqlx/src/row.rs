@@ -124,12 +124,7 @@ impl RawState<'_> {
             }
             _ => return Err(corrupt("a response stored in part")),
         };
-        if (state == RecordState::Completed) != response.is_some() {
-            return Err(corrupt(format!(
-                "a {state} record {} a response",
-                if response.is_some() { "with" } else { "without" }
-            )));
-        }
+        state.check_response(response.as_ref()).map_err(corrupt)?;
         Ok(Record {
             scope,
             record_id,

@@ -26,6 +26,35 @@ pub use server::LocalServer;
 
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
+/// PostgreSQL's server binaries (`initdb`, `pg_ctl`, `pg_basebackup`): `pg_config --bindir`,
+/// else the newest `/usr/lib/postgresql/<version>/bin`; `None` when there are none. What the
+/// tests that start their own servers (and faultline's restarts) run.
+pub fn postgres_bin_dir() -> Option<std::path::PathBuf> {
+    use std::path::{Path, PathBuf};
+    let has_tools = |dir: &Path| ["initdb", "pg_ctl", "pg_basebackup"].iter().all(|t| dir.join(t).is_file());
+    let from_pg_config = std::process::Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+        .filter(|d| has_tools(d));
+    let newest = || {
+        let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let version = e.file_name().to_str()?.split('.').next()?.parse::<u32>().ok()?;
+                let bin = e.path().join("bin");
+                has_tools(&bin).then_some((version, bin))
+            })
+            .collect();
+        found.sort();
+        found.pop().map(|(_, bin)| bin)
+    };
+    from_pg_config.or_else(newest)
+}
+
 /// The environment variable that holds the PostgreSQL server URL.
 pub const TEST_POSTGRES_URL: &str = "TEST_POSTGRES_URL";
 

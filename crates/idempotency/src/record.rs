@@ -65,6 +65,16 @@ impl RecordState {
         }
     }
 
+    /// Whether a stored record in this state may hold `response` (only a completed one holds
+    /// one, and it always does): what a store checks as it decodes a record, the reason when
+    /// not ([`StoreError::Corrupt`](crate::StoreError::Corrupt)'s words).
+    pub fn check_response<T>(self, response: Option<&T>) -> Result<(), String> {
+        if (self == Self::Completed) == response.is_some() {
+            return Ok(());
+        }
+        Err(format!("a {self} record {} a response", if response.is_some() { "with" } else { "without" }))
+    }
+
     /// Parses the stored name.
     pub fn from_stored(s: &str) -> Option<Self> {
         match s {

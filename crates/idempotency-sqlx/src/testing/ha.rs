@@ -86,17 +86,7 @@ pub fn missing_binaries() -> Vec<&'static str> {
 }
 
 fn pg_bin_dir() -> Option<PathBuf> {
-    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.split('.').next()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            (bin.join("initdb").is_file() && bin.join("pg_ctl").is_file()).then_some((version, bin))
-        })
-        .collect();
-    found.sort();
-    found.pop().map(|(_, bin)| bin)
+    super::postgres_bin_dir()
 }
 
 /// The uid and gid of user `postgres` when this process runs as root (PostgreSQL refuses root).

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 /// A private PostgreSQL server: `initdb` in a temporary directory, one server on a free loopback
@@ -193,31 +193,10 @@ impl Drop for LocalServer {
     }
 }
 
-/// PostgreSQL's server binaries: `pg_config --bindir`, else the newest
-/// `/usr/lib/postgresql/<version>/bin`; `None` (skipped, loudly) when there are none.
+/// PostgreSQL's server binaries ([`postgres_bin_dir`](super::postgres_bin_dir)); `None`
+/// (skipped, loudly) when there are none.
 fn bin_dir() -> Option<PathBuf> {
-    let has_tools = |dir: &Path| ["initdb", "pg_ctl", "pg_basebackup"].iter().all(|t| dir.join(t).is_file());
-    let from_pg_config = Command::new("pg_config")
-        .arg("--bindir")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
-        .filter(|d| has_tools(d));
-    let newest = || {
-        let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-            .ok()?
-            .filter_map(Result::ok)
-            .filter_map(|e| {
-                let version = e.file_name().to_str()?.split('.').next()?.parse::<u32>().ok()?;
-                let bin = e.path().join("bin");
-                has_tools(&bin).then_some((version, bin))
-            })
-            .collect();
-        found.sort();
-        found.pop().map(|(_, bin)| bin)
-    };
-    let found = from_pg_config.or_else(newest);
+    let found = super::postgres_bin_dir();
     if found.is_none() {
         let test = std::thread::current().name().unwrap_or("<unnamed>").to_owned();
         assert!(
