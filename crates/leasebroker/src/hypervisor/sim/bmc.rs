@@ -212,12 +212,7 @@ mod tests {
     use super::*;
     use crate::hypervisor::SimConfig;
 
-    async fn start(sim: &Simulator) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        tokio::spawn(super::super::serve(listener, sim.clone(), std::future::pending()));
-        url
-    }
+    use super::super::tests::serve_on_loopback as start;
 
     async fn flash(url: &str, node: &str, version: &str, tag: &str) -> (u16, Value) {
         let r = reqwest::Client::new()

@@ -8,11 +8,17 @@ use crate::hypervisor::api::{Vm, VmList};
 
 /// Serves a fresh simulator on an ephemeral loopback port.
 async fn start(config: SimConfig) -> (Simulator, String) {
+    let sim = Simulator::new(config);
+    let url = serve_on_loopback(&sim).await;
+    (sim, url)
+}
+
+/// Serves `sim` on an ephemeral loopback port; its base URL.
+pub(super) async fn serve_on_loopback(sim: &Simulator) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let sim = Simulator::new(config);
     tokio::spawn(serve(listener, sim.clone(), std::future::pending()));
-    (sim, url)
+    url
 }
 
 fn boot_body(tag: &str) -> Value {
