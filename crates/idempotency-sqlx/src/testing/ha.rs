@@ -18,6 +18,7 @@
 //! pg.restart(killed).expect("rejoins as a replica");
 //! ```
 
+use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
@@ -285,6 +286,7 @@ impl HaPostgres {
         let live = self.members.iter().filter(|m| m.child.is_some()).count();
         let sync = self.replication == Replication::Synchronous;
         let mut last = String::from("no answer yet");
+        let mut seen = vec![];
         wait(within, "the cluster to be healthy", || {
             let members = match self.members() {
                 Ok(members) => members,
@@ -294,13 +296,30 @@ impl HaPostgres {
                 }
             };
             last = format!("{members:?}");
+            seen.clone_from(&members);
             let running = members.iter().filter(|m| matches!(m.state.as_str(), "running" | "streaming")).count();
             let leader = members.iter().any(|m| m.role == "leader" && m.state == "running");
             let standby = members.iter().any(|m| m.role == "sync_standby");
             leader && running == live && (!sync || live < 2 || standby)
         })
-        // What the members said last, to tell a slow start from a stuck one.
-        .map_err(|e| format!("{e}; the members last: {last}"))
+        // What the members said last, to tell a slow start from a stuck one, and the logs of
+        // the live members that were not running (removed with the cluster).
+        .map_err(|e| format!("{e}; the members last: {last}{}", self.logs_of_members_not_running(&seen)))
+    }
+
+    /// `; patroni-NAME.log: ...` with the last lines of the log of each live member that `seen`
+    /// does not show running (or does not show at all); empty when every one ran.
+    fn logs_of_members_not_running(&self, seen: &[MemberState]) -> String {
+        let runs =
+            |name: &str| seen.iter().any(|m| m.name == name && matches!(m.state.as_str(), "running" | "streaming"));
+        let mut out = String::new();
+        for member in self.members.iter().filter(|m| m.child.is_some() && !runs(&m.name)) {
+            let file = format!("patroni-{}.log", member.name);
+            let log = std::fs::read_to_string(self.dir.path().join(&file)).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+            let _ = write!(out, "; {file}: {}", lines[lines.len().saturating_sub(8)..].join(" | "));
+        }
+        out
     }
 
     /// Waits until there is a primary and HAProxy sends connections to it.
