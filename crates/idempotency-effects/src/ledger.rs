@@ -105,6 +105,26 @@ pub struct OperationRow {
     pub next_check_at: i64,
 }
 
+impl OperationRow {
+    /// The row that fences off the operation `op_id` (of `kind`) whose request never reached the
+    /// ledger's first step: marked rolling back, as of `now` (µs), never looked at by the reaper
+    /// again. What [`Ledger::take_unbegun`] inserts.
+    pub fn unbegun(op_id: &str, kind: &str, now: i64) -> Self {
+        Self {
+            op_id: op_id.to_owned(),
+            kind: kind.to_owned(),
+            principal: String::new(),
+            endpoint: String::new(),
+            idem_key: String::new(),
+            record_id: String::new(),
+            subject: None,
+            mark: Mark::RollingBack,
+            last_attempt_at: now,
+            next_check_at: i64::MAX,
+        }
+    }
+}
+
 /// An intent: one side effect of an operation, recorded before its call is sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Intent {

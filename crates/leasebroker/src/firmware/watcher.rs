@@ -174,7 +174,7 @@ impl Watcher {
         let taken = match &op {
             Some(op) if op.mark == Mark::Live => ledger.take_for_rollback(ledger_op, op.last_attempt_at).await?,
             Some(op) => op.mark == Mark::RollingBack,
-            None => ledger.take_unbegun(&unbegun(ledger_op, now)).await?,
+            None => ledger.take_unbegun(&OperationRow::unbegun(ledger_op, "flash", now)).await?,
         };
         if !taken {
             return Ok(false); // an attempt ran a step since: look again later
@@ -202,22 +202,6 @@ impl Watcher {
                 && r.state == RecordState::InFlight
                 && !r.is_stale(now, self.settings.in_flight_ttl)
         }))
-    }
-}
-
-/// The ledger row that fences off a flash whose request never reached the ledger's first step.
-fn unbegun(op_id: &str, now: i64) -> OperationRow {
-    OperationRow {
-        op_id: op_id.to_owned(),
-        kind: "flash".into(),
-        principal: String::new(),
-        endpoint: String::new(),
-        idem_key: String::new(),
-        record_id: String::new(),
-        subject: None,
-        mark: Mark::RollingBack,
-        last_attempt_at: now,
-        next_check_at: i64::MAX,
     }
 }
 

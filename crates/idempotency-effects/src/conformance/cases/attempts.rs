@@ -315,18 +315,7 @@ pub async fn marks_refuse_every_step_until_the_retention(f: Fixture) {
 pub async fn an_operation_that_never_began_is_fenced_off(f: Fixture) {
     let ds = Arc::new(Downstream::new("thing", false));
     let (_claim, op) = fresh_op(&*f.store, "create").await;
-    let row = crate::OperationRow {
-        op_id: op.id().to_owned(),
-        kind: "create".into(),
-        principal: String::new(),
-        endpoint: String::new(),
-        idem_key: String::new(),
-        record_id: String::new(),
-        subject: None,
-        mark: Mark::RollingBack,
-        last_attempt_at: now_micros(),
-        next_check_at: i64::MAX,
-    };
+    let row = crate::OperationRow::unbegun(op.id(), "create", now_micros());
     assert!(f.ledger.take_unbegun(&row).await.unwrap(), "taken");
     assert!(!f.peer.take_unbegun(&row).await.unwrap(), "once");
     let late = effects(&f.peer).attempt(&op).run(&*ds, |t| ds.send(t, Duration::ZERO)).await;
