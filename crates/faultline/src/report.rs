@@ -124,6 +124,10 @@ pub struct Outcomes {
     pub rerun_completed: u64,
     /// The client walked away for good.
     pub abandoned: u64,
+    /// The clients that took the abandoning path (one attempt, then a hang-up at a random
+    /// moment before, during or after the server's work); those whose answer came first count
+    /// as succeeded or refused, not `abandoned`.
+    pub abandoning: u64,
     /// Successful creates.
     pub creates_ok: u64,
     /// Successful reboots.

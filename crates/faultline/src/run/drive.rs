@@ -582,6 +582,7 @@ fn report(sc: &Scenario, services: &Services, workload: &Workload, own: &OwnServ
             failed,
             rerun_completed: load(&c.rerun_completed),
             abandoned: load(&c.abandoned),
+            abandoning: load(&c.abandoning),
             creates_ok: load(&c.creates_ok),
             reboots_ok,
             deletes_ok: load(&c.deletes_ok),

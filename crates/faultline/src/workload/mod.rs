@@ -266,6 +266,9 @@ pub struct Counters {
     pub lbctl_kills: AtomicU64,
     /// Operations whose client walked away for good.
     pub abandoned: AtomicU64,
+    /// Operations whose client took the abandoning path (one attempt, hung up at a random
+    /// moment): `abandoned` counts those whose answer had not come by then.
+    pub abandoning: AtomicU64,
     /// Operations that gave up (or failed otherwise) and, sent again with their key at the end,
     /// completed (a success or a clean refusal).
     pub rerun_completed: AtomicU64,
@@ -382,6 +385,7 @@ impl Workload {
             add(&self.counters.lbctl_ops, 1);
             self.via_lbctl(&op, index, &mut log).await
         } else if abandon {
+            add(&self.counters.abandoning, 1);
             self.abandoning(&op).await
         } else {
             self.via_sdk(&op, &mut log).await
